@@ -1,0 +1,41 @@
+"""The frontend/worker wire protocol: messages, their msgpack codec, shared config.
+
+Pure Python + msgpack: importing this package never imports torch or Starlette.
+"""
+
+from protocol.codec import ProtocolError, decode_to_frontend, decode_to_worker, encode
+from protocol.messages import (
+    FINISH_REASONS,
+    PROTOCOL_VERSION,
+    AbortRequest,
+    ErrorCode,
+    ErrorResult,
+    GenerateRequest,
+    GenerateResult,
+    Heartbeat,
+    Hello,
+    Ping,
+    TokenDelta,
+    ToFrontend,
+    ToWorker,
+)
+
+__all__ = [
+    "FINISH_REASONS",
+    "PROTOCOL_VERSION",
+    "AbortRequest",
+    "ErrorCode",
+    "ErrorResult",
+    "GenerateRequest",
+    "GenerateResult",
+    "Heartbeat",
+    "Hello",
+    "Ping",
+    "ProtocolError",
+    "TokenDelta",
+    "ToFrontend",
+    "ToWorker",
+    "decode_to_frontend",
+    "decode_to_worker",
+    "encode",
+]

@@ -1,0 +1,171 @@
+"""Process configuration: the one module that reads the environment.
+
+Each process has one frozen dataclass. A field's metadata names its environment
+variable; `load` reads the variables, lets command-line flags override them
+(``--max-batch-size 4`` for MAX_BATCH_SIZE) and validates the result. A bad
+value raises `ConfigError` naming the variable, and the entry points exit with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the variable."""
+
+
+def _setting(env: str, default: Any, help: str) -> Any:
+    return field(default=default, metadata={"env": env, "help": help})
+
+
+def _positive(config: object, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) <= 0:
+            env = _env_name(type(config), name)
+            raise ConfigError(f"{env} must be > 0, got {getattr(config, name)!r}")
+
+
+def _env_name(cls: type[Any], name: str) -> str:
+    return str({f.name: f.metadata["env"] for f in dataclasses.fields(cls)}[name])
+
+
+def _check_endpoint(config: object, name: str) -> None:
+    endpoint = getattr(config, name)
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(
+            f"{_env_name(type(config), name)} must be a ZMQ endpoint such as "
+            f"tcp://127.0.0.1:5555, got {endpoint!r}"
+        )
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """The engine worker: model, batch slots, queue, and its ZMQ endpoint."""
+
+    model_id: str = _setting(
+        "MODEL_ID",
+        "distilgpt2",
+        "hub id, local model directory, 'synthetic' (offline random GPT-2) or 'fake'",
+    )
+    max_batch_size: int = _setting("MAX_BATCH_SIZE", 8, "sequences decoded together")
+    max_queue_depth: int = _setting("MAX_QUEUE_DEPTH", 1024, "requests waiting for a slot")
+    endpoint: str = _setting("WORKER_ENDPOINT", "tcp://127.0.0.1:5555", "ZMQ endpoint")
+    bind_endpoint: str = _setting(
+        "WORKER_BIND", "", "where the worker binds, if not WORKER_ENDPOINT (tcp://*:5555)"
+    )
+    heartbeat_interval_s: float = _setting(
+        "HEARTBEAT_INTERVAL_S", 0.5, "seconds between heartbeats"
+    )
+    frontend_timeout_s: float = _setting(
+        "FRONTEND_TIMEOUT_S", 10.0, "drop a frontend's requests after this long without a ping"
+    )
+    device: str = _setting("DEVICE", "", "cpu or cuda (default: cuda when available)")
+    dtype: str = _setting("DTYPE", "float32", "float32, bfloat16 or float16")
+    fake_step_delay_s: float = _setting(
+        "FAKE_STEP_DELAY_S", 0.0, "seconds each step of the fake engine sleeps"
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_batch_size", "max_queue_depth", "heartbeat_interval_s")
+        _positive(self, "frontend_timeout_s")
+        _check_endpoint(self, "endpoint")
+        if self.bind_endpoint:
+            _check_endpoint(self, "bind_endpoint")
+        if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"DEVICE must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.fake_step_delay_s < 0:
+            raise ConfigError(f"FAKE_STEP_DELAY_S must be >= 0, got {self.fake_step_delay_s}")
+
+    @property
+    def listen_endpoint(self) -> str:
+        return self.bind_endpoint or self.endpoint
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """The HTTP frontend: where it listens, request limits, and worker liveness."""
+
+    host: str = _setting("HOST", "127.0.0.1", "HTTP listen address")
+    port: int = _setting("PORT", 8000, "HTTP listen port")
+    worker_endpoint: str = _setting(
+        "WORKER_ENDPOINT", "tcp://127.0.0.1:5555", "the worker's ZMQ endpoint"
+    )
+    max_new_tokens_limit: int = _setting(
+        "MAX_NEW_TOKENS_LIMIT", 512, "largest max_new_tokens a request may ask for"
+    )
+    max_queue_depth: int = _setting(
+        "MAX_QUEUE_DEPTH", 1024, "requests accepted and not yet answered, at most"
+    )
+    heartbeat_timeout_s: float = _setting(
+        "HEARTBEAT_TIMEOUT_S", 3.0, "declare the worker dead after this long without a heartbeat"
+    )
+    step_timeout_s: float = _setting(
+        "STEP_TIMEOUT_S", 30.0, "declare the worker hung after this long without progress"
+    )
+    request_timeout_s: float = _setting(
+        "REQUEST_TIMEOUT_S", 120.0, "answer 504 after this long"
+    )
+    ping_interval_s: float = _setting("PING_INTERVAL_S", 0.5, "seconds between frontend pings")
+
+    def __post_init__(self) -> None:
+        _positive(self, "port", "max_new_tokens_limit", "max_queue_depth", "ping_interval_s")
+        _positive(self, "heartbeat_timeout_s", "step_timeout_s", "request_timeout_s")
+        _check_endpoint(self, "worker_endpoint")
+        if self.port > 65535:
+            raise ConfigError(f"PORT must be at most 65535, got {self.port}")
+
+
+C = TypeVar("C")
+
+
+def load(
+    cls: type[C],
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    description: str | None = None,
+) -> C:
+    """Build ``cls`` from the environment, overridden by command-line flags."""
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        env = f.metadata["env"]
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            default=None,
+            metavar=env,
+            help=f"{f.metadata['help']} (env {env}, default {f.default!r})",
+        )
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        env = f.metadata["env"]
+        raw = getattr(args, f.name)
+        if raw is None:
+            raw = environ.get(env)
+        if raw is None:
+            continue
+        values[f.name] = _parse(env, raw, hints[f.name])
+    return cls(**values)
+
+
+def _parse(env: str, raw: str, kind: Any) -> Any:
+    if kind is str:
+        return raw
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{env} must be {kind.__name__}, got {raw!r}") from None
+
+
+__all__ = ["ConfigError", "FrontendConfig", "WorkerConfig", "load"]

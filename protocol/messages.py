@@ -1,0 +1,162 @@
+"""Every message that crosses the frontend/worker boundary, grouped by receiver.
+
+A message is a frozen dataclass. Its wire form is a msgpack map holding the
+protocol version, the message type (``TYPE``) and one entry per field; `codec`
+encodes and strictly decodes it. Field types are limited to what `codec` can
+check: int, float, str, bool, ``list[int]``, ``list[str]`` and ``X | None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+PROTOCOL_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
+
+
+class ErrorCode:
+    """Why the worker refused or failed a request; the frontend maps each to HTTP."""
+
+    INVALID_REQUEST = "invalid_request"  # 422: the request can never be served as sent
+    CONTEXT_OVERFLOW = "context_overflow"  # 422: prompt + max_new_tokens > context window
+    UNSUPPORTED = "unsupported"  # 400: a parameter value this server does not support
+    QUEUE_FULL = "queue_full"  # 503: try again later
+    INTERNAL = "internal"  # 500: the engine failed while serving the request
+
+    ALL: ClassVar[tuple[str, ...]] = (
+        INVALID_REQUEST,
+        CONTEXT_OVERFLOW,
+        UNSUPPORTED,
+        QUEUE_FULL,
+        INTERNAL,
+    )
+
+
+# --- frontend -> worker ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """Generate up to ``max_new_tokens`` tokens after a prompt.
+
+    ``prompt`` is text; ``prompt_token_ids``, when set, replaces it (replays and
+    prompts given as ids). ``request_id`` is unique among a frontend's requests in
+    flight. Sampling is greedy when ``temperature`` is 0. ``stream`` asks for a
+    `TokenDelta` after each step.
+    """
+
+    TYPE: ClassVar[str] = "generate"
+    request_id: str
+    prompt: str
+    max_new_tokens: int
+    prompt_token_ids: list[int] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Stop a request and free its slot; the worker answers with finish_reason abort."""
+
+    TYPE: ClassVar[str] = "abort"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """The frontend's keep-alive. A worker greets a sender it does not know with
+    `Hello`, and drops a frontend's requests when its pings stop."""
+
+    TYPE: ClassVar[str] = "ping"
+    frontend_id: str
+
+
+# --- worker -> frontend ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Sent to each frontend on first contact. A new ``instance_id`` means the
+    worker process was replaced."""
+
+    TYPE: ClassVar[str] = "hello"
+    instance_id: str
+    model: str
+    is_random_weights: bool
+    capacity: int
+    context_window: int
+    max_queue_depth: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Sent on a timer that a long step cannot hold up. ``num_steps`` only ever
+    grows while the worker makes progress."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    instance_id: str
+    num_steps: int
+    num_queued: int
+    num_active: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New output of a streaming request: the tokens of one step and the text they
+    completed (text is held back while a multi-byte character or a possible stop
+    string is incomplete)."""
+
+    TYPE: ClassVar[str] = "delta"
+    request_id: str
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """The one final answer to a `GenerateRequest` that ran."""
+
+    TYPE: ClassVar[str] = "result"
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    queue_wait_ms: float
+    generate_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorResult:
+    """The one final answer to a request the worker refused or failed.
+    ``message`` tells the user what was wrong and what to do."""
+
+    TYPE: ClassVar[str] = "error"
+    request_id: str
+    code: str
+    message: str
+
+
+ToWorker = GenerateRequest | AbortRequest | Ping
+ToFrontend = Hello | Heartbeat | TokenDelta | GenerateResult | ErrorResult
+Message = ToWorker | ToFrontend
+
+TO_WORKER: tuple[type[ToWorker], ...] = (GenerateRequest, AbortRequest, Ping)
+TO_FRONTEND: tuple[type[ToFrontend], ...] = (
+    Hello,
+    Heartbeat,
+    TokenDelta,
+    GenerateResult,
+    ErrorResult,
+)

@@ -1,0 +1,93 @@
+"""The engine seam: the only calls the scheduler makes into a model.
+
+The scheduler is written against `InferenceEngine` alone, so it is tested with
+`FakeEngine` and runs unchanged on the torch engine.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from protocol import GenerateRequest, TokenDelta
+
+
+class RequestRejected(Exception):
+    """``admit`` refuses one request that can never be served as sent (for example
+    prompt + max_new_tokens beyond the context window). Nothing was admitted."""
+
+    def __init__(self, request_id: str, code: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedSequence:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one `step` produced: new output of streaming requests, in step order,
+    and every sequence that finished (their slots are already free)."""
+
+    deltas: list[TokenDelta] = field(default_factory=list)
+    finished: list[FinishedSequence] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    is_random_weights: bool
+    context_window: int
+
+
+class InferenceEngine(ABC):
+    """A fixed number of slots, each holding one sequence from admit to finish."""
+
+    info: ModelInfo
+
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """How many sequences can be active at once (MAX_BATCH_SIZE)."""
+
+    @abstractmethod
+    def num_active(self) -> int:
+        """Slots in use now; never more than ``capacity``."""
+
+    @abstractmethod
+    def admit(self, requests: Sequence[GenerateRequest]) -> list[str]:
+        """Prefill ``requests`` into free slots and return their request ids.
+
+        The prefill gives each newcomer its first token; the next `step` reports it.
+        Atomic: if this raises, no slot changed. `RequestRejected` names the one
+        request that can never be served (the caller drops it and may retry the
+        rest); any other exception is a failure of this admit. Raises ValueError
+        if there are more requests than free slots.
+        """
+
+    @abstractmethod
+    def step(self) -> StepOutput:
+        """Advance every active sequence by one token.
+
+        Newcomers that their first token already finished are drained without a
+        decode. Finished sequences leave their slots before this returns. If this
+        raises, the state of every active sequence is undefined: call `reset`.
+        """
+
+    @abstractmethod
+    def abort(self, request_ids: Sequence[str]) -> list[FinishedSequence]:
+        """Free the slots of these sequences (unknown ids are ignored) and return
+        their output so far, with finish_reason ``abort``."""
+
+    @abstractmethod
+    def reset(self) -> list[str]:
+        """Drop every sequence (after a failed step); return the dropped ids."""

@@ -1,0 +1,138 @@
+"""One sequence's life in a slot: its tokens, its text and when it must stop.
+
+Every engine shares this bookkeeping, so that finishing rules (EOS, stop token
+ids, stop strings, max_new_tokens) and incremental detokenization behave the same
+whatever computes the tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+from protocol import GenerateRequest
+
+# A byte-level BPE token may end in the middle of a multi-byte character; its text
+# is held back until the character completes, or this many tokens have passed
+# (the model emitted bytes that never form valid UTF-8).
+_MAX_PENDING_TOKENS = 6
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Seq[int]) -> str: ...
+
+
+class Sequence:
+    """A request being generated. ``append`` is called once per new token."""
+
+    def __init__(
+        self,
+        request: GenerateRequest,
+        prompt_token_ids: list[int],
+        tokenizer: Tokenizer,
+        slot: int,
+    ) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.slot = slot
+        self.finish_reason: str | None = None
+        self._tokenizer = tokenizer
+        self._stop_ids = set(request.stop_token_ids)
+        if tokenizer.eos_token_id is not None and not request.ignore_eos:
+            self._stop_ids.add(tokenizer.eos_token_id)
+        # Text is built as tokens arrive only when something needs it before the
+        # end: stop strings or streaming. Otherwise it is decoded once, at finish.
+        self._tracks_text = bool(request.stop) or request.stream
+        self._text = ""
+        self._num_settled_tokens = 0  # output tokens whose text is in _text
+        self._num_text_tokens = 0  # output tokens that produce text (not a stop token)
+        self._num_streamed_tokens = 0
+        self._num_streamed_chars = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1]
+
+    def append(self, token_id: int) -> str | None:
+        """Record a generated token; return the finish reason if it ends the sequence."""
+        assert self.finish_reason is None, f"{self.request_id} is already finished"
+        self.output_token_ids.append(token_id)
+        if token_id in self._stop_ids:
+            self.finish_reason = "stop"
+            return self.finish_reason
+        self._num_text_tokens = len(self.output_token_ids)
+        if self._tracks_text and self._extend_text() and self._cut_at_stop_string():
+            self.finish_reason = "stop"
+        elif len(self.output_token_ids) >= self.request.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason
+
+    def abort(self) -> None:
+        self.finish_reason = "abort"
+
+    def final_text(self) -> str:
+        """The whole output text (stop token and stop string excluded)."""
+        if not self._tracks_text:
+            return self._tokenizer.decode(self.output_token_ids[: self._num_text_tokens])
+        self._extend_text(flush=True)
+        return self._text
+
+    def take_delta(self) -> tuple[list[int], str]:
+        """Tokens and text not yet streamed. Text that may still turn out to be the
+        start of a stop string, or half a character, is held back until it is not."""
+        token_ids = self.output_token_ids[self._num_streamed_tokens :]
+        self._num_streamed_tokens = len(self.output_token_ids)
+        if self.finish_reason is not None:
+            text = self.final_text()
+            visible = len(text)
+        else:
+            text = self._text
+            visible = len(text) - self._stop_string_prefix_len()
+        delta = text[self._num_streamed_chars : visible]
+        self._num_streamed_chars = max(self._num_streamed_chars, visible)
+        return token_ids, delta
+
+    def _extend_text(self, flush: bool = False) -> bool:
+        """Decode settled tokens onto the text; return whether text was added."""
+        pending = self.output_token_ids[self._num_settled_tokens : self._num_text_tokens]
+        if not pending:
+            return False
+        piece = self._tokenizer.decode(pending)
+        if (
+            piece.endswith(_REPLACEMENT_CHAR)
+            and len(pending) < _MAX_PENDING_TOKENS
+            and not flush
+        ):
+            return False
+        self._text += piece
+        self._num_settled_tokens = self._num_text_tokens
+        return True
+
+    def _cut_at_stop_string(self) -> bool:
+        """Cut the text before the earliest stop string in it; return whether cut."""
+        cuts = [i for s in self.request.stop if (i := self._text.find(s)) >= 0]
+        if not cuts:
+            return False
+        self._text = self._text[: min(cuts)]
+        return True
+
+    def _stop_string_prefix_len(self) -> int:
+        """Length of the longest tail of the text that begins some stop string."""
+        longest = 0
+        for stop in self.request.stop:
+            for k in range(min(len(stop) - 1, len(self._text)), longest, -1):
+                if self._text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest

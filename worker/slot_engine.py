@@ -1,0 +1,146 @@
+"""Slot bookkeeping shared by every engine: admission checks, slot allocation,
+finishing and streaming deltas. A subclass only computes next tokens."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence as Seq
+
+from protocol import ErrorCode, GenerateRequest, TokenDelta
+from worker.engine import (
+    FinishedSequence,
+    InferenceEngine,
+    ModelInfo,
+    RequestRejected,
+    StepOutput,
+)
+from worker.sequence import Sequence, Tokenizer
+
+
+class SlotEngine(InferenceEngine):
+    def __init__(self, info: ModelInfo, tokenizer: Tokenizer, capacity: int) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+        self._slots: list[Sequence | None] = [None] * capacity
+        self._by_id: dict[str, Sequence] = {}
+
+    # --- what a subclass computes -------------------------------------------------
+
+    @abstractmethod
+    def _prefill(self, newcomers: list[Sequence]) -> list[int]:
+        """Run the newcomers' prompts into their slots; return each one's first token.
+        Must change nothing a live sequence depends on if it raises."""
+
+    @abstractmethod
+    def _decode(self, active: list[Sequence]) -> list[int]:
+        """Feed each sequence's last token at its position; return the next tokens."""
+
+    def _release(self, slot: int) -> None:
+        """Hook: a slot was freed."""
+
+    # --- the seam -------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return len(self._slots)
+
+    def num_active(self) -> int:
+        return len(self._by_id)
+
+    def active_sequences(self) -> list[Sequence]:
+        return [seq for seq in self._slots if seq is not None]
+
+    def admit(self, requests: Seq[GenerateRequest]) -> list[str]:
+        free = [i for i, seq in enumerate(self._slots) if seq is None]
+        if len(requests) > len(free):
+            raise ValueError(f"{len(requests)} requests for {len(free)} free slots")
+        newcomers = [
+            Sequence(request, self._prompt_token_ids(request), self.tokenizer, slot)
+            for request, slot in zip(requests, free, strict=False)
+        ]
+        first_tokens = self._prefill(newcomers)
+        for seq, token_id in zip(newcomers, first_tokens, strict=True):
+            self._slots[seq.slot] = seq
+            self._by_id[seq.request_id] = seq
+            seq.append(token_id)
+        return [seq.request_id for seq in newcomers]
+
+    def step(self) -> StepOutput:
+        output = StepOutput()
+        # Newcomers whose first token finished them leave before the decode.
+        self._collect(output)
+        active = self.active_sequences()
+        if active:
+            for seq, token_id in zip(active, self._decode(active), strict=True):
+                seq.append(token_id)
+            self._collect(output)
+        return output
+
+    def abort(self, request_ids: Seq[str]) -> list[FinishedSequence]:
+        aborted = []
+        for request_id in request_ids:
+            seq = self._by_id.get(request_id)
+            if seq is not None:
+                seq.abort()
+                aborted.append(self._finish(seq))
+        return aborted
+
+    def reset(self) -> list[str]:
+        dropped = list(self._by_id)
+        for seq in list(self._by_id.values()):
+            self._free(seq)
+        return dropped
+
+    # --- internals --------------------------------------------------------------------
+
+    def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+        if request.request_id in self._by_id:
+            raise RequestRejected(
+                request.request_id,
+                ErrorCode.INVALID_REQUEST,
+                f"request {request.request_id} is already being generated",
+            )
+        if request.prompt_token_ids is not None:
+            token_ids = request.prompt_token_ids
+        else:
+            token_ids = self.tokenizer.encode(request.prompt)
+        if not token_ids:
+            raise RequestRejected(
+                request.request_id, ErrorCode.INVALID_REQUEST, "prompt is empty"
+            )
+        limit = self.info.context_window
+        if len(token_ids) + request.max_new_tokens > limit:
+            raise RequestRejected(
+                request.request_id,
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"prompt is {len(token_ids):,} tokens + max_new_tokens "
+                f"{request.max_new_tokens:,} > context window {limit:,}: "
+                "shorten the prompt or lower max_new_tokens",
+            )
+        return token_ids
+
+    def _collect(self, output: StepOutput) -> None:
+        for seq in self.active_sequences():
+            if seq.request.stream:
+                # A finishing sequence's last delta goes out before its result.
+                token_ids, text = seq.take_delta()
+                if token_ids or text:
+                    output.deltas.append(TokenDelta(seq.request_id, token_ids, text))
+            if seq.finish_reason is not None:
+                output.finished.append(self._finish(seq))
+
+    def _finish(self, seq: Sequence) -> FinishedSequence:
+        finished = FinishedSequence(
+            request_id=seq.request_id,
+            token_ids=list(seq.output_token_ids),
+            text=seq.final_text(),
+            finish_reason=seq.finish_reason or "abort",
+            num_prompt_tokens=len(seq.prompt_token_ids),
+        )
+        self._free(seq)
+        return finished
+
+    def _free(self, seq: Sequence) -> None:
+        self._slots[seq.slot] = None
+        del self._by_id[seq.request_id]
+        self._release(seq.slot)
