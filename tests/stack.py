@@ -1,0 +1,182 @@
+"""Real OS processes for tests: a worker and a frontend on free loopback ports,
+alone or under the supervisor, always killed afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Liveness tuned so that restart tests run in seconds, not minutes.
+FAST_LIVENESS = {
+    "HEARTBEAT_INTERVAL_S": "0.1",
+    "PING_INTERVAL_S": "0.1",
+    "HEARTBEAT_TIMEOUT_S": "1.0",
+    "STEP_TIMEOUT_S": "2.0",
+    "RESTART_BACKOFF_S": "0.2",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    url: str
+    env: dict[str, str]
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    log_dir: Path | None = None
+
+    def start(self, name: str, module: str) -> subprocess.Popen[bytes]:
+        assert self.log_dir is not None
+        log = (self.log_dir / f"{name}.log").open("ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            start_new_session=True,  # so that a test can kill the whole group
+        )
+        self.processes[name] = process
+        return process
+
+    def log(self, name: str) -> str:
+        assert self.log_dir is not None
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def health(self) -> httpx.Response:
+        return httpx.get(f"{self.url}/health", timeout=5)
+
+    def wait_live(
+        self, timeout_s: float = 30.0, instance_not: str | None = None
+    ) -> dict[str, object]:
+        """Wait until /health is 200 (with a worker other than ``instance_not``)."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                response = self.health()
+                body = response.json()
+                if response.status_code == 200 and body["instance_id"] != instance_not:
+                    return dict(body)
+                last = f"{response.status_code} {body}"
+            except httpx.TransportError as exc:
+                last = repr(exc)
+            time.sleep(0.05)
+        raise AssertionError(f"stack not live after {timeout_s} s: {last}\n{self.logs()}")
+
+    def wait_until(self, check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if check():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{what} did not happen within {timeout_s} s\n{self.logs()}")
+
+    def worker_pids(self) -> list[int]:
+        """Every live worker process started by this stack (under a supervisor too)."""
+        pids = []
+        for process in self.processes.values():
+            try:
+                family = [psutil.Process(process.pid), *psutil.Process(process.pid).children()]
+            except psutil.NoSuchProcess:
+                continue
+            for member in family:
+                try:
+                    if "worker.main" in " ".join(member.cmdline()) and member.is_running():
+                        if member.status() != psutil.STATUS_ZOMBIE:
+                            pids.append(member.pid)
+                except psutil.NoSuchProcess:
+                    continue
+        return pids
+
+    def signal_worker(self, sig: signal.Signals) -> int:
+        (pid,) = self.worker_pids()
+        os.kill(pid, sig)
+        return pid
+
+    def frontend_pid(self) -> int:
+        for process in self.processes.values():
+            family = [psutil.Process(process.pid), *psutil.Process(process.pid).children()]
+            for member in family:
+                if "frontend.main" in " ".join(member.cmdline()):
+                    return member.pid
+        raise AssertionError("no frontend process")
+
+    def logs(self) -> str:
+        if self.log_dir is None:
+            return ""
+        return "\n".join(
+            f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}"
+            for path in sorted(self.log_dir.glob("*.log"))
+        )
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            for member in _family(process.pid):
+                try:
+                    member.send_signal(signal.SIGCONT)  # a stopped process cannot die
+                    member.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            process.wait(timeout=10)
+
+
+def _family(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def stack_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "MODEL_ID": "fake",
+        "HOST": "127.0.0.1",
+        "PORT": str(port),
+        "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+        "PYTHONUNBUFFERED": "1",
+        **FAST_LIVENESS,
+    }
+    env.update(overrides or {})
+    return env
+
+
+@contextmanager
+def running_stack(
+    tmp_path: Path,
+    overrides: Mapping[str, str] | None = None,
+    supervised: bool = True,
+    start: tuple[str, ...] = ("worker", "frontend"),
+) -> Iterator[Stack]:
+    """The stack under the supervisor, or its processes started alone."""
+    env = stack_env(overrides)
+    stack = Stack(url=f"http://127.0.0.1:{env['PORT']}", env=env, log_dir=tmp_path)
+    try:
+        if supervised:
+            stack.start("supervisor", "worker.supervisor")
+        else:
+            for name in start:
+                stack.start(name, f"{name}.main")
+        yield stack
+    finally:
+        stack.stop()

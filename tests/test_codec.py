@@ -1,0 +1,153 @@
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    ErrorResult,
+    GenerateRequest,
+    GenerateResult,
+    Heartbeat,
+    Hello,
+    Ping,
+    ProtocolError,
+    TokenDelta,
+    decode_to_frontend,
+    decode_to_worker,
+    encode,
+)
+from protocol.messages import TO_FRONTEND, TO_WORKER
+
+texts = st.text(max_size=40)
+ids = st.lists(st.integers(min_value=0, max_value=2**31), max_size=20)
+counts = st.integers(min_value=0, max_value=2**31)
+floats = st.floats(allow_nan=False, allow_infinity=False)
+
+to_worker = st.one_of(
+    st.builds(
+        GenerateRequest,
+        request_id=texts,
+        prompt=texts,
+        max_new_tokens=counts,
+        prompt_token_ids=st.none() | ids,
+        resume_token_ids=ids,
+        stop_token_ids=ids,
+        stop=st.lists(texts, max_size=4),
+        ignore_eos=st.booleans(),
+        temperature=floats,
+        top_p=floats,
+        top_k=counts,
+        seed=st.none() | counts,
+        stream=st.booleans(),
+    ),
+    st.builds(AbortRequest, request_id=texts),
+    st.builds(Ping, frontend_id=texts),
+)
+to_frontend = st.one_of(
+    st.builds(
+        Hello,
+        instance_id=texts,
+        model=texts,
+        is_random_weights=st.booleans(),
+        capacity=counts,
+        context_window=counts,
+        max_queue_depth=counts,
+    ),
+    st.builds(Heartbeat, instance_id=texts, num_steps=counts, num_queued=counts, num_active=counts),
+    st.builds(TokenDelta, request_id=texts, token_ids=ids, text=texts),
+    st.builds(
+        GenerateResult,
+        request_id=texts,
+        text=texts,
+        token_ids=ids,
+        finish_reason=st.sampled_from(["stop", "length", "abort", "error"]),
+        prompt_tokens=counts,
+        completion_tokens=counts,
+        queue_wait_ms=floats,
+        generate_ms=floats,
+    ),
+    st.builds(ErrorResult, request_id=texts, code=texts, message=texts),
+)
+
+
+@given(to_worker)
+def test_every_message_to_the_worker_survives_a_round_trip(message: object) -> None:
+    assert decode_to_worker(encode(message)) == message  # type: ignore[arg-type]
+
+
+@given(to_frontend)
+def test_every_message_to_the_frontend_survives_a_round_trip(message: object) -> None:
+    assert decode_to_frontend(encode(message)) == message  # type: ignore[arg-type]
+
+
+def test_every_message_type_is_covered_by_the_round_trip_strategies() -> None:
+    assert {cls.TYPE for cls in TO_WORKER} == {"generate", "abort", "ping"}
+    assert {cls.TYPE for cls in TO_FRONTEND} == {"hello", "heartbeat", "delta", "result", "error"}
+
+
+def _frame(**fields: object) -> bytes:
+    payload = {"v": PROTOCOL_VERSION, "type": "generate", "request_id": "r1", "prompt": "hi"}
+    payload["max_new_tokens"] = 4
+    payload.update(fields)
+    return msgpack.packb({k: v for k, v in payload.items() if v is not _DROP})
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    ("frame", "expected"),
+    [
+        (b"\xc1", "not valid msgpack"),
+        (b"", "not valid msgpack"),
+        (msgpack.packb([1, 2]), "must be a msgpack map"),
+        (_frame(v=PROTOCOL_VERSION + 1), "protocol version"),
+        (_frame(v=_DROP), "protocol version"),
+        (_frame(type="result"), "not expected here"),
+        (_frame(type="nonsense"), "not expected here"),
+        (_frame(max_new_tokens="4"), "max_new_tokens must be int"),
+        (_frame(max_new_tokens=True), "max_new_tokens must be int"),
+        (_frame(stop=["a", 3]), "stop must be a list of str"),
+        (_frame(seed=1.5), "seed must be int or null"),
+        (_frame(prompt=_DROP), "missing fields ['prompt']"),
+        (_frame(colour="red"), "unknown fields ['colour']"),
+        (msgpack.packb({1: 2}), "not valid msgpack"),
+    ],
+)
+def test_malformed_frames_raise_protocol_error(frame: bytes, expected: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(expected)):
+        decode_to_worker(frame)
+
+
+def test_truncated_frames_raise_protocol_error() -> None:
+    frame = encode(GenerateRequest("r1", "a prompt", 8, stop=["x"]))
+    for cut in range(len(frame)):
+        with pytest.raises(ProtocolError):
+            decode_to_worker(frame[:cut])
+
+
+def test_a_bad_frame_that_names_a_request_keeps_its_id_so_it_can_be_answered() -> None:
+    with pytest.raises(ProtocolError) as caught:
+        decode_to_worker(_frame(max_new_tokens="4"))
+    assert caught.value.request_id == "r1"
+
+
+def test_a_frontend_message_is_refused_on_the_worker_side_and_vice_versa() -> None:
+    with pytest.raises(ProtocolError, match="not expected here"):
+        decode_to_worker(encode(Heartbeat("i", 1, 0, 0)))
+    with pytest.raises(ProtocolError, match="not expected here"):
+        decode_to_frontend(encode(AbortRequest("r1")))
+
+
+def test_a_float_field_accepts_a_json_style_integer() -> None:
+    request = GenerateRequest("r1", "hi", 4)
+    payload = {"v": PROTOCOL_VERSION, "type": "generate", **dataclasses.asdict(request)}
+    payload["temperature"] = 1
+    assert decode_to_worker(msgpack.packb(payload)).temperature == 1  # type: ignore[union-attr]

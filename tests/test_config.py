@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import pytest
+
+from protocol.config import ConfigError, FrontendConfig, WorkerConfig, load
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    worker = load(WorkerConfig, [], {})
+    frontend = load(FrontendConfig, [], {})
+    assert (worker.max_batch_size, worker.model_id, worker.max_queue_depth) == (
+        8,
+        "distilgpt2",
+        1024,
+    )
+    assert frontend.max_new_tokens_limit == 512
+    assert frontend.worker_endpoint == worker.endpoint == "tcp://127.0.0.1:5555"
+
+
+def test_environment_sets_values_and_flags_override_them() -> None:
+    env = {"MAX_BATCH_SIZE": "4", "MODEL_ID": "fake"}
+    assert load(WorkerConfig, [], env).max_batch_size == 4
+    config = load(WorkerConfig, ["--max-batch-size", "16"], env)
+    assert (config.max_batch_size, config.model_id) == (16, "fake")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"MAX_BATCH_SIZE": "eight"}, "MAX_BATCH_SIZE must be int"),
+        ({"MAX_BATCH_SIZE": "0"}, "MAX_BATCH_SIZE must be > 0"),
+        ({"WORKER_ENDPOINT": "localhost:5555"}, "WORKER_ENDPOINT must be a ZMQ endpoint"),
+        ({"DTYPE": "float8"}, "DTYPE must be"),
+        ({"DEVICE": "tpu"}, "DEVICE must be"),
+    ],
+)
+def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load(WorkerConfig, [], env)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"PORT": "99999"}, "PORT must be at most 65535"),
+        ({"MAX_NEW_TOKENS_LIMIT": "-1"}, "MAX_NEW_TOKENS_LIMIT must be > 0"),
+        ({"REQUEST_TIMEOUT_S": "soon"}, "REQUEST_TIMEOUT_S must be float"),
+    ],
+)
+def test_a_bad_frontend_value_names_its_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load(FrontendConfig, [], env)

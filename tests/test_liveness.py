@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+from protocol import Heartbeat, Hello
+from protocol.liveness import Liveness, WorkerState
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _hello(instance_id: str = "a") -> Hello:
+    return Hello(instance_id, "fake", True, 8, 1024, 16)
+
+
+def test_no_hello_means_connecting() -> None:
+    assert Liveness(3, 10, Clock()).verdict().state is WorkerState.CONNECTING
+
+
+def test_silence_past_the_heartbeat_timeout_means_dead() -> None:
+    clock = Clock()
+    liveness = Liveness(3, 10, clock)
+    liveness.on_hello(_hello())
+    clock.now += 2.9
+    assert liveness.verdict().is_live
+    clock.now += 0.2
+    verdict = liveness.verdict()
+    assert verdict.state is WorkerState.DEAD
+    assert "HEARTBEAT_TIMEOUT_S=3" in verdict.reason
+
+
+def test_heartbeats_without_progress_on_pending_work_mean_hung() -> None:
+    clock = Clock()
+    liveness = Liveness(3, 10, clock)
+    liveness.on_hello(_hello())
+    for _ in range(12):
+        clock.now += 1
+        liveness.on_heartbeat(Heartbeat("a", num_steps=7, num_queued=1, num_active=2))
+    verdict = liveness.verdict()
+    assert verdict.state is WorkerState.HUNG
+    assert "STEP_TIMEOUT_S=10" in verdict.reason
+    liveness.on_heartbeat(Heartbeat("a", num_steps=8, num_queued=1, num_active=2))
+    assert liveness.verdict().is_live
+
+
+def test_an_idle_worker_is_never_hung() -> None:
+    clock = Clock()
+    liveness = Liveness(3, 10, clock)
+    liveness.on_hello(_hello())
+    for _ in range(30):
+        clock.now += 1
+        liveness.on_heartbeat(Heartbeat("a", num_steps=7, num_queued=0, num_active=0))
+    assert liveness.verdict().is_live
+
+
+def test_a_new_instance_is_reported_and_heartbeats_of_others_are_ignored() -> None:
+    clock = Clock()
+    liveness = Liveness(3, 10, clock)
+    assert liveness.on_hello(_hello("a"))
+    assert not liveness.on_hello(_hello("a"))
+    clock.now += 5
+    liveness.on_heartbeat(Heartbeat("someone-else", 1, 0, 0))
+    assert liveness.verdict().state is WorkerState.DEAD
+    assert liveness.on_hello(_hello("b"))
+    assert liveness.verdict().is_live

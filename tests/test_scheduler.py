@@ -1,0 +1,207 @@
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from protocol import ErrorCode, ErrorResult, GenerateRequest, GenerateResult, ToFrontend
+from worker.engine import StepOutput
+from worker.fake_engine import FakeEngine, expected_text
+from worker.scheduler import QueueFull, Scheduler
+
+
+class RecordingEngine(FakeEngine):
+    """FakeEngine that records what the scheduler asked of it."""
+
+    def __init__(self, capacity: int, **kwargs: object) -> None:
+        super().__init__(capacity, **kwargs)  # type: ignore[arg-type]
+        self.admitted: list[str] = []
+        self.active_at_step: list[int] = []
+        self.max_active = 0
+
+    def admit(self, requests: Sequence[GenerateRequest]) -> list[str]:
+        ids = super().admit(requests)
+        self.admitted.extend(ids)
+        self.max_active = max(self.max_active, self.num_active())
+        return ids
+
+    def step(self) -> StepOutput:
+        self.active_at_step.append(self.num_active())
+        return super().step()
+
+
+def _request(i: int, max_new_tokens: int = 4, **kwargs: object) -> GenerateRequest:
+    return GenerateRequest(f"r{i}", f"prompt {i}", max_new_tokens, **kwargs)  # type: ignore[arg-type]
+
+
+def _run(scheduler: Scheduler, max_iterations: int = 10_000) -> list[ToFrontend]:
+    outputs: list[ToFrontend] = []
+    for _ in range(max_iterations):
+        if not scheduler.has_work():
+            return outputs
+        outputs.extend(scheduler.run_once())
+    raise AssertionError("scheduler did not drain")
+
+
+def _finals(outputs: list[ToFrontend]) -> dict[str, GenerateResult | ErrorResult]:
+    finals: dict[str, GenerateResult | ErrorResult] = {}
+    for message in outputs:
+        if isinstance(message, (GenerateResult, ErrorResult)):
+            assert message.request_id not in finals, f"{message.request_id} answered twice"
+            finals[message.request_id] = message
+    return finals
+
+
+def test_capacity_is_never_exceeded() -> None:
+    engine = RecordingEngine(3)
+    scheduler = Scheduler(engine, max_queue_depth=100)
+    for i in range(30):
+        scheduler.submit(_request(i, max_new_tokens=1 + i % 5))
+    _run(scheduler)
+    assert engine.max_active == 3
+    assert max(engine.active_at_step) <= 3
+
+
+def test_admission_is_first_come_first_served() -> None:
+    engine = RecordingEngine(2)
+    scheduler = Scheduler(engine, max_queue_depth=100)
+    order = [f"r{i}" for i in range(10)]
+    for i in range(10):
+        scheduler.submit(_request(i, max_new_tokens=random.Random(i).randint(1, 6)))
+    _run(scheduler)
+    assert engine.admitted == order
+
+
+def test_a_finished_sequence_frees_a_slot_that_is_refilled_before_the_next_step() -> None:
+    engine = RecordingEngine(2)
+    scheduler = Scheduler(engine, max_queue_depth=100)
+    scheduler.submit(_request(0, max_new_tokens=2))  # finishes in the first step
+    scheduler.submit(_request(1, max_new_tokens=8))
+    scheduler.submit(_request(2, max_new_tokens=8))
+    first = scheduler.run_once()
+    assert [m.request_id for m in first if isinstance(m, GenerateResult)] == ["r0"]
+    assert engine.num_active() == 1
+    scheduler.run_once()
+    assert engine.admitted == ["r0", "r1", "r2"]
+    assert engine.active_at_step[:2] == [2, 2]
+
+
+def test_ten_times_capacity_with_churn_loses_and_duplicates_nothing() -> None:
+    rng = random.Random(7)
+    engine = RecordingEngine(4)
+    scheduler = Scheduler(engine, max_queue_depth=1000)
+    requests = [_request(i, max_new_tokens=rng.randint(1, 12)) for i in range(40)]
+    aborted = {"r5", "r17", "r33"}
+    outputs: list[ToFrontend] = []
+    pending = list(requests)
+    while pending or scheduler.has_work():
+        for _ in range(rng.randint(0, 3)):  # arrivals between steps
+            if pending:
+                scheduler.submit(pending.pop(0))
+        for request_id in aborted & {r.request_id for r in requests[: 40 - len(pending)]}:
+            outputs.extend(scheduler.abort([request_id]))
+        outputs.extend(scheduler.run_once())
+    finals = _finals(outputs)
+    assert set(finals) == {r.request_id for r in requests}
+    for request in requests:
+        result = finals[request.request_id]
+        assert isinstance(result, GenerateResult)
+        if request.request_id in aborted:
+            assert result.finish_reason in ("abort", "length")
+            continue
+        assert result.finish_reason == "length"
+        assert result.text == expected_text(request.prompt, request.max_new_tokens)
+
+
+def test_staggered_budgets_finish_in_budget_order() -> None:
+    scheduler = Scheduler(FakeEngine(8), max_queue_depth=100)
+    budgets = [9, 3, 7, 1, 5]
+    for i, budget in enumerate(budgets):
+        scheduler.submit(_request(i, max_new_tokens=budget))
+    finished = [m for m in _run(scheduler) if isinstance(m, GenerateResult)]
+    assert [r.completion_tokens for r in finished] == sorted(budgets)
+
+
+def test_a_full_queue_pushes_back() -> None:
+    scheduler = Scheduler(FakeEngine(1), max_queue_depth=3)
+    for i in range(3):
+        scheduler.submit(_request(i))
+    with pytest.raises(QueueFull, match="queue is full"):
+        scheduler.submit(_request(3))
+    scheduler.run_once()  # one request moves into the slot, freeing queue space
+    scheduler.submit(_request(3))
+
+
+def test_a_request_id_already_known_is_not_run_twice() -> None:
+    scheduler = Scheduler(FakeEngine(2), max_queue_depth=10)
+    scheduler.submit(_request(0))
+    scheduler.submit(_request(0))
+    assert len(_finals(_run(scheduler))) == 1
+
+
+def test_an_admit_failure_fails_only_its_newcomers() -> None:
+    engine = RecordingEngine(4, fail_admit_if=lambda r: r.prompt == "prompt 2")
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    scheduler.submit(_request(0, max_new_tokens=6))
+    outputs = scheduler.run_once()  # r0 is running
+    scheduler.submit(_request(1, max_new_tokens=3))
+    scheduler.submit(_request(2, max_new_tokens=3))
+    outputs += _run(scheduler)
+    finals = _finals(outputs)
+    for failed in ("r1", "r2"):  # admitted together, failed together
+        assert isinstance(finals[failed], ErrorResult)
+        assert finals[failed].code == ErrorCode.INTERNAL
+    assert isinstance(finals["r0"], GenerateResult)
+    assert finals["r0"].text == expected_text("prompt 0", 6)
+
+
+def test_a_rejected_request_fails_alone_and_the_rest_are_admitted() -> None:
+    engine = RecordingEngine(4)
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    scheduler.submit(_request(0))
+    scheduler.submit(_request(1, max_new_tokens=5000))  # beyond the context window
+    scheduler.submit(_request(2))
+    finals = _finals(_run(scheduler))
+    rejected = finals["r1"]
+    assert isinstance(rejected, ErrorResult)
+    assert rejected.code == ErrorCode.CONTEXT_OVERFLOW
+    assert "8 tokens + max_new_tokens 5,000 > context window 1,024" in rejected.message
+    assert engine.admitted == ["r0", "r2"]
+
+
+def test_a_step_failure_fails_the_active_set_resets_and_serving_goes_on() -> None:
+    engine = RecordingEngine(2, fail_step_if=lambda step: step == 2)
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    for i in range(4):
+        scheduler.submit(_request(i, max_new_tokens=5))
+    finals = _finals(_run(scheduler))
+    assert engine.num_resets == 1
+    assert all(isinstance(finals[r], ErrorResult) for r in ("r0", "r1"))
+    for later in ("r2", "r3"):
+        result = finals[later]
+        assert isinstance(result, GenerateResult)
+        assert result.text == expected_text(f"prompt {later[1]}", 5)
+
+
+def test_abort_answers_queued_and_running_requests_and_frees_the_slot() -> None:
+    engine = FakeEngine(1)
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    scheduler.submit(_request(0, max_new_tokens=50))
+    scheduler.submit(_request(1, max_new_tokens=50))
+    scheduler.run_once()
+    aborted = scheduler.abort(["r0", "r1", "unknown"])
+    assert {m.request_id for m in aborted} == {"r0", "r1"}
+    assert all(isinstance(m, GenerateResult) and m.finish_reason == "abort" for m in aborted)
+    assert engine.num_active() == 0 and not scheduler.has_work()
+
+
+def test_results_carry_timings_and_token_counts() -> None:
+    ticks = iter(range(100))
+    scheduler = Scheduler(FakeEngine(1), max_queue_depth=10, clock=lambda: float(next(ticks)))
+    scheduler.submit(_request(0, max_new_tokens=3))
+    (result,) = _finals(_run(scheduler)).values()
+    assert isinstance(result, GenerateResult)
+    assert (result.prompt_tokens, result.completion_tokens) == (8, 3)
+    assert result.queue_wait_ms == 1000.0
+    assert result.generate_ms > 0

@@ -1,0 +1,174 @@
+"""The worker's ZMQ server, in-process with FakeEngine, over real loopback sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import msgpack
+import pytest
+import zmq
+
+from protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ErrorResult,
+    GenerateRequest,
+    GenerateResult,
+    Heartbeat,
+    Hello,
+    Ping,
+    ToFrontend,
+    decode_to_frontend,
+    encode,
+)
+from protocol.config import WorkerConfig
+from tests.stack import free_port
+from worker.fake_engine import FakeEngine, expected_text
+from worker.scheduler import Scheduler
+from worker.server import WorkerServer
+
+
+@contextmanager
+def serving(
+    engine: FakeEngine, max_queue_depth: int = 64, **config: object
+) -> Iterator[WorkerServer]:
+    settings = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "heartbeat_interval_s": 0.05}
+    settings.update(config)
+    worker_config = WorkerConfig(model_id="fake", **settings)  # type: ignore[arg-type]
+    server = WorkerServer(Scheduler(engine, max_queue_depth), worker_config)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+
+
+class Frontend:
+    """A bare DEALER speaking the protocol, as the frontend does."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> None:
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+
+    def send(self, frame: bytes) -> None:
+        self.socket.send(frame)
+
+    def receive_until(self, done: type, timeout_s: float = 5.0) -> list[ToFrontend]:
+        """Messages up to and including the first of type ``done``."""
+        received: list[ToFrontend] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.socket.poll(50):
+                message = decode_to_frontend(self.socket.recv())
+                received.append(message)
+                if isinstance(message, done):
+                    return received
+        raise AssertionError(f"no {done.__name__} within {timeout_s} s; got {received}")
+
+
+Connect = Callable[[WorkerServer], Frontend]
+
+
+@pytest.fixture
+def connect() -> Iterator[Connect]:
+    """Make frontends; every socket is closed before the context ends."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    made: list[Frontend] = []
+
+    def make(server: WorkerServer) -> Frontend:
+        made.append(Frontend(context, server.config.endpoint))
+        return made[-1]
+
+    yield make
+    for frontend in made:
+        frontend.socket.close(linger=0)
+    context.term()
+
+
+def test_a_new_frontend_is_greeted_and_its_requests_are_answered(connect: Connect) -> None:
+    with serving(FakeEngine(4)) as server:
+        frontend = connect(server)
+        frontend.send(encode(Ping("f1")))
+        (hello,) = frontend.receive_until(Hello)
+        assert isinstance(hello, Hello)
+        assert (hello.instance_id, hello.model, hello.capacity) == (server.instance_id, "fake", 4)
+        frontend.send(encode(GenerateRequest("r1", "hello", 5)))
+        result = frontend.receive_until(GenerateResult)[-1]
+        assert isinstance(result, GenerateResult)
+        assert result.text == expected_text("hello", 5)
+
+
+def test_each_result_goes_to_the_frontend_that_sent_the_request(connect: Connect) -> None:
+    with serving(FakeEngine(4, step_delay_s=0.01)) as server:
+        frontends = [connect(server) for _ in range(3)]
+        for i, frontend in enumerate(frontends):
+            for j in range(3):
+                frontend.send(encode(GenerateRequest(f"f{i}-r{j}", f"prompt {i} {j}", 4)))
+        for i, frontend in enumerate(frontends):
+            results: list[GenerateResult] = []
+            while len(results) < 3:
+                last = frontend.receive_until(GenerateResult)[-1]
+                assert isinstance(last, GenerateResult)
+                results.append(last)
+            assert sorted(r.request_id for r in results) == [f"f{i}-r{j}" for j in range(3)]
+
+
+def test_a_malformed_frame_is_answered_when_it_names_a_request_and_never_stops_the_loop(
+    connect: Connect,
+) -> None:
+    with serving(FakeEngine(2)) as server:
+        frontend = connect(server)
+        frontend.send(b"\xc1 not msgpack")
+        bad = {"v": PROTOCOL_VERSION, "type": "generate", "request_id": "bad", "prompt": 3}
+        bad["max_new_tokens"] = 4
+        frontend.send(msgpack.packb(bad))
+        error = frontend.receive_until(ErrorResult)[-1]
+        assert isinstance(error, ErrorResult)
+        assert (error.request_id, error.code) == ("bad", ErrorCode.INVALID_REQUEST)
+        assert "prompt must be str" in error.message
+        frontend.send(encode(GenerateRequest("good", "still serving", 3)))
+        result = frontend.receive_until(GenerateResult)[-1]
+        assert isinstance(result, GenerateResult) and result.request_id == "good"
+
+
+def test_heartbeats_keep_coming_during_a_long_step(connect: Connect) -> None:
+    with serving(FakeEngine(1, step_delay_s=1.0)) as server:
+        frontend = connect(server)
+        frontend.send(encode(GenerateRequest("slow", "x", 2)))
+        frontend.receive_until(Hello)
+        beats = [m for m in frontend.receive_until(GenerateResult) if isinstance(m, Heartbeat)]
+        # One step of 1 s at a 0.05 s interval: a starved timer would send ~1.
+        assert len(beats) >= 8
+        assert any(b.num_active == 1 for b in beats)
+
+
+def test_the_requests_of_a_silent_frontend_are_aborted(connect: Connect) -> None:
+    engine = FakeEngine(2, step_delay_s=0.01)
+    with serving(engine, frontend_timeout_s=0.5) as server:
+        gone = connect(server)
+        gone.send(encode(GenerateRequest("orphan", "x", 900)))
+        deadline = time.monotonic() + 2
+        while engine.num_active() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.num_active() == 1
+        deadline = time.monotonic() + 5
+        while engine.num_active() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.num_active() == 0
+        assert not server.scheduler.has_work()
+
+
+def test_a_full_queue_answers_queue_full(connect: Connect) -> None:
+    with serving(FakeEngine(1, step_delay_s=0.05), max_queue_depth=1) as server:
+        frontend = connect(server)
+        for i in range(4):
+            frontend.send(encode(GenerateRequest(f"r{i}", "x", 50)))
+        error = frontend.receive_until(ErrorResult)[-1]
+        assert isinstance(error, ErrorResult) and error.code == ErrorCode.QUEUE_FULL
