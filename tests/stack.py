@@ -91,17 +91,20 @@ class Stack:
 
     def worker_pids(self) -> list[int]:
         """Every live worker process started by this stack (under a supervisor too)."""
+        return self._pids_running("worker.main")
+
+    def frontend_pid(self) -> int:
+        (pid,) = self._pids_running("frontend.main")
+        return pid
+
+    def _pids_running(self, module: str) -> list[int]:
         pids = []
         for process in self.processes.values():
-            try:
-                family = [psutil.Process(process.pid), *psutil.Process(process.pid).children()]
-            except psutil.NoSuchProcess:
-                continue
-            for member in family:
+            for member in _family(process.pid):
                 try:
-                    if "worker.main" in " ".join(member.cmdline()) and member.is_running():
-                        if member.status() != psutil.STATUS_ZOMBIE:
-                            pids.append(member.pid)
+                    alive = member.status() != psutil.STATUS_ZOMBIE
+                    if alive and module in " ".join(member.cmdline()):
+                        pids.append(member.pid)
                 except psutil.NoSuchProcess:
                     continue
         return pids
@@ -110,14 +113,6 @@ class Stack:
         (pid,) = self.worker_pids()
         os.kill(pid, sig)
         return pid
-
-    def frontend_pid(self) -> int:
-        for process in self.processes.values():
-            family = [psutil.Process(process.pid), *psutil.Process(process.pid).children()]
-            for member in family:
-                if "frontend.main" in " ".join(member.cmdline()):
-                    return member.pid
-        raise AssertionError("no frontend process")
 
     def logs(self) -> str:
         if self.log_dir is None:
