@@ -15,8 +15,8 @@ from protocol.messages import (
     Heartbeat,
     Hello,
     Ping,
-    TokenDelta,
     ToFrontend,
+    TokenDelta,
     ToWorker,
 )
 
@@ -32,9 +32,9 @@ __all__ = [
     "Hello",
     "Ping",
     "ProtocolError",
-    "TokenDelta",
     "ToFrontend",
     "ToWorker",
+    "TokenDelta",
     "decode_to_frontend",
     "decode_to_worker",
     "encode",

@@ -111,9 +111,7 @@ class FrontendConfig:
     step_timeout_s: float = _setting(
         "STEP_TIMEOUT_S", 30.0, "declare the worker hung after this long without progress"
     )
-    request_timeout_s: float = _setting(
-        "REQUEST_TIMEOUT_S", 120.0, "answer 504 after this long"
-    )
+    request_timeout_s: float = _setting("REQUEST_TIMEOUT_S", 120.0, "answer 504 after this long")
     ping_interval_s: float = _setting("PING_INTERVAL_S", 0.5, "seconds between frontend pings")
 
     def __post_init__(self) -> None:
@@ -122,6 +120,24 @@ class FrontendConfig:
         _check_endpoint(self, "worker_endpoint")
         if self.port > 65535:
             raise ConfigError(f"PORT must be at most 65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """The local launcher: how it restarts a worker that died or hung."""
+
+    restart_backoff_s: float = _setting(
+        "RESTART_BACKOFF_S", 0.5, "wait before the first restart; doubles after each crash"
+    )
+    restart_backoff_max_s: float = _setting(
+        "RESTART_BACKOFF_MAX_S", 10.0, "the longest wait between restarts"
+    )
+    crash_loop_limit: int = _setting(
+        "CRASH_LOOP_LIMIT", 5, "give up after this many workers in a row die before serving"
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self, "restart_backoff_s", "restart_backoff_max_s", "crash_loop_limit")
 
 
 C = TypeVar("C")
@@ -168,4 +184,4 @@ def _parse(env: str, raw: str, kind: Any) -> Any:
         raise ConfigError(f"{env} must be {kind.__name__}, got {raw!r}") from None
 
 
-__all__ = ["ConfigError", "FrontendConfig", "WorkerConfig", "load"]
+__all__ = ["ConfigError", "FrontendConfig", "SupervisorConfig", "WorkerConfig", "load"]

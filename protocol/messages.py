@@ -42,10 +42,13 @@ class ErrorCode:
 class GenerateRequest:
     """Generate up to ``max_new_tokens`` tokens after a prompt.
 
-    ``prompt`` is text; ``prompt_token_ids``, when set, replaces it (replays and
-    prompts given as ids). ``request_id`` is unique among a frontend's requests in
-    flight. Sampling is greedy when ``temperature`` is 0. ``stream`` asks for a
-    `TokenDelta` after each step.
+    ``prompt`` is text; ``prompt_token_ids``, when set, replaces it (prompts given
+    as ids). ``resume_token_ids`` are output tokens the client already received
+    from an earlier attempt: they follow the prompt, and generation continues
+    after them (``max_new_tokens`` counts only what is still to come).
+    ``request_id`` is unique among a frontend's requests in flight. Sampling is
+    greedy when ``temperature`` is 0. ``stream`` asks for a `TokenDelta` after
+    each step.
     """
 
     TYPE: ClassVar[str] = "generate"
@@ -53,6 +56,7 @@ class GenerateRequest:
     prompt: str
     max_new_tokens: int
     prompt_token_ids: list[int] | None = None
+    resume_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False

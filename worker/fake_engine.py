@@ -8,7 +8,8 @@ position ``i`` is a lowercase letter chosen by `fake_token` from the prompt and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 from protocol import GenerateRequest
 from worker.engine import ModelInfo

@@ -109,11 +109,7 @@ class Sequence:
         if not pending:
             return False
         piece = self._tokenizer.decode(pending)
-        if (
-            piece.endswith(_REPLACEMENT_CHAR)
-            and len(pending) < _MAX_PENDING_TOKENS
-            and not flush
-        ):
+        if piece.endswith(_REPLACEMENT_CHAR) and len(pending) < _MAX_PENDING_TOKENS and not flush:
             return False
         self._text += piece
         self._num_settled_tokens = self._num_text_tokens

@@ -101,13 +101,12 @@ class SlotEngine(InferenceEngine):
                 f"request {request.request_id} is already being generated",
             )
         if request.prompt_token_ids is not None:
-            token_ids = request.prompt_token_ids
+            token_ids = list(request.prompt_token_ids)
         else:
             token_ids = self.tokenizer.encode(request.prompt)
         if not token_ids:
-            raise RequestRejected(
-                request.request_id, ErrorCode.INVALID_REQUEST, "prompt is empty"
-            )
+            raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
+        token_ids += request.resume_token_ids
         limit = self.info.context_window
         if len(token_ids) + request.max_new_tokens > limit:
             raise RequestRejected(

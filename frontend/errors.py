@@ -1,0 +1,57 @@
+"""HTTP errors: one exception type, one body shape, one mapping from worker codes."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from protocol import ErrorCode, ErrorResult
+
+RETRY_AFTER_S = 1
+
+_STATUS_BY_CODE = {
+    ErrorCode.INVALID_REQUEST: 422,
+    ErrorCode.CONTEXT_OVERFLOW: 422,
+    ErrorCode.UNSUPPORTED: 400,
+    ErrorCode.QUEUE_FULL: 503,
+    ErrorCode.INTERNAL: 500,
+}
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    422: "invalid_request_error",
+    500: "server_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    """Ends a request with ``status`` and a message that says what to do."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+    @classmethod
+    def from_worker(cls, error: ErrorResult) -> ApiError:
+        return cls(_STATUS_BY_CODE.get(error.code, 500), error.message, error.code)
+
+
+def error_body(error: ApiError) -> dict[str, object]:
+    """The OpenAI error shape, which the native endpoints share."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": _TYPE_BY_STATUS.get(error.status, "server_error"),
+            "code": error.code,
+            "param": None,
+        }
+    }
+
+
+async def handle_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)

@@ -1,0 +1,98 @@
+"""Running one accepted request to its single answer, for every endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from frontend.errors import ApiError
+from frontend.inflight import InFlight
+from frontend.worker_client import Overloaded, WorkerClient
+from protocol import ErrorResult, GenerateRequest, GenerateResult, TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The HTTP client hung up; its request was aborted in the worker."""
+
+
+@dataclass
+class Accepted:
+    entry: InFlight
+    started_at: float  # time.monotonic() when the request was accepted
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def accept(client: WorkerClient, request: GenerateRequest, timeout_s: float) -> Accepted:
+    """Enter a request into the in-flight table, or raise 503."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        entry = client.submit(request, deadline)
+    except Overloaded as exc:
+        raise ApiError(503, str(exc), "queue_full") from None
+    return Accepted(entry, time.monotonic())
+
+
+async def next_event(
+    http_request: Request, client: WorkerClient, accepted: Accepted
+) -> TokenDelta | GenerateResult:
+    """The request's next delta or its result. Raises ApiError for a worker error
+    or a passed deadline (504), and ClientGone when the client disconnects; in
+    both cases the worker is told to abort."""
+    entry = accepted.entry
+    remaining = entry.deadline - asyncio.get_running_loop().time()
+    event_task = asyncio.ensure_future(entry.events.get())
+    disconnect_task = asyncio.ensure_future(_disconnected(http_request))
+    try:
+        done, _ = await asyncio.wait(
+            {event_task, disconnect_task},
+            timeout=max(0.0, remaining),
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+    finally:
+        for task in (event_task, disconnect_task):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    if event_task in done:
+        event = event_task.result()
+        if isinstance(event, ErrorResult):
+            raise ApiError.from_worker(event)
+        return event
+    client.cancel(entry)
+    if disconnect_task in done:
+        log.info("request %s: client disconnected; aborted", entry.request_id)
+        raise ClientGone(entry.request_id)
+    log.warning("request %s: deadline passed; aborted", entry.request_id)
+    raise ApiError(
+        504,
+        f"no answer within REQUEST_TIMEOUT_S={client.config.request_timeout_s:g} s; "
+        f"worker: {client.verdict().reason}",
+        "timeout",
+    )
+
+
+async def final_result(
+    http_request: Request, client: WorkerClient, accepted: Accepted
+) -> GenerateResult:
+    while True:
+        event = await next_event(http_request, client, accepted)
+        if isinstance(event, GenerateResult):
+            return event
+
+
+async def _disconnected(request: Request) -> None:
+    # Once the body is read, the next ASGI message is the client's disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

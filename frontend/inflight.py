@@ -1,0 +1,55 @@
+"""One accepted request that has not been answered yet.
+
+Each attempt to run it on a worker gets its own wire id (``<request_id>.<n>``),
+so whatever an earlier attempt still sends (a worker that was replaced, a
+duplicate) cannot reach the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+
+from protocol import ErrorResult, GenerateRequest, GenerateResult, TokenDelta
+
+Final = GenerateResult | ErrorResult
+Event = TokenDelta | GenerateResult | ErrorResult
+
+_order = itertools.count()
+
+
+@dataclass(eq=False)
+class InFlight:
+    request: GenerateRequest  # as accepted; replays derive from it
+    deadline: float  # event-loop time after which the client gets 504
+    order: int = field(default_factory=lambda: next(_order))
+    attempt: int = 0
+    sent_to: str | None = None  # worker instance holding the current attempt
+    streamed_token_ids: list[int] = field(default_factory=list)
+    streamed_text: str = ""
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def wire_id(self) -> str:
+        return f"{self.request_id}.{self.attempt}"
+
+    def next_attempt(self) -> GenerateRequest:
+        """The request to send now. A stream that already sent tokens resumes after
+        them, so the client sees one continuous answer."""
+        self.attempt += 1
+        return dataclasses.replace(
+            self.request,
+            request_id=self.wire_id,
+            resume_token_ids=list(self.streamed_token_ids),
+            max_new_tokens=self.request.max_new_tokens - len(self.streamed_token_ids),
+        )
+
+    def record(self, delta: TokenDelta) -> None:
+        self.streamed_token_ids.extend(delta.token_ids)
+        self.streamed_text += delta.text

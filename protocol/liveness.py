@@ -1,0 +1,93 @@
+"""Is the worker alive? Judged only from what it sends: hellos and heartbeats.
+
+Shared by the frontend (to decide when to replay) and the local supervisor (to
+decide when to replace the worker).
+
+- dead: no heartbeat for HEARTBEAT_TIMEOUT_S (crashed, killed, or stopped);
+- hung: heartbeats arrive, work is pending, but the step counter has not moved
+  for STEP_TIMEOUT_S (a step that never returns);
+- live: otherwise, once a hello has named the instance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from protocol import Heartbeat, Hello
+
+
+class WorkerState(StrEnum):
+    CONNECTING = "connecting"  # no hello yet
+    LIVE = "live"
+    DEAD = "dead"
+    HUNG = "hung"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: WorkerState
+    reason: str
+
+    @property
+    def is_live(self) -> bool:
+        return self.state is WorkerState.LIVE
+
+
+class Liveness:
+    def __init__(
+        self,
+        heartbeat_timeout_s: float,
+        step_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.hello: Hello | None = None
+        self.last_heartbeat: Heartbeat | None = None
+        self._clock = clock
+        self._last_seen_at = 0.0
+        self._last_progress_at = 0.0
+
+    def on_hello(self, hello: Hello) -> bool:
+        """Record a hello; return True if it comes from a new worker instance."""
+        is_new = self.hello is None or hello.instance_id != self.hello.instance_id
+        if is_new:
+            self.hello = hello
+            self.last_heartbeat = None
+            self._last_progress_at = self._clock()
+        self._last_seen_at = self._clock()
+        return is_new
+
+    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
+        if self.hello is None or heartbeat.instance_id != self.hello.instance_id:
+            return  # from an instance we have not been greeted by: wait for its hello
+        now = self._clock()
+        previous = self.last_heartbeat
+        is_idle = heartbeat.num_queued == 0 and heartbeat.num_active == 0
+        if previous is None or is_idle or heartbeat.num_steps != previous.num_steps:
+            self._last_progress_at = now
+        self.last_heartbeat = heartbeat
+        self._last_seen_at = now
+
+    def verdict(self) -> Verdict:
+        if self.hello is None:
+            return Verdict(WorkerState.CONNECTING, "no worker has said hello yet")
+        now = self._clock()
+        silent_s = now - self._last_seen_at
+        if silent_s > self.heartbeat_timeout_s:
+            return Verdict(
+                WorkerState.DEAD,
+                f"no heartbeat from worker {self.hello.instance_id[:8]} for {silent_s:.1f} s "
+                f"(HEARTBEAT_TIMEOUT_S={self.heartbeat_timeout_s:g})",
+            )
+        stalled_s = now - self._last_progress_at
+        if stalled_s > self.step_timeout_s:
+            return Verdict(
+                WorkerState.HUNG,
+                f"worker {self.hello.instance_id[:8]} made no progress for {stalled_s:.1f} s "
+                f"with work pending (STEP_TIMEOUT_S={self.step_timeout_s:g})",
+            )
+        return Verdict(WorkerState.LIVE, f"worker {self.hello.instance_id[:8]} is live")

@@ -1,0 +1,45 @@
+"""`minibatch-worker`: load the engine and serve it on WORKER_ENDPOINT."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from protocol.config import ConfigError, WorkerConfig, load
+from worker.engine import InferenceEngine
+from worker.fake_engine import FAKE_MODEL_NAME, FakeEngine
+from worker.scheduler import Scheduler
+from worker.server import WorkerServer
+
+log = logging.getLogger("worker")
+
+
+def build_engine(config: WorkerConfig) -> InferenceEngine:
+    if config.model_id == FAKE_MODEL_NAME:
+        return FakeEngine(config.max_batch_size, step_delay_s=config.fake_step_delay_s)
+    from worker.torch_engine import load_engine  # torch loads only for a real model
+
+    return load_engine(config)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s worker %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")
+    except ConfigError as exc:
+        sys.exit(f"worker: configuration error: {exc}")
+    server = WorkerServer(Scheduler(build_engine(config), config.max_queue_depth), config)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    try:
+        server.serve_forever()
+    except RuntimeError as exc:
+        sys.exit(f"worker: {exc}")
+
+
+if __name__ == "__main__":
+    main()

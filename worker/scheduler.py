@@ -1,0 +1,141 @@
+"""Continuous (iteration-level) batching over an `InferenceEngine`.
+
+Transport-free: the server feeds requests in and sends out whatever `run_once`
+returns. One call of `run_once` is one iteration: admit from the FCFS queue into
+every free slot, advance every active sequence one token, and report each
+finished sequence at once, so its slot is refilled before the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from protocol import ErrorCode, ErrorResult, GenerateRequest, GenerateResult, ToFrontend
+from worker.engine import FinishedSequence, InferenceEngine, RequestRejected
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The queue holds MAX_QUEUE_DEPTH requests; the caller must push back."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        max_queue_depth: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.max_queue_depth = max_queue_depth
+        self.num_steps = 0  # iterations that did work: the progress counter of heartbeats
+        self._clock = clock
+        self._queue: OrderedDict[str, tuple[GenerateRequest, float]] = OrderedDict()
+        self._admitted_at: dict[str, tuple[float, float]] = {}  # id -> (arrival, admit)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def has_work(self) -> bool:
+        return bool(self._queue) or self.engine.num_active() > 0
+
+    def is_known(self, request_id: str) -> bool:
+        return request_id in self._queue or request_id in self._admitted_at
+
+    def submit(self, request: GenerateRequest) -> None:
+        """Queue a request. A request id already queued or running is ignored, so a
+        frame delivered twice runs once. Raises QueueFull when the queue is full."""
+        if self.is_known(request.request_id):
+            log.warning("request %s is already queued or running; ignored", request.request_id)
+            return
+        if len(self._queue) >= self.max_queue_depth:
+            raise QueueFull(
+                f"the worker's queue is full ({self.max_queue_depth} requests waiting); retry later"
+            )
+        self._queue[request.request_id] = (request, self._clock())
+
+    def abort(self, request_ids: list[str]) -> list[ToFrontend]:
+        """Drop queued requests and free the slots of running ones. Each known id is
+        answered with finish_reason abort; unknown ids are ignored."""
+        outputs: list[ToFrontend] = []
+        for request_id in request_ids:
+            queued = self._queue.pop(request_id, None)
+            if queued is not None:
+                waited_ms = (self._clock() - queued[1]) * 1000
+                outputs.append(GenerateResult(request_id, "", [], "abort", 0, 0, waited_ms, 0.0))
+        running = [r for r in request_ids if r in self._admitted_at]
+        for finished in self.engine.abort(running):
+            outputs.append(self._finished_result(finished))
+        return outputs
+
+    def run_once(self) -> list[ToFrontend]:
+        """One iteration: admit into free slots, one step, report what it produced."""
+        outputs: list[ToFrontend] = []
+        if not self.has_work():
+            return outputs
+        self._admit(outputs)
+        if self.engine.num_active() > 0:
+            self._step(outputs)
+        self.num_steps += 1
+        return outputs
+
+    def _admit(self, outputs: list[ToFrontend]) -> None:
+        num_free = self.engine.capacity - self.engine.num_active()
+        newcomers: list[tuple[GenerateRequest, float]] = []
+        while self._queue and len(newcomers) < num_free:
+            newcomers.append(self._queue.popitem(last=False)[1])
+        while newcomers:
+            try:
+                self.engine.admit([request for request, _ in newcomers])
+            except RequestRejected as rejected:
+                outputs.append(ErrorResult(rejected.request_id, rejected.code, rejected.message))
+                newcomers = [n for n in newcomers if n[0].request_id != rejected.request_id]
+                continue
+            except Exception as exc:
+                # Admit is atomic: no slot changed, so only the newcomers fail.
+                log.exception("admit failed for %d newcomers", len(newcomers))
+                outputs.extend(_internal_error(request.request_id, exc) for request, _ in newcomers)
+                return
+            now = self._clock()
+            for request, arrival in newcomers:
+                self._admitted_at[request.request_id] = (arrival, now)
+            return
+
+    def _step(self, outputs: list[ToFrontend]) -> None:
+        try:
+            step = self.engine.step()
+        except Exception as exc:
+            log.exception("step failed; failing %d active sequences", self.engine.num_active())
+            for request_id in self.engine.reset():
+                self._admitted_at.pop(request_id, None)
+                outputs.append(_internal_error(request_id, exc))
+            return
+        outputs.extend(step.deltas)
+        outputs.extend(self._finished_result(finished) for finished in step.finished)
+
+    def _finished_result(self, finished: FinishedSequence) -> GenerateResult:
+        arrival, admitted = self._admitted_at.pop(finished.request_id)
+        return GenerateResult(
+            request_id=finished.request_id,
+            text=finished.text,
+            token_ids=finished.token_ids,
+            finish_reason=finished.finish_reason,
+            prompt_tokens=finished.num_prompt_tokens,
+            completion_tokens=len(finished.token_ids),
+            queue_wait_ms=(admitted - arrival) * 1000,
+            generate_ms=(self._clock() - admitted) * 1000,
+        )
+
+
+def _internal_error(request_id: str, exc: Exception) -> ErrorResult:
+    return ErrorResult(
+        request_id,
+        ErrorCode.INTERNAL,
+        f"the engine failed while serving this request ({type(exc).__name__}: {exc}); "
+        "retrying may succeed, and the worker log has the traceback",
+    )
