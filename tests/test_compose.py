@@ -236,6 +236,17 @@ def test_dockerignore_keeps_only_what_the_images_copy() -> None:
     assert copied == let_in
 
 
+@pytest.mark.parametrize("service", ["frontend", "worker"])
+def test_every_path_the_image_copies_exists(service: str) -> None:
+    copied = [
+        args.split()[0] for keyword, args in dockerfile_instructions(service) if keyword == "COPY"
+    ]
+    missing = [path for path in copied if not (REPO_ROOT / path).exists()]
+    assert not missing, (
+        f"{DOCKERFILES[service].relative_to(REPO_ROOT)} copies what the repository lacks: {missing}"
+    )
+
+
 # --- what the images install ---------------------------------------------------------
 
 
