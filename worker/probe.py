@@ -1,0 +1,115 @@
+"""`minibatch-probe`: is a worker up and speaking this protocol?
+
+A health check for containers and scripts. It connects a DEALER to the worker,
+sends a `Ping` as a new frontend would, and waits for the worker's `Hello`.
+Exit status 0 means a worker answered; 1 means none did in time, or the one
+that answered speaks another protocol version. Torch-free: it imports only
+`protocol` and pyzmq, so it runs in a second or less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+
+import zmq
+
+from protocol import Hello, Ping, ProtocolError, decode_to_frontend, encode
+from protocol.config import ConfigError, WorkerConfig, load
+
+DEFAULT_TIMEOUT_S = 5.0
+
+# A worker binds to every interface with these; from inside its own container
+# (or host) the probe reaches it on loopback.
+_WILDCARD_HOSTS = ("tcp://*:", "tcp://0.0.0.0:")
+
+
+class ProbeFailed(RuntimeError):
+    """No usable Hello; the message says what was tried and what to check."""
+
+
+def local_endpoint(config: WorkerConfig) -> str:
+    """Where a probe beside the worker connects: its bind address, on loopback."""
+    endpoint = config.listen_endpoint
+    for wildcard in _WILDCARD_HOSTS:
+        if endpoint.startswith(wildcard):
+            return "tcp://127.0.0.1:" + endpoint[len(wildcard) :]
+    return endpoint
+
+
+def probe(endpoint: str, timeout_s: float, context: zmq.Context[zmq.Socket[bytes]]) -> Hello:
+    """Ping the worker at ``endpoint`` and return its Hello, or raise `ProbeFailed`."""
+    frontend_id = f"probe-{uuid.uuid4().hex[:12]}"
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.IDENTITY, frontend_id.encode())
+    try:
+        try:
+            socket.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise ProbeFailed(f"cannot connect to {endpoint!r}: {exc}") from exc
+        socket.send(encode(Ping(frontend_id=frontend_id)))
+        deadline = time.monotonic() + timeout_s
+        while (remaining_s := deadline - time.monotonic()) > 0:
+            if not socket.poll(int(remaining_s * 1000) + 1, zmq.POLLIN):
+                break
+            frames = socket.recv_multipart()
+            try:
+                message = decode_to_frontend(frames[-1])
+            except ProtocolError as exc:
+                raise ProbeFailed(f"the process at {endpoint} answered, but: {exc}") from exc
+            # A worker may already be sending heartbeats; only the Hello counts.
+            if isinstance(message, Hello):
+                return message
+    finally:
+        socket.close()
+    raise ProbeFailed(
+        f"no Hello from a worker at {endpoint} within {timeout_s:g}s: "
+        "check that the worker is running and bound there (WORKER_BIND / WORKER_ENDPOINT)"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Exit 0 if a MiniBatch-LLM worker answers a Ping with Hello, else 1."
+    )
+    parser.add_argument(
+        "--endpoint",
+        help="the worker's ZMQ endpoint (default: the worker's own WORKER_BIND or "
+        "WORKER_ENDPOINT from the environment, with a wildcard host read as 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds to wait for the Hello (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    args = parser.parse_args(argv)
+    if args.timeout_s <= 0:
+        parser.error(f"--timeout-s must be > 0, got {args.timeout_s:g}")
+    try:
+        endpoint = args.endpoint or local_endpoint(load(WorkerConfig, argv=[]))
+    except ConfigError as exc:
+        print(f"minibatch-probe: {exc}", file=sys.stderr)
+        return 1
+
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        hello = probe(endpoint, args.timeout_s, context)
+    except ProbeFailed as exc:
+        print(f"minibatch-probe: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        context.term()
+    print(
+        f"worker ok at {endpoint}: model {hello.model}, instance {hello.instance_id}, "
+        f"capacity {hello.capacity}, protocol {hello.protocol_version}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
