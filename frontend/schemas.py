@@ -8,6 +8,7 @@ the wire encoding.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -103,16 +104,44 @@ class CompletionBody(BaseModel):
         return None
 
 
+# pydantic names the arm of a union it tried in an error's location: "list[str]".
+_UNION_ARM = re.compile(r"(str|int|float|bool|(list|dict)\[.*\])$")
+
+
 def describe(error: ValidationError) -> tuple[str, str | None]:
-    """One readable sentence per problem ('max_new_tokens: Input should be ...'),
-    and the first field at fault."""
-    parts = []
-    params = []
+    """One readable sentence per field at fault ('max_new_tokens: Input should be
+    ...'), and the first such field. For a union, a value of the wrong type is
+    one sentence naming the accepted types, and a value of the right type is
+    described by its own arm's complaint alone."""
+    by_field: dict[str, list[tuple[str, str | None, dict[str, Any]]]] = {}
     for item in error.errors(include_url=False):
-        where = ".".join(str(p) for p in item["loc"])
-        params.append(where or None)
-        parts.append(f"{where or 'body'}: {item['msg']}")
-    return "; ".join(parts), params[0] if params else None
+        loc = item["loc"]
+        arm_at = next((i for i, part in enumerate(loc) if _is_arm(part)), len(loc))
+        field = ".".join(str(part) for part in loc[:arm_at]) or "body"
+        where = ".".join(str(part) for part in loc if not _is_arm(part)) or "body"
+        arm = str(loc[arm_at]).replace("constrained-", "") if arm_at < len(loc) else None
+        by_field.setdefault(field, []).append((where, arm, dict(item)))
+    sentences = []
+    params = []
+    for field, items in by_field.items():
+        specific = [(w, i) for w, arm, i in items if arm is None or not i["type"].endswith("_type")]
+        if specific:
+            sentences += [f"{where}: {item['msg']}" for where, item in specific]
+            params.append(specific[0][0])
+        else:
+            arms = " or ".join(dict.fromkeys(arm or "?" for _, arm, _ in items))
+            got = type(items[0][2]["input"]).__name__
+            sentences.append(f"{field}: must be {arms}, got {_JSON_TYPES.get(got, got)}")
+            params.append(field)
+    param = params[0] if params and params[0] != "body" else None
+    return "; ".join(sentences), param
+
+
+_JSON_TYPES = {"dict": "object", "list": "array", "str": "string", "NoneType": "null"}
+
+
+def _is_arm(part: str | int) -> bool:
+    return isinstance(part, str) and _UNION_ARM.fullmatch(part) is not None
 
 
 async def parse_body(request: Request, schema: type[Body]) -> Body:
