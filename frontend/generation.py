@@ -37,15 +37,17 @@ class Accepted:
     is_answered: bool = False
 
     def on_delta(self, delta: TokenDelta) -> None:
+        if not delta.token_ids:
+            return
         now = time.monotonic()
         if self.last_token_at is None:
             self.metrics.time_to_first_token.observe(now - self.started_at)
-        elif delta.token_ids:
+        else:
+            # A delta normally holds one step's token; spread a longer one evenly.
             gap_s = (now - self.last_token_at) / len(delta.token_ids)
             for _ in delta.token_ids:
                 self.metrics.inter_token_latency.observe(gap_s)
-        if delta.token_ids:
-            self.last_token_at = now
+        self.last_token_at = now
 
     def on_result(self, result: GenerateResult) -> None:
         self.is_answered = True
