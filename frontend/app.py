@@ -8,23 +8,21 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from frontend.errors import ApiError, handle_api_error
-from frontend.generation import Accepted, ClientGone, accept, final_result, new_request_id
-from frontend.schemas import GenerateBody, describe
+from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, Metrics
+from frontend.native_api import generate
+from frontend.openai_api import completions, models
+from frontend.openapi import openapi_schema
 from frontend.worker_client import WorkerClient
-from protocol import GenerateRequest, GenerateResult
 from protocol.config import FrontendConfig
 
 log = logging.getLogger(__name__)
-
-# nginx's code for "client closed request": logged, never received by anyone.
-CLIENT_CLOSED_REQUEST = 499
 
 
 def create_app(config: FrontendConfig) -> Starlette:
@@ -41,14 +39,20 @@ def create_app(config: FrontendConfig) -> Starlette:
     app = Starlette(
         routes=[
             Route("/generate", generate, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
         ],
-        exception_handlers={ApiError: handle_api_error},
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
         lifespan=lifespan,
     )
     app.state.config = config
     app.state.client = client
+    app.state.metrics = Metrics(client)
+    app.state.started_at = int(time.time())
     return app
 
 
@@ -57,77 +61,19 @@ def _client(request: Request) -> WorkerClient:
     return client
 
 
-async def parse_body(request: Request, schema: type[GenerateBody]) -> GenerateBody:
-    try:
-        return schema.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise ApiError(422, describe(exc), "invalid_request") from None
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    # Every error that reaches here is the request's one answer: count it once.
+    request_metrics: Metrics = request.app.state.metrics
+    request_metrics.count_request(request.url.path, exc.status, NO_FINISH_REASON)
+    return await handle_api_error(request, exc)
 
 
-async def generate(request: Request) -> Response:
-    """Generate text after ``prompt``.
-
-    Body: GenerateBody. Answer: ``{request_id, model, random_weights, text,
-    finish_reason, usage{prompt_tokens, completion_tokens},
-    metrics{queue_wait_ms, generate_ms, e2e_ms}}``. Errors: 422 invalid request,
-    400 unsupported value, 503 (Retry-After) when full, 504 past REQUEST_TIMEOUT_S.
-    """
-    body = await parse_body(request, GenerateBody)
-    client = _client(request)
-    config = client.config
-    if body.max_new_tokens > config.max_new_tokens_limit:
-        raise ApiError(
-            422,
-            f"max_new_tokens: {body.max_new_tokens} is more than "
-            f"MAX_NEW_TOKENS_LIMIT={config.max_new_tokens_limit}",
-            "invalid_request",
-        )
-    try:
-        stop = body.stop_strings()
-    except ValueError as exc:
-        raise ApiError(422, str(exc), "invalid_request") from None
-    work = GenerateRequest(
-        request_id=new_request_id(),
-        prompt=body.prompt,
-        max_new_tokens=body.max_new_tokens,
-        stop_token_ids=body.stop_token_ids,
-        stop=stop,
-        ignore_eos=body.ignore_eos,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
-        stream=body.stream,
-    )
-    accepted = accept(client, work, config.request_timeout_s)
-    client_request_id = body.request_id or work.request_id
-    try:
-        result = await final_result(request, client, accepted)
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(_generate_answer(client, client_request_id, accepted, result))
-
-
-def _generate_answer(
-    client: WorkerClient, request_id: str, accepted: Accepted, result: GenerateResult
-) -> dict[str, Any]:
-    hello = client.liveness.hello
-    return {
-        "request_id": request_id,
-        "model": hello.model if hello else None,
-        "random_weights": hello.is_random_weights if hello else None,
-        "text": result.text,
-        "finish_reason": result.finish_reason,
-        "usage": {
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-        },
-        "metrics": {
-            "queue_wait_ms": round(result.queue_wait_ms, 3),
-            "generate_ms": round(result.generate_ms, 3),
-            "e2e_ms": round((time.monotonic() - accepted.started_at) * 1000, 3),
-        },
-    }
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Unknown paths and wrong methods, in the same error shape as everything else."""
+    assert isinstance(exc, HTTPException)
+    message = f"{request.method} {request.url.path}: {exc.detail}; see GET /openapi.json"
+    return await handle_api_error(request, ApiError(exc.status_code, message))
 
 
 def _status(client: WorkerClient) -> dict[str, Any]:
@@ -167,3 +113,14 @@ async def ready(request: Request) -> Response:
         status["reason"] = f"MAX_QUEUE_DEPTH={client.config.max_queue_depth} requests in flight"
     status["ready"] = is_ready
     return JSONResponse(status, status_code=200 if is_ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text format: request counts, token counts, latencies, worker load."""
+    app_metrics: Metrics = request.app.state.metrics
+    return Response(app_metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def openapi(request: Request) -> Response:
+    """The OpenAPI 3.1 description of every endpoint."""
+    return JSONResponse(openapi_schema())

@@ -18,6 +18,8 @@ _STATUS_BY_CODE = {
 }
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
     422: "invalid_request_error",
     500: "server_error",
     503: "overloaded_error",
@@ -28,11 +30,14 @@ _TYPE_BY_STATUS = {
 class ApiError(Exception):
     """Ends a request with ``status`` and a message that says what to do."""
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.param = param  # the request field at fault, when one is
 
     @classmethod
     def from_worker(cls, error: ErrorResult) -> ApiError:
@@ -46,7 +51,7 @@ def error_body(error: ApiError) -> dict[str, object]:
             "message": error.message,
             "type": _TYPE_BY_STATUS.get(error.status, "server_error"),
             "code": error.code,
-            "param": None,
+            "param": error.param,
         }
     }
 

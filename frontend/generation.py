@@ -13,10 +13,14 @@ from starlette.requests import Request
 
 from frontend.errors import ApiError
 from frontend.inflight import InFlight
+from frontend.metrics import Metrics
 from frontend.worker_client import Overloaded, WorkerClient
 from protocol import ErrorResult, GenerateRequest, GenerateResult, TokenDelta
 
 log = logging.getLogger(__name__)
+
+# nginx's code for "client closed request": logged, never received by anyone.
+CLIENT_CLOSED_REQUEST = 499
 
 
 class ClientGone(Exception):
@@ -27,20 +31,60 @@ class ClientGone(Exception):
 class Accepted:
     entry: InFlight
     started_at: float  # time.monotonic() when the request was accepted
+    endpoint: str  # the route that accepted it, for /metrics
+    metrics: Metrics
+    last_token_at: float | None = None
+    is_answered: bool = False
+
+    def on_delta(self, delta: TokenDelta) -> None:
+        if not delta.token_ids:
+            return
+        now = time.monotonic()
+        if self.last_token_at is None:
+            self.metrics.time_to_first_token.observe(now - self.started_at)
+        else:
+            # A delta normally holds one step's token; spread a longer one evenly.
+            gap_s = (now - self.last_token_at) / len(delta.token_ids)
+            for _ in delta.token_ids:
+                self.metrics.inter_token_latency.observe(gap_s)
+        self.last_token_at = now
+
+    def on_result(self, result: GenerateResult) -> None:
+        self.is_answered = True
+        self.metrics.observe_result(self.endpoint, result, time.monotonic() - self.started_at)
+
+    def on_client_gone(self) -> None:
+        self.is_answered = True
+        self.metrics.count_request(self.endpoint, CLIENT_CLOSED_REQUEST, "abort")
 
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def accept(client: WorkerClient, request: GenerateRequest, timeout_s: float) -> Accepted:
+def accept(
+    client: WorkerClient,
+    request: GenerateRequest,
+    timeout_s: float,
+    metrics: Metrics,
+    endpoint: str,
+) -> Accepted:
     """Enter a request into the in-flight table, or raise 503."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
         entry = client.submit(request, deadline)
     except Overloaded as exc:
         raise ApiError(503, str(exc), "queue_full") from None
-    return Accepted(entry, time.monotonic())
+    return Accepted(entry, time.monotonic(), endpoint, metrics)
+
+
+def abandon(client: WorkerClient, accepted: Accepted) -> None:
+    """The response ended before the request's answer (a stream the client closed):
+    abort it in the worker so that its slot is freed."""
+    if not accepted.is_answered:
+        client.cancel(accepted.entry)
+        accepted.on_client_gone()
+        log.info("request %s: response closed early; aborted", accepted.entry.request_id)
 
 
 async def next_event(
@@ -68,10 +112,17 @@ async def next_event(
     if event_task in done:
         event = event_task.result()
         if isinstance(event, ErrorResult):
+            accepted.is_answered = True
             raise ApiError.from_worker(event)
+        if isinstance(event, TokenDelta):
+            accepted.on_delta(event)
+        else:
+            accepted.on_result(event)
         return event
     client.cancel(entry)
+    accepted.is_answered = True
     if disconnect_task in done:
+        accepted.on_client_gone()
         log.info("request %s: client disconnected; aborted", entry.request_id)
         raise ClientGone(entry.request_id)
     log.warning("request %s: deadline passed; aborted", entry.request_id)

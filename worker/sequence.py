@@ -72,9 +72,17 @@ class Sequence:
             self.finish_reason = "stop"
             return self.finish_reason
         self._num_text_tokens = len(self.output_token_ids)
-        if self._tracks_text and self._extend_text() and self._cut_at_stop_string():
+        is_last = len(self.output_token_ids) >= self.request.max_new_tokens
+        # The last token's text is flushed, even half a character, so that a stop
+        # string before that half character still ends the sequence as "stop".
+        num_chars_before = len(self._text)
+        if (
+            self._tracks_text
+            and self._extend_text(flush=is_last)
+            and self._cut_at_stop_string(num_chars_before)
+        ):
             self.finish_reason = "stop"
-        elif len(self.output_token_ids) >= self.request.max_new_tokens:
+        elif is_last:
             self.finish_reason = "length"
         return self.finish_reason
 
@@ -115,9 +123,16 @@ class Sequence:
         self._num_settled_tokens = self._num_text_tokens
         return True
 
-    def _cut_at_stop_string(self) -> bool:
-        """Cut the text before the earliest stop string in it; return whether cut."""
-        cuts = [i for s in self.request.stop if (i := self._text.find(s)) >= 0]
+    def _cut_at_stop_string(self, num_chars_before: int) -> bool:
+        """Cut the text before the earliest stop string in it; return whether cut.
+
+        Only a stop string that ends in the new text can be there (an earlier one
+        would have ended the sequence), so the search starts just before it."""
+        cuts = [
+            i
+            for s in self.request.stop
+            if (i := self._text.find(s, max(0, num_chars_before - len(s) + 1))) >= 0
+        ]
         if not cuts:
             return False
         self._text = self._text[: min(cuts)]

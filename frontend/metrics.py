@@ -1,0 +1,130 @@
+"""GET /metrics: request outcomes and latencies seen by the frontend, and the
+worker's load as its latest heartbeat reports it.
+
+Each app has its own registry, so that several apps in one process (tests) do
+not share counters. Worker gauges are read at scrape time from the liveness
+state, which heartbeats keep current; nothing polls the worker for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from frontend.worker_client import WorkerClient
+from protocol import GenerateResult
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+NO_FINISH_REASON = "none"  # the request ended in an HTTP error, not a finish
+
+_LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
+_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class Metrics:
+    def __init__(self, client: WorkerClient) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.requests = Counter(
+            "minibatch_requests",
+            "Requests answered, by endpoint, HTTP status and finish reason "
+            "(status 499: the client hung up and the request was aborted)",
+            ["endpoint", "status", "finish_reason"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "minibatch_prompt_tokens", "Prompt tokens of finished requests", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "minibatch_generation_tokens",
+            "Tokens generated for finished requests",
+            registry=registry,
+        )
+        self.e2e_latency = Histogram(
+            "minibatch_e2e_request_latency_seconds",
+            "From accepting a request to its result",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            "minibatch_request_queue_time_seconds",
+            "Time a request waited in the worker's queue for a slot",
+            buckets=_TTFT_BUCKETS_S,
+            registry=registry,
+        )
+        self.time_to_first_token = Histogram(
+            "minibatch_time_to_first_token_seconds",
+            "From accepting a streaming request to its first token",
+            buckets=_TTFT_BUCKETS_S,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            "minibatch_inter_token_latency_seconds",
+            "Time between consecutive tokens of a streaming request",
+            buckets=_ITL_BUCKETS_S,
+            registry=registry,
+        )
+        registry.register(_WorkerCollector(client))
+
+    def count_request(self, endpoint: str, status: int, finish_reason: str) -> None:
+        self.requests.labels(endpoint, str(status), finish_reason).inc()
+
+    def observe_result(self, endpoint: str, result: GenerateResult, e2e_s: float) -> None:
+        self.count_request(endpoint, 200, result.finish_reason)
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.generation_tokens.inc(result.completion_tokens)
+        self.e2e_latency.observe(e2e_s)
+        self.queue_time.observe(result.queue_wait_ms / 1000)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _WorkerCollector(Collector):
+    """Gauges from the worker's hello and latest heartbeat, read at scrape time."""
+
+    def __init__(self, client: WorkerClient) -> None:
+        self.client = client
+
+    def collect(self) -> Iterator[Metric]:
+        liveness = self.client.liveness
+        is_live = self.client.verdict().is_live
+        yield GaugeMetricFamily(
+            "minibatch_worker_up", "1 while a worker is live (judged from heartbeats)", int(is_live)
+        )
+        yield CounterMetricFamily(
+            "minibatch_worker_restarts",
+            "Times a new worker instance replaced the previous one",
+            self.client.num_worker_restarts,
+        )
+        yield GaugeMetricFamily(
+            "minibatch_frontend_inflight",
+            "Requests accepted by the frontend and not yet answered",
+            self.client.num_inflight,
+        )
+        heartbeat = liveness.last_heartbeat
+        if not is_live or heartbeat is None or liveness.hello is None:
+            return  # a dead worker's last numbers would be stale: leave them out
+        yield GaugeMetricFamily(
+            "minibatch_num_requests_running", "Sequences in the batch", heartbeat.num_active
+        )
+        yield GaugeMetricFamily(
+            "minibatch_num_requests_waiting",
+            "Requests queued in the worker for a slot",
+            heartbeat.num_queued,
+        )
+        yield GaugeMetricFamily(
+            "minibatch_free_slots",
+            "Batch slots free for new sequences",
+            liveness.hello.capacity - heartbeat.num_active,
+        )

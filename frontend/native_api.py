@@ -1,0 +1,109 @@
+"""POST /generate: the native endpoint, text in and text plus metrics out."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from frontend.errors import ApiError, error_body
+from frontend.generation import (
+    CLIENT_CLOSED_REQUEST,
+    Accepted,
+    ClientGone,
+    accept,
+    final_result,
+    new_request_id,
+)
+from frontend.metrics import Metrics
+from frontend.schemas import GenerateBody, check_max_new_tokens, parse_body, stop_strings
+from frontend.streaming import sse_frame, stream_response
+from frontend.worker_client import WorkerClient
+from protocol import GenerateRequest, GenerateResult, TokenDelta
+
+ENDPOINT = "/generate"
+
+
+async def generate(request: Request) -> Response:
+    """Generate text after ``prompt``.
+
+    Body: GenerateBody. Answer: ``{request_id, model, random_weights, text,
+    finish_reason, usage{prompt_tokens, completion_tokens},
+    metrics{queue_wait_ms, generate_ms, e2e_ms}}``. With ``stream``: server-sent
+    events ``token`` (``{text, token_ids}``) as tokens arrive, then ``done`` (the
+    answer without its text) or ``error`` (an error body). Errors: 422 invalid
+    request, 400 unsupported value, 503 (Retry-After) when full, 504 past
+    REQUEST_TIMEOUT_S.
+    """
+    body = await parse_body(request, GenerateBody)
+    client: WorkerClient = request.app.state.client
+    metrics: Metrics = request.app.state.metrics
+    check_max_new_tokens(body.max_new_tokens, client.config.max_new_tokens_limit, "max_new_tokens")
+    work = GenerateRequest(
+        request_id=new_request_id(),
+        prompt=body.prompt,
+        max_new_tokens=body.max_new_tokens,
+        stop_token_ids=body.stop_token_ids,
+        stop=stop_strings(body.stop),
+        ignore_eos=body.ignore_eos,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stream=body.stream,
+    )
+    accepted = accept(client, work, client.config.request_timeout_s, metrics, ENDPOINT)
+    client_request_id = body.request_id or work.request_id
+    if body.stream:
+        return await stream_response(
+            request, client, accepted, _GenerateStream(client, client_request_id, accepted)
+        )
+    try:
+        result = await final_result(request, client, accepted)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    answer = _answer(client, client_request_id, accepted, result)
+    answer["text"] = result.text
+    return JSONResponse(answer)
+
+
+def _answer(
+    client: WorkerClient, request_id: str, accepted: Accepted, result: GenerateResult
+) -> dict[str, Any]:
+    hello = client.liveness.hello
+    # After a replay, a stream's result counts only the tokens of the last attempt.
+    num_resumed = max(0, len(accepted.entry.streamed_token_ids) - result.completion_tokens)
+    return {
+        "request_id": request_id,
+        "model": hello.model if hello else None,
+        "random_weights": hello.is_random_weights if hello else None,
+        "finish_reason": result.finish_reason,
+        "usage": {
+            "prompt_tokens": max(0, result.prompt_tokens - num_resumed),
+            "completion_tokens": result.completion_tokens + num_resumed,
+        },
+        "metrics": {
+            "queue_wait_ms": round(result.queue_wait_ms, 3),
+            "generate_ms": round(result.generate_ms, 3),
+            "e2e_ms": round((time.monotonic() - accepted.started_at) * 1000, 3),
+        },
+    }
+
+
+class _GenerateStream:
+    def __init__(self, client: WorkerClient, request_id: str, accepted: Accepted) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.accepted = accepted
+
+    def delta(self, delta: TokenDelta) -> str | None:
+        return sse_frame({"text": delta.text, "token_ids": delta.token_ids}, "token")
+
+    def final(self, result: GenerateResult) -> list[str]:
+        answer = _answer(self.client, self.request_id, self.accepted, result)
+        return [sse_frame(answer, "done")]
+
+    def error(self, error: ApiError) -> list[str]:
+        return [sse_frame(error_body(error), "error")]

@@ -1,0 +1,108 @@
+"""GET /openapi.json: the HTTP API described from the same pydantic models that
+validate request bodies, so the description cannot drift from the checks."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from frontend import __doc__ as frontend_doc
+from frontend.schemas import CompletionBody, GenerateBody
+
+_REF = "#/components/schemas/{model}"
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string", "description": "what was wrong and what to do"},
+                "type": {"type": "string"},
+                "code": {"type": ["string", "null"]},
+                "param": {"type": ["string", "null"], "description": "the field at fault"},
+            },
+        }
+    },
+}
+_ANSWER = {"type": "object"}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    reasons = {
+        400: "a parameter value this server does not support",
+        404: "unknown model",
+        422: "an invalid request; the message names the field",
+        503: "no live worker, or the queue is full: retry after Retry-After seconds",
+        504: "no answer within REQUEST_TIMEOUT_S",
+    }
+    return {
+        str(status): {
+            "description": reasons[status],
+            "content": {"application/json": {"schema": {"$ref": _REF.format(model="Error")}}},
+        }
+        for status in statuses
+    }
+
+
+def _post(summary: str, body: str, *errors: int) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": _REF.format(model=body)}}},
+            },
+            "responses": {
+                "200": {
+                    "description": "the answer, or server-sent events when stream is true",
+                    "content": {"application/json": {"schema": _ANSWER}, **_SSE},
+                },
+                **_errors(*errors),
+            },
+        }
+    }
+
+
+def _get(summary: str, media_type: str = "application/json", *errors: int) -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {
+                "200": {"description": summary, "content": {media_type: {"schema": _ANSWER}}},
+                **_errors(*errors),
+            },
+        }
+    }
+
+
+@functools.cache
+def openapi_schema() -> dict[str, Any]:
+    _, definitions = models_json_schema(
+        [(GenerateBody, "validation"), (CompletionBody, "validation")], ref_template=_REF
+    )
+    schemas = {**definitions["$defs"], "Error": _ERROR}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "MiniBatch-LLM",
+            "version": "1",
+            "description": (frontend_doc or "").strip(),
+        },
+        "paths": {
+            "/generate": _post("Generate text after a prompt", "GenerateBody", 400, 422, 503, 504),
+            "/v1/completions": _post(
+                "OpenAI-compatible completion", "CompletionBody", 400, 404, 422, 503, 504
+            ),
+            "/v1/models": _get("The served model", "application/json", 503),
+            "/health": _get("Worker liveness; 503 when no worker is live"),
+            "/ready": _get("200 when a worker is live and there is room for requests"),
+            "/metrics": _get("Prometheus metrics", "text/plain"),
+        },
+        "components": {"schemas": schemas},
+    }

@@ -1,0 +1,103 @@
+"""Server-sent events: one accepted request's deltas, then its final event.
+
+Each endpoint supplies a `StreamFormat` that turns deltas, the result and a late
+error into SSE frames. The response starts only once the first event arrives, so
+a request the worker refuses outright (say, a prompt beyond the context window)
+still gets a plain HTTP error; an error after that goes out as an event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from typing import Protocol
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from frontend.errors import ApiError
+from frontend.generation import (
+    CLIENT_CLOSED_REQUEST,
+    Accepted,
+    ClientGone,
+    abandon,
+    next_event,
+)
+from frontend.metrics import NO_FINISH_REASON
+from frontend.worker_client import WorkerClient
+from protocol import GenerateResult, TokenDelta
+
+
+class StreamFormat(Protocol):
+    def delta(self, delta: TokenDelta) -> str | None:
+        """The frame for one delta, or None to send nothing for it."""
+
+    def final(self, result: GenerateResult) -> list[str]:
+        """The frames that end a stream with a result."""
+
+    def error(self, error: ApiError) -> list[str]:
+        """The frames that end a stream with an error."""
+
+
+def sse_frame(data: object, event: str | None = None) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n"
+
+
+async def stream_response(
+    http_request: Request, client: WorkerClient, accepted: Accepted, stream_format: StreamFormat
+) -> Response:
+    """Stream a request's events; raises ApiError if it fails before its first event."""
+    try:
+        first = await next_event(http_request, client, accepted)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    frames = _frames(http_request, client, accepted, stream_format, first)
+    return _SseResponse(frames)
+
+
+async def _frames(
+    http_request: Request,
+    client: WorkerClient,
+    accepted: Accepted,
+    stream_format: StreamFormat,
+    event: TokenDelta | GenerateResult,
+) -> AsyncGenerator[str, None]:
+    try:
+        while isinstance(event, TokenDelta):
+            frame = stream_format.delta(event)
+            if frame is not None:
+                yield frame
+            try:
+                event = await next_event(http_request, client, accepted)
+            except ApiError as exc:
+                accepted.metrics.count_request(accepted.endpoint, exc.status, NO_FINISH_REASON)
+                for frame in stream_format.error(exc):
+                    yield frame
+                return
+            except ClientGone:
+                return
+        for frame in stream_format.final(event):
+            yield frame
+    finally:
+        abandon(client, accepted)
+
+
+class _SseResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, frames: AsyncGenerator[str, None]) -> None:
+        # X-Accel-Buffering: nginx would otherwise hold events back in its buffer.
+        super().__init__(frames, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._frames = frames
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # When the client disconnects, Starlette cancels the stream, possibly
+            # while the generator waits at a yield; closing it here aborts the
+            # request in the worker now instead of whenever it is collected.
+            await self._frames.aclose()

@@ -1,0 +1,98 @@
+"""GET /metrics, read with prometheus-client's own parser."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.api_stack import ApiStack, api_stack, sse_events
+
+CAPACITY = 4
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[ApiStack]:
+    with api_stack(
+        FAKE_STEP_DELAY_S=0.01, MAX_BATCH_SIZE=CAPACITY, HEARTBEAT_TIMEOUT_S=1.0
+    ) as stack:
+        yield stack
+
+
+def scrape(stack: ApiStack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample, keyed by (name, sorted labels)."""
+    response = httpx.get(f"{stack.base_url}/metrics", timeout=5)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def value(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_requests_tokens_and_latencies_are_counted(stack: ApiStack) -> None:
+    before = scrape(stack)
+    url = stack.base_url
+    answer = httpx.post(f"{url}/generate", json={"prompt": "abc", "max_new_tokens": 5}, timeout=10)
+    assert answer.status_code == 200
+    body = {"prompt": "abcd", "max_new_tokens": 6, "stream": True}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=10) as response:
+        assert len(list(sse_events(response))) == 7
+    bad = httpx.post(f"{url}/generate", json={"prompt": "abc", "top_p": 0}, timeout=10)
+    assert bad.status_code == 422
+    after = scrape(stack)
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    ok = {"endpoint": "/generate", "status": "200", "finish_reason": "length"}
+    assert grew("minibatch_requests_total", **ok) == 2
+    invalid = {"endpoint": "/generate", "status": "422", "finish_reason": "none"}
+    assert grew("minibatch_requests_total", **invalid) == 1
+    assert grew("minibatch_prompt_tokens_total") == 3 + 4
+    assert grew("minibatch_generation_tokens_total") == 5 + 6
+    assert grew("minibatch_e2e_request_latency_seconds_count") == 2
+    assert grew("minibatch_request_queue_time_seconds_count") == 2
+    assert grew("minibatch_time_to_first_token_seconds_count") == 1  # the streaming one
+    assert grew("minibatch_inter_token_latency_seconds_count") == 6 - 1
+    assert grew("minibatch_e2e_request_latency_seconds_sum") > 0
+
+
+def test_worker_gauges_follow_heartbeats(stack: ApiStack) -> None:
+    samples = scrape(stack)
+    assert value(samples, "minibatch_worker_up") == 1
+    running = value(samples, "minibatch_num_requests_running")
+    assert value(samples, "minibatch_free_slots") == CAPACITY - running
+    body = {"prompt": "busy", "max_new_tokens": 300, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/generate", json=body, timeout=10) as response:
+        reader = sse_events(response)
+        next(reader)
+        stack.wait_until("running", lambda h: h["active"] == 1)
+        samples = scrape(stack)
+        assert value(samples, "minibatch_num_requests_running") == 1
+        assert value(samples, "minibatch_num_requests_waiting") == 0
+        assert value(samples, "minibatch_free_slots") == CAPACITY - 1
+        assert value(samples, "minibatch_frontend_inflight") == 1
+
+
+def test_worker_down_and_restart_are_reported(stack: ApiStack) -> None:
+    assert value(scrape(stack), "minibatch_worker_restarts_total") == 0
+    stack.kill("worker")
+    stack.wait_until("down", lambda h: h["worker"] == "dead")
+    samples = scrape(stack)
+    assert value(samples, "minibatch_worker_up") == 0
+    assert ("minibatch_num_requests_running", ()) not in samples  # stale: left out
+    stack.start("worker", "worker.main")
+    stack.wait_until("back", lambda h: h["status"] == "ok")
+    samples = scrape(stack)
+    assert value(samples, "minibatch_worker_up") == 1
+    assert value(samples, "minibatch_worker_restarts_total") == 1

@@ -1,0 +1,216 @@
+"""Finishing rules and incremental detokenization of one sequence."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from protocol import GenerateRequest
+from worker.fake_engine import CharTokenizer
+from worker.sequence import Sequence
+
+EOS = 0
+
+
+class ByteTokenizer:
+    """Each token is one UTF-8 byte, so a multi-byte character spans tokens."""
+
+    eos_token_id: int | None = EOS
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: Seq[int]) -> str:
+        return bytes(token_ids).decode(errors="replace")
+
+
+def make(
+    tokenizer: CharTokenizer | ByteTokenizer | None = None,
+    max_new_tokens: int = 64,
+    **fields: object,
+) -> Sequence:
+    tokenizer = tokenizer or ByteTokenizer()
+    request = GenerateRequest("r", "p", max_new_tokens, **fields)  # type: ignore[arg-type]
+    return Sequence(request, tokenizer.encode("p"), tokenizer, slot=0)
+
+
+def feed(seq: Sequence, text: str | bytes) -> list[str]:
+    """Append the text's tokens one at a time; return the streamed text deltas."""
+    token_ids = list(text.encode() if isinstance(text, str) else text)
+    deltas = []
+    for token_id in token_ids:
+        if seq.finish_reason is not None:
+            break
+        seq.append(token_id)
+        deltas.append(seq.take_delta()[1])
+    return deltas
+
+
+def test_stop_string_split_across_tokens_cuts_the_output_before_it() -> None:
+    seq = make(stop=["END"])
+    feed(seq, "abcENDxyz")
+    assert seq.finish_reason == "stop"
+    assert seq.final_text() == "abc"
+    assert len(seq.output_token_ids) == len("abcEND")
+
+
+def test_stop_string_inside_one_multi_char_token_is_found() -> None:
+    seq = make(CharTokenizer(), stop=["b"])
+    seq.append(ord("a"))
+    assert seq.finish_reason is None
+    seq.append(ord("b"))
+    assert seq.finish_reason == "stop"
+    assert seq.final_text() == "a"
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    # "cd" and "bcd" both complete with the token "d"; "bcd" starts earlier.
+    seq = make(CharTokenizer(), stop=["xyz", "cd", "bcd"])
+    feed_chars(seq, "abcde")
+    assert seq.finish_reason == "stop"
+    assert seq.final_text() == "a"
+
+
+def feed_chars(seq: Sequence, text: str) -> None:
+    for char in text:
+        if seq.finish_reason is None:
+            seq.append(ord(char))
+
+
+def test_earliest_stop_string_wins_when_both_complete_in_one_token() -> None:
+    tokenizer = MultiCharTokenizer({1: "a", 2: "XYZW"})
+    seq = make(tokenizer, stop=["ZW", "XY"])  # type: ignore[arg-type]
+    seq.append(1)
+    seq.append(2)
+    assert seq.finish_reason == "stop"
+    assert seq.final_text() == "a"
+
+
+class MultiCharTokenizer:
+    eos_token_id: int | None = None
+
+    def __init__(self, vocab: dict[int, str]) -> None:
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [1]
+
+    def decode(self, token_ids: Seq[int]) -> str:
+        return "".join(self.vocab[t] for t in token_ids)
+
+
+def test_streaming_never_emits_a_stop_string_prefix_that_becomes_a_stop() -> None:
+    seq = make(stop=["STOP"], stream=True)
+    deltas = feed(seq, "go ST STO STOP tail")
+    assert seq.finish_reason == "stop"
+    assert "".join(deltas) == "go ST STO "
+    assert seq.final_text() == "go ST STO "
+    for delta in deltas:
+        assert "STOP" not in delta
+
+
+def test_held_back_stop_prefix_is_released_when_it_does_not_complete() -> None:
+    seq = make(stop=["abc"], stream=True)
+    deltas = feed(seq, "xab")
+    assert "".join(deltas) == "x"  # "ab" might still become "abc"
+    deltas += feed(seq, "d")
+    assert "".join(deltas) == "xabd"
+
+
+def test_held_back_stop_prefix_is_released_at_length() -> None:
+    seq = make(max_new_tokens=3, stop=["abc"], stream=True)
+    deltas = feed(seq, "xab")
+    assert seq.finish_reason == "length"
+    assert "".join(deltas) == "xab"
+
+
+def test_multi_byte_characters_are_never_split_across_deltas() -> None:
+    text = "añ€😀z"
+    seq = make(stream=True)
+    deltas = feed(seq, text)
+    assert "".join(deltas) == text
+    for delta in deltas:
+        assert "\ufffd" not in delta
+    assert [d for d in deltas if d] == ["a", "ñ", "€", "😀", "z"]
+
+
+def test_stop_string_after_a_multi_byte_character() -> None:
+    seq = make(stop=["é!"], stream=True)
+    deltas = feed(seq, "caf\u00e9!more")
+    assert seq.finish_reason == "stop"
+    assert "".join(deltas) == "caf"
+    assert seq.final_text() == "caf"
+
+
+class BytesVocabTokenizer:
+    """Tokens are byte strings, like byte-level BPE: one may end mid-character."""
+
+    eos_token_id: int | None = None
+
+    def __init__(self, vocab: dict[int, bytes]) -> None:
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [1]
+
+    def decode(self, token_ids: Seq[int]) -> str:
+        return b"".join(self.vocab[t] for t in token_ids).decode(errors="replace")
+
+
+def test_stop_string_is_found_when_length_ends_inside_a_held_back_character() -> None:
+    # The last token holds a stop string and then starts a multi-byte character:
+    # its text is held back, but the finish reason is still stop, not length.
+    tokenizer = BytesVocabTokenizer({1: b"a", 2: b"x\xc3"})
+    seq = make(tokenizer, max_new_tokens=2, stop=["x"])  # type: ignore[arg-type]
+    seq.append(1)
+    seq.append(2)
+    assert seq.finish_reason == "stop"
+    assert seq.final_text() == "a"
+
+
+def test_invalid_utf8_is_released_after_a_few_tokens() -> None:
+    seq = make(stream=True)
+    deltas = feed(seq, b"a" + b"\xff" * 8)
+    assert "".join(deltas).startswith("a\ufffd")
+    assert seq.finish_reason is None
+
+
+def test_stop_token_id_ends_the_sequence_and_is_not_in_the_text() -> None:
+    seq = make(stop_token_ids=[ord("#")])
+    feed(seq, "ab#cd")
+    assert seq.finish_reason == "stop"
+    assert seq.output_token_ids[-1] == ord("#")
+    assert seq.final_text() == "ab"
+
+
+def test_eos_ends_the_sequence() -> None:
+    seq = make()
+    feed(seq, b"ab\x00cd")
+    assert seq.finish_reason == "stop"
+    assert seq.final_text() == "ab"
+
+
+def test_ignore_eos_generates_through_eos_until_length() -> None:
+    seq = make(max_new_tokens=5, ignore_eos=True)
+    feed(seq, b"ab\x00cd")
+    assert seq.finish_reason == "length"
+    assert len(seq.output_token_ids) == 5
+
+
+def test_ignore_eos_still_honours_stop_token_ids() -> None:
+    seq = make(ignore_eos=True, stop_token_ids=[ord("c")])
+    feed(seq, b"ab\x00cd")
+    assert seq.finish_reason == "stop"
+    assert seq.final_text() == "ab\x00"
+
+
+def test_length_finishes_at_max_new_tokens() -> None:
+    seq = make(max_new_tokens=3)
+    feed(seq, "abcdef")
+    assert seq.finish_reason == "length"
+    assert seq.final_text() == "abc"
+
+
+def test_streamed_deltas_add_up_to_the_final_text() -> None:
+    seq = make(stream=True, stop=["zz"])
+    deltas = feed(seq, "héllo wörld zz")
+    assert "".join(deltas) == seq.final_text() == "héllo wörld "
