@@ -44,15 +44,15 @@ class Stack:
 
     def start(self, name: str, module: str) -> subprocess.Popen[bytes]:
         assert self.log_dir is not None
-        log = (self.log_dir / f"{name}.log").open("ab")
-        process = subprocess.Popen(
-            [sys.executable, "-m", module],
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            start_new_session=True,  # so that a test can kill the whole group
-        )
+        with (self.log_dir / f"{name}.log").open("ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", module],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                start_new_session=True,  # so that a test can kill the whole group
+            )
         self.processes[name] = process
         return process
 

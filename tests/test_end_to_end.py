@@ -1,0 +1,96 @@
+"""The whole request path: a worker and a frontend as two real OS processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from tests.stack import REPO_ROOT, Stack, running_stack
+from worker.fake_engine import expected_text
+
+
+async def _generate_all(url: str, bodies: list[dict[str, object]]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        return await asyncio.gather(*(client.post("/generate", json=body) for body in bodies))
+
+
+def generate_all(stack: Stack, bodies: list[dict[str, object]]) -> list[httpx.Response]:
+    return asyncio.run(_generate_all(stack.url, bodies))
+
+
+def test_fifty_concurrent_requests_each_get_their_own_text(tmp_path: Path) -> None:
+    overrides = {"MAX_BATCH_SIZE": "4", "FAKE_STEP_DELAY_S": "0.002"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        bodies: list[dict[str, object]] = [
+            {"prompt": f"request number {i}", "max_new_tokens": 1 + i % 13} for i in range(50)
+        ]
+        responses = generate_all(stack, bodies)
+    for body, response in zip(bodies, responses, strict=True):
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["text"] == expected_text(
+            str(body["prompt"]), int(str(body["max_new_tokens"]))
+        )
+        assert answer["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == body["max_new_tokens"]
+        assert answer["model"] == "fake"
+        assert set(answer["metrics"]) == {"queue_wait_ms", "generate_ms", "e2e_ms"}
+
+
+def test_two_concurrent_requests_with_the_same_id_get_their_own_answers(tmp_path: Path) -> None:
+    with running_stack(tmp_path, {"FAKE_STEP_DELAY_S": "0.01"}, supervised=False) as stack:
+        stack.wait_live()
+        bodies: list[dict[str, object]] = [
+            {"request_id": "same", "prompt": prompt, "max_new_tokens": 12}
+            for prompt in ("first prompt", "second prompt")
+        ]
+        responses = generate_all(stack, bodies)
+    for body, response in zip(bodies, responses, strict=True):
+        assert response.json()["request_id"] == "same"
+        assert response.json()["text"] == expected_text(str(body["prompt"]), 12)
+
+
+def test_health_names_the_model_and_is_503_without_a_worker(tmp_path: Path) -> None:
+    with running_stack(tmp_path, supervised=False, start=("frontend",)) as stack:
+        stack.wait_until(lambda: _answers(stack), "frontend start")
+        response = stack.health()
+        assert response.status_code == 503
+        assert response.json()["worker"] == "connecting"
+        stack.start("worker", "worker.main")
+        health = stack.wait_live()
+        assert (health["model"], health["random_weights"]) == ("fake", True)
+
+
+def _answers(stack: Stack) -> bool:
+    try:
+        stack.health()
+    except httpx.TransportError:
+        return False
+    return True
+
+
+def test_the_launcher_restarts_a_killed_worker_and_serving_resumes(tmp_path: Path) -> None:
+    with running_stack(tmp_path) as stack:
+        first = stack.wait_live()
+        stack.signal_worker(signal.SIGKILL)
+        second = stack.wait_live(instance_not=str(first["instance_id"]))
+        assert second["worker_restarts"] == 1
+        (response,) = generate_all(stack, [{"prompt": "after", "max_new_tokens": 3}])
+        assert response.json()["text"] == expected_text("after", 3)
+        assert "worker stopped (killed by SIGKILL); restart #1" in stack.log("supervisor")
+
+
+def test_the_frontend_never_imports_torch_or_transformers() -> None:
+    probe = (
+        "import sys, frontend.main, frontend.app, protocol, protocol.config, protocol.liveness\n"
+        "import worker.supervisor, worker.probe\n"
+        "leaked = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "assert not leaked, leaked\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, check=True)

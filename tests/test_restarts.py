@@ -1,0 +1,163 @@
+"""A worker or frontend that dies, hangs or is too slow loses no request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from tests.stack import Stack, running_stack
+from worker.fake_engine import expected_text
+
+CAPACITY = 4
+
+
+def _post(stack: Stack, body: dict[str, object], timeout_s: float = 60) -> httpx.Response:
+    return httpx.post(f"{stack.url}/generate", json=body, timeout=timeout_s)
+
+
+def _in_background(
+    stack: Stack, bodies: list[dict[str, object]]
+) -> tuple[ThreadPoolExecutor, list[Future[httpx.Response]]]:
+    pool = ThreadPoolExecutor(max_workers=len(bodies))
+    return pool, [pool.submit(_post, stack, body) for body in bodies]
+
+
+def _health_field(stack: Stack, name: str) -> Callable[[], object]:
+    return lambda: stack.health().json()[name]
+
+
+def _bodies(count: int, max_new_tokens: int) -> list[dict[str, object]]:
+    return [{"prompt": f"in flight {i}", "max_new_tokens": max_new_tokens} for i in range(count)]
+
+
+def _assert_fault_free_answers(
+    bodies: list[dict[str, object]], futures: list[Future[httpx.Response]]
+) -> None:
+    for body, future in zip(bodies, futures, strict=True):
+        response = future.result(timeout=60)
+        assert response.status_code == 200, response.text
+        expected = expected_text(str(body["prompt"]), int(str(body["max_new_tokens"])))
+        assert response.json()["text"] == expected
+
+
+def test_kill_9_with_twice_capacity_in_flight_loses_nothing(tmp_path: Path) -> None:
+    overrides = {"MAX_BATCH_SIZE": str(CAPACITY), "FAKE_STEP_DELAY_S": "0.02"}
+    with running_stack(tmp_path, overrides) as stack:
+        first = stack.wait_live()
+        bodies = _bodies(3 * CAPACITY, max_new_tokens=40)
+        pool, futures = _in_background(stack, bodies)
+        stack.wait_until(lambda: _health_field(stack, "inflight")() == len(bodies), "all in flight")
+        stack.wait_until(lambda: _health_field(stack, "active")() == CAPACITY, "slots busy")
+        stack.signal_worker(signal.SIGKILL)
+        _assert_fault_free_answers(bodies, futures)
+        pool.shutdown()
+        health = stack.wait_live(instance_not=str(first["instance_id"]))
+        assert health["worker_restarts"] == 1
+        assert health["inflight"] == 0
+        assert f"replaying {len(bodies)} requests" in stack.log("supervisor")
+
+
+def test_a_stopped_worker_is_declared_dead_and_replaced(tmp_path: Path) -> None:
+    overrides = {"MAX_BATCH_SIZE": str(CAPACITY), "FAKE_STEP_DELAY_S": "0.02"}
+    with running_stack(tmp_path, overrides) as stack:
+        first = stack.wait_live()
+        bodies = _bodies(2 * CAPACITY, max_new_tokens=30)
+        pool, futures = _in_background(stack, bodies)
+        stack.wait_until(lambda: _health_field(stack, "active")() == CAPACITY, "slots busy")
+        stack.signal_worker(signal.SIGSTOP)
+        stack.wait_until(lambda: _health_field(stack, "worker")() == "dead", "dead verdict")
+        _assert_fault_free_answers(bodies, futures)
+        pool.shutdown()
+        stack.wait_live(instance_not=str(first["instance_id"]))
+        assert "killing worker" in stack.log("supervisor")
+
+
+def test_a_worker_without_progress_is_declared_hung_and_replaced(tmp_path: Path) -> None:
+    # Each step takes longer than STEP_TIMEOUT_S, but the worker's heartbeats go on.
+    overrides = {"FAKE_STEP_DELAY_S": "4", "STEP_TIMEOUT_S": "1.5", "HEARTBEAT_TIMEOUT_S": "3"}
+    with running_stack(tmp_path, overrides) as stack:
+        first = stack.wait_live()
+        pool, futures = _in_background(stack, _bodies(1, max_new_tokens=5))
+        stack.wait_until(lambda: _health_field(stack, "worker")() == "hung", "hung verdict")
+        assert "made no progress" in stack.health().json()["reason"]
+        stack.wait_until(
+            lambda: stack.health().json()["instance_id"] not in (None, first["instance_id"]),
+            "a replacement worker",
+        )
+        assert "made no progress" in stack.log("supervisor")
+        for future in futures:
+            future.cancel()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def test_past_its_deadline_a_request_gets_504_and_its_slot_is_freed(tmp_path: Path) -> None:
+    overrides = {"REQUEST_TIMEOUT_S": "1", "FAKE_STEP_DELAY_S": "0.05"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        started = time.monotonic()
+        response = _post(stack, {"prompt": "slow", "max_new_tokens": 200})
+        assert response.status_code == 504
+        assert "REQUEST_TIMEOUT_S=1" in response.json()["error"]["message"]
+        assert time.monotonic() - started < 5
+        stack.wait_until(lambda: _health_field(stack, "active")() == 0, "slot freed", 2)
+
+
+def test_requests_wait_for_a_worker_and_succeed_when_it_arrives(tmp_path: Path) -> None:
+    with running_stack(tmp_path, supervised=False, start=("frontend",)) as stack:
+        stack.wait_until(lambda: _responds(stack, "/ready"), "frontend start")
+        ready = httpx.get(f"{stack.url}/ready", timeout=5)
+        assert ready.status_code == 503
+        bodies = _bodies(3, max_new_tokens=4)
+        pool, futures = _in_background(stack, bodies)
+        stack.wait_until(lambda: _health_field(stack, "inflight")() == 3, "requests waiting")
+        stack.start("worker", "worker.main")
+        _assert_fault_free_answers(bodies, futures)
+        pool.shutdown()
+        assert httpx.get(f"{stack.url}/ready", timeout=5).status_code == 200
+
+
+def _responds(stack: Stack, path: str) -> bool:
+    try:
+        httpx.get(f"{stack.url}{path}", timeout=5)
+    except httpx.TransportError:
+        return False
+    return True
+
+
+def test_after_a_frontend_restart_the_worker_frees_the_lost_slots_and_serves(
+    tmp_path: Path,
+) -> None:
+    overrides = {"FRONTEND_TIMEOUT_S": "1", "FAKE_STEP_DELAY_S": "0.05"}
+    with running_stack(tmp_path, overrides) as stack:
+        stack.wait_live()
+        pool, futures = _in_background(stack, _bodies(2, max_new_tokens=400))
+        stack.wait_until(lambda: _health_field(stack, "active")() == 2, "slots busy")
+        os.kill(stack.frontend_pid(), signal.SIGKILL)
+        for future in futures:
+            assert isinstance(future.exception(timeout=30), httpx.TransportError)
+        pool.shutdown()
+        stack.wait_live()
+        response = _post(stack, {"prompt": "new frontend", "max_new_tokens": 3})
+        assert response.json()["text"] == expected_text("new frontend", 3)
+        stack.wait_until(lambda: _health_field(stack, "active")() == 0, "orphans aborted", 5)
+
+
+def test_a_crash_loop_is_reported_and_not_retried_forever(tmp_path: Path) -> None:
+    overrides = {"MAX_BATCH_SIZE": "0", "CRASH_LOOP_LIMIT": "3", "RESTART_BACKOFF_S": "0.1"}
+    with running_stack(tmp_path, overrides) as stack:
+        supervisor = stack.processes["supervisor"]
+        try:
+            code = supervisor.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"supervisor still retrying\n{stack.logs()}") from None
+        assert code != 0
+        log = stack.log("supervisor")
+        assert "MAX_BATCH_SIZE must be > 0" in log
+        assert "giving up: worker died before serving 3 times in a row" in log
