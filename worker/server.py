@@ -190,7 +190,8 @@ class _Routing:
     def receive(self, identity: bytes, frame: bytes) -> list[ToWorker]:
         """Decode one frame; return what the engine thread must act on."""
         if identity not in self.last_seen:
-            log.info("frontend %s connected", identity.hex())
+            # Debug level: health probes connect as short-lived frontends.
+            log.debug("frontend %s connected", identity.hex())
             self.router.send_multipart([identity, self.hello])
         self.last_seen[identity] = time.monotonic()
         try:
@@ -225,11 +226,13 @@ class _Routing:
             return []
         orphans = [rid for rid, identity in self.routes.items() if identity in gone]
         for identity in gone:
-            log.warning(
+            num_orphans = sum(1 for rid in orphans if self.routes[rid] == identity)
+            log.log(
+                logging.WARNING if num_orphans else logging.DEBUG,
                 "frontend %s sent nothing for %.0f s; aborting its %d requests",
                 identity.hex(),
                 self.frontend_timeout_s,
-                sum(1 for rid in orphans if self.routes[rid] == identity),
+                num_orphans,
             )
             del self.last_seen[identity]
         for request_id in orphans:
