@@ -4,10 +4,8 @@ Two entry points: `prefill` runs newcomers' whole prompts into their slots and
 returns logits at each prompt's last position only; `decode` feeds one token per
 slot at that slot's own position and attends only up to the longest live row.
 
-Matrix layouts were chosen by profiling decode's tall, skinny products on CPU:
-the projections keep the (out, in) layout of `F.linear`, and the LM head is
-computed as ``wte @ h.T`` (vocab, rows), which MKL runs ~1.6x faster at 2-8 rows
-than the mathematically equal ``h @ wte.T`` that `F.linear` would issue.
+Every matrix product goes through `Projection`, which picks the layout that
+profiling found fastest for decode's tall, skinny shapes.
 """
 
 from __future__ import annotations
@@ -20,40 +18,33 @@ import torch.nn.functional as F
 from transformers import GPT2LMHeadModel
 
 from worker.kv_cache import SlotKVCache
+from worker.projection import Projection
 
 
 @dataclass(frozen=True)
 class _Layer:
     ln_1: tuple[torch.Tensor, torch.Tensor]
-    attn_w: torch.Tensor  # (3 * C, C)
-    attn_b: torch.Tensor
-    proj_w: torch.Tensor  # (C, C)
-    proj_b: torch.Tensor
+    attn: Projection  # C -> 3C
+    proj: Projection  # C -> C
     ln_2: tuple[torch.Tensor, torch.Tensor]
-    fc_w: torch.Tensor  # (4 * C, C)
-    fc_b: torch.Tensor
-    out_w: torch.Tensor  # (C, 4 * C)
-    out_b: torch.Tensor
+    fc: Projection  # C -> 4C
+    out: Projection  # 4C -> C
 
 
-def _transposed(weight: torch.Tensor) -> torch.Tensor:
-    # HF's Conv1D stores (in, out); F.linear wants (out, in).
-    return weight.detach().t().contiguous()
+def _conv1d(conv: Any) -> Projection:
+    # HF's Conv1D stores its weight (in, out); a projection takes (out, in).
+    return Projection(conv.weight.detach().t(), conv.bias)
 
 
 def _layer(block: Any) -> _Layer:
     """The weights of one HF ``GPT2Block``."""
     return _Layer(
         ln_1=(block.ln_1.weight.detach(), block.ln_1.bias.detach()),
-        attn_w=_transposed(block.attn.c_attn.weight),
-        attn_b=block.attn.c_attn.bias.detach(),
-        proj_w=_transposed(block.attn.c_proj.weight),
-        proj_b=block.attn.c_proj.bias.detach(),
+        attn=_conv1d(block.attn.c_attn),
+        proj=_conv1d(block.attn.c_proj),
         ln_2=(block.ln_2.weight.detach(), block.ln_2.bias.detach()),
-        fc_w=_transposed(block.mlp.c_fc.weight),
-        fc_b=block.mlp.c_fc.bias.detach(),
-        out_w=_transposed(block.mlp.c_proj.weight),
-        out_b=block.mlp.c_proj.bias.detach(),
+        fc=_conv1d(block.mlp.c_fc),
+        out=_conv1d(block.mlp.c_proj),
     )
 
 
@@ -69,12 +60,11 @@ class GPT2:
         if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported GPT-2 activation {config.activation_function!r}")
         body = model.transformer
-        self.wte = body.wte.weight.detach()  # (V, C), shared with the LM head
+        self.wte = body.wte.weight.detach()  # (V, C)
         self.wpe = body.wpe.weight.detach()  # (context, C)
         self.ln_f = (body.ln_f.weight.detach(), body.ln_f.bias.detach())
-        self.lm_head: torch.Tensor = (
-            model.lm_head.weight.detach()
-        )  # (V, C); the same tensor as wte when tied
+        self.vocab_size = int(model.lm_head.weight.shape[0])
+        self.lm_head = Projection(model.lm_head.weight, None)  # C -> V
         self.layers = [_layer(block) for block in body.h]
 
     @property
@@ -84,10 +74,6 @@ class GPT2:
     @property
     def dtype(self) -> torch.dtype:
         return self.wte.dtype
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.lm_head.shape[0])
 
     def new_cache(self, num_slots: int) -> SlotKVCache:
         return SlotKVCache(
@@ -116,10 +102,10 @@ class GPT2:
         x = self.wte[token_ids] + self.wpe[positions]  # (B, T, C)
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
-            q, k, v = self._split_heads(F.linear(h, layer.attn_w, layer.attn_b))  # (B, H, T, D)
+            q, k, v = self._split_heads(layer.attn(h))  # (B, H, T, D)
             cache.write_prompts(index, slots, k, v)
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-            x = x + F.linear(self._merge_heads(attn), layer.proj_w, layer.proj_b)
+            x = x + layer.proj(self._merge_heads(attn))
             x = x + self._mlp(x, layer)
         last = x[torch.arange(num_rows, device=x.device), lengths - 1]  # (B, C)
         return self._logits(last)
@@ -142,11 +128,11 @@ class GPT2:
         visible = (key_positions[None, :] <= positions[:, None])[:, None, None, :]
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
-            q, k, v = self._split_heads(F.linear(h, layer.attn_w, layer.attn_b))  # (R, H, 1, D)
+            q, k, v = self._split_heads(layer.attn(h))  # (R, H, 1, D)
             cache.write_tokens(index, rows, positions, k[:, :, 0], v[:, :, 0])
             keys, values = cache.read(index, num_rows, attend_len)  # (R, H, L, D)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
-            x = x + F.linear(self._merge_heads(attn), layer.proj_w, layer.proj_b)
+            x = x + layer.proj(self._merge_heads(attn))
             x = x + self._mlp(x, layer)
         return self._logits(x[:, 0])
 
@@ -164,9 +150,9 @@ class GPT2:
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
         h = F.layer_norm(x, (self.width,), *layer.ln_2, self.eps)
-        h = F.gelu(F.linear(h, layer.fc_w, layer.fc_b), approximate="tanh")  # (B, T, 4C)
-        return F.linear(h, layer.out_w, layer.out_b)
+        h = F.gelu(layer.fc(h), approximate="tanh")  # (B, T, 4C)
+        return layer.out(h)
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         h = F.layer_norm(last, (self.width,), *self.ln_f, self.eps)  # (B, C)
-        return (self.lm_head @ h.t()).t()  # (V, B) product, returned as a (B, V) view
+        return self.lm_head(h)  # (B, V)

@@ -16,15 +16,14 @@ from transformers import GPT2LMHeadModel
 
 from protocol import GenerateRequest
 from worker.engine import FinishedSequence
-from worker.model_loader import TextTokenizer
-from worker.sequence import Sequence
+from worker.sequence import Sequence, Tokenizer
 
 # Left padding is masked out, so its id never matters; it is deliberately not EOS.
 PAD_TOKEN_ID = 0
 
 
 class StaticBatchRunner:
-    def __init__(self, model: GPT2LMHeadModel, tokenizer: TextTokenizer, capacity: int) -> None:
+    def __init__(self, model: GPT2LMHeadModel, tokenizer: Tokenizer, capacity: int) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.capacity = capacity
