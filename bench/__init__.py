@@ -1,0 +1,1 @@
+"""Benchmarks and load generators: scripts a user runs, which print tables."""

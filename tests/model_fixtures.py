@@ -1,0 +1,100 @@
+"""Small synthetic GPT-2s for the model tests, and the reference they are held to.
+
+Random weights give nearly flat logits, where float noise between a batched and
+a single run can flip an argmax. The test model's output scale is multiplied up
+so that the top token leads by a wide margin and parity is a stable check. Its LM
+head is untied from the input embedding: a random tied model mostly predicts its
+own input token, and a run of one repeated token would prove little.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GPT2LMHeadModel
+
+from protocol import GenerateRequest
+from worker.engine import FinishedSequence
+from worker.model_loader import LoadedModel, synthetic_config, synthetic_model
+from worker.torch_engine import TorchEngine
+
+VOCAB_SIZE = 256
+EOS = VOCAB_SIZE - 1
+CONTEXT_WINDOW = 128
+LOGIT_SCALE = 20.0
+
+
+def tiny_model(seed: int = 0, eos_scale: float = 1.0) -> LoadedModel:
+    """A 2-layer, 64-wide GPT-2 with peaked outputs; ``eos_scale`` > 1 makes EOS likelier."""
+    config = synthetic_config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_positions=CONTEXT_WINDOW,
+        vocab_size=VOCAB_SIZE,
+        eos_token_id=EOS,
+        bos_token_id=EOS,
+        tie_word_embeddings=False,
+    )
+    loaded = synthetic_model(config, seed=seed)
+    with torch.no_grad():
+        loaded.model.transformer.ln_f.weight.mul_(LOGIT_SCALE)
+        loaded.model.lm_head.weight[EOS].mul_(eos_scale)
+    return loaded
+
+
+def tiny_engine(capacity: int, seed: int = 0, eos_scale: float = 1.0) -> TorchEngine:
+    return TorchEngine(tiny_model(seed, eos_scale), capacity)
+
+
+def reference_ids(model: GPT2LMHeadModel, request: GenerateRequest) -> list[int]:
+    """Standalone HF greedy generate for one request, cut where the engine stops."""
+    assert request.prompt_token_ids is not None
+    stop_ids = list(request.stop_token_ids)
+    if not request.ignore_eos:
+        stop_ids.append(model.config.eos_token_id)
+    with torch.inference_mode():
+        output = model.generate(
+            torch.tensor([request.prompt_token_ids]),
+            attention_mask=torch.ones(1, len(request.prompt_token_ids), dtype=torch.long),
+            max_new_tokens=request.max_new_tokens,
+            do_sample=False,
+            eos_token_id=stop_ids or None,
+            pad_token_id=0,
+        )
+    new_ids: list[int] = output[0, len(request.prompt_token_ids) :].tolist()
+    for i, token_id in enumerate(new_ids):
+        if token_id in stop_ids:
+            return new_ids[: i + 1]
+    return new_ids
+
+
+def run_schedule(
+    engine: TorchEngine,
+    arrivals: dict[int, list[GenerateRequest]],
+    aborts: dict[int, list[str]] | None = None,
+) -> dict[str, FinishedSequence]:
+    """Drive ``engine`` like the scheduler: before step s, abort ``aborts[s]`` (queued
+    or active) and queue ``arrivals[s]``; admit FCFS into free slots; step until all
+    are done."""
+    aborts = aborts or {}
+    queue: list[GenerateRequest] = []
+    finished: dict[str, FinishedSequence] = {}
+    last_event = max([*arrivals, *aborts, 0])
+    step = 0
+    while step <= last_event or queue or engine.num_active():
+        for request_id in aborts.get(step, []):
+            queued = [r for r in queue if r.request_id == request_id]
+            for r in queued:
+                queue.remove(r)
+                finished[request_id] = FinishedSequence(request_id, [], "", "abort", 0)
+        for seq in engine.abort(aborts.get(step, [])):
+            finished[seq.request_id] = seq
+        queue.extend(arrivals.get(step, []))
+        num_free = engine.capacity - engine.num_active()
+        if queue and num_free:
+            engine.admit(queue[:num_free])
+            del queue[:num_free]
+        for seq in engine.step().finished:
+            finished[seq.request_id] = seq
+        step += 1
+    return finished

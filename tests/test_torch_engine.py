@@ -1,0 +1,215 @@
+"""Continuous batching on the slot cache gives, token for token, what standalone
+Hugging Face greedy generate gives for each request alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("torch")
+
+from protocol import ErrorCode, GenerateRequest
+from tests.model_fixtures import (
+    CONTEXT_WINDOW,
+    EOS,
+    VOCAB_SIZE,
+    reference_ids,
+    run_schedule,
+    tiny_engine,
+    tiny_model,
+)
+from worker.engine import RequestRejected
+from worker.static_baseline import StaticBatchRunner
+from worker.torch_engine import TorchEngine
+
+pytestmark = pytest.mark.model
+
+
+def request(
+    request_id: str, prompt_ids: list[int], max_new_tokens: int, **kwargs: object
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id,
+        "",
+        max_new_tokens,
+        prompt_token_ids=prompt_ids,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def random_prompt(rng: random.Random, low: int = 1, high: int = 24) -> list[int]:
+    # EOS is left out of prompts so that a prompt never looks finished.
+    return [rng.randrange(VOCAB_SIZE - 1) for _ in range(rng.randint(low, high))]
+
+
+def assert_parity(engine: TorchEngine, requests: list[GenerateRequest], finished: dict) -> None:
+    for r in requests:
+        assert finished[r.request_id].token_ids == reference_ids(engine.model, r), r.request_id
+
+
+def test_default_eos_matches_generate_and_static_runner() -> None:
+    engine = tiny_engine(capacity=4, eos_scale=1.5)
+    rng = random.Random(1)
+    requests = [request(f"r{i}", random_prompt(rng), 40) for i in range(10)]
+    finished = run_schedule(engine, {0: requests})
+    assert_parity(engine, requests, finished)
+    reasons = [finished[r.request_id].finish_reason for r in requests]
+    assert "stop" in reasons and "length" in reasons
+    static = [
+        seq
+        for chunk in StaticBatchRunner(engine.model, engine.tokenizer, 4).run(requests)
+        for seq in chunk
+    ]
+    for seq in static:
+        assert seq.token_ids == finished[seq.request_id].token_ids
+        assert seq.text == finished[seq.request_id].text
+        assert seq.finish_reason == finished[seq.request_id].finish_reason
+
+
+def test_rows_leave_at_their_own_max_new_tokens() -> None:
+    engine = tiny_engine(capacity=4)
+    rng = random.Random(2)
+    budgets = [3, 7, 12, 20]
+    requests = [request(f"r{i}", random_prompt(rng), n) for i, n in enumerate(budgets)]
+    engine.admit(requests)
+    finished = {}
+    num_active_after_step = []
+    while engine.num_active():
+        for seq in engine.step().finished:
+            finished[seq.request_id] = seq
+        num_active_after_step.append(engine.num_active())
+    assert_parity(engine, requests, finished)
+    # The prefill makes token 1, so step s (from 0) makes token s + 2.
+    expected = [sum(n > s + 2 for n in budgets) for s in range(max(budgets) - 1)]
+    assert num_active_after_step == expected
+
+
+def test_pinned_stop_token_fires_mid_batch() -> None:
+    engine = tiny_engine(capacity=3)
+    rng = random.Random(3)
+    prompts = [random_prompt(rng) for _ in range(3)]
+    free_run = reference_ids(engine.model, request("x", prompts[1], 30, ignore_eos=True))
+    # The first token that does not occur earlier in the output, some steps in.
+    index = next(i for i in range(5, 30) if free_run[i] not in free_run[:i])
+    stop_id = free_run[index]
+    requests = [
+        request("a", prompts[0], 30),
+        request("b", prompts[1], 30, stop_token_ids=[stop_id], ignore_eos=True),
+        request("c", prompts[2], 30),
+    ]
+    finished = run_schedule(engine, {0: requests})
+    assert_parity(engine, requests, finished)
+    assert finished["b"].finish_reason == "stop"
+    assert finished["b"].token_ids == free_run[: index + 1]
+
+
+def test_short_sequence_joins_late_and_leaves_first() -> None:
+    engine = tiny_engine(capacity=3)
+    rng = random.Random(4)
+    long_ones = [request(f"long{i}", random_prompt(rng, 10, 30), 30) for i in range(2)]
+    short = request("short", random_prompt(rng, 2, 5), 4)
+    engine.admit(long_ones)
+    finished = {}
+    order = []
+    for step in range(40):
+        if step == 6:
+            engine.admit([short])
+        for seq in engine.step().finished:
+            finished[seq.request_id] = seq
+            order.append(seq.request_id)
+    assert_parity(engine, [*long_ones, short], finished)
+    assert order[0] == "short" and len(order) == 3
+
+
+@pytest.fixture(scope="module")
+def schedule() -> tuple[list[GenerateRequest], dict[int, list[GenerateRequest]], dict]:
+    rng = random.Random(5)
+    requests = [
+        request(
+            f"r{i}", random_prompt(rng, 1, 40), rng.randint(1, 25), ignore_eos=rng.random() < 0.5
+        )
+        for i in range(56)
+    ]
+    arrivals: dict[int, list[GenerateRequest]] = {}
+    aborts: dict[int, list[str]] = {}
+    for r in requests:
+        arrival = rng.randrange(60)
+        arrivals.setdefault(arrival, []).append(r)
+        if rng.random() < 0.15:
+            aborts.setdefault(arrival + rng.randint(0, 6), []).append(r.request_id)
+    return requests, arrivals, aborts
+
+
+@pytest.fixture(scope="module")
+def schedule_references(schedule: tuple) -> dict[str, list[int]]:
+    model = tiny_model(eos_scale=1.5).model
+    return {r.request_id: reference_ids(model, r) for r in schedule[0]}
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 8])
+def test_random_schedule_with_aborts(
+    capacity: int, schedule: tuple, schedule_references: dict[str, list[int]]
+) -> None:
+    requests, arrivals, aborts = schedule
+    finished = run_schedule(tiny_engine(capacity, eos_scale=1.5), arrivals, aborts)
+    assert set(finished) == {r.request_id for r in requests}
+    reasons = {seq.finish_reason for seq in finished.values()}
+    assert {"stop", "length", "abort"} <= reasons
+    for request_id, seq in finished.items():
+        expected = schedule_references[request_id]
+        if seq.finish_reason == "abort":
+            assert seq.token_ids == expected[: len(seq.token_ids)], request_id
+        else:
+            assert seq.token_ids == expected, request_id
+
+
+def test_first_token_that_finishes_is_drained_without_a_decode() -> None:
+    engine = tiny_engine(capacity=2)
+    prompt = random_prompt(random.Random(6))
+    first = reference_ids(engine.model, request("x", prompt, 1, ignore_eos=True))[0]
+    engine.admit([request("done", prompt, 10, stop_token_ids=[first], ignore_eos=True)])
+    decoded = []
+    engine._decode = lambda active: decoded.append(active) or []  # type: ignore[method-assign]
+    output = engine.step()
+    assert [seq.request_id for seq in output.finished] == ["done"]
+    assert decoded == [] and engine.num_active() == 0
+
+
+def test_context_overflow_is_rejected_and_the_batch_is_untouched() -> None:
+    engine = tiny_engine(capacity=3)
+    rng = random.Random(7)
+    live = request("live", random_prompt(rng), 20)
+    engine.admit([live])
+    engine.step()
+    too_long = request("too-long", random_prompt(rng, 100, 100), CONTEXT_WINDOW - 99)
+    with pytest.raises(RequestRejected) as rejected:
+        engine.admit([request("fits", random_prompt(rng), 5), too_long])
+    assert rejected.value.code == ErrorCode.CONTEXT_OVERFLOW
+    assert "100 tokens + max_new_tokens 29 > context window 128" in rejected.value.message
+    assert engine.num_active() == 1
+    finished = run_schedule(engine, {})
+    assert_parity(engine, [live], finished)
+
+
+def test_abort_frees_the_slot_before_the_next_step() -> None:
+    engine = tiny_engine(capacity=1)
+    rng = random.Random(8)
+    first = request("first", random_prompt(rng), 20, ignore_eos=True)
+    engine.admit([first])
+    engine.step()
+    [aborted] = engine.abort(["first"])
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) == 2
+    second = request("second", random_prompt(rng), 6)
+    finished = run_schedule(engine, {0: [second]})
+    assert_parity(engine, [second], finished)
+
+
+def test_unequal_prompts_in_one_prefill_do_not_leak_into_each_other() -> None:
+    engine = tiny_engine(capacity=2)
+    rng = random.Random(9)
+    requests = [
+        request("a", [*random_prompt(rng), EOS], 8, ignore_eos=True),
+        request("b", random_prompt(rng, 30, 30), 8, ignore_eos=True),
+    ]
+    assert_parity(engine, requests, run_schedule(engine, {0: requests}))

@@ -1,0 +1,158 @@
+"""A batched GPT-2 forward over a loaded model's weights, on the slot KV cache.
+
+Two entry points: `prefill` runs newcomers' whole prompts into their slots and
+returns logits at each prompt's last position only; `decode` feeds one token per
+slot at that slot's own position and attends only up to the longest live row.
+
+Every matrix product goes through `Projection`, which picks the layout that
+profiling found fastest for decode's tall, skinny shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import GPT2LMHeadModel
+
+from worker.kv_cache import SlotKVCache
+from worker.projection import Projection
+
+
+@dataclass(frozen=True)
+class _Layer:
+    ln_1: tuple[torch.Tensor, torch.Tensor]
+    attn: Projection  # C -> 3C
+    proj: Projection  # C -> C
+    ln_2: tuple[torch.Tensor, torch.Tensor]
+    fc: Projection  # C -> 4C
+    out: Projection  # 4C -> C
+
+
+def _conv1d(conv: Any) -> Projection:
+    # HF's Conv1D stores its weight (in, out); a projection takes (out, in).
+    return Projection(conv.weight.detach().t(), conv.bias)
+
+
+def _layer(block: Any) -> _Layer:
+    """The weights of one HF ``GPT2Block``."""
+    return _Layer(
+        ln_1=(block.ln_1.weight.detach(), block.ln_1.bias.detach()),
+        attn=_conv1d(block.attn.c_attn),
+        proj=_conv1d(block.attn.c_proj),
+        ln_2=(block.ln_2.weight.detach(), block.ln_2.bias.detach()),
+        fc=_conv1d(block.mlp.c_fc),
+        out=_conv1d(block.mlp.c_proj),
+    )
+
+
+class GPT2:
+    def __init__(self, model: GPT2LMHeadModel) -> None:
+        config = model.config
+        self.num_layers: int = config.n_layer
+        self.num_heads: int = config.n_head
+        self.width: int = config.n_embd
+        self.head_dim = self.width // self.num_heads
+        self.context_window: int = config.n_positions
+        self.eps: float = config.layer_norm_epsilon
+        if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported GPT-2 activation {config.activation_function!r}")
+        body = model.transformer
+        self.wte = body.wte.weight.detach()  # (V, C)
+        self.wpe = body.wpe.weight.detach()  # (context, C)
+        self.ln_f = (body.ln_f.weight.detach(), body.ln_f.bias.detach())
+        self.vocab_size = int(model.lm_head.weight.shape[0])
+        self.lm_head = Projection(model.lm_head.weight, None)  # C -> V
+        self.layers = [_layer(block) for block in body.h]
+
+    @property
+    def device(self) -> torch.device:
+        return self.wte.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.wte.dtype
+
+    def new_cache(self, num_slots: int) -> SlotKVCache:
+        return SlotKVCache(
+            self.num_layers,
+            num_slots,
+            self.num_heads,
+            self.context_window,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    # prefill
+    def prefill(
+        self,
+        token_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        slots: torch.Tensor,
+        cache: SlotKVCache,
+    ) -> torch.Tensor:
+        """Prompts right-padded to (B, T) into cache ``slots``; returns (B, V) logits
+        at each row's last real position. Padding sits after every real token, so
+        the causal mask alone keeps it out of real tokens' attention."""
+        num_rows, length = token_ids.shape
+        positions = torch.arange(length, device=token_ids.device)
+        x = self.wte[token_ids] + self.wpe[positions]  # (B, T, C)
+        for index, layer in enumerate(self.layers):
+            h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
+            q, k, v = self._split_heads(layer.attn(h))  # (B, H, T, D)
+            cache.write_prompts(index, slots, k, v)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+            x = x + layer.proj(self._merge_heads(attn))
+            x = x + self._mlp(x, layer)
+        last = x[torch.arange(num_rows, device=x.device), lengths - 1]  # (B, C)
+        return self._logits(last)
+
+    # decode
+    def decode(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend_len: int,
+        cache: SlotKVCache,
+    ) -> torch.Tensor:
+        """One token per slot 0..R-1 (``token_ids``, ``positions``: (R,)); returns (R, V)
+        logits. Row r attends to its own cache positions 0..positions[r] only."""
+        num_rows = token_ids.shape[0]
+        rows = torch.arange(num_rows, device=token_ids.device)
+        x = (self.wte[token_ids] + self.wpe[positions]).unsqueeze(1)  # (R, 1, C)
+        key_positions = torch.arange(attend_len, device=token_ids.device)
+        # (R, 1, 1, L): True where the key is at or before the row's own position.
+        visible = (key_positions[None, :] <= positions[:, None])[:, None, None, :]
+        for index, layer in enumerate(self.layers):
+            h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
+            q, k, v = self._split_heads(layer.attn(h))  # (R, H, 1, D)
+            cache.write_tokens(index, rows, positions, k[:, :, 0], v[:, :, 0])
+            keys, values = cache.read(index, num_rows, attend_len)  # (R, H, L, D)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+            x = x + layer.proj(self._merge_heads(attn))
+            x = x + self._mlp(x, layer)
+        return self._logits(x[:, 0])
+
+    # --- pieces -------------------------------------------------------------------
+
+    def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, length, _ = qkv.shape
+        # (B, T, 3C) -> 3 x (B, H, T, D)
+        parts = qkv.view(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return parts[0], parts[1], parts[2]
+
+    def _merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, _, length, _ = x.shape
+        return x.transpose(1, 2).reshape(batch, length, self.width)  # (B, T, C)
+
+    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        h = F.layer_norm(x, (self.width,), *layer.ln_2, self.eps)
+        h = F.gelu(layer.fc(h), approximate="tanh")  # (B, T, 4C)
+        return layer.out(h)
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(last, (self.width,), *self.ln_f, self.eps)  # (B, C)
+        return self.lm_head(h)  # (B, V)

@@ -1,0 +1,74 @@
+"""The slot KV cache: one tensor, allocated once, that sequences write in place.
+
+A sequence owns slot ``s`` from admit to evict. Its key and value for the token at
+position ``p`` of layer ``l`` live at ``kv[l, 0 or 1, s, :, p]`` and are written
+exactly once; nothing is copied, moved or re-padded afterwards. Positions past a
+sequence's length may hold stale data from an earlier owner or from prefill
+padding; attention masks every row to its own length, so it is never read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_heads: int,
+        context_window: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        # (layers, {K,V}, slots, heads, context, head_dim)
+        self.kv = torch.zeros(
+            num_layers,
+            2,
+            num_slots,
+            num_heads,
+            context_window,
+            head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def describe(self) -> str:
+        layers, _, slots, heads, context, head_dim = self.kv.shape
+        return (
+            f"KV cache {self.nbytes / 2**20:,.1f} MiB on {self.kv.device} ({self.kv.dtype}): "
+            f"{layers} layers x {{K,V}} x {slots} slots x {heads} heads x {context} positions "
+            f"x {head_dim} head_dim"
+        )
+
+    def write_prompts(
+        self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Store newcomers' prompt keys/values (B, heads, T, head_dim) at positions 0..T-1."""
+        length = keys.shape[2]
+        self.kv[layer, 0, slots, :, :length] = keys
+        self.kv[layer, 1, slots, :, :length] = values
+
+    def write_tokens(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Store one token for each slot in ``rows`` at that row's position in
+        ``positions`` (both (R,)); keys and values are (R, heads, head_dim)."""
+        self.kv[layer, 0, rows, :, positions] = keys
+        self.kv[layer, 1, rows, :, positions] = values
+
+    def read(self, layer: int, num_rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of slots 0..num_rows-1, positions 0..length-1:
+        keys and values, each (rows, heads, length, head_dim)."""
+        return self.kv[layer, 0, :num_rows, :, :length], self.kv[layer, 1, :num_rows, :, :length]

