@@ -213,7 +213,9 @@ def local_stack(args: argparse.Namespace) -> Iterator[str]:
         log.close()
 
 
-def report(reference: Outcome, drill: Outcome, faults: list[Fault], wall_s: float) -> dict[str, object]:
+def report(
+    reference: Outcome, drill: Outcome, faults: list[Fault], wall_s: float
+) -> dict[str, object]:
     drill.wrong = sum(
         1 for rid, text in drill.texts.items() if reference.texts.get(rid) not in (None, text)
     )
@@ -222,7 +224,10 @@ def report(reference: Outcome, drill: Outcome, faults: list[Fault], wall_s: floa
         ("requests sent", drill.sent),
         ("succeeded", drill.succeeded),
         ("failed", failed),
-        *((f"  failed with HTTP {code or 'none'}", n) for code, n in drill.failed_by_status.items()),
+        *(
+            (f"  failed with HTTP {code or 'none'}", n)
+            for code, n in drill.failed_by_status.items()
+        ),
         ("lost (no answer by the deadline)", drill.lost),
         ("duplicated", drill.duplicated),
         ("wrong text", drill.wrong),
@@ -281,7 +286,12 @@ def main(argv: list[str] | None = None) -> None:
         started = time.monotonic()
         drill = asyncio.run(
             run_load(
-                url, bodies, args.concurrency, args.timeout_s, faults, FaultInjector(args),
+                url,
+                bodies,
+                args.concurrency,
+                args.timeout_s,
+                faults,
+                FaultInjector(args),
                 args.stop_s,
             )
         )
