@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 
+DEFAULT_MODEL_ID = "distilgpt2"
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the variable."""
 
@@ -51,8 +54,9 @@ class WorkerConfig:
 
     model_id: str = _setting(
         "MODEL_ID",
-        "distilgpt2",
-        "hub id, local model directory, 'synthetic' (offline random GPT-2) or 'fake'",
+        "",
+        f"hub id, local model directory, 'synthetic' (offline random GPT-2) or 'fake'; "
+        f"unset serves {DEFAULT_MODEL_ID}, or synthetic where that cannot load",
     )
     max_batch_size: int = _setting("MAX_BATCH_SIZE", 8, "sequences decoded together")
     max_queue_depth: int = _setting("MAX_QUEUE_DEPTH", 1024, "requests waiting for a slot")
@@ -84,6 +88,10 @@ class WorkerConfig:
             raise ConfigError(f"DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.fake_step_delay_s < 0:
             raise ConfigError(f"FAKE_STEP_DELAY_S must be >= 0, got {self.fake_step_delay_s}")
+
+    @property
+    def model_to_load(self) -> str:
+        return self.model_id or DEFAULT_MODEL_ID
 
     @property
     def listen_endpoint(self) -> str:

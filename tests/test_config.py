@@ -8,7 +8,7 @@ from protocol.config import ConfigError, FrontendConfig, WorkerConfig, load
 def test_defaults_are_the_documented_ones() -> None:
     worker = load(WorkerConfig, [], {})
     frontend = load(FrontendConfig, [], {})
-    assert (worker.max_batch_size, worker.model_id, worker.max_queue_depth) == (
+    assert (worker.max_batch_size, worker.model_to_load, worker.max_queue_depth) == (
         8,
         "distilgpt2",
         1024,

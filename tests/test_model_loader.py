@@ -42,7 +42,8 @@ def test_default_model_id_falls_back_to_synthetic_with_a_warning(
     offline: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="worker.model_loader"):
-        loaded = load_model(WorkerConfig().model_id, CPU, torch.float32)
+        config = WorkerConfig()
+        loaded = load_model(config.model_to_load, CPU, torch.float32, may_fall_back=True)
     assert loaded.name == SYNTHETIC and loaded.is_random_weights
     assert "RANDOM WEIGHTS" in caplog.text and "distilgpt2" in caplog.text
     assert loaded.model.config.n_layer == 6 and loaded.model.config.vocab_size == 50257
@@ -51,6 +52,11 @@ def test_default_model_id_falls_back_to_synthetic_with_a_warning(
 def test_explicit_model_id_that_cannot_load_stops_with_a_clear_error(offline: None) -> None:
     with pytest.raises(ModelLoadError, match=r"MODEL_ID='no-such-org/no-such-model'.*'synthetic'"):
         load_model("no-such-org/no-such-model", CPU, torch.float32)
+
+
+def test_an_explicit_distilgpt2_does_not_fall_back(offline: None) -> None:
+    with pytest.raises(ModelLoadError, match=r"MODEL_ID='distilgpt2' cannot be loaded"):
+        load_engine(WorkerConfig(model_id="distilgpt2", device="cpu"))
 
 
 def test_local_directory_loads(tmp_path: Path) -> None:

@@ -30,9 +30,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     try:
         config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")
-    except ConfigError as exc:
+        engine = build_engine(config)
+    except ConfigError as exc:  # a bad value, or a model or device that cannot be used
         sys.exit(f"worker: configuration error: {exc}")
-    server = WorkerServer(Scheduler(build_engine(config), config.max_queue_depth), config)
+    server = WorkerServer(Scheduler(engine, config.max_queue_depth), config)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     try:

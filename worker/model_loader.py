@@ -23,16 +23,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from protocol.config import ConfigError, WorkerConfig
+from protocol.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
 SYNTHETIC = "synthetic"
-DEFAULT_MODEL_ID = WorkerConfig().model_id
 SYNTHETIC_SEED = 0
-# The same model under its canonical hub id: setting it asks for distilgpt2
-# without the offline fallback to synthetic.
-STRICT_DISTILGPT2 = "distilbert/distilgpt2"
 
 
 class ModelLoadError(ConfigError):
@@ -65,15 +61,18 @@ class LoadedModel:
     is_random_weights: bool
 
 
-def load_model(model_id: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Load ``model_id``; fall back to `synthetic` only when it was left at its default."""
+def load_model(
+    model_id: str, device: torch.device, dtype: torch.dtype, may_fall_back: bool = False
+) -> LoadedModel:
+    """Load ``model_id``. If it cannot load, serve `synthetic` with a loud warning when
+    ``may_fall_back`` (MODEL_ID was left unset), else raise ModelLoadError."""
     if model_id == SYNTHETIC:
         loaded = synthetic_model()
     else:
         try:
             loaded = _pretrained(model_id)
         except (OSError, ValueError) as error:
-            if model_id != DEFAULT_MODEL_ID:
+            if not may_fall_back:
                 raise ModelLoadError(
                     f"MODEL_ID={model_id!r} cannot be loaded ({_first_line(error)}). "
                     "Set MODEL_ID to a hub id that is cached or downloadable here, a local "
@@ -81,15 +80,15 @@ def load_model(model_id: str, device: torch.device, dtype: torch.dtype) -> Loade
                     f"{SYNTHETIC!r} for offline random weights."
                 ) from error
             logger.warning(
-                "\n%s\nMODEL_ID %r could not be loaded (%s): SERVING %r, RANDOM WEIGHTS, "
-                "GIBBERISH OUTPUT.\nSet MODEL_ID to a local model directory, or run once "
-                "online to fill the HF cache; MODEL_ID=%s loads it without this fallback."
-                "\n%s",
+                "\n%s\nMODEL_ID is unset and %r could not be loaded (%s): SERVING %r, "
+                "RANDOM WEIGHTS, GIBBERISH OUTPUT.\nRun once online to fill the HF cache, "
+                "or set MODEL_ID (to %r, or a local model directory) to make a failed "
+                "load stop the worker instead.\n%s",
                 "!" * 78,
                 model_id,
                 _first_line(error),
                 SYNTHETIC,
-                STRICT_DISTILGPT2,
+                model_id,
                 "!" * 78,
             )
             loaded = synthetic_model()

@@ -29,7 +29,12 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     (ModelLoadError) when the model or device cannot be used."""
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     device = resolve_device(config.device)
-    loaded = load_model(config.model_id, device, getattr(torch, config.dtype))
+    loaded = load_model(
+        config.model_to_load,
+        device,
+        getattr(torch, config.dtype),
+        may_fall_back=not config.model_id,
+    )
     return TorchEngine(loaded, config.max_batch_size)
 
 

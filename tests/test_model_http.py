@@ -1,0 +1,53 @@
+"""The torch engine behind real worker and frontend processes, on a small model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("torch")
+
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+from tests.stack import running_stack  # noqa: E402
+from worker.model_loader import gpt2_tokenizer, synthetic_config, synthetic_model  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+CONTEXT_WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer GPT-2 with the real tokenizer and a 64-token context, saved to disk."""
+    directory = tmp_path_factory.mktemp("small-gpt2")
+    config = synthetic_config(n_layer=2, n_embd=64, n_head=4, n_positions=CONTEXT_WINDOW)
+    synthetic_model(config).model.save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer()).save_pretrained(directory)
+    return directory
+
+
+def test_context_overflow_is_422_with_both_numbers_and_the_limit(
+    tmp_path: Path, small_model_dir: Path
+) -> None:
+    overrides = {"MODEL_ID": str(small_model_dir), "DEVICE": "cpu"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        health = stack.wait_live(timeout_s=120)
+        assert health["context_window"] == CONTEXT_WINDOW
+        assert health["random_weights"] is False  # loaded from a directory, as a user's would be
+        prompt = "The capital of France is"  # 5 tokens
+        fits = httpx.post(
+            f"{stack.url}/generate",
+            json={"prompt": prompt, "max_new_tokens": 59, "ignore_eos": True},
+            timeout=60,
+        )
+        assert fits.status_code == 200, fits.text
+        assert fits.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 59}
+        too_long = httpx.post(
+            f"{stack.url}/generate", json={"prompt": prompt, "max_new_tokens": 60}, timeout=60
+        )
+        assert too_long.status_code == 422
+        message = too_long.json()["error"]["message"]
+        assert "prompt is 5 tokens + max_new_tokens 60 > context window 64" in message
