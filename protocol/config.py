@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-
 DEFAULT_MODEL_ID = "distilgpt2"
 
 

@@ -6,13 +6,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from transformers import PreTrainedTokenizerFast
 
-pytest.importorskip("torch")
-
-from transformers import PreTrainedTokenizerFast  # noqa: E402
-
-from tests.stack import running_stack  # noqa: E402
-from worker.model_loader import gpt2_tokenizer, synthetic_config, synthetic_model  # noqa: E402
+from tests.stack import running_stack
+from worker.model_loader import gpt2_tokenizer, synthetic_config, synthetic_model
 
 pytestmark = pytest.mark.model
 
