@@ -45,7 +45,8 @@ class Fault:
     kind: str  # "kill" or "stop"
     after_completed: int  # injected once this many requests have completed
     injected_at: float = 0.0
-    recovery_s: float | None = None  # injection -> first request completed after it
+    live_again_at: float = 0.0  # /health is 200 again (a new instance, after a kill)
+    recovery_s: float | None = None  # injection -> first request completed once live again
 
 
 @dataclass
@@ -146,13 +147,20 @@ async def run_load(
             while len(outcome.completed_at) < fault.after_completed:
                 progress.clear()
                 await progress.wait()
+            before = await _instance(url)
             fault.injected_at = time.monotonic()
             print(f"  fault: {fault.kind} after {fault.after_completed} completed", flush=True)
             if fault.kind == "kill":
                 await injector.kill()
+                await _wait_live(url, timeout_s, instance_not=before)
             else:
                 await injector.stop(stop_s)
-            await _wait_live(url, timeout_s)
+                await _wait_live(url, timeout_s)
+            fault.live_again_at = time.monotonic()
+            # The next fault waits for recovery: a request completed on the live worker.
+            while not outcome.completed_at or outcome.completed_at[-1] < fault.live_again_at:
+                progress.clear()
+                await progress.wait()
 
     async with httpx.AsyncClient(base_url=url) as client:
         tasks = [asyncio.create_task(client_loop(client)) for _ in range(concurrency)]
@@ -160,19 +168,27 @@ async def run_load(
             tasks.append(asyncio.create_task(inject_faults()))
         await asyncio.gather(*tasks)
     for fault in faults or []:
-        after = [t for t in outcome.completed_at if t > fault.injected_at]
+        after = [t for t in outcome.completed_at if t >= fault.live_again_at]
         fault.recovery_s = min(after) - fault.injected_at if after else None
     return outcome
 
 
-async def _wait_live(url: str, timeout_s: float) -> None:
+async def _instance(url: str) -> str | None:
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        return (await client.get("/health")).json().get("instance_id")  # type: ignore[no-any-return]
+
+
+async def _wait_live(url: str, timeout_s: float, instance_not: str | None = None) -> None:
+    """Until /health is 200, from a worker other than ``instance_not``."""
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(base_url=url, timeout=5) as client:
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.TransportError):
-                if (await client.get("/health")).status_code == 200:
+                response = await client.get("/health")
+                is_other = response.json().get("instance_id") != instance_not
+                if response.status_code == 200 and (instance_not is None or is_other):
                     return
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
     raise RuntimeError(f"the stack at {url} did not become healthy within {timeout_s} s")
 
 
@@ -235,7 +251,7 @@ def report(
     print(f"\nfault drill: {len(faults)} faults in {wall_s:.1f} s")
     for name, value in rows:
         print(f"  {name:<34} {value:>6}")
-    print("\n  fault  after request  recovery (kill -> first completed request)")
+    print("\n  fault  after request  recovery (fault -> first request completed by a live worker)")
     for fault in faults:
         recovery = f"{fault.recovery_s:.2f} s" if fault.recovery_s is not None else "never"
         print(f"  {fault.kind:<5}  {fault.after_completed:>13}  {recovery}")

@@ -69,6 +69,12 @@ class WorkerConfig:
     frontend_timeout_s: float = _setting(
         "FRONTEND_TIMEOUT_S", 10.0, "drop a frontend's requests after this long without a ping"
     )
+    engine_watchdog_s: float = _setting(
+        "ENGINE_WATCHDOG_S",
+        90.0,
+        "exit when the engine makes no progress this long with work pending, so that a "
+        "restart policy (the supervisor, Docker) replaces a wedged worker",
+    )
     device: str = _setting("DEVICE", "", "cpu or cuda (default: cuda when available)")
     dtype: str = _setting("DTYPE", "float32", "float32, bfloat16 or float16")
     fake_step_delay_s: float = _setting(
@@ -77,7 +83,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_size", "max_queue_depth", "heartbeat_interval_s")
-        _positive(self, "frontend_timeout_s")
+        _positive(self, "frontend_timeout_s", "engine_watchdog_s")
         _check_endpoint(self, "endpoint")
         if self.bind_endpoint:
             _check_endpoint(self, "bind_endpoint")

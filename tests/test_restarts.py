@@ -161,3 +161,15 @@ def test_a_crash_loop_is_reported_and_not_retried_forever(tmp_path: Path) -> Non
         log = stack.log("supervisor")
         assert "MAX_BATCH_SIZE must be > 0" in log
         assert "giving up: worker died before serving 3 times in a row" in log
+
+
+def test_a_wedged_engine_makes_the_worker_exit_for_its_restart_policy(tmp_path: Path) -> None:
+    # No supervisor here, as under Docker: the worker's own watchdog must act.
+    overrides = {"FAKE_STEP_DELAY_S": "30", "ENGINE_WATCHDOG_S": "1"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        pool, _ = _in_background(stack, _bodies(1, max_new_tokens=5))
+        code = stack.processes["worker"].wait(timeout=15)
+        assert code == 3
+        assert "the engine made no progress" in stack.log("worker")
+        pool.shutdown(wait=False, cancel_futures=True)

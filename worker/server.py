@@ -12,6 +12,7 @@ Two threads, each owning its sockets:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -40,6 +41,7 @@ from worker.scheduler import QueueFull, Scheduler
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.1  # how often an idle engine thread checks for shutdown
+_WEDGED_EXIT_CODE = 3
 _FINAL = b"1"
 _PARTIAL = b"0"
 
@@ -146,6 +148,7 @@ class WorkerServer:
         poller.register(router, zmq.POLLIN)
         poller.register(outputs, zmq.POLLIN)
         next_heartbeat = time.monotonic()
+        watchdog = _Watchdog(self.scheduler, self.config.engine_watchdog_s)
         try:
             while not self._stopping.is_set():
                 timeout_ms = max(0.0, next_heartbeat - time.monotonic()) * 1000
@@ -171,9 +174,37 @@ class WorkerServer:
                     )
                     for request_id in io.expire_frontends():
                         self._inbox.put(AbortRequest(request_id))
+                    watchdog.check()
         finally:
             router.close(linger=0)
             outputs.close(linger=0)
+
+
+class _Watchdog:
+    """Ends the process when the engine thread is wedged: heartbeats alone would
+    keep a stuck worker looking alive to a restart policy that cannot see progress
+    (Docker's), and its requests would wait forever instead of being replayed."""
+
+    def __init__(self, scheduler: Scheduler, timeout_s: float) -> None:
+        self.scheduler = scheduler
+        self.timeout_s = timeout_s
+        self.last_steps = -1
+        self.last_progress_at = time.monotonic()
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if self.scheduler.num_steps != self.last_steps or not self.scheduler.has_work():
+            self.last_steps = self.scheduler.num_steps
+            self.last_progress_at = now
+        elif now - self.last_progress_at > self.timeout_s:
+            log.critical(
+                "the engine made no progress for %.0f s with work pending "
+                "(ENGINE_WATCHDOG_S=%g); exiting so that a new worker replaces this one",
+                now - self.last_progress_at,
+                self.timeout_s,
+            )
+            logging.shutdown()
+            os._exit(_WEDGED_EXIT_CODE)
 
 
 class _Routing:
