@@ -28,6 +28,7 @@ class InFlight:
     attempt: int = 0
     sent_to: str | None = None  # worker instance holding the current attempt
     streamed_token_ids: list[int] = field(default_factory=list)
+    num_resumed_tokens: int = 0  # streamed before the current attempt, which resumes after them
     streamed_text: str = ""
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
@@ -43,6 +44,7 @@ class InFlight:
         """The request to send now. A stream that already sent tokens resumes after
         them, so the client sees one continuous answer."""
         self.attempt += 1
+        self.num_resumed_tokens = len(self.streamed_token_ids)
         return dataclasses.replace(
             self.request,
             request_id=self.wire_id,

@@ -15,10 +15,12 @@ from starlette.responses import JSONResponse, Response
 from frontend.errors import ApiError, error_body
 from frontend.generation import (
     CLIENT_CLOSED_REQUEST,
+    Accepted,
     ClientGone,
     accept,
     final_result,
     new_request_id,
+    token_usage,
 )
 from frontend.metrics import Metrics
 from frontend.schemas import CompletionBody, check_max_new_tokens, parse_body, stop_strings
@@ -71,13 +73,14 @@ async def completions(request: Request) -> Response:
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await stream_response(
-            request, client, accepted, _CompletionStream(completion, include_usage)
+            request, client, accepted, _CompletionStream(completion, accepted, include_usage)
         )
     try:
         result = await final_result(request, client, accepted)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(completion.chunk(result.text, result.finish_reason, _usage(result)))
+    usage = _usage(accepted, result)
+    return JSONResponse(completion.chunk(result.text, result.finish_reason, usage))
 
 
 async def models(request: Request) -> Response:
@@ -119,11 +122,12 @@ def _one_prompt(
     return "", [int(token_id) for token_id in prompt]  # type: ignore[arg-type]
 
 
-def _usage(result: GenerateResult) -> dict[str, int]:
+def _usage(accepted: Accepted, result: GenerateResult) -> dict[str, int]:
+    prompt_tokens, completion_tokens = token_usage(accepted, result)
     return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
@@ -152,8 +156,9 @@ class _Completion:
 
 
 class _CompletionStream:
-    def __init__(self, completion: _Completion, include_usage: bool) -> None:
+    def __init__(self, completion: _Completion, accepted: Accepted, include_usage: bool) -> None:
         self.completion = completion
+        self.accepted = accepted
         self.include_usage = include_usage
 
     def delta(self, delta: TokenDelta) -> str | None:
@@ -164,7 +169,8 @@ class _CompletionStream:
     def final(self, result: GenerateResult) -> list[str]:
         frames = [sse_frame(self.completion.chunk("", result.finish_reason, None))]
         if self.include_usage:
-            frames.append(sse_frame(self.completion.chunk(None, None, _usage(result))))
+            usage = _usage(self.accepted, result)
+            frames.append(sse_frame(self.completion.chunk(None, None, usage)))
         return [*frames, sse_frame("[DONE]")]
 
     def error(self, error: ApiError) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -173,3 +174,32 @@ def test_a_wedged_engine_makes_the_worker_exit_for_its_restart_policy(tmp_path: 
         assert code == 3
         assert "the engine made no progress" in stack.log("worker")
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def test_a_stream_cut_by_a_worker_kill_continues_where_it_stopped(tmp_path: Path) -> None:
+    overrides = {"FAKE_STEP_DELAY_S": "0.03"}
+    prompt, budget = "a stream that outlives its worker", 80
+    with running_stack(tmp_path, overrides) as stack:
+        stack.wait_live()
+        body = {"prompt": prompt, "max_new_tokens": budget, "stream": True}
+        texts: list[str] = []
+        done: dict[str, object] = {}
+        with httpx.stream("POST", f"{stack.url}/generate", json=body, timeout=60) as response:
+            event = ""
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    event = line.removeprefix("event: ")
+                elif line.startswith("data: "):
+                    data = json.loads(line.removeprefix("data: "))
+                    if event == "token":
+                        texts.append(data["text"])
+                        if len(texts) == 10:
+                            stack.signal_worker(signal.SIGKILL)
+                    elif event == "done":
+                        done = data
+                    else:
+                        raise AssertionError(f"unexpected {event} event: {data}")
+        assert "".join(texts) == expected_text(prompt, budget)
+        assert done["finish_reason"] == "length"
+        assert done["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": budget}
+        assert "replaying 1 requests" in stack.log("supervisor")

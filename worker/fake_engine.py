@@ -1,8 +1,9 @@
 """A torch-free engine for tests: deterministic tokens, optional delay and failures.
 
-Its tokenizer maps each character to its code point. The token at output
-position ``i`` is a lowercase letter chosen by `fake_token` from the prompt and
-``i``, so a test can compute any request's exact answer with `expected_text`.
+Its tokenizer maps each character to its code point. Like a real greedy model,
+each next token is a function of everything before it (`fake_next_token`), so a
+request resumed from its prompt plus some of its output continues exactly as
+it would have, and a test can compute any answer with `expected_text`.
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ class CharTokenizer:
         return "".join(chr(t) for t in token_ids)
 
 
-def fake_token(prompt_token_ids: Seq[int], position: int) -> int:
-    """The fake model's output token at ``position`` (0-based) after a prompt."""
-    return ord("a") + (sum(prompt_token_ids) * 31 + position * 7) % 26
+def fake_next_token(context: Seq[int]) -> int:
+    """The fake model's next token after ``context`` (prompt and output so far)."""
+    return ord("a") + (sum(context) * 31 + len(context) * 7) % 26
 
 
 def expected_text(prompt: str, num_tokens: int) -> str:
-    prompt_ids = CharTokenizer().encode(prompt)
-    return "".join(chr(fake_token(prompt_ids, i)) for i in range(num_tokens))
+    context = CharTokenizer().encode(prompt)
+    for _ in range(num_tokens):
+        context.append(fake_next_token(context))
+    return "".join(chr(t) for t in context[len(context) - num_tokens :])
 
 
 class InjectedFailure(RuntimeError):
@@ -65,7 +68,7 @@ class FakeEngine(SlotEngine):
         for seq in newcomers:
             if self.fail_admit_if is not None and self.fail_admit_if(seq.request):
                 raise InjectedFailure(f"admit failure injected for {seq.request_id}")
-        return [fake_token(seq.prompt_token_ids, 0) for seq in newcomers]
+        return [fake_next_token(seq.prompt_token_ids) for seq in newcomers]
 
     def _decode(self, active: list[Sequence]) -> list[int]:
         self.num_decode_steps += 1
@@ -73,7 +76,7 @@ class FakeEngine(SlotEngine):
             raise InjectedFailure(f"step failure injected at step {self.num_decode_steps}")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return [fake_token(seq.prompt_token_ids, len(seq.output_token_ids)) for seq in active]
+        return [fake_next_token(seq.prompt_token_ids + seq.output_token_ids) for seq in active]
 
     def reset(self) -> list[str]:
         self.num_resets += 1
