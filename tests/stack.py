@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -43,11 +44,16 @@ class Stack:
     log_dir: Path | None = None
 
     def start(self, name: str, module: str) -> subprocess.Popen[bytes]:
+        return self.start_command(name, [sys.executable, "-m", module], self.env)
+
+    def start_command(
+        self, name: str, command: list[str], env: Mapping[str, str]
+    ) -> subprocess.Popen[bytes]:
         assert self.log_dir is not None
         with (self.log_dir / f"{name}.log").open("ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", module],
-                env=self.env,
+                command,
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO_ROOT,
@@ -56,6 +62,17 @@ class Stack:
         self.processes[name] = process
         return process
 
+    def kill(self, name: str) -> None:
+        """SIGKILL the process ``name`` and all its children; it is no longer tracked."""
+        process = self.processes.pop(name)
+        for member in _family(process.pid):
+            try:
+                member.send_signal(signal.SIGCONT)  # a stopped process cannot die
+                member.kill()
+            except psutil.NoSuchProcess:
+                pass
+        process.wait(timeout=10)
+
     def log(self, name: str) -> str:
         assert self.log_dir is not None
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
@@ -63,23 +80,37 @@ class Stack:
     def health(self) -> httpx.Response:
         return httpx.get(f"{self.url}/health", timeout=5)
 
-    def wait_live(
-        self, timeout_s: float = 30.0, instance_not: str | None = None
-    ) -> dict[str, object]:
-        """Wait until /health is 200 (with a worker other than ``instance_not``)."""
-        deadline = time.monotonic() + timeout_s
-        last = "no answer"
-        while time.monotonic() < deadline:
+    def wait_live(self, timeout_s: float = 30.0, instance_not: str | None = None) -> dict[str, Any]:
+        """Wait until /health says ok (with a worker other than ``instance_not``)."""
+        return self.wait_for_health(
+            "live",
+            lambda health: health["status"] == "ok" and health["instance_id"] != instance_not,
+            timeout_s,
+        )
+
+    def wait_for_health(
+        self, what: str, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 10.0
+    ) -> dict[str, Any]:
+        """Poll /health until ``predicate(body)`` holds; return that body. Fails at once
+        if a process of the stack has exited: nothing would answer for it then."""
+        last: dict[str, Any] = {}
+
+        def holds() -> bool:
+            nonlocal last
+            for name, process in self.processes.items():
+                code = process.poll()
+                assert code is None, f"{name} exited with {code}\n{self.logs()}"
             try:
-                response = self.health()
-                body = response.json()
-                if response.status_code == 200 and body["instance_id"] != instance_not:
-                    return dict(body)
-                last = f"{response.status_code} {body}"
-            except httpx.TransportError as exc:
-                last = repr(exc)
-            time.sleep(0.05)
-        raise AssertionError(f"stack not live after {timeout_s} s: {last}\n{self.logs()}")
+                last = self.health().json()
+            except httpx.TransportError:
+                return False
+            return predicate(last)
+
+        try:
+            self.wait_until(holds, what, timeout_s)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nlast /health: {last}") from None
+        return last
 
     def wait_until(self, check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -123,14 +154,8 @@ class Stack:
         )
 
     def stop(self) -> None:
-        for process in self.processes.values():
-            for member in _family(process.pid):
-                try:
-                    member.send_signal(signal.SIGCONT)  # a stopped process cannot die
-                    member.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            process.wait(timeout=10)
+        for name in list(self.processes):
+            self.kill(name)
 
 
 def _family(pid: int) -> list[psutil.Process]:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from frontend.schemas import CompletionBody, GenerateBody
-from tests.api_stack import ApiStack, api_stack
+from tests.stack import Stack, running_stack
 
 ANSWER_WITHIN_S = 10.0  # no request here may take longer: a timeout is a hang
 CLEAR_STATUSES = {200, 400, 404, 422}
@@ -90,14 +90,16 @@ def boundary_bodies(fields: set[str], required: dict[str, Any]) -> st.SearchStra
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[ApiStack]:
-    with api_stack(REQUEST_TIMEOUT_S=5, MAX_BATCH_SIZE=4) as stack:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    overrides = {"REQUEST_TIMEOUT_S": "5", "MAX_BATCH_SIZE": "4"}
+    with running_stack(tmp_path_factory.mktemp("stack"), overrides, supervised=False) as stack:
+        stack.wait_live()
         yield stack
 
 
 @pytest.fixture(scope="module")
-def http(stack: ApiStack) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=stack.base_url, timeout=ANSWER_WITHIN_S) as client:
+def http(stack: Stack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=stack.url, timeout=ANSWER_WITHIN_S) as client:
         yield client
 
 
@@ -152,8 +154,8 @@ def test_bytes_that_are_not_a_request_get_a_clear_error(
     post(http, path, content)
 
 
-def test_openapi_describes_every_endpoint_and_body_field(stack: ApiStack) -> None:
-    schema = httpx.get(f"{stack.base_url}/openapi.json", timeout=5).json()
+def test_openapi_describes_every_endpoint_and_body_field(stack: Stack) -> None:
+    schema = httpx.get(f"{stack.url}/openapi.json", timeout=5).json()
     assert schema["openapi"].startswith("3.")
     assert set(schema["paths"]) >= {"/generate", "/v1/completions", "/v1/models", "/metrics"}
     components = schema["components"]["schemas"]

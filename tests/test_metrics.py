@@ -8,22 +8,23 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api_stack import ApiStack, api_stack, sse_events
+from tests.sse import sse_events
+from tests.stack import Stack, running_stack
 
 CAPACITY = 4
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[ApiStack]:
-    with api_stack(
-        FAKE_STEP_DELAY_S=0.01, MAX_BATCH_SIZE=CAPACITY, HEARTBEAT_TIMEOUT_S=1.0
-    ) as stack:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    overrides = {"FAKE_STEP_DELAY_S": "0.01", "MAX_BATCH_SIZE": str(CAPACITY)}
+    with running_stack(tmp_path_factory.mktemp("stack"), overrides, supervised=False) as stack:
+        stack.wait_live()
         yield stack
 
 
-def scrape(stack: ApiStack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(stack: Stack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample, keyed by (name, sorted labels)."""
-    response = httpx.get(f"{stack.base_url}/metrics", timeout=5)
+    response = httpx.get(f"{stack.url}/metrics", timeout=5)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     return {
@@ -39,9 +40,9 @@ def value(
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def test_requests_tokens_and_latencies_are_counted(stack: ApiStack) -> None:
+def test_requests_tokens_and_latencies_are_counted(stack: Stack) -> None:
     before = scrape(stack)
-    url = stack.base_url
+    url = stack.url
     answer = httpx.post(f"{url}/generate", json={"prompt": "abc", "max_new_tokens": 5}, timeout=10)
     assert answer.status_code == 200
     body = {"prompt": "abcd", "max_new_tokens": 6, "stream": True}
@@ -67,16 +68,16 @@ def test_requests_tokens_and_latencies_are_counted(stack: ApiStack) -> None:
     assert grew("minibatch_e2e_request_latency_seconds_sum") > 0
 
 
-def test_worker_gauges_follow_heartbeats(stack: ApiStack) -> None:
+def test_worker_gauges_follow_heartbeats(stack: Stack) -> None:
     samples = scrape(stack)
     assert value(samples, "minibatch_worker_up") == 1
     running = value(samples, "minibatch_num_requests_running")
     assert value(samples, "minibatch_free_slots") == CAPACITY - running
     body = {"prompt": "busy", "max_new_tokens": 300, "stream": True}
-    with httpx.stream("POST", f"{stack.base_url}/generate", json=body, timeout=10) as response:
+    with httpx.stream("POST", f"{stack.url}/generate", json=body, timeout=10) as response:
         reader = sse_events(response)
         next(reader)
-        stack.wait_until("running", lambda h: h["active"] == 1)
+        stack.wait_for_health("running", lambda h: h["active"] == 1)
         samples = scrape(stack)
         assert value(samples, "minibatch_num_requests_running") == 1
         assert value(samples, "minibatch_num_requests_waiting") == 0
@@ -84,15 +85,15 @@ def test_worker_gauges_follow_heartbeats(stack: ApiStack) -> None:
         assert value(samples, "minibatch_frontend_inflight") == 1
 
 
-def test_worker_down_and_restart_are_reported(stack: ApiStack) -> None:
+def test_worker_down_and_restart_are_reported(stack: Stack) -> None:
     assert value(scrape(stack), "minibatch_worker_restarts_total") == 0
     stack.kill("worker")
-    stack.wait_until("down", lambda h: h["worker"] == "dead")
+    stack.wait_for_health("down", lambda h: h["worker"] == "dead")
     samples = scrape(stack)
     assert value(samples, "minibatch_worker_up") == 0
     assert ("minibatch_num_requests_running", ()) not in samples  # stale: left out
     stack.start("worker", "worker.main")
-    stack.wait_until("back", lambda h: h["status"] == "ok")
+    stack.wait_for_health("back", lambda h: h["status"] == "ok")
     samples = scrape(stack)
     assert value(samples, "minibatch_worker_up") == 1
     assert value(samples, "minibatch_worker_restarts_total") == 1

@@ -8,19 +8,22 @@ import httpx
 import openai
 import pytest
 
-from tests.api_stack import ApiStack, api_stack, sse_events
+from tests.sse import sse_events
+from tests.stack import Stack, running_stack
 from worker.fake_engine import expected_text
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[ApiStack]:
-    with api_stack(FAKE_STEP_DELAY_S=0.005) as stack:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    overrides = {"FAKE_STEP_DELAY_S": "0.005"}
+    with running_stack(tmp_path_factory.mktemp("stack"), overrides, supervised=False) as stack:
+        stack.wait_live()
         yield stack
 
 
 @pytest.fixture
-def client(stack: ApiStack) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0) as c:
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
         yield c
 
 
@@ -92,9 +95,9 @@ def test_streaming(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
 
 
-def test_stream_ends_with_done(stack: ApiStack) -> None:
+def test_stream_ends_with_done(stack: Stack) -> None:
     body = {"model": "fake", "prompt": "x", "max_tokens": 2, "stream": True}
-    with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=10) as r:
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as r:
         events = list(sse_events(r))
     assert events[-1] == (None, "[DONE]")
 

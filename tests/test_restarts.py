@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
+from tests.sse import sse_events
 from tests.stack import Stack, running_stack
 from worker.fake_engine import expected_text
 
@@ -28,10 +28,6 @@ def _in_background(
 ) -> tuple[ThreadPoolExecutor, list[Future[httpx.Response]]]:
     pool = ThreadPoolExecutor(max_workers=len(bodies))
     return pool, [pool.submit(_post, stack, body) for body in bodies]
-
-
-def _health_field(stack: Stack, name: str) -> Callable[[], object]:
-    return lambda: stack.health().json()[name]
 
 
 def _bodies(count: int, max_new_tokens: int) -> list[dict[str, object]]:
@@ -54,8 +50,8 @@ def test_kill_9_with_twice_capacity_in_flight_loses_nothing(tmp_path: Path) -> N
         first = stack.wait_live()
         bodies = _bodies(3 * CAPACITY, max_new_tokens=40)
         pool, futures = _in_background(stack, bodies)
-        stack.wait_until(lambda: _health_field(stack, "inflight")() == len(bodies), "all in flight")
-        stack.wait_until(lambda: _health_field(stack, "active")() == CAPACITY, "slots busy")
+        stack.wait_for_health("all in flight", lambda h: h["inflight"] == len(bodies))
+        stack.wait_for_health("slots busy", lambda h: h["active"] == CAPACITY)
         stack.signal_worker(signal.SIGKILL)
         _assert_fault_free_answers(bodies, futures)
         pool.shutdown()
@@ -71,9 +67,9 @@ def test_a_stopped_worker_is_declared_dead_and_replaced(tmp_path: Path) -> None:
         first = stack.wait_live()
         bodies = _bodies(2 * CAPACITY, max_new_tokens=30)
         pool, futures = _in_background(stack, bodies)
-        stack.wait_until(lambda: _health_field(stack, "active")() == CAPACITY, "slots busy")
+        stack.wait_for_health("slots busy", lambda h: h["active"] == CAPACITY)
         stack.signal_worker(signal.SIGSTOP)
-        stack.wait_until(lambda: _health_field(stack, "worker")() == "dead", "dead verdict")
+        stack.wait_for_health("dead verdict", lambda h: h["worker"] == "dead")
         _assert_fault_free_answers(bodies, futures)
         pool.shutdown()
         stack.wait_live(instance_not=str(first["instance_id"]))
@@ -86,11 +82,11 @@ def test_a_worker_without_progress_is_declared_hung_and_replaced(tmp_path: Path)
     with running_stack(tmp_path, overrides) as stack:
         first = stack.wait_live()
         pool, futures = _in_background(stack, _bodies(1, max_new_tokens=5))
-        stack.wait_until(lambda: _health_field(stack, "worker")() == "hung", "hung verdict")
+        stack.wait_for_health("hung verdict", lambda h: h["worker"] == "hung")
         assert "made no progress" in stack.health().json()["reason"]
-        stack.wait_until(
-            lambda: stack.health().json()["instance_id"] not in (None, first["instance_id"]),
+        stack.wait_for_health(
             "a replacement worker",
+            lambda h: h["instance_id"] not in (None, first["instance_id"]),
         )
         assert "made no progress" in stack.log("supervisor")
         for future in futures:
@@ -107,7 +103,7 @@ def test_past_its_deadline_a_request_gets_504_and_its_slot_is_freed(tmp_path: Pa
         assert response.status_code == 504
         assert "REQUEST_TIMEOUT_S=1" in response.json()["error"]["message"]
         assert time.monotonic() - started < 5
-        stack.wait_until(lambda: _health_field(stack, "active")() == 0, "slot freed", 2)
+        stack.wait_for_health("slot freed", lambda h: h["active"] == 0, 2)
 
 
 def test_requests_wait_for_a_worker_and_succeed_when_it_arrives(tmp_path: Path) -> None:
@@ -117,7 +113,7 @@ def test_requests_wait_for_a_worker_and_succeed_when_it_arrives(tmp_path: Path) 
         assert ready.status_code == 503
         bodies = _bodies(3, max_new_tokens=4)
         pool, futures = _in_background(stack, bodies)
-        stack.wait_until(lambda: _health_field(stack, "inflight")() == 3, "requests waiting")
+        stack.wait_for_health("requests waiting", lambda h: h["inflight"] == 3)
         stack.start("worker", "worker.main")
         _assert_fault_free_answers(bodies, futures)
         pool.shutdown()
@@ -139,7 +135,7 @@ def test_after_a_frontend_restart_the_worker_frees_the_lost_slots_and_serves(
     with running_stack(tmp_path, overrides) as stack:
         stack.wait_live()
         pool, futures = _in_background(stack, _bodies(2, max_new_tokens=400))
-        stack.wait_until(lambda: _health_field(stack, "active")() == 2, "slots busy")
+        stack.wait_for_health("slots busy", lambda h: h["active"] == 2)
         os.kill(stack.frontend_pid(), signal.SIGKILL)
         for future in futures:
             assert isinstance(future.exception(timeout=30), httpx.TransportError)
@@ -147,7 +143,7 @@ def test_after_a_frontend_restart_the_worker_frees_the_lost_slots_and_serves(
         stack.wait_live()
         response = _post(stack, {"prompt": "new frontend", "max_new_tokens": 3})
         assert response.json()["text"] == expected_text("new frontend", 3)
-        stack.wait_until(lambda: _health_field(stack, "active")() == 0, "orphans aborted", 5)
+        stack.wait_for_health("orphans aborted", lambda h: h["active"] == 0, 5)
 
 
 def test_a_crash_loop_is_reported_and_not_retried_forever(tmp_path: Path) -> None:
@@ -185,20 +181,16 @@ def test_a_stream_cut_by_a_worker_kill_continues_where_it_stopped(tmp_path: Path
         texts: list[str] = []
         done: dict[str, object] = {}
         with httpx.stream("POST", f"{stack.url}/generate", json=body, timeout=60) as response:
-            event = ""
-            for line in response.iter_lines():
-                if line.startswith("event: "):
-                    event = line.removeprefix("event: ")
-                elif line.startswith("data: "):
-                    data = json.loads(line.removeprefix("data: "))
-                    if event == "token":
-                        texts.append(data["text"])
-                        if len(texts) == 10:
-                            stack.signal_worker(signal.SIGKILL)
-                    elif event == "done":
-                        done = data
-                    else:
-                        raise AssertionError(f"unexpected {event} event: {data}")
+            for event, text in sse_events(response):
+                data = json.loads(text)
+                if event == "token":
+                    texts.append(data["text"])
+                    if len(texts) == 10:
+                        stack.signal_worker(signal.SIGKILL)
+                elif event == "done":
+                    done = data
+                else:
+                    raise AssertionError(f"unexpected {event} event: {data}")
         assert "".join(texts) == expected_text(prompt, budget)
         assert done["finish_reason"] == "length"
         assert done["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": budget}

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api_stack import ApiStack, api_stack, sse_events
+from tests.sse import sse_events
+from tests.stack import Stack, running_stack
 from worker.fake_engine import FAKE_CONTEXT_WINDOW, expected_text
 
 STEP_DELAY_S = 0.02
@@ -19,16 +20,21 @@ REQUEST_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[ApiStack]:
-    with api_stack(FAKE_STEP_DELAY_S=STEP_DELAY_S, REQUEST_TIMEOUT_S=REQUEST_TIMEOUT_S) as stack:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    overrides = {
+        "FAKE_STEP_DELAY_S": str(STEP_DELAY_S),
+        "REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
+    }
+    with running_stack(tmp_path_factory.mktemp("stack"), overrides, supervised=False) as stack:
+        stack.wait_live()
         yield stack
 
 
-def stream(stack: ApiStack, body: dict[str, Any]) -> list[tuple[str | None, Any, float]]:
+def stream(stack: Stack, body: dict[str, Any]) -> list[tuple[str | None, Any, float]]:
     """(event, decoded data, seconds since the request) for each event."""
     started = time.monotonic()
     with httpx.stream(
-        "POST", f"{stack.base_url}/generate", json={**body, "stream": True}, timeout=10
+        "POST", f"{stack.url}/generate", json={**body, "stream": True}, timeout=10
     ) as response:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -38,7 +44,7 @@ def stream(stack: ApiStack, body: dict[str, Any]) -> list[tuple[str | None, Any,
         ]
 
 
-def test_token_events_add_up_to_the_answer_and_end_with_done(stack: ApiStack) -> None:
+def test_token_events_add_up_to_the_answer_and_end_with_done(stack: Stack) -> None:
     events = stream(stack, {"prompt": "hello", "max_new_tokens": 12})
     *tokens, (last_event, done, _) = events
     assert {event for event, _, _ in tokens} == {"token"}
@@ -51,7 +57,7 @@ def test_token_events_add_up_to_the_answer_and_end_with_done(stack: ApiStack) ->
     assert set(done["metrics"]) == {"queue_wait_ms", "generate_ms", "e2e_ms"}
 
 
-def test_tokens_arrive_as_they_are_produced(stack: ApiStack) -> None:
+def test_tokens_arrive_as_they_are_produced(stack: Stack) -> None:
     num_tokens = 20
     events = stream(stack, {"prompt": "slow", "max_new_tokens": num_tokens})
     first_at = events[0][2]
@@ -60,14 +66,14 @@ def test_tokens_arrive_as_they_are_produced(stack: ApiStack) -> None:
     assert last_token_at - first_at > (num_tokens - 5) * STEP_DELAY_S
 
 
-def test_streamed_text_equals_the_non_streamed_text(stack: ApiStack) -> None:
+def test_streamed_text_equals_the_non_streamed_text(stack: Stack) -> None:
     body = {"prompt": "the same, twice", "max_new_tokens": 9}
     events = stream(stack, body)
-    plain = httpx.post(f"{stack.base_url}/generate", json=body, timeout=10).json()
+    plain = httpx.post(f"{stack.url}/generate", json=body, timeout=10).json()
     assert "".join(data["text"] for event, data, _ in events if event == "token") == plain["text"]
 
 
-def test_stop_string_cuts_the_stream_and_no_part_of_it_is_sent(stack: ApiStack) -> None:
+def test_stop_string_cuts_the_stream_and_no_part_of_it_is_sent(stack: Stack) -> None:
     full = expected_text("stop here", 16)
     stop = full[6:9]
     events = stream(stack, {"prompt": "stop here", "max_new_tokens": 16, "stop": stop})
@@ -77,14 +83,14 @@ def test_stop_string_cuts_the_stream_and_no_part_of_it_is_sent(stack: ApiStack) 
     assert events[-1][1]["finish_reason"] == "stop"
 
 
-def test_non_ascii_prompt_streams(stack: ApiStack) -> None:
+def test_non_ascii_prompt_streams(stack: Stack) -> None:
     events = stream(stack, {"prompt": "héllo 😀 мир", "max_new_tokens": 4})
     assert "".join(d["text"] for e, d, _ in events if e == "token") == expected_text(
         "héllo 😀 мир", 4
     )
 
 
-def test_error_after_the_first_token_is_an_error_event(stack: ApiStack) -> None:
+def test_error_after_the_first_token_is_an_error_event(stack: Stack) -> None:
     # Longer than REQUEST_TIMEOUT_S: the headers are out when the deadline passes.
     num_tokens = int(2 * REQUEST_TIMEOUT_S / STEP_DELAY_S)
     events = stream(stack, {"prompt": "too long", "max_new_tokens": num_tokens})
@@ -93,19 +99,19 @@ def test_error_after_the_first_token_is_an_error_event(stack: ApiStack) -> None:
     assert last_event == "error"
     assert error["error"]["code"] == "timeout"
     assert "REQUEST_TIMEOUT_S" in error["error"]["message"]
-    stack.wait_until("idle", lambda h: h["active"] == 0 and h["inflight"] == 0)
+    stack.wait_for_health("idle", lambda h: h["active"] == 0 and h["inflight"] == 0)
 
 
-def test_refusal_before_the_first_token_is_a_plain_http_error(stack: ApiStack) -> None:
+def test_refusal_before_the_first_token_is_a_plain_http_error(stack: Stack) -> None:
     body = {"prompt": "x" * FAKE_CONTEXT_WINDOW, "max_new_tokens": 8, "stream": True}
-    response = httpx.post(f"{stack.base_url}/generate", json=body, timeout=10)
+    response = httpx.post(f"{stack.url}/generate", json=body, timeout=10)
     assert response.status_code == 422
     assert response.headers["content-type"] == "application/json"
     assert "context window" in response.json()["error"]["message"]
 
 
-def test_invalid_streaming_request_is_rejected_before_streaming(stack: ApiStack) -> None:
+def test_invalid_streaming_request_is_rejected_before_streaming(stack: Stack) -> None:
     body = {"prompt": "hi", "stream": True, "temperature": 3}
-    response = httpx.post(f"{stack.base_url}/generate", json=body, timeout=10)
+    response = httpx.post(f"{stack.url}/generate", json=body, timeout=10)
     assert response.status_code == 422
     assert response.json()["error"]["param"] == "temperature"
