@@ -7,27 +7,24 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
-import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import tomllib
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from protocol.config import FrontendConfig, WorkerConfig
+from tests.stack import Stack, free_port
 from worker.fake_engine import expected_text
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -322,108 +319,64 @@ def on_loopback(environment: dict[str, Any], worker_port: int, http_port: int) -
     return {**env, **{name: value for name, value in loopback.items() if name in env}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def shell_env() -> dict[str, str]:
+    # Nothing from this shell may stand in for what the compose file sets.
+    config_names = env_names(WorkerConfig) | env_names(FrontendConfig)
+    shell = {name: value for name, value in os.environ.items() if name not in config_names}
+    return {**shell, "PYTHONPATH": str(REPO_ROOT)}
 
 
-def http(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.loads(exc.read() or b"null")
+@dataclasses.dataclass(frozen=True)
+class Loopback:
+    """Where the compose services listen when they run here as local processes."""
 
+    worker_port: int
+    http_port: int
 
-class Stack:
-    """The compose services as local processes, with their output in log files."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.worker_port, self.http_port = free_port(), free_port()
-        self.base_url = f"http://127.0.0.1:{self.http_port}"
-        self.log_dir = log_dir
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        # Nothing from this shell may stand in for what the compose file sets.
-        config_names = env_names(WorkerConfig) | env_names(FrontendConfig)
-        self.base_env = {k: v for k, v in os.environ.items() if k not in config_names}
-        self.base_env["PYTHONPATH"] = str(REPO_ROOT)
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     def env(self, service: str) -> dict[str, str]:
         environment = services()[service]["environment"]
         env = on_loopback(environment, self.worker_port, self.http_port)
         if "MODEL_ID" in environment:
             env["MODEL_ID"] = "fake"
-        return {**self.base_env, **env}
-
-    def start(self, service: str) -> None:
-        with (self.log_dir / f"{service}.log").open("wb") as log:
-            self.processes[service] = subprocess.Popen(
-                entry_point_command(services()[service]["command"]),
-                env=self.env(service),
-                cwd=REPO_ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- {path.name}\n{path.read_text(errors='replace')}"
-            for path in sorted(self.log_dir.glob("*.log"))
-        )
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for service, process in self.processes.items():
-                assert process.poll() is None, f"{service} exited early\n{self.logs()}"
-            try:
-                if http("GET", f"{self.base_url}/health")[0] == 200:
-                    return
-            except OSError:
-                pass  # not listening yet
-            time.sleep(0.2)
-        pytest.fail(f"/health did not answer 200 within {timeout_s:g}s\n{self.logs()}")
-
-    def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+        return {**shell_env(), **env}
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    stack = Stack(tmp_path)
+def loopback() -> Loopback:
+    return Loopback(worker_port=free_port(), http_port=free_port())
+
+
+@pytest.fixture
+def stack(tmp_path: Path, loopback: Loopback) -> Iterator[Stack]:
+    """The compose services, each run with its compose command and environment."""
+    stack = Stack(url=loopback.url, env=shell_env(), log_dir=tmp_path)
     try:
-        stack.start("worker")
-        stack.start("frontend")
-        stack.wait_healthy(timeout_s=60)
+        for service in ("worker", "frontend"):
+            command = entry_point_command(services()[service]["command"])
+            stack.start_command(service, command, loopback.env(service))
+        stack.wait_live(timeout_s=60)
         yield stack
     finally:
         stack.stop()
 
 
 def test_compose_services_serve_a_request_as_local_processes(stack: Stack) -> None:
-    status, body = http(
-        "POST", f"{stack.base_url}/generate", {"prompt": "hello", "max_new_tokens": 4}
+    response = httpx.post(
+        f"{stack.url}/generate", json={"prompt": "hello", "max_new_tokens": 4}, timeout=10
     )
-    assert status == 200, f"{body}\n{stack.logs()}"
+    assert response.status_code == 200, f"{response.text}\n{stack.logs()}"
+    body = response.json()
     assert body["model"] == "fake"
     assert body["text"] == expected_text("hello", 4)
 
 
-def test_compose_healthchecks_pass_against_the_running_services(stack: Stack) -> None:
+def test_compose_healthchecks_pass_against_the_running_services(
+    stack: Stack, loopback: Loopback
+) -> None:
     for service in ("worker", "frontend"):
         healthcheck = services()[service]["healthcheck"]["test"]
         assert healthcheck[0] == "CMD"
@@ -433,8 +386,8 @@ def test_compose_healthchecks_pass_against_the_running_services(stack: Stack) ->
         elif command[0] == "python":
             command = [sys.executable, *command[1:]]
         # The frontend's check names the published port; here it listens elsewhere.
-        command = [part.replace(":8000/", f":{stack.http_port}/") for part in command]
+        command = [part.replace(":8000/", f":{loopback.http_port}/") for part in command]
         completed = subprocess.run(
-            command, env=stack.env(service), capture_output=True, text=True, timeout=30
+            command, env=loopback.env(service), capture_output=True, text=True, timeout=30
         )
         assert completed.returncode == 0, f"{service}: {completed.stderr}\n{stack.logs()}"
