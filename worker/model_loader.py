@@ -12,6 +12,8 @@ import functools
 import json
 import logging
 import os
+import socket
+import urllib.parse
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from importlib import resources
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 SYNTHETIC = "synthetic"
 SYNTHETIC_SEED = 0
+HF_HUB = "https://huggingface.co"
 
 
 class ModelLoadError(ConfigError):
@@ -141,9 +144,10 @@ def synthetic_model(config: GPT2Config | None = None, seed: int = SYNTHETIC_SEED
 
 def _pretrained(model_id: str) -> LoadedModel:
     # huggingface_hub reads HF_HUB_OFFLINE once, at import; honouring it here too
-    # lets a process (or a test) go offline after import without a 25 s retry loop.
+    # lets a process (or a test) go offline after import. Where the hub's name does
+    # not even resolve, asking it would only cost ~30 s of retries: use the cache.
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-    local_only = Path(model_id).is_dir() or offline
+    local_only = Path(model_id).is_dir() or offline or not _hub_resolves()
     model = GPT2LMHeadModel.from_pretrained(model_id, local_files_only=local_only)
     hf_tokenizer = AutoTokenizer.from_pretrained(model_id, local_files_only=local_only)
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
@@ -154,6 +158,16 @@ def _pretrained(model_id: str) -> LoadedModel:
         eos = hf_tokenizer.eos_token_id
     tokenizer = TextTokenizer(backend, eos)
     return LoadedModel(model_id, model, tokenizer, is_random_weights=False)
+
+
+def _hub_resolves() -> bool:
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", HF_HUB)).hostname or ""
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        logger.info("%s does not resolve: loading from the local HF cache only", host)
+        return False
+    return True
 
 
 def _single_id(token_id: int | list[int] | None) -> int | None:
