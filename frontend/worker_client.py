@@ -190,10 +190,12 @@ class WorkerClient:
                 " (random weights)" if hello.is_random_weights else "",
                 hello.capacity,
             )
-            self._was_live = True
-            self._replay_all()
         else:
-            self._check_liveness()
+            # A worker greets a frontend only on first contact: it timed this one
+            # out (FRONTEND_TIMEOUT_S) and aborted its requests, so resend them.
+            log.warning("worker %s greeted this frontend again", hello.instance_id[:8])
+        self._was_live = True
+        self._replay_all()
 
     def _check_liveness(self) -> None:
         verdict = self.liveness.verdict()

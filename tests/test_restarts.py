@@ -195,3 +195,20 @@ def test_a_stream_cut_by_a_worker_kill_continues_where_it_stopped(tmp_path: Path
         assert done["finish_reason"] == "length"
         assert done["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": budget}
         assert "replaying 1 requests" in stack.log("supervisor")
+
+
+def test_a_frontend_the_worker_timed_out_resends_what_the_worker_dropped(tmp_path: Path) -> None:
+    overrides = {"FRONTEND_TIMEOUT_S": "0.5", "FAKE_STEP_DELAY_S": "0.02"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        bodies = _bodies(2, max_new_tokens=150)
+        pool, futures = _in_background(stack, bodies)
+        stack.wait_for_health("slots busy", lambda h: h["active"] == 2)
+        frontend = stack.processes["frontend"]
+        frontend.send_signal(signal.SIGSTOP)  # its pings stop; the worker drops its requests
+        time.sleep(1.5)
+        frontend.send_signal(signal.SIGCONT)
+        _assert_fault_free_answers(bodies, futures)
+        pool.shutdown()
+        assert "aborting its 2 requests" in stack.log("worker")
+        assert "greeted this frontend again" in stack.log("frontend")
