@@ -79,11 +79,12 @@ def run_static(runner: StaticBatchRunner, requests: list[GenerateRequest]) -> Su
 
 
 def median_of_runs(
-    modes: dict[str, Callable[[], Summary]], num_runs: int
+    modes: dict[str, Callable[[], Summary]], num_runs: int, warm_up: bool = True
 ) -> tuple[dict[str, Summary], dict[str, list[Summary]]]:
-    """Warm each mode up once, then run them in turn ``num_runs`` times, so that a
-    slow spell of a shared machine hits every mode alike; return the medians."""
-    for mode in modes.values():
+    """Warm each mode up once (unless the caller did), then run them in turn
+    ``num_runs`` times, so that a slow spell of a shared machine hits every mode
+    alike; return the medians and every run."""
+    for mode in modes.values() if warm_up else ():
         mode()
     runs: dict[str, list[Summary]] = {name: [] for name in modes}
     for _ in range(num_runs):
