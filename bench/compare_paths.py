@@ -149,8 +149,8 @@ def _ratios(medians: dict[str, Summary]) -> dict[str, float]:
     def tokens(path: str) -> float:
         return float(medians[path]["tokens_per_s"])
 
-    def p50(path: str) -> float:
-        return float(medians[path]["e2e_ms"]["p50"])
+    def p50(path: str, stat: str = "e2e_ms") -> float:
+        return float(medians[path][stat]["p50"])
 
     return {
         "http / engine tokens/s (target >= 0.95)": tokens("http") / tokens("engine"),
@@ -159,6 +159,8 @@ def _ratios(medians: dict[str, Summary]) -> dict[str, float]:
         "http - engine median e2e ms (target <= 5)": p50("http") - p50("engine"),
         "zmq - engine median e2e ms": p50("zmq") - p50("engine"),
         "http - zmq median e2e ms": p50("http") - p50("zmq"),
+        "http median ms outside the worker (paired)": p50("http", "path_overhead_ms"),
+        "zmq median ms outside the worker (paired)": p50("zmq", "path_overhead_ms"),
     }
 
 

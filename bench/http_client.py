@@ -81,6 +81,7 @@ class HttpTarget:
                 else:
                     answer = json.loads(await response.aread())
                     record.num_tokens = int(answer["usage"]["completion_tokens"])
+                    record.server_s = _server_s(answer)
         except httpx.TimeoutException:
             record.status = "timeout"
         except httpx.TransportError as exc:
@@ -116,6 +117,7 @@ class HttpTarget:
                     num_streamed += len(payload["token_ids"])
                 elif event == "done":
                     usage_tokens = int(payload["usage"]["completion_tokens"])
+                    record.server_s = _server_s(payload)
                     record.status = OK
                     break
             else:
@@ -126,3 +128,11 @@ class HttpTarget:
                     usage_tokens = int(payload["usage"]["completion_tokens"])
         # A server that reports usage is exact; else each text chunk counts as one token.
         record.num_tokens = usage_tokens if usage_tokens is not None else num_streamed
+
+
+def _server_s(answer: dict[str, Any]) -> float | None:
+    """The worker's own time for a native answer; OpenAI answers do not say."""
+    metrics = answer.get("metrics")
+    if not metrics:
+        return None
+    return (float(metrics["queue_wait_ms"]) + float(metrics["generate_ms"])) / 1000

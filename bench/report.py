@@ -31,7 +31,9 @@ class RequestRecord:
 
     ``status`` is ``OK`` for success, else the HTTP status or the worker's error
     code. ``chunk_times`` are arrival times of the chunks that carried tokens,
-    empty when the request was not streamed."""
+    empty when the request was not streamed. ``server_s`` is the time the worker
+    itself reports for the request (queue wait + generation), when it does: the
+    rest of the client's end-to-end time was spent on the way in and out."""
 
     request_id: str
     sent_at: float
@@ -39,6 +41,7 @@ class RequestRecord:
     ended_at: float = 0.0
     num_tokens: int = 0
     chunk_times: list[float] = field(default_factory=list)
+    server_s: float | None = None
 
     @property
     def is_ok(self) -> bool:
@@ -75,6 +78,9 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "e2e_ms": latency_stats([r.ended_at - r.sent_at for r in done]),
         "ttft_ms": latency_stats([r.chunk_times[0] - r.sent_at for r in streamed]),
         "itl_ms": latency_stats(gaps),
+        "path_overhead_ms": latency_stats(
+            [r.ended_at - r.sent_at - r.server_s for r in done if r.server_s is not None]
+        ),
     }
 
 
@@ -102,23 +108,25 @@ def table(rows: Mapping[str, Mapping[str, Any]]) -> str:
     """One line per summary: throughput, then each latency's p50/p95/p99."""
     lines = [
         f"{'':<20} {'ok':>5} {'tok/s':>7} {'req/s':>6}  "
-        f"{'e2e p50/p95/p99 ms':>20}  {'ttft p50/p95 ms':>15}  {'itl p50/p95 ms':>14}"
+        f"{'e2e p50/p95/p99 ms':>20}  {'ttft p50/p95 ms':>15}  {'itl p50/p95 ms':>14}  "
+        f"{'outside worker p50/p95 ms':>25}"
     ]
     for name, s in rows.items():
         lines.append(
             f"{name:<20} {s['num_succeeded']:>5} {s['tokens_per_s']:>7.1f} "
             f"{s['requests_per_s']:>6.2f}  {_cuts(s['e2e_ms'], 3):>20}  "
-            f"{_cuts(s['ttft_ms'], 2):>15}  {_cuts(s['itl_ms'], 2):>14}"
+            f"{_cuts(s['ttft_ms'], 2):>15}  {_cuts(s['itl_ms'], 2):>14}  "
+            f"{_cuts(s['path_overhead_ms'], 2, '.1f'):>25}"
         )
         if s["failures_by_status"]:
             lines.append(f"{'':<20} failures by status: {s['failures_by_status']}")
     return "\n".join(lines)
 
 
-def _cuts(stats: Stats, num: int) -> str:
+def _cuts(stats: Stats, num: int, spec: str = ".0f") -> str:
     if not stats:
         return "-"
-    return "/".join(f"{stats[key]:.0f}" for key in ("p50", "p95", "p99")[:num])
+    return "/".join(f"{stats[key]:{spec}}" for key in ("p50", "p95", "p99")[:num])
 
 
 def machine() -> dict[str, object]:

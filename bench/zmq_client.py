@@ -113,6 +113,7 @@ class ZmqTarget:
                 continue
             if isinstance(message, GenerateResult):
                 record.num_tokens = message.completion_tokens
+                record.server_s = (message.queue_wait_ms + message.generate_ms) / 1000
                 if message.finish_reason not in ("stop", "length"):
                     record.status = message.finish_reason
             else:

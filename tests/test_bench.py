@@ -41,6 +41,7 @@ def test_summary_counts_tokens_of_successes_and_failures_by_status() -> None:
     assert summary["failures_by_status"] == {"503": 1}
     assert summary["ttft_ms"]["p50"] == pytest.approx(200)
     assert summary["itl_ms"]["mean"] == pytest.approx(400)
+    assert summary["path_overhead_ms"] == {}  # no record says what the worker took
 
 
 def test_poisson_arrivals_are_seeded_and_average_the_rate() -> None:
@@ -90,7 +91,9 @@ def _args(**overrides: object) -> SimpleNamespace:
     return SimpleNamespace(**settings)
 
 
-def _check(records: list[RequestRecord], requests: list[GenerateRequest]) -> None:
+def _check(
+    records: list[RequestRecord], requests: list[GenerateRequest], says_server_time: bool = True
+) -> None:
     budgets = {r.request_id: r.max_new_tokens for r in requests}
     assert {r.request_id for r in records} == set(budgets)
     for record in records:
@@ -98,6 +101,9 @@ def _check(records: list[RequestRecord], requests: list[GenerateRequest]) -> Non
         assert record.num_tokens == budgets[record.request_id]
         assert record.chunk_times, "a streamed request records when its tokens came"
         assert record.sent_at < record.chunk_times[0] <= record.ended_at
+        if says_server_time:  # every answer but OpenAI's says how long the worker took
+            assert record.server_s is not None
+            assert 0 < record.server_s < record.ended_at - record.sent_at
 
 
 async def _run_http(
@@ -123,7 +129,8 @@ def test_http_and_zmq_clients_against_a_fake_stack() -> None:
         for api, mode in ((NATIVE, "closed"), (OPENAI, "open")):
             args = _args(mode=mode)
             requests = load.workload(args, tag=api)
-            _check(asyncio.run(_run_http(stack.base_url, api, requests, args)), requests)
+            records = asyncio.run(_run_http(stack.base_url, api, requests, args))
+            _check(records, requests, says_server_time=api == NATIVE)
         args = _args()
         requests = load.workload(args, tag="zmq")
         _check(asyncio.run(_run_zmq(stack.env["WORKER_ENDPOINT"], requests, args)), requests)
