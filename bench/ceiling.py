@@ -25,28 +25,23 @@ from typing import Any
 
 import torch
 
-from bench.engines import engines_by_capacity
+from bench.engines import engines_by_capacity, sync
 from bench.report import RESULTS, save_figure, write_json
-from bench.step_profile import profile_steps
+from bench.step_profile import median_step_s, profile_steps
 from protocol import GenerateRequest
 from worker.torch_engine import TorchEngine
 
 WARMUP_STEPS = 2
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _best_time(run: Any, device: torch.device, repeats: int) -> float:
     run()  # warm-up
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         run()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - started)
     return best
 
@@ -92,8 +87,9 @@ def decode_cost(engine: TorchEngine, batch: int, context: int) -> StepCost:
 def measure_decode(
     engine: TorchEngine, context: int, num_steps: int, num_profile_steps: int
 ) -> tuple[float, dict[str, float]]:
-    """Decode tokens/s with every slot at ``context`` tokens, and (when asked) the
-    step profile right after."""
+    """Decode tokens/s with every slot at ``context`` tokens, from the median step
+    time (a step the OS preempted for a neighbour does not count), and (when
+    asked) the step profile right after."""
     rng = random.Random(0)
     budget = WARMUP_STEPS + num_steps + 2 * num_profile_steps + 1
     engine.admit(
@@ -110,12 +106,8 @@ def measure_decode(
     )
     for _ in range(WARMUP_STEPS):
         engine.step()
-    _sync(engine.device)
-    started = time.perf_counter()
-    for _ in range(num_steps):
-        engine.step()
-    _sync(engine.device)
-    tokens_per_s = engine.capacity * num_steps / (time.perf_counter() - started)
+    step_s = median_step_s(engine, num_steps)
+    tokens_per_s = engine.capacity / step_s
     profile = profile_steps(engine, num_profile_steps) if num_profile_steps else {}
     engine.reset()
     return tokens_per_s, profile

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import torch
+
 from protocol.config import WorkerConfig
 from worker.model_loader import LoadedModel, TextTokenizer
 from worker.torch_engine import TorchEngine, load_engine
@@ -26,3 +28,9 @@ def engines_by_capacity(
     del first
     for capacity in capacities[1:]:
         yield capacity, TorchEngine(loaded, capacity)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a timer around it is honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

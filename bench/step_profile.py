@@ -1,19 +1,21 @@
 """Where one decode step's time goes, by section, from torch.profiler.
 
 Each torch op's own time (excluding its children) is put in one section by its
-name and shapes; what the ops do not account for of an unprofiled step's wall
-time is per-step Python and dispatch overhead (the engine's bookkeeping, tensor
+name and shapes; what the ops do not account for of an unprofiled step's median
+wall time is per-step Python and dispatch overhead (the engine's bookkeeping, tensor
 building, the op calls themselves). The profiler's own cost lands in the op
 times, so that overhead is, if anything, understated.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 
 from torch.profiler import ProfilerActivity, profile
 
+from bench.engines import sync
 from worker.torch_engine import TorchEngine
 
 OVERHEAD = "Python and dispatch overhead"
@@ -38,14 +40,23 @@ def _section(name: str, shapes: list[list[int]], vocab_size: int) -> str:
     return "other torch ops"
 
 
+def median_step_s(engine: TorchEngine, num_steps: int) -> float:
+    """The median wall time of ``num_steps`` engine steps."""
+    times = []
+    for _ in range(num_steps):
+        sync(engine.device)
+        started = time.perf_counter()
+        engine.step()
+        sync(engine.device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def profile_steps(engine: TorchEngine, num_steps: int) -> dict[str, float]:
     """Milliseconds per step by section over ``num_steps`` steps of the engine's
     active sequences (they must have that many tokens left); largest first."""
     vocab_size = engine.gpt2.vocab_size
-    started = time.perf_counter()
-    for _ in range(num_steps):
-        engine.step()
-    wall_ms = (time.perf_counter() - started) * 1000 / num_steps
+    wall_ms = median_step_s(engine, num_steps) * 1000
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(num_steps):
