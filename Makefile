@@ -35,5 +35,14 @@ check: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Short versions of every benchmark on the synthetic model, one after another (a
+# few minutes on 2 cores); JSON and plots land in bench/results/.
+bench: $(STAMP)
+	$(BIN)/python -m bench.ceiling --steps 4 --profile-steps 3
+	$(BIN)/python -m bench.engine_sweep --short
+	$(BIN)/python -m bench.compare_paths --capacity 8 --requests 32 --rounds 1
+	$(BIN)/python -m bench.http_load --mode open --rate 4 --requests 32
+	$(BIN)/python -m bench.zmq_load --mode open --rate 4 --requests 32
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

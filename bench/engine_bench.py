@@ -14,16 +14,19 @@ p50/p95/p99, the median of 3 runs after a warm-up, alternating the two modes.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import torch
-
+from bench.report import (
+    OK,
+    RequestRecord,
+    median_summary,
+    summarize,
+    table,
+    write_json,
+)
 from bench.workload import make_workload
 from protocol import GenerateRequest
 from protocol.config import WorkerConfig
@@ -34,73 +37,66 @@ CAPACITY = 8
 NUM_REQUESTS = 32
 SEED = 0
 
-Run = dict[str, float]
+Summary = dict[str, Any]
 
 
-def run_continuous(engine: TorchEngine, requests: list[GenerateRequest]) -> Run:
-    queue = list(requests)
-    finished_at: dict[str, float] = {}
-    num_tokens = 0
+def run_continuous(
+    engine: TorchEngine, requests: list[GenerateRequest], concurrency: int | None = None
+) -> Summary:
+    """Continuous batching over ``requests``. With ``concurrency`` C, a closed loop:
+    C requests are available at any time and the next one arrives when one
+    finishes, timed from then; without it, every request is available at t0."""
     t0 = time.perf_counter()
-    while queue or engine.num_active():
+    records = {
+        r.request_id: RequestRecord(r.request_id, t0) for r in requests[: concurrency or None]
+    }
+    num_admitted = 0
+    while num_admitted < len(requests) or engine.num_active():
         num_free = engine.capacity - engine.num_active()
-        if queue and num_free:
-            engine.admit(queue[:num_free])
-            del queue[:num_free]
+        # Only requests that have arrived (have a record) may be admitted.
+        newcomers = requests[num_admitted : min(len(records), num_admitted + num_free)]
+        if newcomers:
+            engine.admit(newcomers)
+            num_admitted += len(newcomers)
         for seq in engine.step().finished:
-            finished_at[seq.request_id] = time.perf_counter() - t0
-            num_tokens += len(seq.token_ids)
-    return _summary(t0, finished_at, num_tokens)
+            now = time.perf_counter()
+            record = records[seq.request_id]
+            record.ended_at = now
+            record.num_tokens = len(seq.token_ids)
+            if len(records) < len(requests):
+                arrival = requests[len(records)]
+                records[arrival.request_id] = RequestRecord(arrival.request_id, now)
+    return summarize(list(records.values()))
 
 
-def run_static(runner: StaticBatchRunner, requests: list[GenerateRequest]) -> Run:
-    finished_at: dict[str, float] = {}
-    num_tokens = 0
+def run_static(runner: StaticBatchRunner, requests: list[GenerateRequest]) -> Summary:
     t0 = time.perf_counter()
+    records = []
     for chunk in runner.run(requests):
-        done = time.perf_counter() - t0
-        for seq in chunk:
-            finished_at[seq.request_id] = done
-            num_tokens += len(seq.token_ids)
-    return _summary(t0, finished_at, num_tokens)
+        done = time.perf_counter()
+        records += [RequestRecord(s.request_id, t0, OK, done, len(s.token_ids)) for s in chunk]
+    return summarize(records)
 
 
-def _summary(t0: float, finished_at: dict[str, float], num_tokens: int) -> Run:
-    wall_s = time.perf_counter() - t0
-    latencies = sorted(finished_at.values())
-    cuts = statistics.quantiles(latencies, n=100, method="inclusive")
-    return {
-        "tokens": num_tokens,
-        "wall_s": wall_s,
-        "tokens_per_s": num_tokens / wall_s,
-        "p50_s": cuts[49],
-        "p95_s": cuts[94],
-        "p99_s": cuts[98],
-    }
-
-
-def machine() -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
+def median_of_runs(
+    modes: dict[str, Callable[[], Summary]], num_runs: int, warm_up: bool = True
+) -> tuple[dict[str, Summary], dict[str, list[Summary]]]:
+    """Warm each mode up once (unless the caller did), then run them in turn
+    ``num_runs`` times, so that a slow spell of a shared machine hits every mode
+    alike; return the medians and every run."""
+    for mode in modes.values() if warm_up else ():
+        mode()
+    runs: dict[str, list[Summary]] = {name: [] for name in modes}
+    for _ in range(num_runs):
+        for name, mode in modes.items():
+            runs[name].append(mode())
+    return {name: median_summary(results) for name, results in runs.items()}, runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--out", default="bench/results/engine.json")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
@@ -108,61 +104,36 @@ def main() -> None:
     engine = load_engine(config)
     runner = StaticBatchRunner(engine.model, engine.tokenizer, CAPACITY)
     requests = make_workload(NUM_REQUESTS, seed=SEED)
-    modes: dict[str, Callable[[], Run]] = {
-        "static": lambda: run_static(runner, requests),
-        "continuous": lambda: run_continuous(engine, requests),
-    }
-    for mode in modes.values():
-        mode()  # warm-up
-    runs: dict[str, list[Run]] = {name: [] for name in modes}
-    for _ in range(args.runs):
-        for name, mode in modes.items():
-            runs[name].append(mode())
-    medians = {
-        name: {key: statistics.median(run[key] for run in results) for key in results[0]}
-        for name, results in runs.items()
-    }
+    medians, runs = median_of_runs(
+        {
+            "static": lambda: run_static(runner, requests),
+            "continuous": lambda: run_continuous(engine, requests),
+        },
+        args.runs,
+    )
     ratios = {
         "tokens_per_s": medians["continuous"]["tokens_per_s"] / medians["static"]["tokens_per_s"],
-        "p95": medians["continuous"]["p95_s"] / medians["static"]["p95_s"],
+        "p95": medians["continuous"]["e2e_ms"]["p95"] / medians["static"]["e2e_ms"]["p95"],
     }
-    report = {
-        "machine": machine(),
-        "workload": {
-            "num_requests": NUM_REQUESTS,
-            "seed": SEED,
-            "capacity": CAPACITY,
-            "model": engine.info.name,
-            "prompt_tokens": [len(engine.tokenizer.encode(r.prompt)) for r in requests],
-            "max_new_tokens": [r.max_new_tokens for r in requests],
+    print(table(medians))
+    print(f"continuous / static: {ratios['tokens_per_s']:.2f}x tokens/s, p95 {ratios['p95']:.2f}x")
+    write_json(
+        args.out,
+        {
+            "workload": {
+                "num_requests": NUM_REQUESTS,
+                "seed": SEED,
+                "capacity": CAPACITY,
+                "model": engine.info.name,
+                "prompt_tokens": [len(engine.tokenizer.encode(r.prompt)) for r in requests],
+                "max_new_tokens": [r.max_new_tokens for r in requests],
+            },
+            "median_of_runs": args.runs,
+            "median": medians,
+            "runs": runs,
+            "ratios_continuous_over_static": ratios,
         },
-        "median_of_runs": args.runs,
-        "median": medians,
-        "runs": runs,
-        "ratios_continuous_over_static": ratios,
-    }
-    print(_table(medians, ratios, report["machine"]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"saved {out}")
-
-
-def _table(medians: dict[str, Run], ratios: dict[str, float], machine: object) -> str:
-    lines = [
-        f"machine: {machine}",
-        f"{'mode':<11} {'tokens':>6} {'wall s':>7} {'tok/s':>7} {'p50 s':>6} "
-        f"{'p95 s':>6} {'p99 s':>6}",
-    ]
-    for name, m in medians.items():
-        lines.append(
-            f"{name:<11} {m['tokens']:>6.0f} {m['wall_s']:>7.2f} {m['tokens_per_s']:>7.1f} "
-            f"{m['p50_s']:>6.2f} {m['p95_s']:>6.2f} {m['p99_s']:>6.2f}"
-        )
-    lines.append(
-        f"continuous / static: {ratios['tokens_per_s']:.2f}x tokens/s, p95 {ratios['p95']:.2f}x"
     )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

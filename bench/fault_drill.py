@@ -23,7 +23,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -34,6 +33,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bench.stack import local_stack as supervised_stack
+from bench.stack import stack_env
 from bench.workload import make_workload
 
 RESULTS = Path(__file__).parent / "results"
@@ -205,28 +206,18 @@ def plan_faults(num_kills: int, num_requests: int, seed: int) -> list[Fault]:
 @contextlib.contextmanager
 def local_stack(args: argparse.Namespace) -> Iterator[str]:
     """Start the supervisor with drill-friendly liveness timeouts; yield its URL."""
-    env = {
-        **os.environ,
-        "MODEL_ID": args.model_id,
-        "PORT": str(args.port),
-        "WORKER_ENDPOINT": f"tcp://127.0.0.1:{args.port + 1}",
-        "HEARTBEAT_TIMEOUT_S": os.environ.get("HEARTBEAT_TIMEOUT_S", "2"),
-        "STEP_TIMEOUT_S": os.environ.get("STEP_TIMEOUT_S", "10"),
-        "FRONTEND_TIMEOUT_S": os.environ.get("FRONTEND_TIMEOUT_S", "5"),
-    }
-    log = open(args.log, "wb")  # noqa: SIM115 - closed below, after the stack stops
-    process = subprocess.Popen(
-        [sys.executable, "-m", "worker.supervisor"], env=env, stdout=log, stderr=log
+    env = stack_env(
+        {
+            "MODEL_ID": args.model_id,
+            "PORT": str(args.port),
+            "WORKER_ENDPOINT": f"tcp://127.0.0.1:{args.port + 1}",
+            "HEARTBEAT_TIMEOUT_S": os.environ.get("HEARTBEAT_TIMEOUT_S", "2"),
+            "STEP_TIMEOUT_S": os.environ.get("STEP_TIMEOUT_S", "10"),
+            "FRONTEND_TIMEOUT_S": os.environ.get("FRONTEND_TIMEOUT_S", "5"),
+        }
     )
-    try:
-        yield f"http://127.0.0.1:{args.port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+    with supervised_stack(env, Path(args.log)) as stack:
+        yield stack.url
 
 
 def report(

@@ -3,6 +3,8 @@
 Prompts are text built from a fixed list of common English words, each about one
 GPT-2 token, so prompt lengths vary as asked whichever path carries them; output
 lengths are drawn from a few budgets, so static batching waits on its longest row.
+Every request ignores EOS, so it delivers exactly its budget on every path and
+server, and the token counts of two runs compare.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def make_workload(
     seed: int = 0,
     prompt_words: tuple[int, int] = (16, 160),
     max_new_tokens_choices: Sequence[int] = MAX_NEW_TOKENS_CHOICES,
+    ignore_eos: bool = True,
 ) -> list[GenerateRequest]:
     """``num_requests`` greedy requests: prompts of ``prompt_words`` (inclusive range)
     words, max_new_tokens drawn from ``max_new_tokens_choices``; same seed, same list."""
@@ -46,6 +49,7 @@ def make_workload(
                 request_id=f"bench-{i}",
                 prompt=prompt,
                 max_new_tokens=rng.choice(list(max_new_tokens_choices)),
+                ignore_eos=ignore_eos,
             )
         )
     return requests

@@ -1,0 +1,123 @@
+"""One benchmark request straight to the worker's ZMQ socket, bypassing HTTP.
+
+The client speaks `protocol` exactly as the frontend does: a DEALER that pings
+(the worker drops the requests of a frontend whose pings stop), sends
+`GenerateRequest`s and reads `TokenDelta`s and the final answer. Run against the
+same worker as the HTTP client, the difference between the two is the frontend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from types import TracebackType
+
+import zmq
+import zmq.asyncio
+
+from bench.report import RequestRecord
+from protocol import (
+    ErrorResult,
+    GenerateRequest,
+    GenerateResult,
+    Hello,
+    Ping,
+    TokenDelta,
+    decode_to_frontend,
+    encode,
+)
+
+PING_INTERVAL_S = 1.0
+
+
+class ZmqTarget:
+    def __init__(self, endpoint: str, stream: bool = True, hello_timeout_s: float = 60.0) -> None:
+        self.endpoint = endpoint
+        self.stream = stream
+        self.hello_timeout_s = hello_timeout_s
+        self.frontend_id = f"bench-{uuid.uuid4().hex[:12]}"
+        self.hello: Hello | None = None
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._waiting: dict[str, tuple[RequestRecord, asyncio.Future[None]]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> ZmqTarget:
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.connect(self.endpoint)
+        hello_seen = asyncio.get_running_loop().create_future()
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(hello_seen)),
+            asyncio.create_task(self._ping_loop()),
+        ]
+        try:
+            await asyncio.wait_for(hello_seen, self.hello_timeout_s)
+        except TimeoutError:
+            await self.__aexit__(None, None, None)
+            raise RuntimeError(
+                f"no Hello from a worker at {self.endpoint} within {self.hello_timeout_s:g} s"
+            ) from None
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._socket.close(linger=0)
+        self._context.term()
+
+    async def send(self, request: GenerateRequest) -> RequestRecord:
+        record = RequestRecord(request.request_id, time.perf_counter())
+        done = asyncio.get_running_loop().create_future()
+        self._waiting[request.request_id] = (record, done)
+        await self._socket.send(encode(dataclasses.replace(request, stream=self.stream)))
+        await done
+        return record
+
+    async def _ping_loop(self) -> None:
+        ping = encode(Ping(self.frontend_id))
+        while True:
+            await self._socket.send(ping)
+            await asyncio.sleep(PING_INTERVAL_S)
+
+    async def _receive_loop(self, hello_seen: asyncio.Future[None]) -> None:
+        while True:
+            message = decode_to_frontend(await self._socket.recv())
+            now = time.perf_counter()
+            if isinstance(message, Hello):
+                self.hello = message
+                if not hello_seen.done():
+                    hello_seen.set_result(None)
+                continue
+            if not isinstance(message, (TokenDelta, GenerateResult, ErrorResult)):
+                continue  # heartbeats
+            waiting = self._waiting.get(message.request_id)
+            if waiting is None:
+                continue
+            record, done = waiting
+            if isinstance(message, TokenDelta):
+                if message.token_ids:
+                    record.chunk_times.append(now)
+                continue
+            if isinstance(message, GenerateResult):
+                record.num_tokens = message.completion_tokens
+                record.server_s = (message.queue_wait_ms + message.generate_ms) / 1000
+                if message.finish_reason not in ("stop", "length"):
+                    record.status = message.finish_reason
+            else:
+                record.status = message.code
+            record.ended_at = now
+            del self._waiting[message.request_id]
+            done.set_result(None)

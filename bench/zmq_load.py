@@ -1,0 +1,69 @@
+"""ZMQ load client: the HTTP load generator's workload and report, sent straight to
+the worker's socket with `protocol`, bypassing the frontend.
+
+    python -m bench.zmq_load --mode closed --concurrency 8 --requests 64
+    python -m bench.zmq_load --endpoint tcp://127.0.0.1:5555 --mode open --rate 6
+
+Without --endpoint it starts a local stack (synthetic model, MAX_BATCH_SIZE=
+--capacity) and talks to its worker. Writes bench/results/zmq_<mode>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench import load
+from bench.report import RESULTS, RequestRecord, report_run
+from bench.stack import local_stack, stack_env, wait_live
+from bench.zmq_client import ZmqTarget
+from protocol import GenerateRequest
+
+
+async def run_zmq(
+    endpoint: str, requests: list[GenerateRequest], args: argparse.Namespace
+) -> list[RequestRecord]:
+    async with ZmqTarget(endpoint, stream=not args.no_stream) as target:
+        return await load.drive(target.send, requests, args)
+
+
+@contextlib.contextmanager
+def target_endpoint(args: argparse.Namespace) -> Iterator[str]:
+    """``--endpoint``, or the worker of a local synthetic stack started for this run."""
+    if args.endpoint:
+        yield args.endpoint
+        return
+    env = stack_env({"MODEL_ID": args.model_id, "MAX_BATCH_SIZE": str(args.capacity)})
+    with local_stack(env, RESULTS / "zmq_load_stack.log") as stack:
+        wait_live(stack.url, timeout_s=300)
+        yield stack.worker_endpoint
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--endpoint", help="a worker's ZMQ endpoint; default: a local stack")
+    parser.add_argument("--model-id", default="synthetic", help="for the stack it starts")
+    parser.add_argument("--capacity", type=int, default=8, help="for the stack it starts")
+    parser.add_argument("--no-stream", action="store_true", help="no TTFT or ITL then")
+    parser.add_argument("--out", type=Path, help="default: bench/results/zmq_<mode>.json")
+    load.add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
+    requests = load.workload(args, tag=f"zmq-{uuid.uuid4().hex[:8]}")
+    with target_endpoint(args) as endpoint:
+        records = asyncio.run(run_zmq(endpoint, requests, args))
+    settings = {**load.describe(args), "endpoint": args.endpoint or "local stack"}
+    out = args.out or RESULTS / f"zmq_{args.mode}.json"
+    return report_run(f"zmq {args.mode}", records, settings, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The benchmark tools, model-free: statistics, arrival schedules, load shapes, and
+the HTTP and ZMQ clients against a fake-engine stack."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from bench import load
+from bench.http_client import NATIVE, OPENAI, HttpTarget
+from bench.report import OK, RequestRecord, latency_stats, summarize
+from bench.zmq_client import ZmqTarget
+from protocol import GenerateRequest
+from tests.api_stack import api_stack
+
+
+def test_latency_stats_are_milliseconds_with_interpolated_percentiles() -> None:
+    stats = latency_stats([i / 1000 for i in range(1, 101)])  # 1..100 ms
+    assert stats["mean"] == pytest.approx(50.5)
+    assert stats["p50"] == pytest.approx(50.5)
+    assert stats["p99"] == pytest.approx(99.01)
+    assert latency_stats([0.25]) == {"mean": 250, "p50": 250, "p95": 250, "p99": 250}
+    assert latency_stats([]) == {}
+
+
+def test_summary_counts_tokens_of_successes_and_failures_by_status() -> None:
+    records = [
+        RequestRecord("a", sent_at=0.0, ended_at=1.0, num_tokens=10, chunk_times=[0.2, 0.6, 1.0]),
+        RequestRecord("b", sent_at=1.0, ended_at=2.0, num_tokens=30),
+        RequestRecord("c", sent_at=1.0, ended_at=1.5, status="503"),
+    ]
+    summary = summarize(records)
+    assert summary["num_tokens"] == 40
+    assert summary["tokens_per_s"] == pytest.approx(20.0)  # 40 tokens over 0..2 s
+    assert summary["requests_per_s"] == pytest.approx(1.0)
+    assert summary["failures_by_status"] == {"503": 1}
+    assert summary["ttft_ms"]["p50"] == pytest.approx(200)
+    assert summary["itl_ms"]["mean"] == pytest.approx(400)
+    assert summary["path_overhead_ms"] == {}  # no record says what the worker took
+
+
+def test_poisson_arrivals_are_seeded_and_average_the_rate() -> None:
+    offsets = load.arrival_offsets(4000, rate=20.0, burstiness=1.0, seed=3)
+    assert offsets == load.arrival_offsets(4000, rate=20.0, burstiness=1.0, seed=3)
+    assert offsets != load.arrival_offsets(4000, rate=20.0, burstiness=1.0, seed=4)
+    gaps = [b - a for a, b in zip([0.0, *offsets], offsets, strict=False)]
+    assert statistics.fmean(gaps) == pytest.approx(1 / 20, rel=0.05)
+    # Exponential gaps: the spread equals the mean. Bursty arrivals spread more.
+    assert statistics.stdev(gaps) == pytest.approx(1 / 20, rel=0.1)
+    bursty = load.arrival_offsets(4000, rate=20.0, burstiness=0.25, seed=3)
+    bursty_gaps = [b - a for a, b in zip([0.0, *bursty], bursty, strict=False)]
+    assert statistics.stdev(bursty_gaps) > 1.5 * statistics.stdev(gaps)
+
+
+def test_closed_loop_never_exceeds_its_concurrency() -> None:
+    in_flight, peak = 0, 0
+
+    async def send(request: GenerateRequest) -> RequestRecord:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        record = RequestRecord(request.request_id, time.perf_counter())
+        await asyncio.sleep(0.001)
+        in_flight -= 1
+        return record
+
+    requests = [GenerateRequest(f"r{i}", "hi", 4) for i in range(20)]
+    records = asyncio.run(load.closed_loop(send, requests, concurrency=3, show_progress=False))
+    assert peak == 3
+    assert sorted(r.request_id for r in records) == sorted(r.request_id for r in requests)
+
+
+def _args(**overrides: object) -> SimpleNamespace:
+    settings: dict[str, object] = {
+        "requests": 6,
+        "seed": 0,
+        "prompt_words": (4, 12),
+        "max_new_tokens": [3, 5],
+        "mode": "closed",
+        "concurrency": 3,
+        "rate": 50.0,
+        "burstiness": 1.0,
+        "no_progress": True,
+    }
+    settings.update(overrides)
+    return SimpleNamespace(**settings)
+
+
+def _check(
+    records: list[RequestRecord], requests: list[GenerateRequest], says_server_time: bool = True
+) -> None:
+    budgets = {r.request_id: r.max_new_tokens for r in requests}
+    assert {r.request_id for r in records} == set(budgets)
+    for record in records:
+        assert record.status == OK
+        assert record.num_tokens == budgets[record.request_id]
+        assert record.chunk_times, "a streamed request records when its tokens came"
+        assert record.sent_at < record.chunk_times[0] <= record.ended_at
+        if says_server_time:  # every answer but OpenAI's says how long the worker took
+            assert record.server_s is not None
+            assert 0 < record.server_s < record.ended_at - record.sent_at
+
+
+async def _run_http(
+    base_url: str, api: str, requests: list[GenerateRequest], args: SimpleNamespace
+) -> list[RequestRecord]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        target = HttpTarget(client, api)
+        if api == OPENAI:
+            assert await target.resolve_model() == "fake"
+        return await load.drive(target.send, requests, args)
+
+
+async def _run_zmq(
+    endpoint: str, requests: list[GenerateRequest], args: SimpleNamespace
+) -> list[RequestRecord]:
+    async with ZmqTarget(endpoint) as target:
+        assert target.hello is not None and target.hello.model == "fake"
+        return await load.drive(target.send, requests, args)
+
+
+def test_http_and_zmq_clients_against_a_fake_stack() -> None:
+    with api_stack() as stack:
+        for api, mode in ((NATIVE, "closed"), (OPENAI, "open")):
+            args = _args(mode=mode)
+            requests = load.workload(args, tag=api)
+            records = asyncio.run(_run_http(stack.base_url, api, requests, args))
+            _check(records, requests, says_server_time=api == NATIVE)
+        args = _args()
+        requests = load.workload(args, tag="zmq")
+        _check(asyncio.run(_run_zmq(stack.env["WORKER_ENDPOINT"], requests, args)), requests)
+
+
+def test_http_client_reports_a_refused_request_by_status() -> None:
+    with api_stack() as stack:
+
+        async def run() -> RequestRecord:
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+                target = HttpTarget(client, NATIVE)
+                return await target.send(GenerateRequest("big", "x" * 2000, 16))
+
+        record = asyncio.run(run())
+    assert record.status == "422"  # beyond the fake model's context window
+    assert summarize([record])["failures_by_status"] == {"422": 1}
