@@ -8,11 +8,12 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 
 from frontend.errors import ApiError
-from frontend.inflight import InFlight
+from frontend.inflight import Event, InFlight
 from frontend.metrics import Metrics
 from frontend.worker_client import Overloaded, WorkerClient
 from protocol import ErrorResult, GenerateRequest, GenerateResult, TokenDelta
@@ -35,6 +36,12 @@ class Accepted:
     metrics: Metrics
     last_token_at: float | None = None
     is_answered: bool = False
+    # One watcher for the client's disconnect per request, not one per token.
+    disconnect: asyncio.Future[None] | None = None
+
+    def stop_watching(self) -> None:
+        if self.disconnect is not None:
+            self.disconnect.cancel()
 
     def on_delta(self, delta: TokenDelta) -> None:
         if not delta.token_ids:
@@ -88,6 +95,7 @@ def accept(
 def abandon(client: WorkerClient, accepted: Accepted) -> None:
     """The response ended before the request's answer (a stream the client closed):
     abort it in the worker so that its slot is freed."""
+    accepted.stop_watching()
     if not accepted.is_answered:
         client.cancel(accepted.entry)
         accepted.on_client_gone()
@@ -101,37 +109,30 @@ async def next_event(
     or a passed deadline (504), and ClientGone when the client disconnects; in
     both cases the worker is told to abort."""
     entry = accepted.entry
+    if not entry.events.empty():
+        return _take(accepted, entry.events.get_nowait())
+    if accepted.disconnect is None:
+        accepted.disconnect = asyncio.ensure_future(_disconnected(http_request))
     remaining = entry.deadline - asyncio.get_running_loop().time()
     event_task = asyncio.ensure_future(entry.events.get())
-    disconnect_task = asyncio.ensure_future(_disconnected(http_request))
-    try:
-        done, _ = await asyncio.wait(
-            {event_task, disconnect_task},
-            timeout=max(0.0, remaining),
-            return_when=asyncio.FIRST_COMPLETED,
-        )
-    finally:
-        for task in (event_task, disconnect_task):
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+    waiting: set[asyncio.Future[Any]] = {event_task, accepted.disconnect}
+    done, _ = await asyncio.wait(
+        waiting,
+        timeout=max(0.0, remaining),
+        return_when=asyncio.FIRST_COMPLETED,
+    )
     if event_task in done:
-        event = event_task.result()
-        if isinstance(event, ErrorResult):
-            accepted.is_answered = True
-            raise ApiError.from_worker(event)
-        if isinstance(event, TokenDelta):
-            accepted.on_delta(event)
-        else:
-            accepted.on_result(event)
-        return event
+        return _take(accepted, event_task.result())
+    event_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await event_task
     client.cancel(entry)
     accepted.is_answered = True
-    if disconnect_task in done:
+    if accepted.disconnect in done:
         accepted.on_client_gone()
         log.info("request %s: client disconnected; aborted", entry.request_id)
         raise ClientGone(entry.request_id)
+    accepted.stop_watching()
     log.warning("request %s: deadline passed; aborted", entry.request_id)
     raise ApiError(
         504,
@@ -139,6 +140,18 @@ async def next_event(
         f"worker: {client.verdict().reason}",
         "timeout",
     )
+
+
+def _take(accepted: Accepted, event: Event) -> TokenDelta | GenerateResult:
+    if isinstance(event, TokenDelta):
+        accepted.on_delta(event)
+        return event
+    accepted.stop_watching()
+    if isinstance(event, ErrorResult):
+        accepted.is_answered = True
+        raise ApiError.from_worker(event)
+    accepted.on_result(event)
+    return event
 
 
 async def final_result(

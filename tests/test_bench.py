@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -16,7 +17,7 @@ from bench.http_client import NATIVE, OPENAI, HttpTarget
 from bench.report import OK, RequestRecord, latency_stats, summarize
 from bench.zmq_client import ZmqTarget
 from protocol import GenerateRequest
-from tests.api_stack import api_stack
+from tests.stack import running_stack
 
 
 def test_latency_stats_are_milliseconds_with_interpolated_percentiles() -> None:
@@ -124,23 +125,25 @@ async def _run_zmq(
         return await load.drive(target.send, requests, args)
 
 
-def test_http_and_zmq_clients_against_a_fake_stack() -> None:
-    with api_stack() as stack:
+def test_http_and_zmq_clients_against_a_fake_stack(tmp_path: Path) -> None:
+    with running_stack(tmp_path, supervised=False) as stack:
+        stack.wait_live()
         for api, mode in ((NATIVE, "closed"), (OPENAI, "open")):
             args = _args(mode=mode)
             requests = load.workload(args, tag=api)
-            records = asyncio.run(_run_http(stack.base_url, api, requests, args))
+            records = asyncio.run(_run_http(stack.url, api, requests, args))
             _check(records, requests, says_server_time=api == NATIVE)
         args = _args()
         requests = load.workload(args, tag="zmq")
         _check(asyncio.run(_run_zmq(stack.env["WORKER_ENDPOINT"], requests, args)), requests)
 
 
-def test_http_client_reports_a_refused_request_by_status() -> None:
-    with api_stack() as stack:
+def test_http_client_reports_a_refused_request_by_status(tmp_path: Path) -> None:
+    with running_stack(tmp_path, supervised=False) as stack:
+        stack.wait_live()
 
         async def run() -> RequestRecord:
-            async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
                 target = HttpTarget(client, NATIVE)
                 return await target.send(GenerateRequest("big", "x" * 2000, 16))
 

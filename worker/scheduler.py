@@ -47,9 +47,10 @@ class Scheduler:
     def is_known(self, request_id: str) -> bool:
         return request_id in self._queue or request_id in self._admitted_at
 
-    def submit(self, request: GenerateRequest) -> None:
-        """Queue a request. A request id already queued or running is ignored, so a
-        frame delivered twice runs once. Raises QueueFull when the queue is full."""
+    def submit(self, request: GenerateRequest, arrival: float | None = None) -> None:
+        """Queue a request that arrived at ``arrival`` (the scheduler's clock; now if
+        None). A request id already queued or running is ignored, so a frame
+        delivered twice runs once. Raises QueueFull when the queue is full."""
         if self.is_known(request.request_id):
             log.warning("request %s is already queued or running; ignored", request.request_id)
             return
@@ -57,7 +58,7 @@ class Scheduler:
             raise QueueFull(
                 f"the worker's queue is full ({self.max_queue_depth} requests waiting); retry later"
             )
-        self._queue[request.request_id] = (request, self._clock())
+        self._queue[request.request_id] = (request, self._clock() if arrival is None else arrival)
 
     def abort(self, request_ids: list[str]) -> list[ToFrontend]:
         """Drop queued requests and free the slots of running ones. Each known id is

@@ -62,7 +62,9 @@ class WorkerServer:
         )
         self._context = zmq.Context()
         self._outputs_address = f"inproc://outputs-{self.instance_id}"
-        self._inbox: queue.SimpleQueue[ToWorker] = queue.SimpleQueue()
+        # What the engine thread must act on, with when the I/O thread received it:
+        # a request's queue time starts there, not when a long step lets it in.
+        self._inbox: queue.SimpleQueue[tuple[ToWorker, float]] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._bound = threading.Event()
         self._io_error: BaseException | None = None
@@ -107,17 +109,17 @@ class WorkerServer:
 
     def _take_input(self, outputs: list[ToFrontend], block: bool) -> None:
         try:
-            message = self._inbox.get(timeout=_IDLE_POLL_S) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=_IDLE_POLL_S) if block else self._inbox.get_nowait()
             while True:
-                self._apply(message, outputs)
-                message = self._inbox.get_nowait()
+                self._apply(*item, outputs)
+                item = self._inbox.get_nowait()
         except queue.Empty:
             return
 
-    def _apply(self, message: ToWorker, outputs: list[ToFrontend]) -> None:
+    def _apply(self, message: ToWorker, received_at: float, outputs: list[ToFrontend]) -> None:
         if isinstance(message, GenerateRequest):
             try:
-                self.scheduler.submit(message)
+                self.scheduler.submit(message, received_at)
             except QueueFull as full:
                 outputs.append(ErrorResult(message.request_id, ErrorCode.QUEUE_FULL, str(full)))
         elif isinstance(message, AbortRequest):
@@ -157,7 +159,7 @@ class WorkerServer:
                     while router.poll(0):
                         identity, frame = router.recv_multipart()
                         for message in io.receive(identity, frame):
-                            self._inbox.put(message)
+                            self._inbox.put((message, time.monotonic()))
                 if outputs in events:
                     while outputs.poll(0):
                         route, final, payload = outputs.recv_multipart()
@@ -173,7 +175,7 @@ class WorkerServer:
                         )
                     )
                     for request_id in io.expire_frontends():
-                        self._inbox.put(AbortRequest(request_id))
+                        self._inbox.put((AbortRequest(request_id), time.monotonic()))
                     watchdog.check()
         finally:
             router.close(linger=0)
