@@ -263,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--url", help="a running stack; default: start one here")
     parser.add_argument("--model-id", default="synthetic", help="for the stack it starts")
     parser.add_argument("--port", type=int, default=8400, help="for the stack it starts")
-    parser.add_argument("--log", default="fault_drill.log", help="the started stack's log")
+    parser.add_argument(
+        "--log", default=str(RESULTS / "fault_drill_stack.log"), help="the started stack's log"
+    )
     parser.add_argument("--kills", type=int, default=5, help="SIGKILLs of the worker")
     parser.add_argument("--stop-s", type=float, default=4.0, help="how long SIGSTOP lasts")
     parser.add_argument("--requests", type=int, default=120)
