@@ -85,11 +85,12 @@ def accept(
 ) -> Accepted:
     """Enter a request into the in-flight table, or raise 503."""
     deadline = asyncio.get_running_loop().time() + timeout_s
+    started_at = time.monotonic()  # before the send: the worker may start at once
     try:
         entry = client.submit(request, deadline)
     except Overloaded as exc:
         raise ApiError(503, str(exc), "queue_full") from None
-    return Accepted(entry, time.monotonic(), endpoint, metrics)
+    return Accepted(entry, started_at, endpoint, metrics)
 
 
 def abandon(client: WorkerClient, accepted: Accepted) -> None:

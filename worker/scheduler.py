@@ -35,7 +35,7 @@ class Scheduler:
         self.num_steps = 0  # iterations that did work: the progress counter of heartbeats
         self._clock = clock
         self._queue: OrderedDict[str, tuple[GenerateRequest, float]] = OrderedDict()
-        self._admitted_at: dict[str, tuple[float, float]] = {}  # id -> (arrival, admit)
+        self._admitted_at: dict[str, tuple[float, float]] = {}  # id -> (arrival, admission)
 
     @property
     def num_queued(self) -> int:
@@ -90,6 +90,8 @@ class Scheduler:
         newcomers: list[tuple[GenerateRequest, float]] = []
         while self._queue and len(newcomers) < num_free:
             newcomers.append(self._queue.popitem(last=False)[1])
+        # Queue time ends when admission starts; the prefill counts as generation.
+        admitted_at = self._clock()
         while newcomers:
             try:
                 self.engine.admit([request for request, _ in newcomers])
@@ -102,9 +104,8 @@ class Scheduler:
                 log.exception("admit failed for %d newcomers", len(newcomers))
                 outputs.extend(_internal_error(request.request_id, exc) for request, _ in newcomers)
                 return
-            now = self._clock()
             for request, arrival in newcomers:
-                self._admitted_at[request.request_id] = (arrival, now)
+                self._admitted_at[request.request_id] = (arrival, admitted_at)
             return
 
     def _step(self, outputs: list[ToFrontend]) -> None:
