@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,8 +20,6 @@ from frontend.openai_api import completions, models
 from frontend.openapi import openapi_schema
 from frontend.worker_client import WorkerClient
 from protocol.config import FrontendConfig
-
-log = logging.getLogger(__name__)
 
 
 def create_app(config: FrontendConfig) -> Starlette:

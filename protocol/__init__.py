@@ -5,7 +5,6 @@ Pure Python + msgpack: importing this package never imports torch or Starlette.
 
 from protocol.codec import ProtocolError, decode_to_frontend, decode_to_worker, encode
 from protocol.messages import (
-    FINISH_REASONS,
     PROTOCOL_VERSION,
     AbortRequest,
     ErrorCode,
@@ -21,7 +20,6 @@ from protocol.messages import (
 )
 
 __all__ = [
-    "FINISH_REASONS",
     "PROTOCOL_VERSION",
     "AbortRequest",
     "ErrorCode",

@@ -9,12 +9,9 @@ check: int, float, str, bool, ``list[int]``, ``list[str]`` and ``X | None``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 PROTOCOL_VERSION = 1
-
-FinishReason = Literal["stop", "length", "abort", "error"]
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 
 
 class ErrorCode:

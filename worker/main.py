@@ -13,8 +13,6 @@ from worker.fake_engine import FAKE_MODEL_NAME, FakeEngine
 from worker.scheduler import Scheduler
 from worker.server import WorkerServer
 
-log = logging.getLogger("worker")
-
 
 def build_engine(config: WorkerConfig) -> InferenceEngine:
     if config.model_id == FAKE_MODEL_NAME:
