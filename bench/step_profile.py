@@ -23,7 +23,7 @@ OVERHEAD = "Python and dispatch overhead"
 
 def _section(name: str, shapes: list[list[int]], vocab_size: int) -> str:
     op = name.removeprefix("aten::")
-    if op == "mkldnn_linear":
+    if op in ("mkldnn_linear", "minibatch::skinny_linear"):
         return "LM head" if shapes[1][:1] == [vocab_size] else "layer projections"
     if op in ("to_mkldnn", "_to_dense"):
         return "oneDNN layout conversions"
