@@ -10,6 +10,7 @@ profiling found fastest for decode's tall, skinny shapes.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,25 +91,60 @@ class GPT2:
     def prefill(
         self,
         token_ids: torch.Tensor,
-        lengths: torch.Tensor,
-        slots: torch.Tensor,
+        lengths: list[int],
+        slots: list[int],
         cache: SlotKVCache,
     ) -> torch.Tensor:
-        """Prompts right-padded to (B, T) into cache ``slots``; returns (B, V) logits
-        at each row's last real position. Padding sits after every real token, so
-        the causal mask alone keeps it out of real tokens' attention."""
-        num_rows, length = token_ids.shape
-        positions = torch.arange(length, device=token_ids.device)
-        x = self.wte[token_ids] + self.wpe[positions]  # (B, T, C)
+        """Newcomers' prompts packed end to end in ``token_ids`` (S,), ``lengths[i]``
+        tokens for cache slot ``slots[i]``; returns (B, V) logits at each prompt's
+        last position.
+
+        Packing instead of padding to the longest prompt means every projection
+        runs on real tokens only; attention runs per prompt, so prompts never see
+        each other. Only a prompt's last position feeds its logits, so the last
+        layer computes keys and values for every position (the cache needs them)
+        but attention output and MLP for the last positions alone."""
+        ends = itertools.accumulate(lengths)
+        spans = [(end - length, end) for end, length in zip(ends, lengths, strict=True)]
+        positions = torch.cat([torch.arange(length, device=token_ids.device) for length in lengths])
+        x = self.wte[token_ids] + self.wpe[positions]  # (S, C)
         for index, layer in enumerate(self.layers):
+            is_last_layer = index == self.num_layers - 1
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
-            q, k, v = self._split_heads(layer.attn(h))  # (B, H, T, D)
-            cache.write_prompts(index, slots, k, v)
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-            x = x + layer.proj(self._merge_heads(attn))
+            q, k, v = self._split_heads(layer.attn(h)[None])  # 3 x (1, H, S, D)
+            for slot, (start, end) in zip(slots, spans, strict=True):
+                cache.write_prompt(index, slot, k[0, :, start:end], v[0, :, start:end])
+            attn = self._attend_prompts(q, k, v, spans, last_only=is_last_layer)
+            if is_last_layer:
+                x = x[[end - 1 for _, end in spans]]  # (B, C)
+            x = x + layer.proj(attn)
             x = x + self._mlp(x, layer)
-        last = x[torch.arange(num_rows, device=x.device), lengths - 1]  # (B, C)
-        return self._logits(last)
+        return self._logits(x)
+
+    def _attend_prompts(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spans: list[tuple[int, int]],
+        last_only: bool,
+    ) -> torch.Tensor:
+        """Causal attention within each prompt's span of the packed (1, H, S, D)
+        q, k, v; returns (S, C), or with ``last_only`` each prompt's last position
+        alone, (B, C)."""
+        outputs = []
+        for start, end in spans:
+            keys, values = k[..., start:end, :], v[..., start:end, :]
+            if last_only:
+                outputs.append(
+                    F.scaled_dot_product_attention(q[..., end - 1 : end, :], keys, values)
+                )
+            else:
+                queries = q[..., start:end, :]
+                outputs.append(
+                    F.scaled_dot_product_attention(queries, keys, values, is_causal=True)
+                )
+        return self._merge_heads(torch.cat(outputs, dim=2))[0]
 
     # decode
     def decode(

@@ -47,13 +47,11 @@ class SlotKVCache:
             f"x {head_dim} head_dim"
         )
 
-    def write_prompts(
-        self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> None:
-        """Store newcomers' prompt keys/values (B, heads, T, head_dim) at positions 0..T-1."""
-        length = keys.shape[2]
-        self.kv[layer, 0, slots, :, :length] = keys
-        self.kv[layer, 1, slots, :, :length] = values
+    def write_prompt(self, layer: int, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one prompt's keys/values (heads, T, head_dim) at positions 0..T-1."""
+        length = keys.shape[1]
+        self.kv[layer, 0, slot, :, :length] = keys
+        self.kv[layer, 1, slot, :, :length] = values
 
     def write_tokens(
         self,

@@ -69,17 +69,10 @@ class TorchEngine(SlotEngine):
         for seq in newcomers:
             check_sampling(seq.request)
         generators = [self.sampler.generator_for(seq.request) for seq in newcomers]
-        lengths = [len(seq.prompt_token_ids) for seq in newcomers]
-        longest = max(lengths)
-        # Right padding: pad tokens follow every real one, so causal attention
-        # keeps them out; their keys land past the prompt and are never read.
-        padded = [
-            seq.prompt_token_ids + [0] * (longest - len(seq.prompt_token_ids)) for seq in newcomers
-        ]
         logits = self.gpt2.prefill(
-            self._tensor(padded),
-            self._tensor(lengths),
-            self._tensor([seq.slot for seq in newcomers]),
+            self._tensor([token for seq in newcomers for token in seq.prompt_token_ids]),
+            [len(seq.prompt_token_ids) for seq in newcomers],
+            [seq.slot for seq in newcomers],
             self.cache,
         )  # (B, V)
         first_ids = self.sampler.sample(logits, [seq.request for seq in newcomers], generators)
