@@ -15,17 +15,17 @@ COMPOSE_VALIDATOR := command -v docker-compose >/dev/null 2>&1 \
 	     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; } \
 	|| echo "docker-compose is not installed (needs apt-get as root): compose validation tests will skip"
 
-# The decode kernel (worker/csrc) compiles once, here, rather than in the first
-# worker to start. Without a C++ compiler the worker runs without it, slower.
-BUILD_DECODE_KERNEL := $(BIN)/python -m worker.skinny_linear \
-	|| echo "the decode kernel was not built (see above): decode will run on oneDNN, slower"
+# The decode kernels (worker/csrc) compile once, here, rather than in the first
+# worker to start. Without a C++ compiler the worker runs without them, slower.
+BUILD_DECODE_KERNELS := $(BIN)/python -m worker.kernels \
+	|| echo "the decode kernels were not built (see above): decode will run slower"
 
-$(STAMP): pyproject.toml worker/csrc/skinny_linear.cpp
+$(STAMP): pyproject.toml $(wildcard worker/csrc/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@$(COMPOSE_VALIDATOR)
-	@$(BUILD_DECODE_KERNEL)
+	@$(BUILD_DECODE_KERNELS)
 	touch $(STAMP)
 
 install: $(STAMP)

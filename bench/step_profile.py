@@ -27,7 +27,8 @@ def _section(name: str, shapes: list[list[int]], vocab_size: int) -> str:
         return "LM head" if shapes[1][:1] == [vocab_size] else "layer projections"
     if op in ("to_mkldnn", "_to_dense"):
         return "oneDNN layout conversions"
-    if "scaled_dot_product" in op or op in ("where", "le", "scalar_tensor"):
+    attention_ops = ("minibatch::decode_attention", "where", "le", "scalar_tensor")
+    if "scaled_dot_product" in op or op in attention_ops:
         return "attention"
     if op == "_index_put_impl_":
         return "KV cache writes"

@@ -9,10 +9,12 @@ own input token, and a run of one repeated token would prove little.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
 from protocol import GenerateRequest
+from worker import gpt2, projection
 from worker.engine import FinishedSequence
 from worker.model_loader import LoadedModel, synthetic_config, synthetic_model
 from worker.torch_engine import TorchEngine
@@ -44,6 +46,13 @@ def tiny_model(seed: int = 0, eos_scale: float = 1.0) -> LoadedModel:
 
 def tiny_engine(capacity: int, seed: int = 0, eos_scale: float = 1.0) -> TorchEngine:
     return TorchEngine(tiny_model(seed, eos_scale), capacity)
+
+
+def disable_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines built from now on decode through oneDNN and SDPA, as on a machine
+    that cannot build the decode kernels."""
+    for module in (gpt2, projection):
+        monkeypatch.setattr(module, "load_kernels", lambda: None)
 
 
 def reference_ids(model: GPT2LMHeadModel, request: GenerateRequest) -> list[int]:

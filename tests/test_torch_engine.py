@@ -14,6 +14,7 @@ from tests.model_fixtures import (
     CONTEXT_WINDOW,
     EOS,
     VOCAB_SIZE,
+    disable_kernels,
     reference_ids,
     run_schedule,
     tiny_engine,
@@ -147,12 +148,22 @@ def schedule_references(schedule: tuple) -> dict[str, list[int]]:
     return {r.request_id: reference_ids(model, r) for r in schedule[0]}
 
 
-@pytest.mark.parametrize("capacity", [1, 3, 8])
+@pytest.mark.parametrize(
+    ("capacity", "may_use_kernels"), [(1, True), (3, True), (8, True), (8, False)]
+)
 def test_random_schedule_with_aborts(
-    capacity: int, schedule: tuple, schedule_references: dict[str, list[int]]
+    capacity: int,
+    may_use_kernels: bool,
+    schedule: tuple,
+    schedule_references: dict[str, list[int]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if not may_use_kernels:
+        disable_kernels(monkeypatch)
+    engine = tiny_engine(capacity, eos_scale=1.5)
+    assert may_use_kernels or engine.gpt2.decode_attention is None
     requests, arrivals, aborts = schedule
-    finished = run_schedule(tiny_engine(capacity, eos_scale=1.5), arrivals, aborts)
+    finished = run_schedule(engine, arrivals, aborts)
     assert set(finished) == {r.request_id for r in requests}
     reasons = {seq.finish_reason for seq in finished.values()}
     assert {"stop", "length", "abort"} <= reasons

@@ -2,24 +2,30 @@
 
 Two entry points: `prefill` runs newcomers' whole prompts into their slots and
 returns logits at each prompt's last position only; `decode` feeds one token per
-slot at that slot's own position and attends only up to the longest live row.
+slot at that slot's own position and attends to that row's cached positions only.
 
-Every matrix product goes through `Projection`, which picks the layout that
-profiling found fastest for decode's tall, skinny shapes.
+Every matrix product goes through `Projection`, which picks the kernel that
+profiling found fastest for the number of rows; on CPU in float32, decode's
+attention runs in this project's own kernel (`worker/kernels.py`).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from transformers import GPT2LMHeadModel
 
+from worker.kernels import HEAD_DIMS, load_kernels
 from worker.kv_cache import SlotKVCache
 from worker.projection import Projection
+
+TokenAttention = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,14 @@ class GPT2:
         self.vocab_size = int(model.lm_head.weight.shape[0])
         self.lm_head = Projection(model.lm_head.weight, None)  # C -> V
         self.layers = [_layer(block) for block in body.h]
+        kernels = (
+            load_kernels()
+            if self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and self.head_dim in HEAD_DIMS
+            else None
+        )
+        self.decode_attention = None if kernels is None else kernels.decode_attention
 
     @property
     def device(self) -> torch.device:
@@ -159,18 +173,38 @@ class GPT2:
         num_rows = token_ids.shape[0]
         rows = torch.arange(num_rows, device=token_ids.device)
         x = (self.wte[token_ids] + self.wpe[positions]).unsqueeze(1)  # (R, 1, C)
-        key_positions = torch.arange(attend_len, device=token_ids.device)
-        # (R, 1, 1, L): True where the key is at or before the row's own position.
-        visible = (key_positions[None, :] <= positions[:, None])[:, None, None, :]
+        attend = self._token_attention(positions, attend_len)
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
             q, k, v = self._split_heads(layer.attn(h))  # (R, H, 1, D)
             cache.write_tokens(index, rows, positions, k[:, :, 0], v[:, :, 0])
             keys, values = cache.read(index, num_rows, attend_len)  # (R, H, L, D)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
-            x = x + layer.proj(self._merge_heads(attn))
+            x = x + layer.proj(attend(q, keys, values))
             x = x + self._mlp(x, layer)
         return self._logits(x[:, 0])
+
+    def _token_attention(self, positions: torch.Tensor, attend_len: int) -> TokenAttention:
+        """Attention for decode's one query per row, (R, H, 1, D) against the
+        cached (R, H, L, D), returning (R, 1, C): row r sees positions
+        0..positions[r] only. The CPU kernel reads each row's own keys alone;
+        SDPA masks every row up to the longest."""
+        kernel = self.decode_attention
+        if kernel is not None:
+            lengths = positions + 1
+
+            def attend_with_kernel(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+                return kernel(q[:, :, 0], keys, values, lengths).view(-1, 1, self.width)
+
+            return attend_with_kernel
+        key_positions = torch.arange(attend_len, device=positions.device)
+        # (R, 1, 1, L): True where the key is at or before the row's own position.
+        visible = (key_positions[None, :] <= positions[:, None])[:, None, None, :]
+
+        def attend_with_sdpa(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+            return self._merge_heads(attn)
+
+        return attend_with_sdpa
 
     # --- pieces -------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ and bound by reading the weights; prefill's are ordinary GEMMs, bound by compute
 Profiled on a 2-core AMD EPYC at 8 rows, the LM head (50257 x 768) took 25 ms
 through ``F.linear`` (MKL sgemm), 15 ms as the mathematically equal ``W @ x.T``,
 9-11 ms through oneDNN's inner product with the weight pre-packed, and 7-8 ms in
-this project's own kernel (``worker/skinny_linear.py``), which reads the weight
+this project's own kernel (``worker/csrc/skinny_linear.cpp``), which reads the weight
 once at close to the machine's bandwidth. From 16 rows up, oneDNN wins (at 16
 rows 12.5 ms against the kernel's 17), and it stays ahead of MKL at prefill sizes.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.skinny_linear import LANES, MAX_ROWS, load_skinny_linear
+from worker.kernels import LANES, MAX_ROWS, load_kernels
 
 
 class Projection:
@@ -37,7 +37,8 @@ class Projection:
             self.packed_weight = weight.contiguous().to_mkldnn()
             self.packed_bias = None if bias is None else bias.contiguous().to_mkldnn()
         fits_kernel = is_cpu and weight.dtype == torch.float32 and self.in_features % LANES == 0
-        self.skinny_linear = load_skinny_linear() if fits_kernel else None
+        kernels = load_kernels() if fits_kernel else None
+        self.skinny_linear = None if kernels is None else kernels.skinny_linear
         if self.skinny_linear is not None:
             self.weight = weight.contiguous()
             self.bias = None if bias is None else bias.contiguous()

@@ -8,40 +8,23 @@
 // software prefetch eight weight rows ahead keeps that stream ahead of the FMAs,
 // which the hardware prefetcher alone did not (on a 2-core AMD EPYC, the LM head
 // at 8 rows: 22 GB/s with it, 16 without; oneDNN 17).
-//
-// Written with GCC vector extensions, not intrinsics. On x86-64, `target_clones`
-// compiles the loop once per instruction set and picks one when the library
-// loads, so the same build runs on machines with or without AVX-512.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxRows = 8;
 // Prefetching past the end of w is harmless: prefetches never fault.
 constexpr int64_t kPrefetchRows = 8;
 constexpr int64_t kMinColumnsPerThread = 256;
 
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
-
-inline Vec load(const float* p) {
-  Vec v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 // Weight rows per pass: enough accumulator chains (R * M) to hide FMA latency.
 // Measured at 8 input rows, 4 weight rows beat 2 by 15% (the input rows are
 // loaded once per 4 weight vectors, not per 2) and 6 added little more.
 constexpr int64_t RowsFor(int64_t M) { return M == 1 ? 8 : 4; }
-
-inline float sum(Vec v) {
-  float total = 0.f;
-  for (int64_t i = 0; i < kLanes; ++i) total += v[i];
-  return total;
-}
 
 // Output columns [n0, n1) for all M input rows, R weight rows at a time: each
 // accumulator is its own dependency chain, and R * M chains keep the FMA units
@@ -70,12 +53,6 @@ __attribute__((always_inline)) inline void columns(const float* x, const float* 
   }
   if (n < n1) columns<M, 1>(x, w, bias, y, K, N, n, n1);  // the last < R columns
 }
-
-#if defined(__x86_64__)
-#define PER_ISA __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define PER_ISA
-#endif
 
 PER_ISA void columns_any_rows(
     int64_t M, const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N,
@@ -121,7 +98,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
 }  // namespace
 
 // A registered op, so that torch's profiler sees it by name and shapes.
-TORCH_LIBRARY(minibatch, m) {
+TORCH_LIBRARY_FRAGMENT(minibatch, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
