@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -10,7 +12,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from worker import projection as projection_module  # noqa: E402
-from worker.kernels import MAX_ROWS, Kernels, load_kernels  # noqa: E402
+from worker.kernels import MAX_ROWS, Kernels, build_directory, load_kernels  # noqa: E402
 from worker.projection import Projection  # noqa: E402
 
 if shutil.which("c++") is None:
@@ -22,6 +24,20 @@ def kernels() -> Kernels:
     built = load_kernels()
     assert built is not None, "the decode kernels did not build: see the warning logged above"
     return built
+
+
+def test_a_build_killed_midway_does_not_block_later_loads(kernels: Kernels) -> None:
+    """torch's builder leaves its lock file behind when its process is killed; a
+    worker that then waited on it would never start."""
+    (build_directory() / "lock").touch()
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from worker.kernels import load_kernels; assert load_kernels()"],
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert not (build_directory() / "lock").exists()
 
 
 # --- skinny_linear ------------------------------------------------------------------
