@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+import torch
+
 from protocol import ErrorCode, GenerateRequest
 from tests.model_fixtures import (
     CONTEXT_WINDOW,
@@ -224,3 +226,15 @@ def test_unequal_prompts_in_one_prefill_do_not_leak_into_each_other() -> None:
         request("b", random_prompt(rng, 30, 30), 8, ignore_eos=True),
     ]
     assert_parity(engine, requests, run_schedule(engine, {0: requests}))
+
+
+def test_bfloat16_matches_generate_in_bfloat16() -> None:
+    """DTYPE=bfloat16 on CPU: oneDNN's bfloat16 products and SDPA, no kernels."""
+    loaded = tiny_model()
+    loaded.model.to(torch.bfloat16)
+    engine = TorchEngine(loaded, capacity=4)
+    assert engine.gpt2.decode_attention is None and engine.cache.kv.dtype == torch.bfloat16
+    rng = random.Random(1)
+    requests = [request(f"r{i}", random_prompt(rng, 2, 30), 12, ignore_eos=True) for i in range(8)]
+    finished = run_schedule(engine, {0: requests[:4], 3: requests[4:]})
+    assert_parity(engine, requests, finished)
