@@ -3,8 +3,8 @@
 A sequence owns slot ``s`` from admit to evict. Its key and value for the token at
 position ``p`` of layer ``l`` live at ``kv[l, 0 or 1, s, :, p]`` and are written
 exactly once; nothing is copied, moved or re-padded afterwards. Positions past a
-sequence's length may hold stale data from an earlier owner or from prefill
-padding; attention masks every row to its own length, so it is never read.
+sequence's length may hold stale data from an earlier owner; attention reads
+each row only up to its own length, so it is never used.
 """
 
 from __future__ import annotations
