@@ -28,6 +28,7 @@ from protocol.config import WorkerConfig
 from tests.stack import free_port
 from worker.fake_engine import FakeEngine, expected_text
 from worker.scheduler import Scheduler
+from worker.sequence import Sequence
 from worker.server import WorkerServer
 
 
@@ -172,3 +173,30 @@ def test_a_full_queue_answers_queue_full(connect: Connect) -> None:
             frontend.send(encode(GenerateRequest(f"r{i}", "x", 50)))
         error = frontend.receive_until(ErrorResult)[-1]
         assert isinstance(error, ErrorResult) and error.code == ErrorCode.QUEUE_FULL
+
+
+class StopsMidStep(FakeEngine):
+    """Asks its server to stop during a decode step, then finishes the step after
+    the I/O thread's idle poll, so that the step's outputs are sent after the stop."""
+
+    server: WorkerServer | None = None
+
+    def _decode(self, active: list[Sequence]) -> list[int]:
+        if self.server is not None:
+            self.server.stop()
+            time.sleep(0.3)
+        return super()._decode(active)
+
+
+def test_a_stop_during_a_step_still_ends_the_server(connect: Connect) -> None:
+    """The engine thread sends that step's outputs after the stop; the I/O thread
+    must still be there to take them, or the send blocks and the worker never exits
+    (``serving`` checks that the server thread ends)."""
+    engine = StopsMidStep(1)
+    with serving(engine) as server:
+        frontend = connect(server)
+        engine.server = server
+        frontend.send(encode(GenerateRequest("r", "x", 5, stream=True)))
+        deadline = time.monotonic() + 5
+        while not server.scheduler.num_steps and time.monotonic() < deadline:
+            time.sleep(0.05)

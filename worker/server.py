@@ -65,7 +65,10 @@ class WorkerServer:
         # What the engine thread must act on, with when the I/O thread received it:
         # a request's queue time starts there, not when a long step lets it in.
         self._inbox: queue.SimpleQueue[tuple[ToWorker, float]] = queue.SimpleQueue()
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # asked to stop: the engine loop ends
+        # The engine thread sends nothing more, so the I/O thread may close: it must
+        # outlive every send, as a PUSH whose inproc peer has closed blocks forever.
+        self._engine_done = threading.Event()
         self._bound = threading.Event()
         self._io_error: BaseException | None = None
 
@@ -102,7 +105,7 @@ class WorkerServer:
                         [route, _FINAL if final else _PARTIAL, encode(message)]
                     )
         finally:
-            self._stopping.set()
+            self._engine_done.set()
             io_thread.join(timeout=2)
             outputs_socket.close(linger=0)
             self._context.term()
@@ -152,7 +155,7 @@ class WorkerServer:
         next_heartbeat = time.monotonic()
         watchdog = _Watchdog(self.scheduler, self.config.engine_watchdog_s)
         try:
-            while not self._stopping.is_set():
+            while not self._engine_done.is_set():
                 timeout_ms = max(0.0, next_heartbeat - time.monotonic()) * 1000
                 events = dict(poller.poll(int(min(timeout_ms, _IDLE_POLL_S * 1000))))
                 if router in events:
