@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from tests.model_fixtures import tiny_engine  # noqa: E402
 from worker import projection as projection_module  # noqa: E402
 from worker.kernels import MAX_ROWS, Kernels, build_directory, load_kernels  # noqa: E402
 from worker.projection import Projection  # noqa: E402
@@ -88,13 +89,24 @@ def test_skinny_linear_rejects_what_it_cannot_compute(
 
 
 @pytest.mark.parametrize("num_rows", [1, MAX_ROWS, MAX_ROWS + 1, 40])
-def test_projection_matches_f_linear_on_either_side_of_the_kernel(num_rows: int) -> None:
+def test_projection_takes_the_kernel_up_to_its_rows_and_onednn_above(num_rows: int) -> None:
     x, weight, bias = operands(num_rows, 64, 96)
     projection = Projection(weight, bias)
-    assert projection.skinny_linear is not None
+    kernel = projection.skinny_linear
+    assert kernel is not None
+    kernel_rows: list[int] = []
+
+    def counting_kernel(
+        rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        kernel_rows.append(rows.shape[0])
+        return kernel(rows, weight, bias)
+
+    projection.skinny_linear = counting_kernel
     y = projection(x.view(num_rows, 1, 64))  # leading dims are kept
     assert y.shape == (num_rows, 1, 96)
     torch.testing.assert_close(y[:, 0], F.linear(x, weight, bias))
+    assert kernel_rows == ([num_rows] if num_rows <= MAX_ROWS else [])
 
 
 def test_projection_without_the_kernel_uses_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,3 +165,13 @@ def test_decode_attention_rejects_what_it_cannot_compute(
     q, keys, values = cache_views(num_rows=2, num_heads=2, length=8, head_dim=head_dim)
     with pytest.raises(RuntimeError, match=message):
         kernels.decode_attention(q, keys, values, torch.tensor(lengths))
+
+
+@pytest.mark.model
+def test_a_float32_cpu_engine_decodes_through_both_kernels() -> None:
+    gpt2 = tiny_engine(capacity=2).gpt2
+    assert gpt2.decode_attention is not None
+    projections = [gpt2.lm_head]
+    for layer in gpt2.layers:
+        projections += [layer.attn, layer.proj, layer.fc, layer.out]
+    assert all(projection.skinny_linear is not None for projection in projections)
