@@ -7,7 +7,9 @@ version raises `ProtocolError`; nothing else escapes a decode.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import sys
 import types
 import typing
 from typing import Any, Union
@@ -25,6 +27,10 @@ from protocol.messages import (
 
 VERSION_KEY = "v"
 TYPE_KEY = "type"
+# array's typecode for 4-byte unsigned ints ("I" is 4 bytes on every platform
+# CPython supports; checked at import below).
+_UINT32 = "I"
+assert array.array(_UINT32).itemsize == 4
 
 
 class ProtocolError(ValueError):
@@ -39,8 +45,33 @@ class ProtocolError(ValueError):
 def encode(message: Message) -> bytes:
     payload: dict[str, Any] = {VERSION_KEY: PROTOCOL_VERSION, TYPE_KEY: message.TYPE}
     for f in dataclasses.fields(message):
-        payload[f.name] = getattr(message, f.name)
+        value = getattr(message, f.name)
+        payload[f.name] = pack_ids(value) if f.name in _ID_LIST_FIELDS else value
     return typing.cast(bytes, msgpack.packb(payload, use_bin_type=True))
+
+
+def pack_ids(token_ids: list[int] | None) -> bytes | None:
+    """Token ids as little-endian uint32 bytes (None stays None)."""
+    if token_ids is None:
+        return None
+    try:
+        packed = array.array(_UINT32, token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_ids(raw: bytes) -> list[int] | None:
+    """The inverse of `pack_ids`; None if ``raw`` is not a whole number of ids."""
+    if len(raw) % 4:
+        return None
+    ids = array.array(_UINT32)
+    ids.frombytes(raw)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tolist()
 
 
 def decode_to_worker(frame: bytes) -> ToWorker:
@@ -101,10 +132,22 @@ class _Schema:
         if missing:
             raise ProtocolError(f"{name}: missing fields {missing}", request_id)
         for key, value in body.items():
-            if not _matches(value, self.fields[key]):
+            annotation = self.fields[key]
+            if key in _ID_LIST_FIELDS:
+                if value is None and _matches(None, annotation):
+                    continue
+                ids = unpack_ids(value) if isinstance(value, bytes) else None
+                if ids is None:
+                    raise ProtocolError(
+                        f"{name}.{key} must be token ids packed as little-endian uint32, "
+                        f"got {type(value).__name__} {_preview(value)}",
+                        request_id,
+                    )
+                body[key] = ids
+            elif not _matches(value, annotation):
                 raise ProtocolError(
-                    f"{name}.{key} must be {_describe(self.fields[key])}, "
-                    f"got {type(value).__name__} {value!r:.80}",
+                    f"{name}.{key} must be {_describe(annotation)}, "
+                    f"got {type(value).__name__} {_preview(value)}",
                     request_id,
                 )
         return typing.cast(Message, self.cls(**body))
@@ -127,6 +170,12 @@ def _matches(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation)
 
 
+def _preview(value: Any) -> str:
+    """A short, bounded repr: an error message must not grow with the input."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _describe(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     if origin in (Union, types.UnionType):
@@ -138,5 +187,17 @@ def _describe(annotation: Any) -> str:
     return str(annotation.__name__)
 
 
+def _id_list_fields(classes: tuple[type[Any], ...]) -> frozenset[str]:
+    """Names of the fields that hold token ids (``list[int]``, maybe ``| None``)."""
+    names = set()
+    for cls in classes:
+        for name, annotation in typing.get_type_hints(cls).items():
+            arms = typing.get_args(annotation) if typing.get_origin(annotation) else ()
+            if annotation == list[int] or list[int] in arms:
+                names.add(name)
+    return frozenset(names)
+
+
+_ID_LIST_FIELDS = _id_list_fields((*TO_WORKER, *TO_FRONTEND))
 _TO_WORKER = {cls.TYPE: _Schema(cls) for cls in TO_WORKER}
 _TO_FRONTEND = {cls.TYPE: _Schema(cls) for cls in TO_FRONTEND}

@@ -4,6 +4,8 @@ A message is a frozen dataclass. Its wire form is a msgpack map holding the
 protocol version, the message type (``TYPE``) and one entry per field; `codec`
 encodes and strictly decodes it. Field types are limited to what `codec` can
 check: int, float, str, bool, ``list[int]``, ``list[str]`` and ``X | None``.
+A ``list[int]`` (token ids) travels as raw little-endian uint32 bytes, so that
+decoding a long id list costs no Python time per id.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ class ErrorCode:
     UNSUPPORTED = "unsupported"  # 400: a parameter value this server does not support
     QUEUE_FULL = "queue_full"  # 503: try again later
     INTERNAL = "internal"  # 500: the engine failed while serving the request
+    # 500, from the frontend: the request was in flight on two workers that died, so
+    # it may be what kills them; it is not replayed a third time.
+    WORKERS_DIED = "workers_died"
 
     ALL: ClassVar[tuple[str, ...]] = (
         INVALID_REQUEST,
@@ -29,6 +34,7 @@ class ErrorCode:
         UNSUPPORTED,
         QUEUE_FULL,
         INTERNAL,
+        WORKERS_DIED,
     )
 
 
@@ -41,9 +47,11 @@ class GenerateRequest:
 
     ``prompt`` is text; ``prompt_token_ids``, when set, replaces it (prompts given
     as ids). ``resume_token_ids`` are output tokens the client already received
-    from an earlier attempt: they follow the prompt, and generation continues
-    after them (``max_new_tokens`` counts only what is still to come).
-    ``request_id`` is unique among a frontend's requests in flight. Sampling is
+    from an earlier attempt, of which ``resume_text_len`` characters of text were
+    shown: generation continues after them exactly as if the attempt had not been
+    interrupted (held-back text, stop strings, seeded sampling), and
+    ``max_new_tokens`` counts them. ``request_id`` is unique among one frontend's
+    requests in flight (the worker keys requests by sender and id). Sampling is
     greedy when ``temperature`` is 0. ``stream`` asks for a `TokenDelta` after
     each step.
     """
@@ -54,6 +62,7 @@ class GenerateRequest:
     max_new_tokens: int
     prompt_token_ids: list[int] | None = None
     resume_token_ids: list[int] = field(default_factory=list)
+    resume_text_len: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -102,13 +111,15 @@ class Hello:
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Sent on a timer that a long step cannot hold up. ``num_steps`` only ever
-    grows while the worker makes progress."""
+    grows while the worker makes progress; ``num_finished`` counts the requests
+    it has answered since it started."""
 
     TYPE: ClassVar[str] = "heartbeat"
     instance_id: str
     num_steps: int
     num_queued: int
     num_active: int
+    num_finished: int = 0
 
 
 @dataclass(frozen=True, slots=True)

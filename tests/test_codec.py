@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import msgpack
@@ -118,6 +117,8 @@ _DROP = object()
         (_frame(seed=1.5), "seed must be int or null"),
         (_frame(prompt=_DROP), "missing fields ['prompt']"),
         (_frame(colour="red"), "unknown fields ['colour']"),
+        (_frame(stop_token_ids=[1, 2]), "stop_token_ids must be token ids packed as"),
+        (_frame(prompt_token_ids=b"\x01\x00\x00"), "prompt_token_ids must be token ids packed"),
         (msgpack.packb({1: 2}), "not valid msgpack"),
     ],
 )
@@ -146,8 +147,25 @@ def test_a_frontend_message_is_refused_on_the_worker_side_and_vice_versa() -> No
         decode_to_frontend(encode(AbortRequest("r1")))
 
 
+def test_token_ids_travel_as_little_endian_uint32() -> None:
+    frame = encode(GenerateRequest("r1", "", 4, prompt_token_ids=[1, 50256, 2**32 - 1]))
+    payload = msgpack.unpackb(frame)
+    assert payload["prompt_token_ids"] == b"\x01\x00\x00\x00\x50\xc4\x00\x00\xff\xff\xff\xff"
+    assert payload["resume_token_ids"] == b""
+
+
+def test_ids_that_do_not_fit_uint32_are_refused_at_encode() -> None:
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+        encode(GenerateRequest("r1", "", 4, prompt_token_ids=[-1]))
+
+
+def test_an_error_message_stays_short_whatever_the_input() -> None:
+    with pytest.raises(ProtocolError) as caught:
+        decode_to_worker(_frame(max_new_tokens="9" * 1_000_000))
+    assert len(str(caught.value)) < 200
+
+
 def test_a_float_field_accepts_a_json_style_integer() -> None:
-    request = GenerateRequest("r1", "hi", 4)
-    payload = {"v": PROTOCOL_VERSION, "type": "generate", **dataclasses.asdict(request)}
+    payload = msgpack.unpackb(encode(GenerateRequest("r1", "hi", 4)))
     payload["temperature"] = 1
     assert decode_to_worker(msgpack.packb(payload)).temperature == 1  # type: ignore[union-attr]
