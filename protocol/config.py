@@ -66,6 +66,11 @@ class WorkerConfig:
     heartbeat_interval_s: float = _setting(
         "HEARTBEAT_INTERVAL_S", 0.5, "seconds between heartbeats"
     )
+    max_message_bytes: int = _setting(
+        "MAX_MESSAGE_BYTES",
+        4 * 1024 * 1024,
+        "largest ZMQ message a peer may send; ZMQ disconnects a peer that sends more",
+    )
     frontend_timeout_s: float = _setting(
         "FRONTEND_TIMEOUT_S", 10.0, "drop a frontend's requests after this long without a ping"
     )
@@ -83,6 +88,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_size", "max_queue_depth", "heartbeat_interval_s")
+        _positive(self, "max_message_bytes")
         _positive(self, "frontend_timeout_s", "engine_watchdog_s")
         _check_endpoint(self, "endpoint")
         if self.bind_endpoint:

@@ -96,7 +96,8 @@ class Ping:
 @dataclass(frozen=True, slots=True)
 class Hello:
     """Sent to each frontend on first contact. A new ``instance_id`` means the
-    worker process was replaced."""
+    worker process was replaced. A frontend never sends a message larger than
+    ``max_message_bytes``: the worker's socket would drop the connection."""
 
     TYPE: ClassVar[str] = "hello"
     instance_id: str
@@ -105,6 +106,7 @@ class Hello:
     capacity: int
     context_window: int
     max_queue_depth: int
+    max_message_bytes: int
     protocol_version: int = PROTOCOL_VERSION
 
 

@@ -13,7 +13,7 @@ class Clock:
 
 
 def _hello(instance_id: str = "a") -> Hello:
-    return Hello(instance_id, "fake", True, 8, 1024, 16)
+    return Hello(instance_id, "fake", True, 8, 1024, 16, 1 << 20)
 
 
 def test_no_hello_means_connecting() -> None:

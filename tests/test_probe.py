@@ -28,6 +28,7 @@ HELLO = Hello(
     capacity=4,
     context_window=1024,
     max_queue_depth=16,
+    max_message_bytes=1 << 20,
 )
 
 

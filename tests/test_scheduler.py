@@ -140,20 +140,37 @@ def test_a_request_id_already_known_is_not_run_twice() -> None:
     assert len(_finals(_run(scheduler))) == 1
 
 
-def test_an_admit_failure_fails_only_its_newcomers() -> None:
+def test_an_admit_failure_fails_only_the_request_that_causes_it() -> None:
     engine = RecordingEngine(4, fail_admit_if=lambda r: r.prompt == "prompt 2")
     scheduler = Scheduler(engine, max_queue_depth=10)
     scheduler.submit(_request(0, max_new_tokens=6))
     outputs = scheduler.run_once()  # r0 is running
-    scheduler.submit(_request(1, max_new_tokens=3))
-    scheduler.submit(_request(2, max_new_tokens=3))
+    for i in (1, 2, 3):  # admitted together; r2 makes the admit fail
+        scheduler.submit(_request(i, max_new_tokens=3))
     outputs += _run(scheduler)
     finals = _finals(outputs)
-    for failed in ("r1", "r2"):  # admitted together, failed together
-        assert isinstance(finals[failed], ErrorResult)
-        assert finals[failed].code == ErrorCode.INTERNAL
-    assert isinstance(finals["r0"], GenerateResult)
-    assert finals["r0"].text == expected_text("prompt 0", 6)
+    assert isinstance(finals["r2"], ErrorResult)
+    assert finals["r2"].code == ErrorCode.INTERNAL
+    for i, budget in ((0, 6), (1, 3), (3, 3)):
+        result = finals[f"r{i}"]
+        assert isinstance(result, GenerateResult)
+        assert result.text == expected_text(f"prompt {i}", budget)
+    assert scheduler.num_failures_in_a_row == 0  # the steps after it succeeded
+
+
+def test_failures_in_a_row_are_counted_until_a_step_succeeds() -> None:
+    engine = RecordingEngine(1, fail_step_if=lambda step: step <= 2)
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    for i in range(3):
+        scheduler.submit(_request(i, max_new_tokens=3))
+    scheduler.run_once()
+    scheduler.run_once()
+    assert scheduler.num_failures_in_a_row == 2
+    assert scheduler.num_steps == 0  # a failed step is no progress
+    finals = _finals(_run(scheduler))
+    assert isinstance(finals["r2"], GenerateResult)
+    assert scheduler.num_failures_in_a_row == 0
+    assert scheduler.num_finished == 3  # two errors and one result
 
 
 def test_a_rejected_request_fails_alone_and_the_rest_are_admitted() -> None:

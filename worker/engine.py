@@ -47,6 +47,8 @@ class ModelInfo:
     name: str
     is_random_weights: bool
     context_window: int
+    vocab_size: int  # token ids the model can embed: 0 to vocab_size - 1
+    max_token_chars: int  # the longest text one token decodes to, or more
 
 
 class InferenceEngine(ABC):

@@ -19,6 +19,7 @@ from worker.slot_engine import SlotEngine
 
 FAKE_MODEL_NAME = "fake"
 FAKE_CONTEXT_WINDOW = 1024
+FAKE_VOCAB_SIZE = 0x110000  # one token per Unicode code point
 
 
 class CharTokenizer:
@@ -28,7 +29,9 @@ class CharTokenizer:
         return [ord(c) for c in text]
 
     def decode(self, token_ids: Seq[int]) -> str:
-        return "".join(chr(t) for t in token_ids)
+        # A surrogate is no character (UTF-8 cannot carry it): show it as a real
+        # tokenizer shows bytes that form no character.
+        return "".join("\ufffd" if 0xD800 <= t <= 0xDFFF else chr(t) for t in token_ids)
 
 
 def fake_next_token(context: Seq[int]) -> int:
@@ -56,7 +59,13 @@ class FakeEngine(SlotEngine):
         fail_admit_if: Callable[[GenerateRequest], bool] | None = None,
         fail_step_if: Callable[[int], bool] | None = None,
     ) -> None:
-        info = ModelInfo(FAKE_MODEL_NAME, is_random_weights=True, context_window=context_window)
+        info = ModelInfo(
+            FAKE_MODEL_NAME,
+            is_random_weights=True,
+            context_window=context_window,
+            vocab_size=FAKE_VOCAB_SIZE,
+            max_token_chars=1,
+        )
         super().__init__(info, CharTokenizer(), capacity)
         self.step_delay_s = step_delay_s
         self.fail_admit_if = fail_admit_if

@@ -48,6 +48,9 @@ class TextTokenizer:
     def __init__(self, backend: HFTokenizer, eos_token_id: int | None) -> None:
         self.backend = backend
         self.eos_token_id = eos_token_id
+        # A token's vocabulary entry has a character per byte (byte-level BPE) or per
+        # character, and decodes to no more characters than that.
+        self.max_token_chars = max(len(token) for token in backend.get_vocab(True))
 
     def encode(self, text: str) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=False).ids)

@@ -33,6 +33,10 @@ class Scheduler:
         self.engine = engine
         self.max_queue_depth = max_queue_depth
         self.num_steps = 0  # iterations that did work: the progress counter of heartbeats
+        self.num_finished = 0  # requests answered with a result or an error
+        # Engine failures with no success between them: a worker whose engine fails
+        # everything (a poisoned CUDA context, say) must be replaced, not kept.
+        self.num_failures_in_a_row = 0
         self._clock = clock
         self._queue: OrderedDict[str, tuple[GenerateRequest, float]] = OrderedDict()
         self._admitted_at: dict[str, tuple[float, float]] = {}  # id -> (arrival, admission)
@@ -72,6 +76,7 @@ class Scheduler:
         running = [r for r in request_ids if r in self._admitted_at]
         for finished in self.engine.abort(running):
             outputs.append(self._finished_result(finished))
+        self.num_finished += len(outputs)
         return outputs
 
     def run_once(self) -> list[ToFrontend]:
@@ -79,19 +84,23 @@ class Scheduler:
         outputs: list[ToFrontend] = []
         if not self.has_work():
             return outputs
-        self._admit(outputs)
-        if self.engine.num_active() > 0:
-            self._step(outputs)
-        self.num_steps += 1
-        return outputs
-
-    def _admit(self, outputs: list[ToFrontend]) -> None:
         num_free = self.engine.capacity - self.engine.num_active()
         newcomers: list[tuple[GenerateRequest, float]] = []
         while self._queue and len(newcomers) < num_free:
             newcomers.append(self._queue.popitem(last=False)[1])
         # Queue time ends when admission starts; the prefill counts as generation.
-        admitted_at = self._clock()
+        self._admit(newcomers, self._clock(), outputs)
+        if self.engine.num_active() > 0 and self._step(outputs):
+            self.num_steps += 1
+        self.num_finished += sum(isinstance(o, (GenerateResult, ErrorResult)) for o in outputs)
+        return outputs
+
+    def _admit(
+        self,
+        newcomers: list[tuple[GenerateRequest, float]],
+        admitted_at: float,
+        outputs: list[ToFrontend],
+    ) -> None:
         while newcomers:
             try:
                 self.engine.admit([request for request, _ in newcomers])
@@ -100,15 +109,25 @@ class Scheduler:
                 newcomers = [n for n in newcomers if n[0].request_id != rejected.request_id]
                 continue
             except Exception as exc:
-                # Admit is atomic: no slot changed, so only the newcomers fail.
-                log.exception("admit failed for %d newcomers", len(newcomers))
-                outputs.extend(_internal_error(request.request_id, exc) for request, _ in newcomers)
+                if len(newcomers) > 1:
+                    # Admit is atomic, so no slot changed: admit each newcomer alone, and
+                    # the failure falls only on the request that causes it.
+                    log.warning(
+                        "admit failed for %d newcomers; admitting each alone", len(newcomers)
+                    )
+                    for newcomer in newcomers:
+                        self._admit([newcomer], admitted_at, outputs)
+                    return
+                log.exception("admit failed for request %s", newcomers[0][0].request_id)
+                outputs.append(_internal_error(newcomers[0][0].request_id, exc))
+                self.num_failures_in_a_row += 1
                 return
             for request, arrival in newcomers:
                 self._admitted_at[request.request_id] = (arrival, admitted_at)
             return
 
-    def _step(self, outputs: list[ToFrontend]) -> None:
+    def _step(self, outputs: list[ToFrontend]) -> bool:
+        """One step; return whether it succeeded."""
         try:
             step = self.engine.step()
         except Exception as exc:
@@ -116,9 +135,12 @@ class Scheduler:
             for request_id in self.engine.reset():
                 self._admitted_at.pop(request_id, None)
                 outputs.append(_internal_error(request_id, exc))
-            return
+            self.num_failures_in_a_row += 1
+            return False
+        self.num_failures_in_a_row = 0
         outputs.extend(step.deltas)
         outputs.extend(self._finished_result(finished) for finished in step.finished)
+        return True
 
     def _finished_result(self, finished: FinishedSequence) -> GenerateResult:
         arrival, admitted = self._admitted_at.pop(finished.request_id)

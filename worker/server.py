@@ -1,22 +1,27 @@
 """The worker process's transport: a ZMQ ROUTER around the scheduler.
 
 Two threads, each owning its sockets:
-- the I/O thread owns the ROUTER. It decodes frames, greets new frontends with
-  `Hello`, remembers which frontend sent each request, routes outputs back, sends
-  heartbeats on a timer (a long step cannot starve them: the engine runs on the
-  other thread and torch releases the GIL), and aborts the requests of a frontend
-  whose pings stopped;
+- the I/O thread owns the ROUTER. It takes any frames a peer sends, decodes and
+  checks them (`worker.validation`: a bad request is answered at once and never
+  queued), greets new peers with `Hello`, remembers which peer sent each request,
+  routes outputs back, sends heartbeats on a timer (a long step cannot starve
+  them: the engine runs on the other thread and torch releases the GIL), and
+  aborts the requests of a peer whose pings stopped;
 - the engine thread runs the busy loop: take input, admit + step, send outputs.
+
+If either thread raises, the process ends: nothing stays half alive.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import zmq
 
@@ -28,7 +33,6 @@ from protocol import (
     GenerateResult,
     Heartbeat,
     Hello,
-    Ping,
     ProtocolError,
     ToFrontend,
     ToWorker,
@@ -36,12 +40,19 @@ from protocol import (
     encode,
 )
 from protocol.config import WorkerConfig
+from worker.engine import RequestRejected
 from worker.scheduler import QueueFull, Scheduler
+from worker.validation import RequestLimits, check_generate, is_valid_abort
 
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.1  # how often an idle engine thread checks for shutdown
 _WEDGED_EXIT_CODE = 3
+_CRASHED_EXIT_CODE = 4
+_MAX_FAILURES_IN_A_ROW = 3  # engine failures with no success between them
+_MAX_FRAMES_PER_TURN = 256
+_MAX_PEERS = 1024
+_MAX_QUEUED_PER_PEER = 100_000  # messages the worker holds for a peer that does not read
 _FINAL = b"1"
 _PARTIAL = b"0"
 
@@ -52,6 +63,7 @@ class WorkerServer:
         self.config = config
         self.instance_id = uuid.uuid4().hex
         info = scheduler.engine.info
+        self.limits = RequestLimits.of(info)
         self.hello = Hello(
             instance_id=self.instance_id,
             model=info.name,
@@ -59,6 +71,7 @@ class WorkerServer:
             capacity=scheduler.engine.capacity,
             context_window=info.context_window,
             max_queue_depth=scheduler.max_queue_depth,
+            max_message_bytes=config.max_message_bytes,
         )
         self._context = zmq.Context()
         self._outputs_address = f"inproc://outputs-{self.instance_id}"
@@ -76,11 +89,20 @@ class WorkerServer:
         self._stopping.set()
 
     def serve_forever(self) -> None:
-        io_thread = threading.Thread(target=self._io_loop, name="worker-io", daemon=True)
+        """Serve until `stop`. Raises RuntimeError if the endpoint cannot be bound; an
+        unexpected exception in either thread ends the process (see `_exit_on_crash`)."""
+        io_thread = threading.Thread(
+            target=_exit_on_crash(self._io_loop), name="worker-io", daemon=True
+        )
         io_thread.start()
         self._bound.wait()
         if self._io_error is not None:
             raise self._io_error
+        _exit_on_crash(self._engine_loop)()
+        io_thread.join(timeout=2)
+        self._context.term()
+
+    def _engine_loop(self) -> None:
         outputs_socket = self._context.socket(zmq.PUSH)
         outputs_socket.connect(self._outputs_address)
         log.info(
@@ -97,18 +119,22 @@ class WorkerServer:
                 self._take_input(outputs, block=not self.scheduler.has_work())
                 # 2. admit into free slots, 3. one step
                 outputs.extend(self.scheduler.run_once())
-                # 4. send every output at once
+                # 4. send every output at once, under the id its sender gave it
                 for message in outputs:
+                    route: str = message.request_id  # type: ignore[union-attr]
                     final = isinstance(message, (GenerateResult, ErrorResult))
-                    route = message.request_id.encode()  # type: ignore[union-attr]
+                    reply = dataclasses.replace(message, request_id=sender_request_id(route))  # type: ignore[arg-type]
                     outputs_socket.send_multipart(
-                        [route, _FINAL if final else _PARTIAL, encode(message)]
+                        [route.encode(), _FINAL if final else _PARTIAL, encode(reply)]
+                    )
+                if self.scheduler.num_failures_in_a_row >= _MAX_FAILURES_IN_A_ROW:
+                    raise EngineBroken(
+                        f"the engine failed {self.scheduler.num_failures_in_a_row} times in a "
+                        "row; exiting so that a new worker replaces this one"
                     )
         finally:
             self._engine_done.set()
-            io_thread.join(timeout=2)
             outputs_socket.close(linger=0)
-            self._context.term()
 
     def _take_input(self, outputs: list[ToFrontend], block: bool) -> None:
         try:
@@ -132,7 +158,12 @@ class WorkerServer:
 
     def _io_loop(self) -> None:
         router = self._context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.SNDHWM, 0)  # never drop outputs; the queue depth bounds them
+        # A peer that sends a larger message is disconnected by ZMQ before any of it
+        # is decoded; frontends learn the limit from the hello and never send one.
+        router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        # Outputs are bounded by the queue depth; the limit only stops a peer that
+        # never reads from growing this process without end.
+        router.setsockopt(zmq.SNDHWM, _MAX_QUEUED_PER_PEER)
         router.setsockopt(zmq.RCVHWM, 0)
         outputs = self._context.socket(zmq.PULL)
         try:
@@ -148,7 +179,7 @@ class WorkerServer:
             outputs.close(linger=0)
             return
         self._bound.set()
-        io = _Routing(router, self.hello, self.config.frontend_timeout_s)
+        peers = _Peers(router, self.hello, self.limits, self.config.frontend_timeout_s)
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(outputs, zmq.POLLIN)
@@ -158,31 +189,72 @@ class WorkerServer:
             while not self._engine_done.is_set():
                 timeout_ms = max(0.0, next_heartbeat - time.monotonic()) * 1000
                 events = dict(poller.poll(int(min(timeout_ms, _IDLE_POLL_S * 1000))))
-                if router in events:
-                    while router.poll(0):
-                        identity, frame = router.recv_multipart()
-                        for message in io.receive(identity, frame):
-                            self._inbox.put((message, time.monotonic()))
+                # A bounded batch per turn: a peer flooding the socket cannot hold up
+                # outputs or heartbeats.
+                for _ in range(_MAX_FRAMES_PER_TURN if router in events else 0):
+                    try:
+                        frames = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    for message in peers.receive(frames):
+                        self._inbox.put((message, time.monotonic()))
                 if outputs in events:
                     while outputs.poll(0):
-                        route, final, payload = outputs.recv_multipart()
-                        io.send(route.decode(), final == _FINAL, payload)
+                        route_bytes, final, payload = outputs.recv_multipart()
+                        peers.send(route_bytes.decode(), final == _FINAL, payload)
                 if time.monotonic() >= next_heartbeat:
                     next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
-                    io.heartbeat(
+                    peers.heartbeat(
                         Heartbeat(
                             instance_id=self.instance_id,
                             num_steps=self.scheduler.num_steps,
                             num_queued=self.scheduler.num_queued,
                             num_active=self.scheduler.engine.num_active(),
+                            num_finished=self.scheduler.num_finished,
                         )
                     )
-                    for request_id in io.expire_frontends():
-                        self._inbox.put((AbortRequest(request_id), time.monotonic()))
+                    for route in peers.expire():
+                        self._inbox.put((AbortRequest(route), time.monotonic()))
                     watchdog.check()
         finally:
             router.close(linger=0)
             outputs.close(linger=0)
+
+
+class EngineBroken(RuntimeError):
+    """The engine fails whatever it is given: only a new process can recover."""
+
+
+def _exit_on_crash(body: Callable[[], None]) -> Callable[[], None]:
+    """Run ``body``; if it raises, log the traceback and end the process at once.
+
+    A worker with a dead thread would otherwise stay half alive: heartbeats
+    without an engine, or an engine nobody can reach. Ending the process lets the
+    supervisor (or Docker) replace it, and the frontend replays its requests."""
+
+    def run() -> None:
+        try:
+            body()
+        except BaseException:
+            log.critical(
+                "thread %s failed; exiting so that a new worker replaces this one",
+                threading.current_thread().name,
+                exc_info=True,
+            )
+            logging.shutdown()
+            os._exit(_CRASHED_EXIT_CODE)
+
+    return run
+
+
+def route_for(peer: bytes, request_id: str) -> str:
+    """The worker's own key for a peer's request: ids are unique per peer only."""
+    return f"{peer.hex()}/{request_id}"
+
+
+def sender_request_id(route: str) -> str:
+    """The request id as its sender gave it."""
+    return route.partition("/")[2]
 
 
 class _Watchdog:
@@ -212,65 +284,134 @@ class _Watchdog:
             os._exit(_WEDGED_EXIT_CODE)
 
 
-class _Routing:
-    """Which frontends are connected, and which frontend each request came from.
-    Used by the I/O thread alone."""
+class _Peers:
+    """Which peers are connected, and which peer sent each request in flight.
+    Used by the I/O thread alone. A request is known by its route (`route_for`),
+    so a peer can neither receive nor abort another peer's requests."""
 
-    def __init__(self, router: zmq.Socket[bytes], hello: Hello, frontend_timeout_s: float):
+    def __init__(
+        self, router: zmq.Socket[bytes], hello: Hello, limits: RequestLimits, timeout_s: float
+    ) -> None:
         self.router = router
         self.hello = encode(hello)
-        self.frontend_timeout_s = frontend_timeout_s
+        self.limits = limits
+        self.timeout_s = timeout_s
         self.last_seen: dict[bytes, float] = {}
-        self.routes: dict[str, bytes] = {}
+        self.routes: dict[str, bytes] = {}  # route -> peer, for requests in flight
+        self._malformed = _Throttled(log, "malformed frames")
 
-    def receive(self, identity: bytes, frame: bytes) -> list[ToWorker]:
-        """Decode one frame; return what the engine thread must act on."""
-        if identity not in self.last_seen:
-            # Debug level: health probes connect as short-lived frontends.
-            log.debug("frontend %s connected", identity.hex())
-            self.router.send_multipart([identity, self.hello])
-        self.last_seen[identity] = time.monotonic()
+    def receive(self, frames: list[bytes]) -> list[ToWorker]:
+        """Check one multipart message; return what the engine thread must act on."""
+        if len(frames) != 2:
+            # ROUTER prefixes the peer's identity; a protocol message is one frame.
+            sender = frames[0].hex() if frames else "?"
+            self._malformed.warn(f"{len(frames) - 1} frames from peer {sender}; expected 1")
+            return []
+        peer, frame = frames
         try:
             message = decode_to_worker(frame)
         except ProtocolError as exc:
-            log.warning("malformed frame from frontend %s: %s", identity.hex(), exc)
+            self._malformed.warn(f"peer {peer.hex()}: {exc}")
             if exc.request_id is not None:
-                error = ErrorResult(exc.request_id, ErrorCode.INVALID_REQUEST, str(exc))
-                self.router.send_multipart([identity, encode(error)])
+                self._answer(peer, exc.request_id, ErrorCode.INVALID_REQUEST, str(exc))
             return []
-        if isinstance(message, Ping):
+        if not self._see(peer):
             return []
         if isinstance(message, GenerateRequest):
-            self.routes[message.request_id] = identity
-        return [message]
+            try:
+                check_generate(message, self.limits)
+            except RequestRejected as rejected:
+                self._answer(peer, message.request_id, rejected.code, rejected.message)
+                return []
+            route = route_for(peer, message.request_id)
+            if route in self.routes:
+                log.warning("peer %s repeated request %s; ignored", peer.hex(), message.request_id)
+                return []
+            self.routes[route] = peer
+            return [dataclasses.replace(message, request_id=route)]
+        if isinstance(message, AbortRequest) and is_valid_abort(message):
+            return [AbortRequest(route_for(peer, message.request_id))]
+        return []  # a ping: seeing the peer was all it was for
 
-    def send(self, request_id: str, final: bool, payload: bytes) -> None:
-        identity = self.routes.pop(request_id, None) if final else self.routes.get(request_id)
-        if identity is not None:
-            self.router.send_multipart([identity, payload])
+    def send(self, route: str, final: bool, payload: bytes) -> None:
+        peer = self.routes.pop(route, None) if final else self.routes.get(route)
+        if peer is not None:
+            self.router.send_multipart([peer, payload])
 
     def heartbeat(self, heartbeat: Heartbeat) -> None:
         frame = encode(heartbeat)
-        for identity in self.last_seen:
-            self.router.send_multipart([identity, frame])
+        for peer in self.last_seen:
+            self.router.send_multipart([peer, frame])
 
-    def expire_frontends(self) -> list[str]:
-        """Forget frontends whose pings stopped; return their requests to abort."""
-        cutoff = time.monotonic() - self.frontend_timeout_s
-        gone = {identity for identity, seen in self.last_seen.items() if seen < cutoff}
+    def expire(self) -> list[str]:
+        """Forget peers whose pings stopped; return the routes of their requests."""
+        cutoff = time.monotonic() - self.timeout_s
+        gone = {peer for peer, seen in self.last_seen.items() if seen < cutoff}
+        return self._forget(gone, f"sent nothing for {self.timeout_s:.0f} s")
+
+    def _see(self, peer: bytes) -> bool:
+        """Note a valid message from ``peer``, greeting it on first contact; False
+        if there is no room for another peer."""
+        if peer not in self.last_seen:
+            if len(self.last_seen) >= _MAX_PEERS and not self._make_room():
+                self._malformed.warn(f"{_MAX_PEERS} peers connected; ignoring {peer.hex()}")
+                return False
+            # Debug level: health probes connect as short-lived frontends.
+            log.debug("peer %s connected", peer.hex())
+            self.router.send_multipart([peer, self.hello])
+        self.last_seen[peer] = time.monotonic()
+        return True
+
+    def _make_room(self) -> bool:
+        """Forget the longest-silent peer with no request in flight, if there is one."""
+        busy = set(self.routes.values())
+        idle = [peer for peer in self.last_seen if peer not in busy]
+        if not idle:
+            return False
+        self._forget({min(idle, key=self.last_seen.__getitem__)}, "too many peers")
+        return True
+
+    def _forget(self, gone: set[bytes], why: str) -> list[str]:
         if not gone:
             return []
-        orphans = [rid for rid, identity in self.routes.items() if identity in gone]
-        for identity in gone:
-            num_orphans = sum(1 for rid in orphans if self.routes[rid] == identity)
+        orphans = [route for route, peer in self.routes.items() if peer in gone]
+        for peer in gone:
+            num_orphans = sum(1 for route in orphans if self.routes[route] == peer)
             log.log(
                 logging.WARNING if num_orphans else logging.DEBUG,
-                "frontend %s sent nothing for %.0f s; aborting its %d requests",
-                identity.hex(),
-                self.frontend_timeout_s,
+                "peer %s %s; aborting its %d requests",
+                peer.hex(),
+                why,
                 num_orphans,
             )
-            del self.last_seen[identity]
-        for request_id in orphans:
-            del self.routes[request_id]
+            del self.last_seen[peer]
+        for route in orphans:
+            del self.routes[route]
         return orphans
+
+    def _answer(self, peer: bytes, request_id: str, code: str, message: str) -> None:
+        log.info("request %.64s from peer %s refused: %s", request_id, peer.hex(), message)
+        self.router.send_multipart([peer, encode(ErrorResult(request_id, code, message))])
+
+
+class _Throttled:
+    """Warnings about what peers send, at most one a second: a peer that floods the
+    socket with garbage must not flood the log too."""
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self.logger = logger
+        self.what = what
+        self.next_at = 0.0
+        self.num_suppressed = 0
+
+    def warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.num_suppressed += 1
+            return
+        more = (
+            f" ({self.num_suppressed} more {self.what} not logged)" if self.num_suppressed else ""
+        )
+        self.logger.warning("%s%s", message, more)
+        self.next_at = now + 1.0
+        self.num_suppressed = 0

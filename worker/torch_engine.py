@@ -49,7 +49,13 @@ def resolve_device(name: str) -> torch.device:
 class TorchEngine(SlotEngine):
     def __init__(self, loaded: LoadedModel, capacity: int) -> None:
         config = loaded.model.config
-        info = ModelInfo(loaded.name, loaded.is_random_weights, config.n_positions)
+        info = ModelInfo(
+            loaded.name,
+            loaded.is_random_weights,
+            context_window=config.n_positions,
+            vocab_size=config.vocab_size,
+            max_token_chars=loaded.tokenizer.max_token_chars,
+        )
         super().__init__(info, loaded.tokenizer, capacity)
         self.model = loaded.model
         self.gpt2 = GPT2(loaded.model)

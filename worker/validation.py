@@ -1,0 +1,125 @@
+"""The worker's own checks on every request, before it is queued.
+
+Anything on the network can reach the worker's socket, so the worker trusts no
+field because a frontend checked it. Each check is cheap and bounded before it
+touches a list: a long id list is refused on its length before its ids are read,
+and a text prompt too long to fit the context window whatever it tokenizes to is
+refused before it is tokenized (tokenizing holds the GIL). A failed check ends
+the one request with an error that names the field; nothing reaches the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from protocol import AbortRequest, ErrorCode, GenerateRequest
+from worker.engine import ModelInfo, RequestRejected
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int  # token ids must be below this
+    context_window: int  # prompt + max_new_tokens, at most
+    max_token_chars: int  # no token's text is longer than this
+
+    @classmethod
+    def of(cls, info: ModelInfo) -> RequestLimits:
+        return cls(info.vocab_size, info.context_window, info.max_token_chars)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A longer text prompt needs more tokens than the context window holds."""
+        return self.context_window * self.max_token_chars
+
+
+def is_valid_abort(request: AbortRequest) -> bool:
+    return _request_id_problem(request.request_id) is None
+
+
+def check_generate(request: GenerateRequest, limits: RequestLimits) -> None:
+    """Raise `RequestRejected` naming the first field a worker cannot serve."""
+    problem = _first_problem(request, limits)
+    if problem is not None:
+        code, message = problem
+        raise RequestRejected(request.request_id, code, message)
+
+
+def _request_id_problem(request_id: str) -> str | None:
+    if 1 <= len(request_id) <= MAX_REQUEST_ID_CHARS:
+        return None
+    return f"request_id: must be 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(request_id):,}"
+
+
+def _first_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str, str] | None:
+    invalid = ErrorCode.INVALID_REQUEST
+    window = limits.context_window
+    id_problem = _request_id_problem(request.request_id)
+    if id_problem is not None:
+        return invalid, id_problem
+    if not 1 <= request.max_new_tokens <= window:
+        return invalid, f"max_new_tokens: must be 1 to {window:,}, got {request.max_new_tokens:,}"
+    if request.prompt_token_ids is not None:
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            return invalid, "prompt_token_ids: must not be empty"
+        if num_prompt + request.max_new_tokens > window:
+            return ErrorCode.CONTEXT_OVERFLOW, (
+                f"prompt is {num_prompt:,} tokens + max_new_tokens "
+                f"{request.max_new_tokens:,} > context window {window:,}: "
+                "shorten the prompt or lower max_new_tokens"
+            )
+    elif not request.prompt:
+        return invalid, "prompt: must not be empty"
+    elif len(request.prompt) > limits.max_prompt_chars:
+        return ErrorCode.CONTEXT_OVERFLOW, (
+            f"prompt is {len(request.prompt):,} characters: more tokens than the context "
+            f"window ({window:,} tokens of at most {limits.max_token_chars} characters) "
+            "holds; shorten the prompt"
+        )
+    if len(request.resume_token_ids) > request.max_new_tokens:
+        return invalid, (
+            f"resume_token_ids: {len(request.resume_token_ids):,} tokens, more than "
+            f"max_new_tokens {request.max_new_tokens:,}"
+        )
+    max_resume_chars = len(request.resume_token_ids) * limits.max_token_chars
+    if not 0 <= request.resume_text_len <= max_resume_chars:
+        return invalid, (
+            f"resume_text_len: must be 0 to {max_resume_chars:,} for "
+            f"{len(request.resume_token_ids)} resumed tokens, got {request.resume_text_len:,}"
+        )
+    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        return invalid, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids"
+    if len(request.stop) > MAX_STOP_STRINGS:
+        return invalid, f"stop: at most {MAX_STOP_STRINGS} strings"
+    if any(not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in request.stop):
+        return invalid, f"stop: each stop string must be 1 to {MAX_STOP_STRING_CHARS} characters"
+    for name in ("prompt_token_ids", "resume_token_ids", "stop_token_ids"):
+        token_ids: list[int] | None = getattr(request, name)
+        # The lengths are bounded above, so max() reads at most a context window.
+        if token_ids and max(token_ids) >= limits.vocab_size:
+            return invalid, (
+                f"{name}: token id {max(token_ids)} is outside the vocabulary "
+                f"(ids are 0 to {limits.vocab_size - 1})"
+            )
+    return _sampling_problem(request)
+
+
+def _sampling_problem(request: GenerateRequest) -> tuple[str, str] | None:
+    invalid = ErrorCode.INVALID_REQUEST
+    if not (math.isfinite(request.temperature) and request.temperature >= 0):
+        return invalid, f"temperature: must be a finite number >= 0, got {request.temperature}"
+    if not (math.isfinite(request.top_p) and 0 < request.top_p <= 1):
+        return invalid, f"top_p: must be in (0, 1], got {request.top_p}"
+    if not 0 <= request.top_k <= MAX_TOP_K:
+        return invalid, f"top_k: must be 0 (off) to {MAX_TOP_K}, got {request.top_k}"
+    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
+        return invalid, f"seed: must be 0 to {MAX_SEED}, got {request.seed}"
+    return None
