@@ -15,6 +15,7 @@ _STATUS_BY_CODE = {
     ErrorCode.UNSUPPORTED: 400,
     ErrorCode.QUEUE_FULL: 503,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.WORKERS_DIED: 500,
 }
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",

@@ -27,6 +27,7 @@ class InFlight:
     order: int = field(default_factory=lambda: next(_order))
     attempt: int = 0
     sent_to: str | None = None  # worker instance holding the current attempt
+    num_worker_deaths: int = 0  # workers that died while this request was in flight on them
     streamed_token_ids: list[int] = field(default_factory=list)
     num_resumed_tokens: int = 0  # streamed before the current attempt, which resumes after them
     streamed_text: str = ""

@@ -1,9 +1,12 @@
 """The frontend's side of the ZMQ link: the in-flight table, liveness and replay.
 
 Every accepted request stays in the table until it is answered, exactly once.
-It is sent while a worker is live; when that worker is declared dead or hung,
-or a new worker instance says hello, every unanswered request is sent again to
-the live worker, in the order it was accepted.
+It is sent while a worker is live, and sent again only when it must be: when a
+new worker instance says hello (the one that held it is gone), or when the
+worker greets this frontend again (it timed this frontend out and dropped its
+requests). A worker that was only late, and is live again as the same
+instance, keeps its requests. A request that was in flight on two workers that
+died may be what kills them: it is answered with an error, not replayed again.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import typing
 import uuid
 
@@ -20,6 +24,7 @@ import zmq.asyncio
 from frontend.inflight import Event, InFlight
 from protocol import (
     AbortRequest,
+    ErrorCode,
     ErrorResult,
     GenerateRequest,
     GenerateResult,
@@ -36,6 +41,11 @@ from protocol.config import FrontendConfig
 from protocol.liveness import Liveness, Verdict
 
 log = logging.getLogger(__name__)
+
+# Workers that died while a request was in flight on them, after which the request
+# is failed rather than replayed again.
+MAX_WORKER_DEATHS = 2
+_TASK_DIED_EXIT_CODE = 4
 
 
 class Overloaded(Exception):
@@ -71,6 +81,8 @@ class WorkerClient:
             asyncio.create_task(self._receive_loop(), name="worker-receive"),
             asyncio.create_task(self._tick_loop(), name="worker-tick"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(_exit_if_failed)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -118,11 +130,12 @@ class WorkerClient:
         return self._inflight.pop(entry.request_id, None) is not None
 
     def _send(self, message: ToWorker) -> bool:
+        return self._send_frame(encode(message))
+
+    def _send_frame(self, frame: bytes) -> bool:
         assert self._socket is not None
         # A non-blocking send on an asyncio socket completes (or fails) at once.
-        sent = typing.cast(
-            "asyncio.Future[object]", self._socket.send(encode(message), zmq.NOBLOCK)
-        )
+        sent = typing.cast("asyncio.Future[object]", self._socket.send(frame, zmq.NOBLOCK))
         return sent.exception() is None
 
     def _send_attempt(self, entry: InFlight) -> None:
@@ -135,18 +148,48 @@ class WorkerClient:
             return
         request = entry.next_attempt()
         hello = self.liveness.hello
-        if hello is not None and self._send(request):
+        frame = encode(request)
+        if hello is not None and len(frame) > hello.max_message_bytes:
+            # The worker's socket would drop the connection, and every request with it.
+            self._resolve(entry, _too_large(entry, len(frame), hello.max_message_bytes))
+        elif hello is not None and self._send_frame(frame):
             entry.sent_to = hello.instance_id
             self._by_wire_id[entry.wire_id] = entry
         else:
             entry.sent_to = None
 
-    def _replay_all(self) -> None:
-        pending = sorted(self._inflight.values(), key=lambda entry: entry.order)
-        if pending:
-            log.warning("replaying %d requests on the live worker", len(pending))
-        for entry in pending:
+    def _resend(self, entries: list[InFlight], why: str) -> None:
+        """Send these requests again, in the order they were accepted."""
+        if entries:
+            log.warning("replaying %d requests: %s", len(entries), why)
+        for entry in sorted(entries, key=lambda entry: entry.order):
             self._send_attempt(entry)
+
+    def _send_unsent(self) -> None:
+        """Send what no live worker holds: requests accepted while none was live."""
+        unsent = [entry for entry in self._inflight.values() if entry.sent_to is None]
+        for entry in sorted(unsent, key=lambda entry: entry.order):
+            self._send_attempt(entry)
+
+    def _on_worker_replaced(self, dead_instance_id: str) -> None:
+        """Every request the dead instance held is replayed, unless it was in flight
+        on a worker that died before: then it may be what kills them."""
+        orphans: list[InFlight] = []
+        for entry in list(self._inflight.values()):
+            if entry.sent_to != dead_instance_id:
+                continue
+            entry.num_worker_deaths += 1
+            if entry.num_worker_deaths >= MAX_WORKER_DEATHS:
+                log.error(
+                    "request %s was in flight on %d workers that died; failing it",
+                    entry.request_id,
+                    entry.num_worker_deaths,
+                )
+                self._resolve(entry, _quarantined(entry))
+            else:
+                orphans.append(entry)
+        self._resend(orphans, f"worker {dead_instance_id[:8]} was replaced")
+        self._send_unsent()
 
     def _resolve(self, entry: InFlight, final: GenerateResult | ErrorResult) -> None:
         self._forget(entry)
@@ -180,9 +223,9 @@ class WorkerClient:
                 self._on_event(message)
 
     def _on_hello(self, hello: Hello) -> None:
-        had_worker = self.liveness.hello is not None
+        previous = self.liveness.hello
+        self._was_live = True
         if self.liveness.on_hello(hello):
-            self.num_worker_restarts += had_worker
             log.info(
                 "worker %s says hello: model %s%s, capacity %d",
                 hello.instance_id[:8],
@@ -190,18 +233,25 @@ class WorkerClient:
                 " (random weights)" if hello.is_random_weights else "",
                 hello.capacity,
             )
+            if previous is None:
+                self._send_unsent()
+            else:
+                self.num_worker_restarts += 1
+                self._on_worker_replaced(previous.instance_id)
         else:
-            # A worker greets a frontend only on first contact: it timed this one
-            # out (FRONTEND_TIMEOUT_S) and aborted its requests, so resend them.
-            log.warning("worker %s greeted this frontend again", hello.instance_id[:8])
-        self._was_live = True
-        self._replay_all()
+            # A worker greets a peer only on first contact: it timed this frontend
+            # out (FRONTEND_TIMEOUT_S) and aborted its requests, or this frontend
+            # reconnected as a new peer. Either way it holds none of them now.
+            held = [e for e in self._inflight.values() if e.sent_to == hello.instance_id]
+            self._resend(held, f"worker {hello.instance_id[:8]} greeted this frontend again")
+            self._send_unsent()
 
     def _check_liveness(self) -> None:
         verdict = self.liveness.verdict()
         if verdict.is_live and not self._was_live:
-            log.warning("worker is live again; resending unanswered requests")
-            self._replay_all()
+            # The same instance, only late: it still holds what it was sent.
+            log.warning("worker is live again; sending only what it was never sent")
+            self._send_unsent()
         elif not verdict.is_live and self._was_live:
             log.error("worker declared %s: %s", verdict.state.value, verdict.reason)
         self._was_live = verdict.is_live
@@ -212,6 +262,38 @@ class WorkerClient:
             self._send(ping)
             self._check_liveness()
             await asyncio.sleep(self.config.ping_interval_s)
+
+
+def _exit_if_failed(task: asyncio.Task[None]) -> None:
+    """A background task that ends by an exception leaves the frontend half alive
+    (no replies, or no liveness): end the process loudly so that it is replaced."""
+    if task.cancelled() or task.exception() is None:
+        return
+    log.critical(
+        "background task %s failed; exiting so that the frontend is restarted",
+        task.get_name(),
+        exc_info=task.exception(),
+    )
+    logging.shutdown()
+    os._exit(_TASK_DIED_EXIT_CODE)
+
+
+def _quarantined(entry: InFlight) -> ErrorResult:
+    return ErrorResult(
+        entry.wire_id,
+        ErrorCode.WORKERS_DIED,
+        f"the request was in flight on {entry.num_worker_deaths} workers that died; it is "
+        "not replayed again, since it may be what kills them (the worker logs say why)",
+    )
+
+
+def _too_large(entry: InFlight, num_bytes: int, limit: int) -> ErrorResult:
+    return ErrorResult(
+        entry.wire_id,
+        ErrorCode.INVALID_REQUEST,
+        f"the request is {num_bytes:,} bytes on the wire, more than the worker accepts "
+        f"(its MAX_MESSAGE_BYTES={limit:,}); shorten the prompt",
+    )
 
 
 def _finished_by_stream(entry: InFlight) -> GenerateResult:
