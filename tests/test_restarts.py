@@ -212,3 +212,23 @@ def test_a_frontend_the_worker_timed_out_resends_what_the_worker_dropped(tmp_pat
         pool.shutdown()
         assert "aborting its 2 requests" in stack.log("worker")
         assert "greeted this frontend again" in stack.log("frontend")
+
+
+def test_a_worker_that_was_only_late_keeps_its_requests(tmp_path: Path) -> None:
+    # No supervisor: the frozen worker is declared dead but not replaced, then thaws.
+    overrides = {"FAKE_STEP_DELAY_S": "0.02"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        first = stack.wait_live()
+        bodies = _bodies(2, max_new_tokens=100)
+        pool, futures = _in_background(stack, bodies)
+        stack.wait_for_health("slots busy", lambda h: h["active"] == 2)
+        worker = stack.processes["worker"]
+        worker.send_signal(signal.SIGSTOP)
+        stack.wait_for_health("worker dead", lambda h: h["worker"] == "dead")
+        worker.send_signal(signal.SIGCONT)
+        _assert_fault_free_answers(bodies, futures)
+        pool.shutdown()
+        health = stack.wait_live()
+        assert (health["instance_id"], health["worker_restarts"]) == (first["instance_id"], 0)
+        assert "worker is live again" in stack.log("frontend")
+        assert "replaying" not in stack.log("frontend")

@@ -13,6 +13,7 @@ import zmq
 
 from protocol import (
     PROTOCOL_VERSION,
+    AbortRequest,
     ErrorCode,
     ErrorResult,
     GenerateRequest,
@@ -26,7 +27,7 @@ from protocol import (
 )
 from protocol.config import WorkerConfig
 from tests.stack import free_port
-from worker.fake_engine import FakeEngine, expected_text
+from worker.fake_engine import FAKE_VOCAB_SIZE, FakeEngine, expected_text
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence
 from worker.server import WorkerServer
@@ -61,7 +62,9 @@ class Frontend:
     def send(self, frame: bytes) -> None:
         self.socket.send(frame)
 
-    def receive_until(self, done: type, timeout_s: float = 5.0) -> list[ToFrontend]:
+    def receive_until(
+        self, done: type | tuple[type, ...], timeout_s: float = 5.0
+    ) -> list[ToFrontend]:
         """Messages up to and including the first of type ``done``."""
         received: list[ToFrontend] = []
         deadline = time.monotonic() + timeout_s
@@ -71,7 +74,7 @@ class Frontend:
                 received.append(message)
                 if isinstance(message, done):
                     return received
-        raise AssertionError(f"no {done.__name__} within {timeout_s} s; got {received}")
+        raise AssertionError(f"no {done} within {timeout_s} s; got {received}")
 
 
 Connect = Callable[[WorkerServer], Frontend]
@@ -200,3 +203,89 @@ def test_a_stop_during_a_step_still_ends_the_server(connect: Connect) -> None:
         deadline = time.monotonic() + 5
         while not server.scheduler.num_steps and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def test_two_peers_may_use_the_same_request_id(connect: Connect) -> None:
+    with serving(FakeEngine(4, step_delay_s=0.01)) as server:
+        first, second = connect(server), connect(server)
+        first.send(encode(GenerateRequest("same", "first prompt", 30)))
+        second.send(encode(GenerateRequest("same", "second prompt", 4)))
+        answers = {}
+        for frontend in (first, second):
+            result = frontend.receive_until(GenerateResult)[-1]
+            assert isinstance(result, GenerateResult) and result.request_id == "same"
+            answers[frontend] = result.text
+        assert answers[first] == expected_text("first prompt", 30)
+        assert answers[second] == expected_text("second prompt", 4)
+
+
+def test_a_peer_cannot_abort_another_peers_request(connect: Connect) -> None:
+    with serving(FakeEngine(2, step_delay_s=0.01)) as server:
+        owner, stranger = connect(server), connect(server)
+        owner.send(encode(GenerateRequest("r", "x", 40)))
+        stranger.send(encode(GenerateRequest("other", "y", 2)))
+        stranger.receive_until(GenerateResult)
+        stranger.send(encode(AbortRequest("r")))
+        result = owner.receive_until(GenerateResult)[-1]
+        assert isinstance(result, GenerateResult)
+        assert (result.finish_reason, result.text) == ("length", expected_text("x", 40))
+
+
+def test_a_request_repeated_while_in_flight_runs_once(connect: Connect) -> None:
+    with serving(FakeEngine(2, step_delay_s=0.01)) as server:
+        frontend = connect(server)
+        for _ in range(3):
+            frontend.send(encode(GenerateRequest("r", "x", 10)))
+        frontend.receive_until(GenerateResult)
+        frontend.send(encode(GenerateRequest("after", "y", 2)))
+        trailing = frontend.receive_until(GenerateResult)
+        assert [m.request_id for m in trailing if isinstance(m, GenerateResult)] == ["after"]
+
+
+def test_messages_of_any_frame_count_are_dropped_and_serving_goes_on(connect: Connect) -> None:
+    with serving(FakeEngine(2)) as server:
+        frontend = connect(server)
+        good = encode(GenerateRequest("r", "x", 3))
+        frontend.socket.send_multipart([good, good, good])
+        frontend.socket.send_multipart([b"", b"\x00" * 1000])
+        frontend.socket.send(b"")
+        frontend.send(good)
+        result = frontend.receive_until(GenerateResult)[-1]
+        assert isinstance(result, GenerateResult) and result.text == expected_text("x", 3)
+
+
+def test_a_message_over_max_message_bytes_disconnects_only_its_sender(connect: Connect) -> None:
+    with serving(FakeEngine(2), max_message_bytes=64 * 1024) as server:
+        bystander, sender = connect(server), connect(server)
+        bystander.send(encode(Ping("bystander")))
+        bystander.receive_until(Hello)
+        sender.send(encode(GenerateRequest("huge", "x" * 100_000, 3)))
+        bystander.send(encode(GenerateRequest("r", "fine", 3)))
+        result = bystander.receive_until(GenerateResult)[-1]
+        assert isinstance(result, GenerateResult) and result.request_id == "r"
+        assert server.scheduler.num_finished == 1  # "huge" never reached the scheduler
+        assert not sender.socket.poll(100) or isinstance(
+            decode_to_frontend(sender.socket.recv()), Hello
+        )
+
+
+def test_an_invalid_request_is_answered_alone_and_its_batchmates_run(connect: Connect) -> None:
+    engine = FakeEngine(4, step_delay_s=0.05)
+    with serving(engine) as server:
+        frontend = connect(server)
+        frontend.send(encode(GenerateRequest("a", "x", 5)))
+        frontend.send(encode(GenerateRequest("oov", "", 5, prompt_token_ids=[FAKE_VOCAB_SIZE])))
+        frontend.send(encode(GenerateRequest("nan", "x", 5, temperature=float("nan"))))
+        frontend.send(encode(GenerateRequest("b", "y", 5)))
+        finals: dict[str, ToFrontend] = {}
+        while len(finals) < 4:
+            last = frontend.receive_until((GenerateResult, ErrorResult))[-1]
+            finals[last.request_id] = last  # type: ignore[union-attr]
+        assert (
+            isinstance(finals["oov"], ErrorResult) and "prompt_token_ids" in finals["oov"].message
+        )
+        assert isinstance(finals["nan"], ErrorResult) and "temperature" in finals["nan"].message
+        for request_id, prompt in (("a", "x"), ("b", "y")):
+            result = finals[request_id]
+            assert isinstance(result, GenerateResult) and result.text == expected_text(prompt, 5)
+        assert engine.num_resets == 0

@@ -1,0 +1,93 @@
+"""The worker's own checks: each bad field is named, and nothing is read unbounded."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from protocol import AbortRequest, ErrorCode, GenerateRequest
+from worker.engine import RequestRejected
+from worker.validation import (
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_STRING_CHARS,
+    RequestLimits,
+    check_generate,
+    is_valid_abort,
+)
+
+LIMITS = RequestLimits(vocab_size=1000, context_window=64, max_token_chars=4)
+
+
+def _request(**fields: object) -> GenerateRequest:
+    values: dict[str, object] = {"request_id": "r", "prompt": "hello", "max_new_tokens": 8}
+    values.update(fields)
+    return GenerateRequest(**values)  # type: ignore[arg-type]
+
+
+def test_a_sound_request_passes() -> None:
+    check_generate(_request(temperature=1e-40, top_p=1e-300, seed=2**63 - 1), LIMITS)
+    check_generate(_request(prompt="", prompt_token_ids=[0, 999], stop_token_ids=[999]), LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "named"),
+    [
+        ({"max_new_tokens": 0}, ErrorCode.INVALID_REQUEST, "max_new_tokens"),
+        ({"max_new_tokens": 65}, ErrorCode.INVALID_REQUEST, "max_new_tokens"),
+        ({"prompt_token_ids": []}, ErrorCode.INVALID_REQUEST, "prompt_token_ids"),
+        ({"prompt_token_ids": [1] * 57}, ErrorCode.CONTEXT_OVERFLOW, "context window 64"),
+        ({"prompt_token_ids": [1000]}, ErrorCode.INVALID_REQUEST, "prompt_token_ids: token id"),
+        ({"stop_token_ids": [5, 10**9]}, ErrorCode.INVALID_REQUEST, "stop_token_ids"),
+        ({"resume_token_ids": [1000]}, ErrorCode.INVALID_REQUEST, "resume_token_ids"),
+        ({"resume_token_ids": [1] * 9}, ErrorCode.INVALID_REQUEST, "resume_token_ids"),
+        ({"resume_token_ids": [1], "resume_text_len": 5}, ErrorCode.INVALID_REQUEST, "resume_text"),
+        ({"resume_text_len": -1}, ErrorCode.INVALID_REQUEST, "resume_text_len"),
+        ({"prompt": ""}, ErrorCode.INVALID_REQUEST, "prompt: must not be empty"),
+        ({"prompt": "x" * 257}, ErrorCode.CONTEXT_OVERFLOW, "257 characters"),
+        ({"temperature": math.nan}, ErrorCode.INVALID_REQUEST, "temperature"),
+        ({"temperature": math.inf}, ErrorCode.INVALID_REQUEST, "temperature"),
+        ({"temperature": -0.5}, ErrorCode.INVALID_REQUEST, "temperature"),
+        ({"top_p": 0.0}, ErrorCode.INVALID_REQUEST, "top_p"),
+        ({"top_p": math.nan}, ErrorCode.INVALID_REQUEST, "top_p"),
+        ({"top_k": -1}, ErrorCode.INVALID_REQUEST, "top_k"),
+        ({"top_k": 2**40}, ErrorCode.INVALID_REQUEST, "top_k"),
+        ({"seed": -1}, ErrorCode.INVALID_REQUEST, "seed"),
+        ({"seed": 2**64}, ErrorCode.INVALID_REQUEST, "seed"),
+        ({"stop": ["a"] * 17}, ErrorCode.INVALID_REQUEST, "stop: at most"),
+        ({"stop": [""]}, ErrorCode.INVALID_REQUEST, "stop: each"),
+        ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, ErrorCode.INVALID_REQUEST, "stop: each"),
+        ({"stop_token_ids": [1] * 65}, ErrorCode.INVALID_REQUEST, "stop_token_ids: at most"),
+        ({"request_id": ""}, ErrorCode.INVALID_REQUEST, "request_id"),
+        ({"request_id": "x" * 257}, ErrorCode.INVALID_REQUEST, "request_id"),
+    ],
+)
+def test_each_bad_field_is_refused_by_name(
+    fields: dict[str, object], code: str, named: str
+) -> None:
+    request = _request(**fields)
+    with pytest.raises(RequestRejected) as caught:
+        check_generate(request, LIMITS)
+    assert caught.value.code == code
+    assert caught.value.request_id == request.request_id
+    assert named in caught.value.message
+
+
+def test_a_huge_id_list_is_refused_on_its_length_before_its_ids_are_read() -> None:
+    class Unreadable(list[int]):
+        def __iter__(self) -> object:  # type: ignore[override]
+            raise AssertionError("the ids were read")
+
+    with pytest.raises(RequestRejected, match="context window"):
+        check_generate(_request(prompt_token_ids=Unreadable([1] * 5_000_000)), LIMITS)
+
+
+def test_the_prompt_bound_is_the_window_times_the_longest_token() -> None:
+    assert LIMITS.max_prompt_chars == 64 * 4
+    check_generate(_request(prompt="x" * 256), LIMITS)
+
+
+def test_an_abort_needs_a_bounded_id() -> None:
+    assert is_valid_abort(AbortRequest("r"))
+    assert not is_valid_abort(AbortRequest(""))
+    assert not is_valid_abort(AbortRequest("x" * (MAX_REQUEST_ID_CHARS + 1)))

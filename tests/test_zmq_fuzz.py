@@ -1,0 +1,115 @@
+"""Anything on the network can reach the worker's socket: random frames from a
+peer that keeps reconnecting must not take the worker down or hurt anyone else."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import httpx
+import msgpack
+import zmq
+
+from protocol import PROTOCOL_VERSION, GenerateRequest, Ping, encode
+from tests.stack import Stack, running_stack
+from worker.fake_engine import expected_text
+
+MAX_MESSAGE_BYTES = 256 * 1024
+NUM_CONNECTIONS = 30
+MESSAGES_PER_CONNECTION = 40
+
+
+def _random_message(rng: random.Random) -> list[bytes]:
+    """One multipart message: garbage, near-protocol maps, or valid requests with
+    hostile values, in any number of frames."""
+    kind = rng.randrange(7)
+    if kind == 0:
+        return [rng.randbytes(rng.choice([0, 1, 7, 100, 5000]))]
+    if kind == 1:
+        return [rng.randbytes(rng.randrange(50)) for _ in range(rng.randrange(2, 6))]
+    if kind == 2:
+        return [rng.randbytes(MAX_MESSAGE_BYTES + rng.randrange(1, 1000))]  # ZMQ drops the peer
+    if kind == 3:
+        fields = {"v": PROTOCOL_VERSION, "type": rng.choice(["generate", "abort", "ping", "x"])}
+        fields.update({"request_id": "r", "prompt": rng.choice([3, None, "p", []])})
+        fields["max_new_tokens"] = rng.choice([-1, 0, 2**64 - 1, "4", 1.5])
+        return [msgpack.packb(fields)]
+    request = GenerateRequest(
+        request_id=rng.choice(["r", "x" * 300, "", "dup"]),
+        prompt=rng.choice(["", "p", "y" * 5000]),
+        max_new_tokens=rng.choice([0, 1, 5, 10**6]),
+        prompt_token_ids=rng.choice([None, [], [0x110000], [1, 2, 3]]),
+        resume_token_ids=rng.choice([[], [5] * 10]),
+        temperature=rng.choice([0.0, 1e-45, -1.0, math.nan, math.inf, 1.0]),
+        top_p=rng.choice([1.0, 0.0, math.nan, 1e-300]),
+        top_k=rng.choice([0, -5, 2**62]),
+        seed=rng.choice([None, -1, 2**64 - 1, 7]),
+        stop=rng.choice([[], [""], ["z" * 1000], ["a"] * 20]),
+    )
+    frame = encode(request)
+    if kind == 4:
+        return [frame, frame]
+    if kind == 5:
+        return [frame[: rng.randrange(len(frame))]]
+    return [frame]
+
+
+def _fuzz(endpoint: str, seed: int) -> None:
+    rng = random.Random(seed)
+    context = zmq.Context()
+    try:
+        for _ in range(NUM_CONNECTIONS):
+            peer = context.socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.connect(endpoint)
+            for _ in range(MESSAGES_PER_CONNECTION):
+                peer.send_multipart(_random_message(rng))
+            time.sleep(0.01)
+            peer.close(linger=0)
+    finally:
+        context.destroy(linger=0)
+
+
+def _generate(stack: Stack, prompt: str, max_new_tokens: int) -> str:
+    body = {"prompt": prompt, "max_new_tokens": max_new_tokens}
+    response = httpx.post(f"{stack.url}/generate", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    return str(response.json()["text"])
+
+
+def test_random_frames_from_a_reconnecting_peer_leave_the_worker_serving(
+    tmp_path: Path,
+) -> None:
+    overrides = {"MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES), "FAKE_STEP_DELAY_S": "0.01"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        first = stack.wait_live()
+        (pid,) = stack.worker_pids()
+        for seed in range(3):
+            _fuzz(stack.env["WORKER_ENDPOINT"], seed)
+            assert _generate(stack, f"after round {seed}", 12) == expected_text(
+                f"after round {seed}", 12
+            )
+        assert stack.worker_pids() == [pid]
+        health = stack.wait_live()
+        assert (health["instance_id"], health["worker_restarts"]) == (first["instance_id"], 0)
+        assert "Traceback" not in stack.log("worker")
+
+
+def test_a_peer_that_never_reads_cannot_stall_the_worker(tmp_path: Path) -> None:
+    with running_stack(tmp_path, {"FAKE_STEP_DELAY_S": "0.005"}, supervised=False) as stack:
+        stack.wait_live()
+        context = zmq.Context()
+        silent = context.socket(zmq.DEALER)
+        silent.setsockopt(zmq.LINGER, 0)
+        silent.setsockopt(zmq.RCVHWM, 1)
+        silent.connect(stack.env["WORKER_ENDPOINT"])
+        silent.send(encode(Ping("silent")))
+        for i in range(200):  # streams whose outputs nobody reads
+            silent.send(encode(GenerateRequest(f"s{i}", "z", 50, stream=True)))
+        try:
+            assert _generate(stack, "still here", 8) == expected_text("still here", 8)
+        finally:
+            silent.close(linger=0)
+            context.term()
