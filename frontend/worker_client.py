@@ -130,9 +130,6 @@ class WorkerClient:
             # The previous attempt may still run on this instance: stop it.
             self._send(AbortRequest(entry.wire_id))
         self._by_wire_id.pop(entry.wire_id, None)
-        if entry.request.max_new_tokens - len(entry.streamed_token_ids) <= 0:
-            self._resolve(entry, _finished_by_stream(entry))
-            return
         request = entry.next_attempt()
         hello = self.liveness.hello
         if hello is not None and self._send(request):
@@ -212,17 +209,3 @@ class WorkerClient:
             self._send(ping)
             self._check_liveness()
             await asyncio.sleep(self.config.ping_interval_s)
-
-
-def _finished_by_stream(entry: InFlight) -> GenerateResult:
-    """A stream that received all its tokens before its worker died."""
-    return GenerateResult(
-        request_id=entry.wire_id,
-        text="",
-        token_ids=[],
-        finish_reason="length",
-        prompt_tokens=0,
-        completion_tokens=0,
-        queue_wait_ms=0.0,
-        generate_ms=0.0,
-    )
