@@ -65,13 +65,6 @@ class Accepted:
         self.metrics.count_request(self.endpoint, CLIENT_CLOSED_REQUEST, "abort")
 
 
-def token_usage(accepted: Accepted, result: GenerateResult) -> tuple[int, int]:
-    """(prompt, completion) tokens as the client sees them. A stream replayed after a
-    worker restart resumed with its streamed tokens in the prompt of the last attempt."""
-    num_resumed = accepted.entry.num_resumed_tokens
-    return result.prompt_tokens - num_resumed, result.completion_tokens + num_resumed
-
-
 def new_request_id() -> str:
     return uuid.uuid4().hex
 

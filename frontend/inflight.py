@@ -29,7 +29,6 @@ class InFlight:
     sent_to: str | None = None  # worker instance holding the current attempt
     num_worker_deaths: int = 0  # workers that died while this request was in flight on them
     streamed_token_ids: list[int] = field(default_factory=list)
-    num_resumed_tokens: int = 0  # streamed before the current attempt, which resumes after them
     streamed_text: str = ""
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
@@ -43,14 +42,14 @@ class InFlight:
 
     def next_attempt(self) -> GenerateRequest:
         """The request to send now. A stream that already sent tokens resumes after
-        them, so the client sees one continuous answer."""
+        them and the text they showed, so the client sees one continuous answer,
+        the one an uninterrupted run gives; its budget still counts them."""
         self.attempt += 1
-        self.num_resumed_tokens = len(self.streamed_token_ids)
         return dataclasses.replace(
             self.request,
             request_id=self.wire_id,
             resume_token_ids=list(self.streamed_token_ids),
-            max_new_tokens=self.request.max_new_tokens - len(self.streamed_token_ids),
+            resume_text_len=len(self.streamed_text),
         )
 
     def record(self, delta: TokenDelta) -> None:

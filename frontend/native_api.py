@@ -16,7 +16,6 @@ from frontend.generation import (
     accept,
     final_result,
     new_request_id,
-    token_usage,
 )
 from frontend.metrics import Metrics
 from frontend.schemas import GenerateBody, check_max_new_tokens, parse_body, stop_strings
@@ -74,13 +73,15 @@ def _answer(
     client: WorkerClient, request_id: str, accepted: Accepted, result: GenerateResult
 ) -> dict[str, Any]:
     hello = client.liveness.hello
-    prompt_tokens, completion_tokens = token_usage(accepted, result)
     return {
         "request_id": request_id,
         "model": hello.model if hello else None,
         "random_weights": hello.is_random_weights if hello else None,
         "finish_reason": result.finish_reason,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+        "usage": {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+        },
         "metrics": {
             "queue_wait_ms": round(result.queue_wait_ms, 3),
             "generate_ms": round(result.generate_ms, 3),

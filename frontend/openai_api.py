@@ -15,12 +15,10 @@ from starlette.responses import JSONResponse, Response
 from frontend.errors import ApiError, error_body
 from frontend.generation import (
     CLIENT_CLOSED_REQUEST,
-    Accepted,
     ClientGone,
     accept,
     final_result,
     new_request_id,
-    token_usage,
 )
 from frontend.metrics import Metrics
 from frontend.schemas import CompletionBody, check_max_new_tokens, parse_body, stop_strings
@@ -73,13 +71,13 @@ async def completions(request: Request) -> Response:
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await stream_response(
-            request, client, accepted, _CompletionStream(completion, accepted, include_usage)
+            request, client, accepted, _CompletionStream(completion, include_usage)
         )
     try:
         result = await final_result(request, client, accepted)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    usage = _usage(accepted, result)
+    usage = _usage(result)
     return JSONResponse(completion.chunk(result.text, result.finish_reason, usage))
 
 
@@ -122,12 +120,11 @@ def _one_prompt(
     return "", [int(token_id) for token_id in prompt]  # type: ignore[arg-type]
 
 
-def _usage(accepted: Accepted, result: GenerateResult) -> dict[str, int]:
-    prompt_tokens, completion_tokens = token_usage(accepted, result)
+def _usage(result: GenerateResult) -> dict[str, int]:
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
     }
 
 
@@ -156,9 +153,8 @@ class _Completion:
 
 
 class _CompletionStream:
-    def __init__(self, completion: _Completion, accepted: Accepted, include_usage: bool) -> None:
+    def __init__(self, completion: _Completion, include_usage: bool) -> None:
         self.completion = completion
-        self.accepted = accepted
         self.include_usage = include_usage
 
     def delta(self, delta: TokenDelta) -> str | None:
@@ -169,7 +165,7 @@ class _CompletionStream:
     def final(self, result: GenerateResult) -> list[str]:
         frames = [sse_frame(self.completion.chunk("", result.finish_reason, None))]
         if self.include_usage:
-            usage = _usage(self.accepted, result)
+            usage = _usage(result)
             frames.append(sse_frame(self.completion.chunk(None, None, usage)))
         return [*frames, sse_frame("[DONE]")]
 

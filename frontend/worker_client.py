@@ -143,9 +143,6 @@ class WorkerClient:
             # The previous attempt may still run on this instance: stop it.
             self._send(AbortRequest(entry.wire_id))
         self._by_wire_id.pop(entry.wire_id, None)
-        if entry.request.max_new_tokens - len(entry.streamed_token_ids) <= 0:
-            self._resolve(entry, _finished_by_stream(entry))
-            return
         request = entry.next_attempt()
         hello = self.liveness.hello
         frame = encode(request)
@@ -293,18 +290,4 @@ def _too_large(entry: InFlight, num_bytes: int, limit: int) -> ErrorResult:
         ErrorCode.INVALID_REQUEST,
         f"the request is {num_bytes:,} bytes on the wire, more than the worker accepts "
         f"(its MAX_MESSAGE_BYTES={limit:,}); shorten the prompt",
-    )
-
-
-def _finished_by_stream(entry: InFlight) -> GenerateResult:
-    """A stream that received all its tokens before its worker died."""
-    return GenerateResult(
-        request_id=entry.wire_id,
-        text="",
-        token_ids=[],
-        finish_reason="length",
-        prompt_tokens=0,
-        completion_tokens=0,
-        queue_wait_ms=0.0,
-        generate_ms=0.0,
     )

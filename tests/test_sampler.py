@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from protocol import ErrorCode, GenerateRequest  # noqa: E402
 from tests.model_fixtures import VOCAB_SIZE, run_schedule, tiny_engine  # noqa: E402
 from worker.engine import RequestRejected  # noqa: E402
-from worker.sampler import Sampler  # noqa: E402
+from worker.sampler import Sampler, is_greedy  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -30,11 +30,11 @@ def prompts(seed: int, count: int) -> list[list[int]]:
 
 
 def sample_many(logits: list[float], num_draws: int, **kwargs: object) -> set[int]:
+    """Draws for output positions 0 .. num_draws - 1 of one seeded request."""
     sampler = Sampler(CPU)
     req = request("x", [0], seed=1, **kwargs)
-    generator = sampler.generator_for(req)
     rows = torch.tensor([logits] * num_draws)
-    return set(sampler.sample(rows, [req] * num_draws, [generator] * num_draws))
+    return set(sampler.sample(rows, [req] * num_draws, [1] * num_draws, list(range(num_draws))))
 
 
 def test_top_k_keeps_only_the_k_likeliest() -> None:
@@ -47,6 +47,24 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().tolist()
     assert sample_many(logits, 400, temperature=1.0, top_p=0.7) == {0, 1}
     assert sample_many(logits, 400, temperature=1.0) == {0, 1, 2, 3}
+
+
+def test_a_draw_depends_only_on_the_seed_and_the_output_position() -> None:
+    sampler = Sampler(CPU)
+    req = request("x", [0], temperature=1.0)
+    logits = torch.zeros(4, 1000)  # uniform: every draw is the noise alone
+    first = sampler.sample(logits, [req] * 4, [7, 7, 8, 7], [0, 5, 5, 5])
+    # The same (seed, position) in another row, batch and order draws the same.
+    again = sampler.sample(logits[:3], [req] * 3, [None, 7, 7], [5, 5, 0])
+    assert again[1:] == [first[1], first[0]]
+    assert first[1] == first[3]
+    assert len({first[0], first[1], first[2]}) == 3  # a new position or seed: new noise
+
+
+def test_temperatures_below_1e_5_are_greedy() -> None:
+    # Dividing logits by 1e-39 overflows to NaN, whose argmax is always token 0.
+    for temperature, greedy in [(0.0, True), (1e-39, True), (9e-6, True), (1e-5, False)]:
+        assert is_greedy(request("x", [0], temperature=temperature)) == greedy, temperature
 
 
 @pytest.mark.model
@@ -75,7 +93,7 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch() -> None:
 
 
 @pytest.mark.model
-def test_top_k_one_and_temperature_zero_are_greedy() -> None:
+def test_top_k_one_and_a_temperature_near_zero_are_greedy() -> None:
     batch = prompts(seed=2, count=3)
     greedy = run_schedule(
         tiny_engine(capacity=3), {0: [request(f"r{i}", p) for i, p in enumerate(batch)]}
@@ -84,5 +102,10 @@ def test_top_k_one_and_temperature_zero_are_greedy() -> None:
         tiny_engine(capacity=3),
         {0: [request(f"r{i}", p, temperature=1.3, top_k=1) for i, p in enumerate(batch)]},
     )
+    tiny_temperature = run_schedule(
+        tiny_engine(capacity=3),
+        {0: [request(f"r{i}", p, temperature=1e-39) for i, p in enumerate(batch)]},
+    )
     for request_id, seq in greedy.items():
         assert top_one[request_id].token_ids == seq.token_ids
+        assert tiny_temperature[request_id].token_ids == seq.token_ids

@@ -214,3 +214,18 @@ def test_streamed_deltas_add_up_to_the_final_text() -> None:
     seq = make(stream=True, stop=["zz"])
     deltas = feed(seq, "héllo wörld zz")
     assert "".join(deltas) == seq.final_text() == "héllo wörld "
+
+
+def test_a_resumed_sequence_keeps_the_text_it_held_back() -> None:
+    # "Hi\n" was streamed as "Hi": the "\n" may begin the stop string.
+    seq = make(stop=["\n\n"], stream=True)
+    seq.resume(list(b"Hi\n"), num_chars_shown=2)
+    assert seq.take_delta() == ([], "")
+    assert feed(seq, "\nmore") == [""]
+    assert (seq.finish_reason, seq.final_text()) == ("stop", "Hi")
+
+
+def test_a_resumed_sequence_completes_a_character_split_at_the_cut() -> None:
+    seq = make(stream=True)
+    seq.resume("a€".encode()[:2], num_chars_shown=1)
+    assert feed(seq, "€".encode()[1:]) == ["", "€"]

@@ -22,6 +22,7 @@ from tests.model_fixtures import (
     tiny_engine,
     tiny_model,
 )
+from tests.resume import assert_every_resume_is_exact
 from worker.engine import RequestRejected
 from worker.static_baseline import StaticBatchRunner
 from worker.torch_engine import TorchEngine
@@ -238,3 +239,16 @@ def test_bfloat16_matches_generate_in_bfloat16() -> None:
     requests = [request(f"r{i}", random_prompt(rng, 2, 30), 12, ignore_eos=True) for i in range(8)]
     finished = run_schedule(engine, {0: requests[:4], 3: requests[4:]})
     assert_parity(engine, requests, finished)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{}, {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 1234}],
+    ids=["greedy", "seeded"],
+)
+def test_a_resumed_stream_continues_as_the_uninterrupted_run(sampling: dict) -> None:
+    prompt = random_prompt(random.Random(10))
+    stream = request("r", prompt, 14, stream=True, ignore_eos=True, **sampling)
+    result = assert_every_resume_is_exact(lambda: tiny_engine(capacity=1), stream)
+    greedy = reference_ids(tiny_model().model, request("g", prompt, 14, ignore_eos=True))
+    assert (result.token_ids == greedy) == (not sampling)  # the seeded run really sampled

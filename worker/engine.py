@@ -70,6 +70,9 @@ class InferenceEngine(ABC):
         """Prefill ``requests`` into free slots and return their request ids.
 
         The prefill gives each newcomer its first token; the next `step` reports it.
+        A request that resumes an earlier attempt (``resume_token_ids``) continues
+        from the state its replayed output gives; if that output already finished
+        it, it skips the prefill and the next `step` answers it.
         Atomic: if this raises, no slot changed. `RequestRejected` names the one
         request that can never be served (the caller drops it and may retry the
         rest); any other exception is a failure of this admit. Raises ValueError

@@ -77,7 +77,7 @@ class FakeEngine(SlotEngine):
         for seq in newcomers:
             if self.fail_admit_if is not None and self.fail_admit_if(seq.request):
                 raise InjectedFailure(f"admit failure injected for {seq.request_id}")
-        return [fake_next_token(seq.prompt_token_ids) for seq in newcomers]
+        return [fake_next_token(seq.context_token_ids) for seq in newcomers]
 
     def _decode(self, active: list[Sequence]) -> list[int]:
         self.num_decode_steps += 1
@@ -85,7 +85,7 @@ class FakeEngine(SlotEngine):
             raise InjectedFailure(f"step failure injected at step {self.num_decode_steps}")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return [fake_next_token(seq.prompt_token_ids + seq.output_token_ids) for seq in active]
+        return [fake_next_token(seq.context_token_ids) for seq in active]
 
     def reset(self) -> list[str]:
         self.num_resets += 1

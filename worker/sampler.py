@@ -2,12 +2,15 @@
 
 Greedy rows (temperature 0) take the argmax, and an all-greedy batch costs nothing
 more. Sampled rows are scaled by their temperature, filtered by their top_k and
-top_p, and drawn by Gumbel-max, all vectorised over the rows. Each sampled request
-draws its noise from its own generator, seeded from its ``seed`` when it has one,
-so a seeded request gives the same tokens whatever its batchmates.
+top_p, and drawn by Gumbel-max, all vectorised over the rows. A sampled row's noise
+is a function of its request's seed and the output position it draws, nothing else:
+a seeded request gives the same tokens whatever its batchmates, and a stream
+resumed on another worker draws what the interrupted one would have drawn.
 """
 
 from __future__ import annotations
+
+import secrets
 
 import torch
 
@@ -28,40 +31,56 @@ def check_sampling(request: GenerateRequest) -> None:
         raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, problem)
 
 
+# Below this a temperature is greedy: dividing logits by it overflows to NaN
+# (vLLM's _SAMPLING_EPS).
+_MIN_SAMPLING_TEMPERATURE = 1e-5
+_UINT64 = (1 << 64) - 1
+
+
 def is_greedy(request: GenerateRequest) -> bool:
-    return request.temperature == 0
+    return request.temperature < _MIN_SAMPLING_TEMPERATURE
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """The generator seed for output position ``position`` of a request seeded with
+    ``seed``: splitmix64 of the pair, so that nearby seeds and positions give
+    unrelated noise."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _UINT64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _UINT64
+    return z ^ (z >> 31)
 
 
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._generator = torch.Generator(device=device)
 
-    def generator_for(self, request: GenerateRequest) -> torch.Generator | None:
-        """The request's own noise source; None for a greedy request."""
+    def seed_for(self, request: GenerateRequest) -> int | None:
+        """The seed a request samples with for its whole life; None if greedy. An
+        unseeded request gets a random one."""
         if is_greedy(request):
             return None
-        generator = torch.Generator(device=self.device)
-        if request.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(request.seed)
-        return generator
+        return secrets.randbits(64) if request.seed is None else request.seed
 
     def sample(
         self,
         logits: torch.Tensor,
         requests: list[GenerateRequest],
-        generators: list[torch.Generator | None],
+        seeds: list[int | None],
+        positions: list[int],
     ) -> list[int]:
-        """One token per row of ``logits`` (N, V), row i for ``requests[i]``."""
+        """One token per row of ``logits`` (N, V), row i for ``requests[i]``, drawn
+        with seed ``seeds[i]`` (None: greedy) at output position ``positions[i]``
+        (the number of output tokens before it)."""
         next_ids = logits.argmax(dim=-1)  # (N,)
-        sampled = [i for i, generator in enumerate(generators) if generator is not None]
+        sampled = [(i, seed) for i, seed in enumerate(seeds) if seed is not None]
         if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
+            rows = torch.tensor([i for i, _ in sampled], device=logits.device)
             chosen = self._draw(
                 logits[rows].float(),
-                [requests[i] for i in sampled],
-                [generators[i] for i in sampled],
+                [requests[i] for i, _ in sampled],
+                [noise_seed(seed, positions[i]) for i, seed in sampled],
             )
             next_ids[rows] = chosen
         return [int(token_id) for token_id in next_ids.tolist()]
@@ -70,15 +89,15 @@ class Sampler:
         self,
         logits: torch.Tensor,
         requests: list[GenerateRequest],
-        generators: list[torch.Generator | None],
+        noise_seeds: list[int],
     ) -> torch.Tensor:
         vocab_size = logits.shape[-1]  # logits: (S, V)
         device = logits.device
         temperature = torch.tensor([r.temperature for r in requests], device=device)
         scaled = logits / temperature[:, None]
-        noise = torch.empty_like(scaled)  # (S, V) uniform, each row from its own generator
-        for row, generator in enumerate(generators):
-            noise[row].uniform_(generator=generator)
+        noise = torch.empty_like(scaled)  # (S, V) uniform, each row from its own seed
+        for row, seed in enumerate(noise_seeds):
+            noise[row].uniform_(generator=self._generator.manual_seed(seed))
         # Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits).
         gumbel = -torch.log(-torch.log(noise.clamp_(min=torch.finfo(noise.dtype).tiny)))
         top_k = torch.tensor([r.top_k for r in requests], device=device)

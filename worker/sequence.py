@@ -64,6 +64,34 @@ class Sequence:
     def last_token_id(self) -> int:
         return self.output_token_ids[-1]
 
+    @property
+    def context_token_ids(self) -> list[int]:
+        """Prompt and output so far: what the model has read before the next token."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def resume(self, token_ids: Seq[int], num_chars_shown: int) -> None:
+        """Replay output that an earlier attempt already streamed: ``token_ids``, of
+        whose text ``num_chars_shown`` characters were shown. The sequence is then in
+        the state the uninterrupted run had (held-back text, half a character, a
+        stop string begun) and its next delta starts after what was shown. It may be
+        finished already. Raises ValueError for output the uninterrupted run could
+        not have streamed."""
+        for num_replayed, token_id in enumerate(token_ids):
+            if self.finish_reason is not None:
+                raise ValueError(
+                    f"resume_token_ids: the output finished ({self.finish_reason}) after "
+                    f"{num_replayed} of its {len(token_ids)} tokens"
+                )
+            self.append(token_id)
+        num_chars_showable = self._showable_text()[1]
+        if not 0 <= num_chars_shown <= num_chars_showable:
+            raise ValueError(
+                f"resume_text_len: must be in [0, {num_chars_showable}], the characters "
+                f"resume_token_ids can show, got {num_chars_shown}"
+            )
+        self._num_streamed_tokens = len(self.output_token_ids)
+        self._num_streamed_chars = num_chars_shown
+
     def append(self, token_id: int) -> str | None:
         """Record a generated token; return the finish reason if it ends the sequence."""
         assert self.finish_reason is None, f"{self.request_id} is already finished"
@@ -101,15 +129,18 @@ class Sequence:
         start of a stop string, or half a character, is held back until it is not."""
         token_ids = self.output_token_ids[self._num_streamed_tokens :]
         self._num_streamed_tokens = len(self.output_token_ids)
+        text, num_showable = self._showable_text()
+        delta = text[self._num_streamed_chars : num_showable]
+        self._num_streamed_chars = max(self._num_streamed_chars, num_showable)
+        return token_ids, delta
+
+    def _showable_text(self) -> tuple[str, int]:
+        """The output text so far and how many of its characters a client may see
+        now (all of them once finished)."""
         if self.finish_reason is not None:
             text = self.final_text()
-            visible = len(text)
-        else:
-            text = self._text
-            visible = len(text) - self._stop_string_prefix_len()
-        delta = text[self._num_streamed_chars : visible]
-        self._num_streamed_chars = max(self._num_streamed_chars, visible)
-        return token_ids, delta
+            return text, len(text)
+        return self._text, len(self._text) - self._stop_string_prefix_len()
 
     def _extend_text(self, flush: bool = False) -> bool:
         """Decode settled tokens onto the text; return whether text was added."""

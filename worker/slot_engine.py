@@ -28,8 +28,9 @@ class SlotEngine(InferenceEngine):
 
     @abstractmethod
     def _prefill(self, newcomers: list[Sequence]) -> list[int]:
-        """Run the newcomers' prompts into their slots; return each one's first token.
-        Must change nothing a live sequence depends on if it raises."""
+        """Run the newcomers' contexts (prompt, then any resumed output) into their
+        slots; return each one's next token. Must change nothing a live sequence
+        depends on if it raises."""
 
     @abstractmethod
     def _decode(self, active: list[Sequence]) -> list[int]:
@@ -55,13 +56,16 @@ class SlotEngine(InferenceEngine):
         if len(requests) > len(free):
             raise ValueError(f"{len(requests)} requests for {len(free)} free slots")
         newcomers = [
-            Sequence(request, self._prompt_token_ids(request), self.tokenizer, slot)
-            for request, slot in zip(requests, free, strict=False)
+            self._new_sequence(request, slot) for request, slot in zip(requests, free, strict=False)
         ]
-        first_tokens = self._prefill(newcomers)
-        for seq, token_id in zip(newcomers, first_tokens, strict=True):
+        # A resumed sequence whose streamed output already finished it (its result
+        # was lost with the old worker) needs no model: the next step answers it.
+        to_prefill = [seq for seq in newcomers if seq.finish_reason is None]
+        first_tokens = self._prefill(to_prefill) if to_prefill else []
+        for seq in newcomers:
             self._slots[seq.slot] = seq
             self._by_id[seq.request_id] = seq
+        for seq, token_id in zip(to_prefill, first_tokens, strict=True):
             seq.append(token_id)
         return [seq.request_id for seq in newcomers]
 
@@ -93,6 +97,14 @@ class SlotEngine(InferenceEngine):
 
     # --- internals --------------------------------------------------------------------
 
+    def _new_sequence(self, request: GenerateRequest, slot: int) -> Sequence:
+        seq = Sequence(request, self._prompt_token_ids(request), self.tokenizer, slot)
+        try:
+            seq.resume(request.resume_token_ids, request.resume_text_len)
+        except ValueError as exc:
+            raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)) from None
+        return seq
+
     def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         if request.request_id in self._by_id:
             raise RequestRejected(
@@ -106,7 +118,7 @@ class SlotEngine(InferenceEngine):
             token_ids = self.tokenizer.encode(request.prompt)
         if not token_ids:
             raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
-        token_ids += request.resume_token_ids
+        # The resumed output is part of max_new_tokens, so it needs no room of its own.
         limit = self.info.context_window
         if len(token_ids) + request.max_new_tokens > limit:
             raise RequestRejected(

@@ -62,7 +62,7 @@ class TorchEngine(SlotEngine):
         self.device = self.gpt2.device
         self.cache = self.gpt2.new_cache(capacity)
         self.sampler = Sampler(self.device)
-        self._generators: list[torch.Generator | None] = [None] * capacity
+        self._seeds: list[int | None] = [None] * capacity  # by slot; None: greedy
         logger.info(
             "serving %s%s; %s",
             loaded.name,
@@ -74,16 +74,22 @@ class TorchEngine(SlotEngine):
     def _prefill(self, newcomers: list[Sequence]) -> list[int]:
         for seq in newcomers:
             check_sampling(seq.request)
-        generators = [self.sampler.generator_for(seq.request) for seq in newcomers]
+        seeds = [self.sampler.seed_for(seq.request) for seq in newcomers]
+        contexts = [seq.context_token_ids for seq in newcomers]
         logits = self.gpt2.prefill(
-            self._tensor([token for seq in newcomers for token in seq.prompt_token_ids]),
-            [len(seq.prompt_token_ids) for seq in newcomers],
+            self._tensor([token for context in contexts for token in context]),
+            [len(context) for context in contexts],
             [seq.slot for seq in newcomers],
             self.cache,
         )  # (B, V)
-        first_ids = self.sampler.sample(logits, [seq.request for seq in newcomers], generators)
-        for seq, generator in zip(newcomers, generators, strict=True):
-            self._generators[seq.slot] = generator
+        first_ids = self.sampler.sample(
+            logits,
+            [seq.request for seq in newcomers],
+            seeds,
+            [len(seq.output_token_ids) for seq in newcomers],
+        )
+        for seq, seed in zip(newcomers, seeds, strict=True):
+            self._seeds[seq.slot] = seed
         return first_ids
 
     @torch.inference_mode()
@@ -102,11 +108,14 @@ class TorchEngine(SlotEngine):
         if num_rows != len(active):
             logits = logits[self._tensor([seq.slot for seq in active])]
         return self.sampler.sample(
-            logits, [seq.request for seq in active], [self._generators[s.slot] for s in active]
+            logits,
+            [seq.request for seq in active],
+            [self._seeds[seq.slot] for seq in active],
+            [len(seq.output_token_ids) for seq in active],
         )
 
     def _release(self, slot: int) -> None:
-        self._generators[slot] = None
+        self._seeds[slot] = None
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,20 @@
+"""What each attempt of an accepted request sends to a worker."""
+
+from __future__ import annotations
+
+from frontend.inflight import InFlight
+from protocol import GenerateRequest, TokenDelta
+
+
+def test_a_replayed_stream_resumes_after_what_the_client_saw_with_its_whole_budget() -> None:
+    entry = InFlight(GenerateRequest("r", "prompt", 20, stream=True, stop=["\n\n"]), deadline=0.0)
+    first = entry.next_attempt()
+    assert (first.request_id, first.resume_token_ids, first.resume_text_len) == ("r.1", [], 0)
+    # "\n" was held back: it may begin the stop string.
+    entry.record(TokenDelta("r.1", [1, 2], "Hi"))
+    entry.record(TokenDelta("r.1", [3], ""))
+    second = entry.next_attempt()
+    assert second.request_id == "r.2"
+    assert second.resume_token_ids == [1, 2, 3]
+    assert second.resume_text_len == len("Hi")
+    assert second.max_new_tokens == 20

@@ -1,0 +1,135 @@
+"""Slot bookkeeping shared by every engine: a request resumed after a worker restart
+continues exactly as the uninterrupted run would have."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from protocol import ErrorCode, GenerateRequest
+from tests.resume import assert_every_resume_is_exact, run
+from tests.test_sequence import ByteTokenizer
+from worker.engine import ModelInfo, RequestRejected
+from worker.fake_engine import FakeEngine
+from worker.sequence import Sequence
+from worker.slot_engine import SlotEngine
+
+
+class ScriptedEngine(SlotEngine):
+    """Emits the bytes of a script, one per token, whatever the context: output
+    position i is always ``script[i]``, as for a model that resumes exactly."""
+
+    def __init__(self, script: bytes, capacity: int = 2) -> None:
+        super().__init__(ModelInfo("scripted", True, 1024), ByteTokenizer(), capacity)
+        self.script = script
+        self.num_prefilled = 0
+        self.num_decoded = 0
+
+    def _prefill(self, newcomers: list[Sequence]) -> list[int]:
+        self.num_prefilled += len(newcomers)
+        return [self.script[len(seq.output_token_ids)] for seq in newcomers]
+
+    def _decode(self, active: list[Sequence]) -> list[int]:
+        self.num_decoded += len(active)
+        return [self.script[len(seq.output_token_ids)] for seq in active]
+
+
+def streaming(max_new_tokens: int = 32, **fields: object) -> GenerateRequest:
+    return GenerateRequest("r", "prompt", max_new_tokens, stream=True, **fields)  # type: ignore[arg-type]
+
+
+def test_a_stop_string_spanning_the_resume_point_still_stops() -> None:
+    # The first "\n" is held back: it may begin the stop string.
+    result = assert_every_resume_is_exact(
+        lambda: ScriptedEngine(b"Hi\n\nmore text"), streaming(stop=["\n\n"])
+    )
+    assert (result.text, result.finish_reason) == ("Hi", "stop")
+
+
+def test_a_multi_byte_character_split_at_the_resume_point_is_whole() -> None:
+    text = "añ€😀z"
+    script = text.encode()
+    result = assert_every_resume_is_exact(
+        lambda: ScriptedEngine(script), streaming(max_new_tokens=len(script))
+    )
+    assert (result.text, result.finish_reason) == (text, "length")
+
+
+def test_held_back_text_at_the_end_of_the_budget_comes_out_once() -> None:
+    result = assert_every_resume_is_exact(
+        lambda: ScriptedEngine(b"xyab"), streaming(max_new_tokens=4, stop=["abc"])
+    )
+    assert (result.text, result.finish_reason) == ("xyab", "length")
+
+
+def test_fake_engine_resumes_exactly_with_a_stop_string() -> None:
+    free_run = run(FakeEngine(capacity=1), streaming(max_new_tokens=40)).result.text
+    # A stop string whose first occurrence is some tokens in.
+    start = next(i for i in range(8, 38) if free_run[i : i + 3] not in free_run[: i + 2])
+    stop = free_run[start : start + 3]
+    result = assert_every_resume_is_exact(
+        lambda: FakeEngine(capacity=1), streaming(max_new_tokens=40, stop=[stop])
+    )
+    assert (result.text, result.finish_reason) == (free_run[:start], "stop")
+
+
+def test_a_resume_that_already_finished_is_answered_without_the_model() -> None:
+    script = b"Hi\n\nmore"
+    request = streaming(stop=["\n\n"], resume_token_ids=list(b"Hi\n\n"), resume_text_len=2)
+    engine = ScriptedEngine(script)
+    engine.admit([streaming(max_new_tokens=30)])
+    live = dataclasses.replace(request, request_id="resumed")
+    engine.admit([live])
+    output = engine.step()
+    [finished] = output.finished
+    assert finished.request_id == "resumed"
+    assert (finished.text, finished.finish_reason) == ("Hi", "stop")
+    assert finished.token_ids == list(b"Hi\n\n")
+    assert "resumed" not in [delta.request_id for delta in output.deltas]
+    assert engine.num_prefilled == 1 and engine.num_decoded == 1  # only the live request's
+    assert engine.num_active() == 1
+
+
+def test_a_used_up_budget_is_answered_without_the_model() -> None:
+    engine = ScriptedEngine(b"abc")
+    request = streaming(max_new_tokens=3, resume_token_ids=list(b"abc"), resume_text_len=3)
+    resumed = run(engine, request)
+    assert (resumed.result.text, resumed.result.finish_reason) == ("abc", "length")
+    assert resumed.delta_texts == []
+    assert engine.num_prefilled == engine.num_decoded == 0
+
+
+def test_resumed_tokens_count_against_max_new_tokens_not_the_context() -> None:
+    # prompt 6 + max_new_tokens 26 fills the context exactly; the 10 resumed
+    # tokens are part of the 26.
+    engine = FakeEngine(capacity=1, context_window=32)
+    free_run = run(engine, streaming(max_new_tokens=26)).result
+    request = streaming(
+        max_new_tokens=26,
+        resume_token_ids=free_run.token_ids[:10],
+        resume_text_len=10,
+    )
+    resumed = run(engine, request)
+    assert resumed.result.token_ids == free_run.token_ids
+    assert resumed.result.num_prompt_tokens == len("prompt")
+
+
+@pytest.mark.parametrize(
+    ("resume", "problem"),
+    [
+        ({"resume_token_ids": list(b"Hi\n\nmo"), "resume_text_len": 2}, "resume_token_ids"),
+        ({"resume_token_ids": list(b"Hi\n"), "resume_text_len": 3}, "resume_text_len"),
+        ({"resume_token_ids": list(b"Hi"), "resume_text_len": -1}, "resume_text_len"),
+    ],
+)
+def test_output_the_run_could_not_have_streamed_is_rejected(
+    resume: dict[str, object], problem: str
+) -> None:
+    engine = ScriptedEngine(b"Hi\n\nmore")
+    engine.admit([dataclasses.replace(streaming(), request_id="live")])
+    with pytest.raises(RequestRejected) as rejected:
+        engine.admit([dataclasses.replace(streaming(stop=["\n\n"]), **resume)])  # type: ignore[arg-type]
+    assert rejected.value.code == ErrorCode.INVALID_REQUEST
+    assert rejected.value.message.startswith(problem)
+    assert engine.num_active() == 1 and engine.num_prefilled == 1
