@@ -9,10 +9,12 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from frontend.auth import ApiKeyMiddleware
 from frontend.errors import ApiError, handle_api_error
 from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, Metrics
 from frontend.native_api import generate
@@ -44,6 +46,7 @@ def create_app(config: FrontendConfig) -> Starlette:
             Route("/openapi.json", openapi, methods=["GET"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        middleware=[Middleware(ApiKeyMiddleware, api_key=config.api_key)] if config.api_key else [],
         lifespan=lifespan,
     )
     app.state.config = config

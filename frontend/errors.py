@@ -19,8 +19,12 @@ _STATUS_BY_CODE = {
 }
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # what OpenAI sends for a bad key
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     500: "server_error",
     503: "overloaded_error",
@@ -32,13 +36,19 @@ class ApiError(Exception):
     """Ends a request with ``status`` and a message that says what to do."""
 
     def __init__(
-        self, status: int, message: str, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param  # the request field at fault, when one is
+        self.headers = headers or {}
 
     @classmethod
     def from_worker(cls, error: ErrorResult) -> ApiError:
@@ -57,7 +67,13 @@ def error_body(error: ApiError) -> dict[str, object]:
     }
 
 
+def error_response(error: ApiError) -> Response:
+    headers = dict(error.headers)
+    if error.status == 503:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    return JSONResponse(error_body(error), status_code=error.status, headers=headers)
+
+
 async def handle_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
+    return error_response(exc)

@@ -110,14 +110,20 @@ async def next_event(
     remaining = entry.deadline - asyncio.get_running_loop().time()
     event_task = asyncio.ensure_future(entry.events.get())
     waiting: set[asyncio.Future[Any]] = {event_task, accepted.disconnect}
-    done, _ = await asyncio.wait(
-        waiting,
-        timeout=max(0.0, remaining),
-        return_when=asyncio.FIRST_COMPLETED,
-    )
+    try:
+        done, _ = await asyncio.wait(
+            waiting,
+            timeout=max(0.0, remaining),
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+    finally:
+        # Also when this coroutine is cancelled (Starlette cancels a stream whose
+        # client hung up): asyncio.wait leaves its tasks running, and a Queue.get
+        # nobody awaits is destroyed pending and logged as an error.
+        if not event_task.done():
+            event_task.cancel()
     if event_task in done:
         return _take(accepted, event_task.result())
-    event_task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await event_task
     client.cancel(entry)

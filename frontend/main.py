@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import uvicorn
 
 from frontend.app import create_app
+from frontend.http_protocol import with_header_timeout
 from protocol.config import ConfigError, FrontendConfig, load
 
 
@@ -27,6 +28,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level="info",
         access_log=False,
         timeout_graceful_shutdown=5,
+        http=with_header_timeout(config.header_timeout_s),
+        timeout_keep_alive=config.keep_alive_timeout_s,
+        limit_concurrency=config.max_connections,
     )
 
 

@@ -36,7 +36,11 @@ _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 def _errors(*statuses: int) -> dict[str, Any]:
     reasons = {
         400: "a parameter value this server does not support",
+        401: "no valid 'Authorization: Bearer <key>' header, when the server has an API_KEY",
         404: "unknown model",
+        408: "the body did not arrive within BODY_TIMEOUT_S",
+        413: "the body is over MAX_REQUEST_BYTES",
+        415: "the body is not Content-Type: application/json",
         422: "an invalid request; the message names the field",
         503: "no live worker, or the queue is full: retry after Retry-After seconds",
         504: "no answer within REQUEST_TIMEOUT_S",
@@ -50,10 +54,17 @@ def _errors(*statuses: int) -> dict[str, Any]:
     }
 
 
+# The key is needed only when the server has one: {} is "no credentials".
+_KEY_IF_SET: list[dict[str, list[str]]] = [{"bearer": []}, {}]
+# Every body is read within the same limits.
+_BODY_ERRORS = (401, 408, 413, 415, 422)
+
+
 def _post(summary: str, body: str, *errors: int) -> dict[str, Any]:
     return {
         "post": {
             "summary": summary,
+            "security": _KEY_IF_SET,
             "requestBody": {
                 "required": True,
                 "content": {"application/json": {"schema": {"$ref": _REF.format(model=body)}}},
@@ -69,10 +80,13 @@ def _post(summary: str, body: str, *errors: int) -> dict[str, Any]:
     }
 
 
-def _get(summary: str, media_type: str = "application/json", *errors: int) -> dict[str, Any]:
+def _get(
+    summary: str, media_type: str = "application/json", *errors: int, is_open: bool = False
+) -> dict[str, Any]:
     return {
         "get": {
             "summary": summary,
+            "security": [{}] if is_open else _KEY_IF_SET,
             "responses": {
                 "200": {"description": summary, "content": {media_type: {"schema": _ANSWER}}},
                 **_errors(*errors),
@@ -95,14 +109,27 @@ def openapi_schema() -> dict[str, Any]:
             "description": (frontend_doc or "").strip(),
         },
         "paths": {
-            "/generate": _post("Generate text after a prompt", "GenerateBody", 400, 422, 503, 504),
-            "/v1/completions": _post(
-                "OpenAI-compatible completion", "CompletionBody", 400, 404, 422, 503, 504
+            "/generate": _post(
+                "Generate text after a prompt", "GenerateBody", 400, *_BODY_ERRORS, 503, 504
             ),
-            "/v1/models": _get("The served model", "application/json", 503),
-            "/health": _get("Worker liveness; 503 when no worker is live"),
-            "/ready": _get("200 when a worker is live and there is room for requests"),
-            "/metrics": _get("Prometheus metrics", "text/plain"),
+            "/v1/completions": _post(
+                "OpenAI-compatible completion", "CompletionBody", 400, 404, *_BODY_ERRORS, 503, 504
+            ),
+            "/v1/models": _get("The served model", "application/json", 401, 503),
+            "/health": _get("Worker liveness; 503 when no worker is live", is_open=True),
+            "/ready": _get(
+                "200 when a worker is live and there is room for requests", is_open=True
+            ),
+            "/metrics": _get("Prometheus metrics", "text/plain", is_open=True),
         },
-        "components": {"schemas": schemas},
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the server's API_KEY; needed only when it is set",
+                }
+            },
+        },
     }

@@ -55,7 +55,7 @@ async def stream_response(
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     frames = _frames(http_request, client, accepted, stream_format, first)
-    return _SseResponse(frames)
+    return _SseResponse(frames, client, accepted)
 
 
 async def _frames(
@@ -65,39 +65,42 @@ async def _frames(
     stream_format: StreamFormat,
     event: TokenDelta | GenerateResult,
 ) -> AsyncGenerator[str, None]:
-    try:
-        while isinstance(event, TokenDelta):
-            frame = stream_format.delta(event)
-            if frame is not None:
-                yield frame
-            try:
-                event = await next_event(http_request, client, accepted)
-            except ApiError as exc:
-                accepted.metrics.count_request(accepted.endpoint, exc.status, NO_FINISH_REASON)
-                for frame in stream_format.error(exc):
-                    yield frame
-                return
-            except ClientGone:
-                return
-        for frame in stream_format.final(event):
+    while isinstance(event, TokenDelta):
+        frame = stream_format.delta(event)
+        if frame is not None:
             yield frame
-    finally:
-        abandon(client, accepted)
+        try:
+            event = await next_event(http_request, client, accepted)
+        except ApiError as exc:
+            accepted.metrics.count_request(accepted.endpoint, exc.status, NO_FINISH_REASON)
+            for frame in stream_format.error(exc):
+                yield frame
+            return
+        except ClientGone:
+            return
+    for frame in stream_format.final(event):
+        yield frame
 
 
 class _SseResponse(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, frames: AsyncGenerator[str, None]) -> None:
+    def __init__(
+        self, frames: AsyncGenerator[str, None], client: WorkerClient, accepted: Accepted
+    ) -> None:
         # X-Accel-Buffering: nginx would otherwise hold events back in its buffer.
         super().__init__(frames, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._frames = frames
+        self._client = client
+        self._accepted = accepted
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             # When the client disconnects, Starlette cancels the stream, possibly
-            # while the generator waits at a yield; closing it here aborts the
-            # request in the worker now instead of whenever it is collected.
+            # while the generator waits at a yield, or before it ever started (and
+            # so before any finally in it could run). Aborting here frees the
+            # worker's slot and the disconnect watcher now, whatever the stream did.
             await self._frames.aclose()
+            abandon(self._client, self._accepted)

@@ -23,8 +23,9 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the variable."""
 
 
-def _setting(env: str, default: Any, help: str) -> Any:
-    return field(default=default, metadata={"env": env, "help": help})
+def _setting(env: str, default: Any, help: str, is_secret: bool = False) -> Any:
+    # A secret stays out of repr(), so that logging a config cannot leak it.
+    return field(default=default, repr=not is_secret, metadata={"env": env, "help": help})
 
 
 def _positive(config: object, *names: str) -> None:
@@ -132,10 +133,40 @@ class FrontendConfig:
     )
     request_timeout_s: float = _setting("REQUEST_TIMEOUT_S", 120.0, "answer 504 after this long")
     ping_interval_s: float = _setting("PING_INTERVAL_S", 0.5, "seconds between frontend pings")
+    max_request_bytes: int = _setting(
+        "MAX_REQUEST_BYTES", 1024 * 1024, "largest request body; 413 beyond it"
+    )
+    body_timeout_s: float = _setting(
+        "BODY_TIMEOUT_S", 30.0, "408 when a request body has not fully arrived after this long"
+    )
+    header_timeout_s: float = _setting(
+        "HEADER_TIMEOUT_S",
+        10.0,
+        "close a connection that has not sent a whole request head this long after it "
+        "opened or after its previous response",
+    )
+    keep_alive_timeout_s: int = _setting(
+        "KEEP_ALIVE_TIMEOUT_S", 5, "close an idle keep-alive connection after this many seconds"
+    )
+    max_connections: int = _setting(
+        "MAX_CONNECTIONS",
+        2048,
+        "open connections at most; a request beyond them gets 503 "
+        "(the open-file limit, ulimit -n, must be higher)",
+    )
+    api_key: str = _setting(
+        "API_KEY",
+        "",
+        "when set, every endpoint but /health, /ready and /metrics needs "
+        "'Authorization: Bearer <key>'",
+        is_secret=True,
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "port", "max_new_tokens_limit", "max_queue_depth", "ping_interval_s")
         _positive(self, "heartbeat_timeout_s", "step_timeout_s", "request_timeout_s")
+        _positive(self, "max_request_bytes", "body_timeout_s", "header_timeout_s")
+        _positive(self, "keep_alive_timeout_s", "max_connections")
         _check_endpoint(self, "worker_endpoint")
         if self.port > 65535:
             raise ConfigError(f"PORT must be at most 65535, got {self.port}")

@@ -104,3 +104,18 @@ def test_hang_ups_are_counted_as_aborted_requests(stack: Stack) -> None:
     assert 'minibatch_requests_total{endpoint="/generate",finish_reason="abort",status="499"}' in (
         metrics
     )
+
+
+def test_many_hang_ups_leave_no_pending_task_behind(stack: Stack) -> None:
+    """A hang-up used to leave the wait for the request's next event pending, and
+    asyncio logged 'Task was destroyed but it is pending!' when it was collected."""
+    for i in range(8):
+        hang_up_after_first_token(stack, f"leak {i}")
+        post_and_hang_up(stack, {"prompt": f"leak {i}", "max_new_tokens": LONG}, 0.2)
+        body = {"model": "fake", "prompt": f"leak {i}", "max_tokens": LONG, "stream": True}
+        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as response:
+            next(response.iter_lines())
+    stack.wait_for_health("freed", lambda h: h["inflight"] == 0, FREED_WITHIN_S * 5)
+    for _ in range(20):  # new requests make garbage, so that the collector runs
+        httpx.post(f"{stack.url}/generate", json={"prompt": "x" * 500, "max_new_tokens": 1})
+    assert "Task was destroyed" not in stack.log("frontend")

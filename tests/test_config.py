@@ -50,3 +50,17 @@ def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str
 def test_a_bad_frontend_value_names_its_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load(FrontendConfig, [], env)
+
+
+def test_http_limits_default_to_the_documented_values() -> None:
+    config = load(FrontendConfig, [], {})
+    assert config.max_request_bytes == 1024 * 1024
+    assert (config.body_timeout_s, config.header_timeout_s) == (30.0, 10.0)
+    assert (config.keep_alive_timeout_s, config.max_connections) == (5, 2048)
+    assert config.api_key == ""
+
+
+def test_the_api_key_stays_out_of_the_config_repr() -> None:
+    config = load(FrontendConfig, [], {"API_KEY": "sk-secret"})
+    assert config.api_key == "sk-secret"
+    assert "sk-secret" not in repr(config)

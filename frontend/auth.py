@@ -1,0 +1,54 @@
+"""The opt-in API key (API_KEY): ``Authorization: Bearer <key>`` on every path
+except the probes, which orchestrators and Prometheus call without credentials.
+
+It runs before routing and before the body is read, so a client without the key
+costs one header comparison. The comparison takes the same time however much of
+the key a guess gets right.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from frontend.errors import ApiError, error_response
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+SEND_KEY = "send the header 'Authorization: Bearer <key>' (the openai client sends its api_key so)"
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        problem = self._problem(Headers(scope=scope).get("authorization"))
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        error = ApiError(
+            401,
+            f"{problem}; {SEND_KEY}",
+            "invalid_api_key",
+            # Close: the body, which nobody will read, need not be sent.
+            headers={"WWW-Authenticate": "Bearer", "Connection": "close"},
+        )
+        await error_response(error)(scope, receive, send)
+
+    def _problem(self, authorization: str | None) -> str | None:
+        """What is wrong with the credentials, or None when they are right."""
+        if authorization is None:
+            return "this server needs an API key"
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return f"the Authorization header must use the Bearer scheme, not {scheme[:20]!r}"
+        # Header values are latin-1 on the wire; compare bytes so that any value works.
+        if not hmac.compare_digest(token.strip().encode("latin-1"), self.api_key):
+            return "the API key is not valid"
+        return None

@@ -1,0 +1,68 @@
+"""uvicorn's h11 protocol with a deadline on request heads (HEADER_TIMEOUT_S).
+
+uvicorn times out only a kept-alive connection that sits idle after a response
+(``timeout_keep_alive``), and any byte that arrives cancels that timer. A
+connection that opens and sends nothing, or sends half a request head and
+stops, would otherwise stay open for ever, holding a file descriptor and a
+place under MAX_CONNECTIONS. Here a head must be complete within
+HEADER_TIMEOUT_S of the connection opening, or of the first byte of a later
+request on a kept-alive connection; else the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import ClassVar
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+def with_header_timeout(header_timeout_s: float) -> type[HeadTimeoutProtocol]:
+    """The class to give uvicorn as ``http=``; uvicorn builds one protocol per
+    connection from a class, so the setting travels as a class attribute."""
+    return type(
+        HeadTimeoutProtocol.__name__, (HeadTimeoutProtocol,), {"header_timeout_s": header_timeout_s}
+    )
+
+
+class HeadTimeoutProtocol(H11Protocol):
+    header_timeout_s: ClassVar[float]
+    head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:
+            self._start_head_timer()  # the first bytes of a request on a kept-alive connection
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:
+            self._cancel_head_timer()  # the head is complete (or the connection failed)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _start_head_timer(self) -> None:
+        if self.head_timer is None:
+            self.head_timer = self.loop.call_later(self.header_timeout_s, self._on_head_timeout)
+
+    def _cancel_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _on_head_timeout(self) -> None:
+        self.head_timer = None
+        if not self.transport.is_closing():
+            self.logger.debug(
+                "%s: no whole request head within HEADER_TIMEOUT_S=%g s; closed",
+                self.client,
+                self.header_timeout_s,
+            )
+            self.transport.close()

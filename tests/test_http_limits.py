@@ -1,0 +1,261 @@
+"""Limits at the HTTP edge, tried as an attacker would, on real processes: body
+size, media type, slow bodies and heads, and bodies built to make work.
+
+Time bounds are generous (a loaded 2-core machine); each test also fails without
+its limit for a reason other than time: a hang, a status, or a size.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.stack import Stack, running_stack
+
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # room for 200,000 short keys, which is ~2 MB
+TIMEOUT_S = 1.0  # HEADER_TIMEOUT_S and BODY_TIMEOUT_S
+GIVE_UP_S = 15.0  # no answer by then is a hang
+JSON = "application/json"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    overrides = {
+        "MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES),
+        "HEADER_TIMEOUT_S": str(TIMEOUT_S),
+        "BODY_TIMEOUT_S": str(TIMEOUT_S),
+        "FAKE_STEP_DELAY_S": "0.005",
+    }
+    with running_stack(tmp_path_factory.mktemp("stack"), overrides, supervised=False) as stack:
+        stack.wait_live()
+        yield stack
+
+
+def connect(stack: Stack) -> socket.socket:
+    host, port = stack.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=GIVE_UP_S)
+    return sock
+
+
+def head(path: str, *headers: str) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: test", *headers, "", ""]
+    return "\r\n".join(lines).encode()
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One response off a connection the server closes after it."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    header_block, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = header_block.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+def request_counts(stack: Stack) -> dict[str, float]:
+    """minibatch_requests_total for /generate by its labels."""
+    counts = {}
+    for line in httpx.get(f"{stack.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith('minibatch_requests_total{endpoint="/generate"'):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels] = float(value)
+    return counts
+
+
+def test_a_declared_100_mb_body_is_refused_at_once_without_reaching_the_worker(
+    stack: Stack,
+) -> None:
+    before = request_counts(stack)
+    with connect(stack) as sock:
+        started = time.monotonic()
+        sock.sendall(head("/generate", f"Content-Type: {JSON}", "Content-Length: 100000000"))
+        sock.sendall(b'{"prompt": "')
+        status, headers, body = read_response(sock)
+        elapsed_s = time.monotonic() - started
+    assert status == 413
+    assert headers["connection"] == "close"
+    assert "MAX_REQUEST_BYTES=4,194,304" in json.loads(body)["error"]["message"]
+    assert elapsed_s < 2.0, elapsed_s  # it waits for no byte of the body
+    # A request the worker saw would end with a finish reason; this one ended as
+    # one HTTP error with none, and the worker holds nothing.
+    after = request_counts(stack)
+    refused = 'minibatch_requests_total{endpoint="/generate",finish_reason="none",status="413"}'
+    assert after.get(refused, 0) == before.get(refused, 0) + 1
+    assert {k: v for k, v in after.items() if "413" not in k} == {
+        k: v for k, v in before.items() if "413" not in k
+    }
+    health = stack.health().json()
+    assert (health["inflight"], health["active"], health["queued"]) == (0, 0, 0)
+
+
+def test_a_chunked_body_is_refused_once_it_passes_the_limit(stack: Stack) -> None:
+    with connect(stack) as sock:
+        sock.sendall(head("/generate", f"Content-Type: {JSON}", "Transfer-Encoding: chunked"))
+        chunk = b"x" * 65536
+        for _ in range(MAX_REQUEST_BYTES // len(chunk)):
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        # One byte more, and no end: a server that reads to the end waits for ever.
+        sock.sendall(b"1\r\nx\r\n")
+        status, headers, body = read_response(sock)
+    assert status == 413
+    assert headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_that_is_not_json_gets_415_saying_what_to_send(
+    stack: Stack, content_type: str
+) -> None:
+    response = httpx.post(
+        f"{stack.url}/generate",
+        content=b'{"prompt": "hi", "max_new_tokens": 2}',
+        headers={"Content-Type": content_type},
+        timeout=GIVE_UP_S,
+    )
+    assert response.status_code == 415
+    error = response.json()["error"]
+    assert "-H 'Content-Type: application/json'" in error["message"]
+    assert content_type in error["message"]
+
+
+def test_no_content_type_gets_415(stack: Stack) -> None:
+    response = httpx.post(
+        f"{stack.url}/v1/completions", content=b'{"model": "fake"}', timeout=GIVE_UP_S
+    )
+    assert response.status_code == 415
+    assert "no Content-Type" in response.json()["error"]["message"]
+
+
+def test_json_with_a_charset_is_json(stack: Stack) -> None:
+    response = httpx.post(
+        f"{stack.url}/generate",
+        content=b'{"prompt": "hi", "max_new_tokens": 2}',
+        headers={"Content-Type": "Application/JSON; charset=utf-8"},
+        timeout=GIVE_UP_S,
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_200k_unknown_keys_get_a_short_422_quickly_while_others_are_served(
+    stack: Stack,
+) -> None:
+    keys = {f"k{i}": 0 for i in range(200_000)}
+    content = json.dumps({"prompt": "hi", **keys}, separators=(",", ":")).encode()
+    assert len(content) < MAX_REQUEST_BYTES
+    answers: list[tuple[httpx.Response, float]] = []
+
+    def attack() -> None:
+        started = time.monotonic()
+        response = httpx.post(
+            f"{stack.url}/generate",
+            content=content,
+            headers={"Content-Type": JSON},
+            timeout=GIVE_UP_S,
+        )
+        answers.append((response, time.monotonic() - started))
+
+    attackers = [threading.Thread(target=attack) for _ in range(3)]
+    for attacker in attackers:
+        attacker.start()
+    bystander_s = []
+    while any(attacker.is_alive() for attacker in attackers):
+        started = time.monotonic()
+        response = httpx.post(
+            f"{stack.url}/generate", json={"prompt": "by", "max_new_tokens": 2}, timeout=GIVE_UP_S
+        )
+        assert response.status_code == 200, response.text
+        bystander_s.append(time.monotonic() - started)
+    for attacker in attackers:
+        attacker.join()
+    for response, elapsed_s in answers:
+        assert response.status_code == 422
+        assert len(response.content) < 2000, len(response.content)
+        message = response.json()["error"]["message"]
+        assert "200,000 unknown fields ('k0', 'k1', 'k2', 'k3', 'k4' and 199,995 more)" in message
+        assert elapsed_s < 5.0, elapsed_s
+    assert max(bystander_s) < 2.0, bystander_s
+
+
+def test_a_long_list_of_bad_token_ids_gets_one_error(stack: Stack) -> None:
+    body = {"prompt": "hi", "stop_token_ids": [-1] * 200_000}
+    response = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
+    assert response.status_code == 422
+    assert response.json()["error"]["message"] == (
+        "stop_token_ids.0: Input should be greater than or equal to 0"
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "body: JSON nested too deeply"),
+        (b'["prompt"]', "body: must be a JSON object, got an array"),
+        (b'{"prompt": "hi"', "body: Invalid JSON"),
+    ],
+)
+def test_a_body_that_is_not_one_json_object_gets_a_short_422(
+    stack: Stack, content: bytes, message: str
+) -> None:
+    response = httpx.post(
+        f"{stack.url}/generate", content=content, headers={"Content-Type": JSON}, timeout=GIVE_UP_S
+    )
+    assert response.status_code == 422
+    assert response.json()["error"]["message"].startswith(message)
+    assert len(response.content) < 1000
+
+
+def test_a_body_that_stalls_gets_408(stack: Stack) -> None:
+    with connect(stack) as sock:
+        started = time.monotonic()
+        sock.sendall(head("/generate", f"Content-Type: {JSON}", "Content-Length: 100"))
+        sock.sendall(b'{"prompt": ')
+        status, headers, body = read_response(sock)
+        elapsed_s = time.monotonic() - started
+    assert status == 408
+    assert headers["connection"] == "close"
+    assert "BODY_TIMEOUT_S=1 s" in json.loads(body)["error"]["message"]
+    assert TIMEOUT_S * 0.9 < elapsed_s < GIVE_UP_S
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /generate HTTP/1.1\r\nHost: test\r\nContent-"])
+def test_a_connection_without_a_whole_request_head_is_closed(stack: Stack, sent: bytes) -> None:
+    with connect(stack) as sock:
+        started = time.monotonic()
+        sock.sendall(sent)
+        assert sock.recv(65536) == b""  # closed, with nothing to say
+        elapsed_s = time.monotonic() - started
+    assert TIMEOUT_S * 0.9 < elapsed_s < GIVE_UP_S
+
+
+def test_a_kept_alive_connection_may_idle_longer_than_the_head_timeout(stack: Stack) -> None:
+    """The head timer runs from a request's first byte, not from the last response:
+    idling between requests is KEEP_ALIVE_TIMEOUT_S's business (5 s here)."""
+    request = b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n"
+    with connect(stack) as sock:
+        sock.sendall(request)
+        assert read_kept_alive_response(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(TIMEOUT_S * 1.5)
+        sock.sendall(request)
+        assert read_kept_alive_response(sock).startswith(b"HTTP/1.1 200")
+
+
+def read_kept_alive_response(sock: socket.socket) -> bytes:
+    """One whole response (head and body may arrive apart) off an open connection."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _length(data):
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection after {data!r}"
+        data += chunk
+    return data
+
+
+def _length(data: bytes) -> int:
+    header_block = data.partition(b"\r\n\r\n")[0].lower()
+    return int(header_block.split(b"content-length:")[1].split(b"\r\n")[0])

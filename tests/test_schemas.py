@@ -1,0 +1,55 @@
+"""Request-body validation costs little and says little, whatever the body holds."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from frontend.errors import ApiError
+from frontend.schemas import (
+    MAX_REPORTED_ERRORS,
+    CompletionBody,
+    GenerateBody,
+    check_num_fields,
+    describe,
+)
+
+
+def test_a_message_names_the_first_few_fields_and_counts_the_rest() -> None:
+    bad = dict.fromkeys(
+        ["max_new_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos"], "x"
+    )
+    with pytest.raises(ValidationError) as caught:
+        GenerateBody.model_validate({"prompt": 1, **bad})
+    message, param = describe(caught.value)
+    assert message.count(": Input should be") == MAX_REPORTED_ERRORS
+    assert message.endswith("; and 2 more")
+    assert param == "prompt"
+
+
+def test_a_long_unknown_field_name_is_shortened() -> None:
+    with pytest.raises(ValidationError) as caught:
+        GenerateBody.model_validate({"prompt": "hi", "x" * 10_000: 1})
+    message, _ = describe(caught.value)
+    assert len(message) < 100
+
+
+def test_more_fields_than_the_schema_has_are_refused_naming_a_few() -> None:
+    body = {"prompt": "hi", **{f"k{i}": 0 for i in range(1000)}}
+    with pytest.raises(ApiError) as caught:
+        check_num_fields(body, GenerateBody)
+    assert caught.value.status == 422
+    assert caught.value.message.startswith(
+        "body: 1,000 unknown fields ('k0', 'k1', 'k2', 'k3', 'k4' and 995 more); the fields are "
+    )
+
+
+def test_a_nested_object_is_counted_against_its_own_schema() -> None:
+    body = {"model": "m", "prompt": "hi", "stream_options": {"include_usage": True, "a": 1}}
+    with pytest.raises(ApiError) as caught:
+        check_num_fields(body, CompletionBody)
+    assert caught.value.param == "stream_options"
+
+
+def test_a_few_unknown_fields_are_left_to_pydantic() -> None:
+    check_num_fields({"prompt": "hi", "promt": "typo"}, GenerateBody)
