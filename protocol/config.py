@@ -80,6 +80,17 @@ class WorkerConfig:
     fake_step_delay_s: float = _setting(
         "FAKE_STEP_DELAY_S", 0.0, "seconds each step of the fake engine sleeps"
     )
+    fake_start_delay_s: float = _setting(
+        "FAKE_START_DELAY_S",
+        0.0,
+        "test only: seconds the fake engine takes to load, to simulate a slow or stuck start",
+    )
+    fake_crash_prompt: str = _setting(
+        "FAKE_CRASH_PROMPT",
+        "",
+        "test only: a fake-engine worker that admits a prompt containing this text exits "
+        "at once, to simulate a request that kills every worker that runs it",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_size", "max_queue_depth", "heartbeat_interval_s")
@@ -93,6 +104,8 @@ class WorkerConfig:
             raise ConfigError(f"DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.fake_step_delay_s < 0:
             raise ConfigError(f"FAKE_STEP_DELAY_S must be >= 0, got {self.fake_step_delay_s}")
+        if self.fake_start_delay_s < 0:
+            raise ConfigError(f"FAKE_START_DELAY_S must be >= 0, got {self.fake_start_delay_s}")
 
     @property
     def model_to_load(self) -> str:
