@@ -33,6 +33,7 @@ class Scheduler:
         self.engine = engine
         self.max_queue_depth = max_queue_depth
         self.num_steps = 0  # iterations that did work: the progress counter of heartbeats
+        self.num_finished = 0  # requests answered (result or error): heartbeats report it
         self._clock = clock
         self._queue: OrderedDict[str, tuple[GenerateRequest, float]] = OrderedDict()
         self._admitted_at: dict[str, tuple[float, float]] = {}  # id -> (arrival, admission)
@@ -72,6 +73,7 @@ class Scheduler:
         running = [r for r in request_ids if r in self._admitted_at]
         for finished in self.engine.abort(running):
             outputs.append(self._finished_result(finished))
+        self._count_finished(outputs)
         return outputs
 
     def run_once(self) -> list[ToFrontend]:
@@ -83,7 +85,11 @@ class Scheduler:
         if self.engine.num_active() > 0:
             self._step(outputs)
         self.num_steps += 1
+        self._count_finished(outputs)
         return outputs
+
+    def _count_finished(self, outputs: list[ToFrontend]) -> None:
+        self.num_finished += sum(isinstance(o, (GenerateResult, ErrorResult)) for o in outputs)
 
     def _admit(self, outputs: list[ToFrontend]) -> None:
         num_free = self.engine.capacity - self.engine.num_active()

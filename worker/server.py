@@ -175,6 +175,7 @@ class WorkerServer:
                             num_steps=self.scheduler.num_steps,
                             num_queued=self.scheduler.num_queued,
                             num_active=self.scheduler.engine.num_active(),
+                            num_finished=self.scheduler.num_finished,
                         )
                     )
                     for request_id in io.expire_frontends():
