@@ -161,9 +161,16 @@ class SupervisorConfig:
     crash_loop_limit: int = _setting(
         "CRASH_LOOP_LIMIT", 5, "give up after this many workers in a row die before serving"
     )
+    worker_start_timeout_s: float = _setting(
+        "WORKER_START_TIMEOUT_S",
+        300.0,
+        "kill and replace a worker that has not said hello this long after it started; "
+        "long enough for a first start to download the model",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "restart_backoff_s", "restart_backoff_max_s", "crash_loop_limit")
+        _positive(self, "worker_start_timeout_s")
 
 
 C = TypeVar("C")
