@@ -7,12 +7,13 @@ import os
 import signal
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 
+from protocol import GenerateRequest, encode
 from protocol.config import SupervisorConfig
 from tests.stack import Stack, running_stack
 from worker import supervisor
@@ -142,14 +143,27 @@ def test_a_worker_killed_by_signal_37_is_restarted_and_the_supervisor_lives_on(
         assert "worker stopped (killed by signal 37)" in stack.log("supervisor")
 
 
-def test_a_request_that_kills_every_worker_that_runs_it_is_a_crash_loop(
+def _send_poison(endpoint: str, request_id: str) -> None:
+    """Hand the worker at ``endpoint`` a request with the crash prompt. Straight over
+    ZMQ, so that no frontend replays it on the next worker the instant that worker
+    says hello, before the supervisor has heard the hello too."""
+    with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
+        socket.setsockopt(zmq.LINGER, 1000)
+        socket.connect(endpoint)
+        socket.send(encode(GenerateRequest(request_id, "poison", max_new_tokens=1)))
+
+
+def test_workers_that_die_taking_their_first_request_after_hello_are_a_crash_loop(
     tmp_path: Path,
 ) -> None:
     overrides = {"FAKE_CRASH_PROMPT": "poison", "CRASH_LOOP_LIMIT": "2"}
-    with running_stack(tmp_path, overrides) as stack, ThreadPoolExecutor(1) as pool:
-        stack.wait_live()
-        # Its first worker dies taking it; the frontend replays it on the next.
-        pool.submit(httpx.post, f"{stack.url}/generate", json={"prompt": "poison"}, timeout=30)
+    with running_stack(tmp_path, overrides) as stack:
+        live = stack.wait_live()
+        time.sleep(0.5)  # the supervisor pings every 0.1 s: it has heard the hello
+        _send_poison(stack.env["WORKER_ENDPOINT"], "poison-1")
+        live = stack.wait_live(instance_not=str(live["instance_id"]))
+        time.sleep(0.5)
+        _send_poison(stack.env["WORKER_ENDPOINT"], "poison-2")
         assert _exit_code(stack) != 0
         log = stack.log("supervisor")
         assert "giving up: worker died before serving 2 times in a row" in log
