@@ -36,6 +36,7 @@ from protocol import (
     encode,
 )
 from protocol.config import WorkerConfig
+from protocol.curve import secure_server
 from worker.scheduler import QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class WorkerServer:
         router = self._context.socket(zmq.ROUTER)
         router.setsockopt(zmq.SNDHWM, 0)  # never drop outputs; the queue depth bounds them
         router.setsockopt(zmq.RCVHWM, 0)
+        stop_authenticator = secure_server(router, self.config.curve)
         outputs = self._context.socket(zmq.PULL)
         try:
             router.bind(self.config.listen_endpoint)
@@ -146,6 +148,7 @@ class WorkerServer:
             self._bound.set()
             router.close(linger=0)
             outputs.close(linger=0)
+            stop_authenticator()
             return
         self._bound.set()
         io = _Routing(router, self.hello, self.config.frontend_timeout_s)
@@ -184,6 +187,7 @@ class WorkerServer:
         finally:
             router.close(linger=0)
             outputs.close(linger=0)
+            stop_authenticator()
 
 
 class _Watchdog:

@@ -27,6 +27,7 @@ import zmq
 
 from protocol import Heartbeat, Hello, Ping, ProtocolError, decode_to_frontend, encode
 from protocol.config import ConfigError, FrontendConfig, SupervisorConfig, load
+from protocol.curve import secure_client
 from protocol.liveness import Liveness, WorkerState
 
 log = logging.getLogger("supervisor")
@@ -157,6 +158,7 @@ class WorkerWatch:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 0)
+        secure_client(socket, self.frontend.curve)
         socket.connect(self.frontend.worker_endpoint)
         return socket
 
@@ -241,7 +243,7 @@ class Supervisor:
             self.worker.kill(
                 f"no hello within WORKER_START_TIMEOUT_S={self.config.worker_start_timeout_s:g} "
                 "s of its start; raise it if loading the model takes longer, or check "
-                "WORKER_ENDPOINT if the worker log says it is serving"
+                "WORKER_ENDPOINT and the CURVE keys if the worker log says it is serving"
             )
 
 
