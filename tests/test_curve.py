@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -61,13 +62,15 @@ def test_a_peer_without_an_allowed_key_gets_nothing_and_the_worker_serves_on(
     with running_stack(tmp_path, curve_env(keys), supervised=False) as stack:
         stack.wait_live()
         endpoint = stack.env["WORKER_ENDPOINT"]
-        server_public_key = load(FrontendConfig, [], stack.env).curve.server_public_key  # type: ignore[union-attr]
+        curve = load(FrontendConfig, [], stack.env).curve
+        assert curve is not None
+        server_public_key = curve.server_public_key
         _, stranger_secret_key = zmq.curve_keypair()
         with zmq.Context() as context:
-            for curve in (None, ClientKeys(server_public_key, stranger_secret_key)):
+            for stranger in (None, ClientKeys(server_public_key, stranger_secret_key)):
                 with context.socket(zmq.DEALER) as socket:
                     socket.setsockopt(zmq.LINGER, 0)
-                    secure_client(socket, curve)
+                    secure_client(socket, stranger)
                     socket.connect(endpoint)
                     socket.send(encode(Ping("stranger")))
                     socket.send(encode(GenerateRequest("stranger-1", "hi", max_new_tokens=2)))
@@ -139,3 +142,14 @@ def test_minibatch_keys_never_overwrites_keys(keys: Path) -> None:
     before = (keys / "worker.key_secret").read_bytes()
     assert main([str(keys)]) == 1
     assert (keys / "worker.key_secret").read_bytes() == before
+
+
+def test_a_worker_with_curve_on_still_stops_at_once_on_sigterm(tmp_path: Path, keys: Path) -> None:
+    # Its authenticator thread must go first: the ZMQ context waits for it otherwise.
+    with running_stack(tmp_path, curve_env(keys), supervised=False, start=("worker",)) as stack:
+        curve = load(FrontendConfig, [], stack.env).curve
+        with zmq.Context() as context:
+            probe(stack.env["WORKER_ENDPOINT"], 10, context, curve)
+        worker = stack.processes["worker"]
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=5) == 0
