@@ -29,13 +29,21 @@ from protocol import (
     decode_to_frontend,
     encode,
 )
+from protocol.curve import ClientKeys, secure_client
 
 PING_INTERVAL_S = 1.0
 
 
 class ZmqTarget:
-    def __init__(self, endpoint: str, stream: bool = True, hello_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        stream: bool = True,
+        hello_timeout_s: float = 60.0,
+        curve: ClientKeys | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.stream = stream
         self.hello_timeout_s = hello_timeout_s
         self.frontend_id = f"bench-{uuid.uuid4().hex[:12]}"
@@ -49,6 +57,7 @@ class ZmqTarget:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
+        secure_client(self._socket, self.curve)
         self._socket.connect(self.endpoint)
         hello_seen = asyncio.get_running_loop().create_future()
         self._tasks = [

@@ -22,13 +22,16 @@ from bench import load
 from bench.report import RESULTS, RequestRecord, report_run
 from bench.stack import local_stack, stack_env, wait_live
 from bench.zmq_client import ZmqTarget
-from protocol import GenerateRequest
+from protocol import GenerateRequest, config
+from protocol.config import FrontendConfig
 
 
 async def run_zmq(
     endpoint: str, requests: list[GenerateRequest], args: argparse.Namespace
 ) -> list[RequestRecord]:
-    async with ZmqTarget(endpoint, stream=not args.no_stream) as target:
+    # The frontend's CURVE settings, for a worker with CURVE on.
+    curve = config.load(FrontendConfig, []).curve
+    async with ZmqTarget(endpoint, stream=not args.no_stream, curve=curve) as target:
         return await load.drive(target.send, requests, args)
 
 

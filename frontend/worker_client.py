@@ -38,6 +38,7 @@ from protocol import (
     encode,
 )
 from protocol.config import FrontendConfig
+from protocol.curve import secure_client
 from protocol.liveness import Liveness, Verdict
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class WorkerClient:
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.LINGER, 0)
+        secure_client(socket, self.config.curve)
         socket.connect(self.config.worker_endpoint)
         self._socket = socket
         self._tasks = [

@@ -12,9 +12,18 @@ import argparse
 import dataclasses
 import os
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeVar
+
+from protocol.curve import (
+    ClientKeys,
+    ServerKeys,
+    read_public_key,
+    read_public_keys,
+    read_secret_key,
+)
 
 DEFAULT_MODEL_ID = "distilgpt2"
 
@@ -37,6 +46,28 @@ def _positive(config: object, *names: str) -> None:
 
 def _env_name(cls: type[Any], name: str) -> str:
     return str({f.name: f.metadata["env"] for f in dataclasses.fields(cls)}[name])
+
+
+def _curve_keys(config: object, *settings: tuple[str, Callable[[str], Any]]) -> list[Any] | None:
+    """Read the CURVE settings ``(field name, reader)``: None when all are unset
+    (CURVE off), every key when all are set, and a ConfigError otherwise."""
+    given = {name: getattr(config, name) for name, _ in settings if getattr(config, name)}
+    if not given:
+        return None
+    if len(given) < len(settings):
+        (missing,) = (name for name, _ in settings if name not in given)
+        raise ConfigError(
+            f"{_env_name(type(config), missing)} is unset, but "
+            f"{', '.join(_env_name(type(config), name) for name in given)} is set: CURVE "
+            "needs both (minibatch-keys writes them), or neither to leave it off"
+        )
+    keys = []
+    for name, read in settings:
+        try:
+            keys.append(read(given[name]))
+        except ValueError as exc:
+            raise ConfigError(f"{_env_name(type(config), name)}: {exc}") from None
+    return keys
 
 
 def _check_endpoint(config: object, name: str) -> None:
@@ -86,6 +117,30 @@ class WorkerConfig:
     fake_step_delay_s: float = _setting(
         "FAKE_STEP_DELAY_S", 0.0, "seconds each step of the fake engine sleeps"
     )
+    curve_server_secret_key: str = _setting(
+        "CURVE_SERVER_SECRET_KEY",
+        "",
+        "turns CURVE on: the worker's secret key (Z85, or its .key_secret file from "
+        "minibatch-keys); needs CURVE_CLIENT_KEYS",
+        is_secret=True,
+    )
+    curve_client_keys: str = _setting(
+        "CURVE_CLIENT_KEYS",
+        "",
+        "with CURVE on, the only clients the worker talks to: a directory of .key files, "
+        "or comma-separated public keys (each Z85 or a .key file)",
+    )
+    fake_start_delay_s: float = _setting(
+        "FAKE_START_DELAY_S",
+        0.0,
+        "test only: seconds the fake engine takes to load, to simulate a slow or stuck start",
+    )
+    fake_crash_prompt: str = _setting(
+        "FAKE_CRASH_PROMPT",
+        "",
+        "test only: a fake-engine worker that admits a prompt containing this text exits "
+        "at once, to simulate a request that kills every worker that runs it",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_size", "max_queue_depth", "heartbeat_interval_s")
@@ -100,6 +155,19 @@ class WorkerConfig:
             raise ConfigError(f"DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.fake_step_delay_s < 0:
             raise ConfigError(f"FAKE_STEP_DELAY_S must be >= 0, got {self.fake_step_delay_s}")
+        if self.fake_start_delay_s < 0:
+            raise ConfigError(f"FAKE_START_DELAY_S must be >= 0, got {self.fake_start_delay_s}")
+        _ = self.curve  # a bad key stops the worker at start, not at its first bind
+
+    @cached_property
+    def curve(self) -> ServerKeys | None:
+        """The worker socket's CURVE keys; None when CURVE is off."""
+        keys = _curve_keys(
+            self,
+            ("curve_server_secret_key", read_secret_key),
+            ("curve_client_keys", read_public_keys),
+        )
+        return None if keys is None else ServerKeys(*keys)
 
     @property
     def model_to_load(self) -> str:
@@ -161,6 +229,19 @@ class FrontendConfig:
         "'Authorization: Bearer <key>'",
         is_secret=True,
     )
+    curve_server_public_key: str = _setting(
+        "CURVE_SERVER_PUBLIC_KEY",
+        "",
+        "for a worker with CURVE on: its public key (Z85, or its .key file); needs "
+        "CURVE_CLIENT_SECRET_KEY",
+    )
+    curve_client_secret_key: str = _setting(
+        "CURVE_CLIENT_SECRET_KEY",
+        "",
+        "for a worker with CURVE on: this client's secret key (Z85, or its .key_secret "
+        "file), whose public key the worker's CURVE_CLIENT_KEYS allows",
+        is_secret=True,
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "port", "max_new_tokens_limit", "max_queue_depth", "ping_interval_s")
@@ -170,6 +251,17 @@ class FrontendConfig:
         _check_endpoint(self, "worker_endpoint")
         if self.port > 65535:
             raise ConfigError(f"PORT must be at most 65535, got {self.port}")
+        _ = self.curve  # a bad key stops the process at start, not at its first connect
+
+    @cached_property
+    def curve(self) -> ClientKeys | None:
+        """The keys to connect to a worker with CURVE on; None when CURVE is off."""
+        keys = _curve_keys(
+            self,
+            ("curve_server_public_key", read_public_key),
+            ("curve_client_secret_key", read_secret_key),
+        )
+        return None if keys is None else ClientKeys(*keys)
 
 
 @dataclass(frozen=True)
@@ -185,9 +277,16 @@ class SupervisorConfig:
     crash_loop_limit: int = _setting(
         "CRASH_LOOP_LIMIT", 5, "give up after this many workers in a row die before serving"
     )
+    worker_start_timeout_s: float = _setting(
+        "WORKER_START_TIMEOUT_S",
+        300.0,
+        "kill and replace a worker that has not said hello this long after it started; "
+        "long enough for a first start to download the model",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "restart_backoff_s", "restart_backoff_max_s", "crash_loop_limit")
+        _positive(self, "worker_start_timeout_s")
 
 
 C = TypeVar("C")

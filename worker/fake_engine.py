@@ -8,6 +8,8 @@ it would have, and a test can compute any answer with `expected_text`.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -20,6 +22,9 @@ from worker.slot_engine import SlotEngine
 FAKE_MODEL_NAME = "fake"
 FAKE_CONTEXT_WINDOW = 1024
 FAKE_VOCAB_SIZE = 0x110000  # one token per Unicode code point
+CRASH_EXIT_CODE = 70
+
+log = logging.getLogger(__name__)
 
 
 class CharTokenizer:
@@ -58,6 +63,7 @@ class FakeEngine(SlotEngine):
         context_window: int = FAKE_CONTEXT_WINDOW,
         fail_admit_if: Callable[[GenerateRequest], bool] | None = None,
         fail_step_if: Callable[[int], bool] | None = None,
+        crash_prompt: str = "",
     ) -> None:
         info = ModelInfo(
             FAKE_MODEL_NAME,
@@ -70,11 +76,21 @@ class FakeEngine(SlotEngine):
         self.step_delay_s = step_delay_s
         self.fail_admit_if = fail_admit_if
         self.fail_step_if = fail_step_if
+        # The whole process dies, as a segfault in a real engine would: no error
+        # result, no sentinel, nothing the scheduler could catch.
+        self.crash_prompt = crash_prompt
         self.num_decode_steps = 0
         self.num_resets = 0
 
     def _prefill(self, newcomers: list[Sequence]) -> list[int]:
         for seq in newcomers:
+            # Decoded from the ids, so that a replay sent as token ids crashes too.
+            if self.crash_prompt and self.crash_prompt in self.tokenizer.decode(
+                seq.prompt_token_ids
+            ):
+                log.critical("admitted %s, the crash prompt: exiting", seq.request_id)
+                logging.shutdown()
+                os._exit(CRASH_EXIT_CODE)
             if self.fail_admit_if is not None and self.fail_admit_if(seq.request):
                 raise InjectedFailure(f"admit failure injected for {seq.request_id}")
         return [fake_next_token(seq.context_token_ids) for seq in newcomers]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 from collections.abc import Sequence
 
 from protocol.config import ConfigError, WorkerConfig, load
@@ -16,7 +17,12 @@ from worker.server import WorkerServer
 
 def build_engine(config: WorkerConfig) -> InferenceEngine:
     if config.model_id == FAKE_MODEL_NAME:
-        return FakeEngine(config.max_batch_size, step_delay_s=config.fake_step_delay_s)
+        time.sleep(config.fake_start_delay_s)  # a model that takes this long to load
+        return FakeEngine(
+            config.max_batch_size,
+            step_delay_s=config.fake_step_delay_s,
+            crash_prompt=config.fake_crash_prompt,
+        )
     from worker.torch_engine import load_engine  # torch loads only for a real model
 
     return load_engine(config)

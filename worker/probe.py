@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import zmq
 
 from protocol import Hello, Ping, ProtocolError, decode_to_frontend, encode
-from protocol.config import ConfigError, WorkerConfig, load
+from protocol.config import ConfigError, FrontendConfig, WorkerConfig, load
+from protocol.curve import ClientKeys, secure_client
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -40,12 +41,18 @@ def local_endpoint(config: WorkerConfig) -> str:
     return endpoint
 
 
-def probe(endpoint: str, timeout_s: float, context: zmq.Context[zmq.Socket[bytes]]) -> Hello:
+def probe(
+    endpoint: str,
+    timeout_s: float,
+    context: zmq.Context[zmq.Socket[bytes]],
+    curve: ClientKeys | None = None,
+) -> Hello:
     """Ping the worker at ``endpoint`` and return its Hello, or raise `ProbeFailed`."""
     frontend_id = f"probe-{uuid.uuid4().hex[:12]}"
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.IDENTITY, frontend_id.encode())
+    secure_client(socket, curve)
     try:
         try:
             socket.connect(endpoint)
@@ -69,6 +76,7 @@ def probe(endpoint: str, timeout_s: float, context: zmq.Context[zmq.Socket[bytes
     raise ProbeFailed(
         f"no Hello from a worker at {endpoint} within {timeout_s:g}s: "
         "check that the worker is running and bound there (WORKER_BIND / WORKER_ENDPOINT)"
+        + (", and that it allows this client's key" if curve else "")
     )
 
 
@@ -92,13 +100,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s:g}")
     try:
         endpoint = args.endpoint or local_endpoint(load(WorkerConfig, argv=[]))
+        # It pings as a frontend would, so with a frontend's CURVE settings.
+        curve = load(FrontendConfig, argv=[]).curve
     except ConfigError as exc:
         print(f"minibatch-probe: {exc}", file=sys.stderr)
         return 1
 
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        hello = probe(endpoint, args.timeout_s, context)
+        hello = probe(endpoint, args.timeout_s, context, curve)
     except ProbeFailed as exc:
         print(f"minibatch-probe: {exc}", file=sys.stderr)
         return 1

@@ -33,7 +33,7 @@ class Scheduler:
         self.engine = engine
         self.max_queue_depth = max_queue_depth
         self.num_steps = 0  # iterations that did work: the progress counter of heartbeats
-        self.num_finished = 0  # requests answered with a result or an error
+        self.num_finished = 0  # requests answered (result or error): heartbeats report it
         # Engine failures with no success between them: a worker whose engine fails
         # everything (a poisoned CUDA context, say) must be replaced, not kept.
         self.num_failures_in_a_row = 0

@@ -40,6 +40,7 @@ from protocol import (
     encode,
 )
 from protocol.config import WorkerConfig
+from protocol.curve import secure_server
 from worker.engine import RequestRejected
 from worker.scheduler import QueueFull, Scheduler
 from worker.validation import RequestLimits, check_generate, is_valid_abort
@@ -165,6 +166,7 @@ class WorkerServer:
         # never reads from growing this process without end.
         router.setsockopt(zmq.SNDHWM, _MAX_QUEUED_PER_PEER)
         router.setsockopt(zmq.RCVHWM, 0)
+        stop_authenticator = secure_server(router, self.config.curve)
         outputs = self._context.socket(zmq.PULL)
         try:
             router.bind(self.config.listen_endpoint)
@@ -177,6 +179,7 @@ class WorkerServer:
             self._bound.set()
             router.close(linger=0)
             outputs.close(linger=0)
+            stop_authenticator()
             return
         self._bound.set()
         peers = _Peers(router, self.hello, self.limits, self.config.frontend_timeout_s)
@@ -219,6 +222,7 @@ class WorkerServer:
         finally:
             router.close(linger=0)
             outputs.close(linger=0)
+            stop_authenticator()
 
 
 class EngineBroken(RuntimeError):

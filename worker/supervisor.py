@@ -4,9 +4,11 @@ The local twin of the compose file. A child that exits is restarted after a
 backoff that doubles with each crash in a row (capped). A worker that stops
 sending heartbeats, or sends them without making progress on pending work, is
 killed and replaced: the supervisor watches it over ZMQ exactly as the frontend
-does. A child that keeps dying before it ever serves (a bad MODEL_ID, a port in
-use) is a crash loop: the supervisor says so and exits instead of retrying
-forever. Configuration comes from the environment, which both children inherit.
+does, and so is a worker that has not said hello within WORKER_START_TIMEOUT_S.
+A child that keeps dying before it ever serves (a bad MODEL_ID, a port in use, a
+request that kills every worker that runs it) is a crash loop: the supervisor
+says so and exits instead of retrying forever. Configuration comes from the
+environment, which both children inherit.
 """
 
 from __future__ import annotations
@@ -19,21 +21,24 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
 from protocol import Heartbeat, Hello, Ping, ProtocolError, decode_to_frontend, encode
 from protocol.config import ConfigError, FrontendConfig, SupervisorConfig, load
+from protocol.curve import secure_client
 from protocol.liveness import Liveness, WorkerState
 
 log = logging.getLogger("supervisor")
 
 _TICK_S = 0.1
 _STOP_GRACE_S = 5.0
-# A frontend that stayed up this long started fine; a worker started fine once it
-# said hello.
+# A child has served (its crash-loop count starts again) once it answered a
+# request or stayed up this long. A worker's hello is not enough: a request that
+# kills each worker that runs it is replayed on the next one right after its hello.
 _FRONTEND_SERVED_AFTER_S = 5.0
+_WORKER_SERVED_AFTER_S = 10.0
 
 
 class CrashLoop(Exception):
@@ -43,28 +48,52 @@ class CrashLoop(Exception):
 class Child:
     """One supervised process and its restart policy."""
 
-    def __init__(self, name: str, module: str, config: SupervisorConfig) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        config: SupervisorConfig,
+        served_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.name = name
         self.argv = [sys.executable, "-m", module]
         self.config = config
+        self.served_after_s = served_after_s
         self.process: subprocess.Popen[bytes] | None = None
         self.num_restarts = 0
         self.num_failed_starts = 0  # in a row, died before serving
         self.has_served = False
         self.started_at = 0.0
+        self.up_since: float | None = None  # first seen working (a worker: its hello)
+        self.kill_reason: str | None = None
         self.start_at = 0.0  # when a stopped child may start again
+        self._clock = clock
 
     def start(self) -> None:
         self.process = subprocess.Popen(self.argv)
         self.has_served = False
-        self.started_at = time.monotonic()
+        self.started_at = self._clock()
+        self.up_since = None
+        self.kill_reason = None
         log.info("started %s (pid %d)", self.name, self.process.pid)
+
+    def on_up(self, num_finished: int = 0) -> None:
+        """The child is seen working and has answered ``num_finished`` requests."""
+        now = self._clock()
+        if self.up_since is None:
+            self.up_since = now
+        if num_finished > 0 or now - self.up_since >= self.served_after_s:
+            self.has_served = True
 
     def exit_cause(self) -> str | None:
         """Why the process ended, or None while it runs."""
         if self.process is None or (code := self.process.poll()) is None:
             return None
-        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        if code >= 0:
+            return f"exit code {code}"
+        cause = f"killed by {_signal_name(-code)}"
+        return cause if self.kill_reason is None else f"{cause}: {self.kill_reason}"
 
     def schedule_restart(self, cause: str) -> None:
         self.process = None
@@ -72,8 +101,9 @@ class Child:
         if self.num_failed_starts >= self.config.crash_loop_limit:
             raise CrashLoop(
                 f"{self.name} died before serving {self.num_failed_starts} times in a row "
-                f"(last: {cause}); its log above says why. Fix that (for a worker, "
-                "often MODEL_ID or WORKER_ENDPOINT) and start again"
+                f"(last: {cause}); its log above says why. Fix that (for a worker, often "
+                "MODEL_ID, WORKER_ENDPOINT, a request that crashes it, or a start slower "
+                "than WORKER_START_TIMEOUT_S) and start again"
             )
         delay = min(
             self.config.restart_backoff_max_s,
@@ -88,6 +118,7 @@ class Child:
     def kill(self, reason: str) -> None:
         if self.process is not None and self.process.poll() is None:
             log.error("killing %s (pid %d): %s", self.name, self.process.pid, reason)
+            self.kill_reason = reason
             self.process.kill()
             self.process.wait()
 
@@ -102,6 +133,13 @@ class Child:
             self.process.wait()
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # real-time signals (SIGRTMIN+n) have no name of their own
+        return f"signal {number}"
+
+
 class WorkerWatch:
     """Hears the worker's hellos and heartbeats, as a frontend would."""
 
@@ -109,17 +147,26 @@ class WorkerWatch:
         self.frontend = frontend
         self.liveness = self._new_liveness()
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.IMMEDIATE, 1)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(frontend.worker_endpoint)
+        self._socket = self._connect()
         self._ping = encode(Ping(f"supervisor-{uuid.uuid4().hex}"))
         self._next_ping = 0.0
 
     def _new_liveness(self) -> Liveness:
         return Liveness(self.frontend.heartbeat_timeout_s, self.frontend.step_timeout_s)
 
+    def _connect(self) -> zmq.Socket[bytes]:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.LINGER, 0)
+        secure_client(socket, self.frontend.curve)
+        socket.connect(self.frontend.worker_endpoint)
+        return socket
+
     def forget_worker(self) -> None:
+        # A new socket: a hello the dead worker sent just before it died, still
+        # queued on the old one, would make its successor look live and served.
+        self._socket.close(linger=0)
+        self._socket = self._connect()
         self.liveness = self._new_liveness()
 
     def poll(self, timeout_s: float) -> None:
@@ -146,8 +193,9 @@ class WorkerWatch:
 
 class Supervisor:
     def __init__(self, config: SupervisorConfig, frontend: FrontendConfig) -> None:
-        self.worker = Child("worker", "worker.main", config)
-        self.frontend = Child("frontend", "frontend.main", config)
+        self.config = config
+        self.worker = Child("worker", "worker.main", config, _WORKER_SERVED_AFTER_S)
+        self.frontend = Child("frontend", "frontend.main", config, _FRONTEND_SERVED_AFTER_S)
         self.watch = WorkerWatch(frontend)
         self._stopping = False
 
@@ -161,8 +209,8 @@ class Supervisor:
                 self._tend(self.frontend)
                 self._tend(self.worker)
                 self._judge_worker()
-                if time.monotonic() - self.frontend.started_at > _FRONTEND_SERVED_AFTER_S:
-                    self.frontend.has_served = True
+                if self.frontend.process is not None:
+                    self.frontend.on_up()
         finally:
             self.frontend.stop()
             self.worker.stop()
@@ -182,11 +230,21 @@ class Supervisor:
     def _judge_worker(self) -> None:
         if self.worker.process is None:
             return
-        verdict = self.watch.liveness.verdict()
+        liveness = self.watch.liveness
+        verdict = liveness.verdict()
         if verdict.is_live:
-            self.worker.has_served = True
+            heartbeat = liveness.last_heartbeat
+            self.worker.on_up(0 if heartbeat is None else heartbeat.num_finished)
         elif verdict.state in (WorkerState.DEAD, WorkerState.HUNG):
             self.worker.kill(verdict.reason)
+        elif time.monotonic() - self.worker.started_at > self.config.worker_start_timeout_s:
+            # Still connecting: a model that never finishes loading, a deadlock at
+            # start, or a worker this supervisor's keys cannot talk to.
+            self.worker.kill(
+                f"no hello within WORKER_START_TIMEOUT_S={self.config.worker_start_timeout_s:g} "
+                "s of its start; raise it if loading the model takes longer, or check "
+                "WORKER_ENDPOINT and the CURVE keys if the worker log says it is serving"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

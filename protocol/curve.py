@@ -1,0 +1,182 @@
+"""Optional ZMQ CURVE on the worker socket: only clients holding an allowed key
+may talk to the worker.
+
+With CURVE on, the worker's ROUTER is a CURVE server and a ZAP authenticator
+checks each connecting client's public key against the allowed set. A peer
+without CURVE, or with a key not in the set, fails the handshake inside libzmq:
+none of its frames reach the worker's code, so it gets nothing back, not even a
+hello. The frontend, the supervisor's watch, the probe and the benchmark client
+connect as CURVE clients.
+
+A key setting holds a 40-character Z85 key or the path of a certificate file
+written by `zmq.auth.create_certificates`, which is what `minibatch-keys DIR`
+runs (``NAME.key`` holds the public key, ``NAME.key_secret`` both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import struct
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+log = logging.getLogger(__name__)
+
+_Z85_KEY_LENGTH = 40
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    """The worker's side: its secret key and the clients it lets in (all Z85)."""
+
+    secret_key: bytes
+    client_public_keys: frozenset[bytes]
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """A client's side: the worker's public key and the client's secret key (Z85)."""
+
+    server_public_key: bytes
+    secret_key: bytes
+
+
+def read_public_key(value: str) -> bytes:
+    """A Z85 public key, or the one in a certificate file (``.key`` or ``.key_secret``)."""
+    certificate = _certificate(value)
+    return value.encode("ascii") if certificate is None else certificate[0]
+
+
+def read_secret_key(value: str) -> bytes:
+    """A Z85 secret key, or the one in a ``.key_secret`` certificate file."""
+    certificate = _certificate(value)
+    if certificate is None:
+        return value.encode("ascii")
+    if certificate[1] is None:
+        raise ValueError(f"{value} holds only a public key; give the .key_secret file")
+    return certificate[1]
+
+
+def read_public_keys(value: str) -> frozenset[bytes]:
+    """A directory of ``.key`` certificate files, or a comma-separated list of
+    public keys (each Z85 or a certificate file)."""
+    if Path(value).is_dir():
+        keys = frozenset(zmq.auth.load_certificates(value))
+        if not keys:
+            raise ValueError(f"the directory {value} holds no .key certificate files")
+        return keys
+    keys = frozenset(read_public_key(item.strip()) for item in value.split(",") if item.strip())
+    if not keys:
+        raise ValueError("no public key given")
+    return keys
+
+
+def _certificate(value: str) -> tuple[bytes, bytes | None] | None:
+    """The (public, secret) keys of the certificate file ``value``, or None when
+    ``value`` is itself a Z85 key."""
+    if Path(value).is_file():
+        try:
+            return zmq.auth.load_certificate(value)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the certificate {value}: {exc}") from None
+    # Checked before the path guess below: '/' and '.' are Z85 characters too.
+    problem = f"is {len(value)} characters, not {_Z85_KEY_LENGTH}"
+    if len(value) == _Z85_KEY_LENGTH:
+        try:
+            z85.decode(value)
+            return None
+        except (KeyError, ValueError, struct.error):
+            problem = "has characters outside the Z85 alphabet"
+    if "/" in value or value.endswith((".key", ".key_secret")):
+        raise ValueError(f"no certificate file at {value}")
+    # The value may be a secret: say what is wrong with it without echoing it.
+    raise ValueError(
+        f"neither a certificate file nor a Z85 key: the value {problem}. "
+        "Give the path of a file written by minibatch-keys, or the key inside it"
+    )
+
+
+def secure_server(socket: zmq.Socket[Any], keys: ServerKeys | None) -> Callable[[], None]:
+    """Make ``socket`` (before it binds) a CURVE server that lets in only the allowed
+    clients, or leave it as it is without keys. Returns what stops the
+    authenticator: call it after closing the socket and before terminating the
+    context, whose term() would otherwise wait for the authenticator forever."""
+    if keys is None:
+        return lambda: None
+    authenticator = ThreadAuthenticator(socket.context)
+    authenticator.start()
+    authenticator.configure_curve_callback(
+        domain="*", credentials_provider=_AllowedKeys(keys.client_public_keys)
+    )
+    socket.setsockopt(zmq.CURVE_SERVER, 1)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, keys.secret_key)
+    return authenticator.stop
+
+
+def secure_client(socket: zmq.Socket[Any], keys: ClientKeys | None) -> None:
+    """Make ``socket`` (before it connects) a CURVE client of the worker, or leave it
+    as it is without keys."""
+    if keys is None:
+        return
+    socket.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public_key)
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, zmq.curve_public(keys.secret_key))
+    socket.setsockopt(zmq.CURVE_SECRETKEY, keys.secret_key)
+
+
+class _AllowedKeys:
+    """The authenticator's credentials provider: a fixed set of Z85 public keys."""
+
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.keys:
+            return True
+        # Warning, not debug: a frontend with the wrong key otherwise just never
+        # hears the worker, and nothing says why.
+        log.warning("refused a CURVE client whose public key %s is not allowed", key.decode())
+        return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`minibatch-keys DIR`: write a worker and a client certificate pair."""
+    parser = argparse.ArgumentParser(
+        description="Write CURVE certificates for the worker socket: worker.key and "
+        "worker.key_secret, client.key and client.key_secret, in DIR."
+    )
+    parser.add_argument("directory", metavar="DIR")
+    directory = Path(parser.parse_args(argv).directory)
+    existing = [p for p in directory.glob("*.key*") if p.stem in ("worker", "client")]
+    if existing:
+        print(
+            f"minibatch-keys: {directory} already holds {', '.join(map(str, existing))}; "
+            "remove them or choose another directory",
+            file=sys.stderr,
+        )
+        return 1
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("worker", "client"):
+        _, secret_file = zmq.auth.create_certificates(directory, name)
+        Path(secret_file).chmod(0o600)
+    print(
+        f"# the worker:\n"
+        f"CURVE_SERVER_SECRET_KEY={directory / 'worker.key_secret'}\n"
+        f"CURVE_CLIENT_KEYS={directory / 'client.key'}\n"
+        f"# the frontend, minibatch-serve and minibatch-probe:\n"
+        f"CURVE_SERVER_PUBLIC_KEY={directory / 'worker.key'}\n"
+        f"CURVE_CLIENT_SECRET_KEY={directory / 'client.key_secret'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

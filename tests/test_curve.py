@@ -1,0 +1,155 @@
+"""With CURVE on, only clients holding an allowed key can talk to the worker."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from protocol import GenerateRequest, Ping, encode
+from protocol.config import ConfigError, FrontendConfig, WorkerConfig, load
+from protocol.curve import ClientKeys, main, secure_client
+from tests.stack import REPO_ROOT, running_stack, stack_env
+from worker.fake_engine import expected_text
+from worker.probe import ProbeFailed, probe
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    directory = tmp_path / "keys"
+    assert main([str(directory)]) == 0
+    return directory
+
+
+def curve_env(keys: Path) -> dict[str, str]:
+    return {
+        "CURVE_SERVER_SECRET_KEY": str(keys / "worker.key_secret"),
+        "CURVE_CLIENT_KEYS": str(keys / "client.key"),
+        "CURVE_SERVER_PUBLIC_KEY": str(keys / "worker.key"),
+        "CURVE_CLIENT_SECRET_KEY": str(keys / "client.key_secret"),
+    }
+
+
+def test_with_the_right_keys_the_frontend_supervisor_and_probe_reach_the_worker(
+    tmp_path: Path, keys: Path
+) -> None:
+    # The supervisor kills a worker it has not heard say hello by this deadline.
+    overrides = {**curve_env(keys), "WORKER_START_TIMEOUT_S": "3"}
+    started = time.monotonic()
+    with running_stack(tmp_path, overrides) as stack:
+        live = stack.wait_live()
+        body = {"prompt": "secret", "max_new_tokens": 4}
+        response = httpx.post(f"{stack.url}/generate", json=body, timeout=30)
+        assert response.json()["text"] == expected_text("secret", 4)
+        curve = load(FrontendConfig, [], stack.env).curve
+        with zmq.Context() as context:
+            hello = probe(stack.env["WORKER_ENDPOINT"], 5, context, curve)
+        assert hello.instance_id == live["instance_id"]
+        time.sleep(max(0.0, started + 4 - time.monotonic()))
+        assert stack.wait_live()["instance_id"] == live["instance_id"]
+        assert "killing worker" not in stack.log("supervisor")
+
+
+def test_a_peer_without_an_allowed_key_gets_nothing_and_the_worker_serves_on(
+    tmp_path: Path, keys: Path
+) -> None:
+    with running_stack(tmp_path, curve_env(keys), supervised=False) as stack:
+        stack.wait_live()
+        endpoint = stack.env["WORKER_ENDPOINT"]
+        curve = load(FrontendConfig, [], stack.env).curve
+        assert curve is not None
+        server_public_key = curve.server_public_key
+        _, stranger_secret_key = zmq.curve_keypair()
+        with zmq.Context() as context:
+            for stranger in (None, ClientKeys(server_public_key, stranger_secret_key)):
+                with context.socket(zmq.DEALER) as socket:
+                    socket.setsockopt(zmq.LINGER, 0)
+                    secure_client(socket, stranger)
+                    socket.connect(endpoint)
+                    socket.send(encode(Ping("stranger")))
+                    socket.send(encode(GenerateRequest("stranger-1", "hi", max_new_tokens=2)))
+                    assert not socket.poll(1500), "the worker answered a stranger"
+            with pytest.raises(ProbeFailed, match="no Hello"):
+                probe(endpoint, 1, context)
+        assert "refused a CURVE client" in stack.log("worker")
+        body = {"prompt": "still serving", "max_new_tokens": 3}
+        response = httpx.post(f"{stack.url}/generate", json=body, timeout=30)
+        assert response.json()["text"] == expected_text("still serving", 3)
+        assert stack.processes["worker"].poll() is None
+
+
+@pytest.mark.parametrize(
+    ("module", "given", "missing"),
+    [
+        ("worker.main", "CURVE_SERVER_SECRET_KEY", "CURVE_CLIENT_KEYS"),
+        ("frontend.main", "CURVE_CLIENT_SECRET_KEY", "CURVE_SERVER_PUBLIC_KEY"),
+    ],
+)
+def test_half_a_curve_configuration_is_refused_at_start(
+    keys: Path, module: str, given: str, missing: str
+) -> None:
+    env = stack_env({given: curve_env(keys)[given]})
+    result = subprocess.run(
+        [sys.executable, "-m", module], env=env, cwd=REPO_ROOT, capture_output=True, timeout=30
+    )
+    assert result.returncode != 0
+    assert f"{missing} is unset, but {given} is set" in result.stderr.decode()
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("CURVE_CLIENT_KEYS", "{keys}/nobody.key", "no certificate file at"),
+        ("CURVE_CLIENT_KEYS", "{keys}/empty", "holds no .key certificate files"),
+        ("CURVE_CLIENT_KEYS", "short", "the value is 5 characters, not 40"),
+        ("CURVE_SERVER_SECRET_KEY", "{keys}/worker.key", "holds only a public key"),
+        ("CURVE_SERVER_SECRET_KEY", "~" * 40, "characters outside the Z85 alphabet"),
+    ],
+)
+def test_a_bad_key_setting_is_refused_naming_its_variable(
+    keys: Path, setting: str, value: str, message: str
+) -> None:
+    (keys / "empty").mkdir()
+    env = {
+        "CURVE_SERVER_SECRET_KEY": str(keys / "worker.key_secret"),
+        "CURVE_CLIENT_KEYS": str(keys / "client.key"),
+        setting: value.format(keys=keys),
+    }
+    with pytest.raises(ConfigError, match=f"^{setting}: .*{message}"):
+        load(WorkerConfig, [], env)
+
+
+def test_keys_may_be_z85_strings_and_a_directory_of_public_keys(keys: Path) -> None:
+    public_key = (keys / "client.key").read_text().split('public-key = "')[1][:40]
+    by_value = load(
+        WorkerConfig, [], {"CURVE_SERVER_SECRET_KEY": "x" * 40, "CURVE_CLIENT_KEYS": public_key}
+    )
+    by_directory = load(
+        WorkerConfig, [], {"CURVE_SERVER_SECRET_KEY": "x" * 40, "CURVE_CLIENT_KEYS": str(keys)}
+    )
+    assert by_value.curve is not None and by_directory.curve is not None
+    assert public_key.encode() in by_value.curve.client_public_keys
+    assert by_value.curve.client_public_keys < by_directory.curve.client_public_keys
+
+
+def test_minibatch_keys_never_overwrites_keys(keys: Path) -> None:
+    before = (keys / "worker.key_secret").read_bytes()
+    assert main([str(keys)]) == 1
+    assert (keys / "worker.key_secret").read_bytes() == before
+
+
+def test_a_worker_with_curve_on_still_stops_at_once_on_sigterm(tmp_path: Path, keys: Path) -> None:
+    # Its authenticator thread must go first: the ZMQ context waits for it otherwise.
+    with running_stack(tmp_path, curve_env(keys), supervised=False, start=("worker",)) as stack:
+        curve = load(FrontendConfig, [], stack.env).curve
+        with zmq.Context() as context:
+            probe(stack.env["WORKER_ENDPOINT"], 10, context, curve)
+        worker = stack.processes["worker"]
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=5) == 0

@@ -1,0 +1,183 @@
+"""The supervisor replaces every worker that dies or hangs, before or after its
+hello, and gives up on a crash loop instead of retrying forever."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from protocol import GenerateRequest, encode
+from protocol.config import SupervisorConfig
+from tests.stack import Stack, running_stack
+from worker import supervisor
+from worker.fake_engine import CRASH_EXIT_CODE, expected_text
+from worker.supervisor import Child, CrashLoop
+
+SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _FakeProcess:
+    """Stands in for a child process; ``returncode`` None while it runs."""
+
+    pid = 4242
+
+    def __init__(self, *_: object) -> None:
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    monkeypatch.setattr(supervisor.subprocess, "Popen", _FakeProcess)
+    return _Clock()
+
+
+def _worker(clock: _Clock, crash_loop_limit: int) -> Child:
+    config = SupervisorConfig(crash_loop_limit=crash_loop_limit)
+    return Child("worker", "worker.main", config, served_after_s=10.0, clock=clock)
+
+
+def _run_and_die(child: Child, clock: _Clock, *num_finished: int, code: int = -9) -> None:
+    """Start ``child``, see it up once per ``num_finished`` (a second apart), then let
+    it die and schedule its restart."""
+    child.start()
+    for finished in num_finished:
+        child.on_up(finished)
+        clock.now += 1
+    assert isinstance(child.process, _FakeProcess)
+    child.process.returncode = code
+    child.schedule_restart(str(child.exit_cause()))
+
+
+def test_workers_that_die_after_hello_before_answering_anything_are_a_crash_loop(
+    clock: _Clock,
+) -> None:
+    # A poison request: each worker says hello, takes it and dies at once.
+    child = _worker(clock, crash_loop_limit=3)
+    _run_and_die(child, clock, 0, 0)
+    _run_and_die(child, clock, 0)
+    with pytest.raises(CrashLoop, match="3 times in a row"):
+        _run_and_die(child, clock, 0, 0, 0)
+
+
+def test_a_worker_killed_after_answering_a_request_is_not_a_failed_start(
+    clock: _Clock,
+) -> None:
+    # The fault drill: SIGKILL a worker that has served, again and again.
+    child = _worker(clock, crash_loop_limit=1)
+    for _ in range(3):
+        _run_and_die(child, clock, 0, 2)
+    assert (child.num_failed_starts, child.num_restarts) == (0, 3)
+
+
+def test_a_worker_live_for_a_while_has_served_even_without_requests(clock: _Clock) -> None:
+    child = _worker(clock, crash_loop_limit=1)
+    child.start()
+    child.on_up(0)
+    clock.now += 9.9
+    child.on_up(0)
+    assert not child.has_served
+    clock.now += 0.1
+    child.on_up(0)
+    assert child.has_served
+
+
+def test_a_child_killed_by_a_real_time_signal_is_named_by_its_number(clock: _Clock) -> None:
+    child = _worker(clock, crash_loop_limit=5)
+    child.start()
+    assert isinstance(child.process, _FakeProcess)
+    child.process.returncode = -SIGRTMIN_PLUS_3
+    assert child.exit_cause() == "killed by signal 37"
+
+
+def _exit_code(stack: Stack, timeout_s: float = 20) -> int:
+    try:
+        return stack.processes["supervisor"].wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the supervisor is still retrying\n{stack.logs()}") from None
+
+
+def test_a_worker_without_hello_by_the_start_deadline_is_replaced_then_given_up_on(
+    tmp_path: Path,
+) -> None:
+    overrides = {
+        "WORKER_START_TIMEOUT_S": "1",
+        "FAKE_START_DELAY_S": "30",
+        "CRASH_LOOP_LIMIT": "2",
+        "RESTART_BACKOFF_S": "0.1",
+    }
+    with running_stack(tmp_path, overrides) as stack:
+        assert _exit_code(stack) != 0
+        log = stack.log("supervisor")
+        assert log.count("killing worker") == 2, log
+        assert "no hello within WORKER_START_TIMEOUT_S=1 s" in log
+        assert "restart #1" in log
+        assert "giving up: worker died before serving 2 times in a row" in log
+
+
+def test_a_worker_killed_by_signal_37_is_restarted_and_the_supervisor_lives_on(
+    tmp_path: Path,
+) -> None:
+    with running_stack(tmp_path) as stack:
+        first = stack.wait_live()
+        (pid,) = stack.worker_pids()
+        os.kill(pid, SIGRTMIN_PLUS_3)
+        stack.wait_live(instance_not=str(first["instance_id"]))
+        assert "worker stopped (killed by signal 37)" in stack.log("supervisor")
+
+
+def _send_poison(endpoint: str, request_id: str) -> None:
+    """Hand the worker at ``endpoint`` a request with the crash prompt. Straight over
+    ZMQ, so that no frontend replays it on the next worker the instant that worker
+    says hello, before the supervisor has heard the hello too."""
+    with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
+        socket.setsockopt(zmq.LINGER, 1000)
+        socket.connect(endpoint)
+        socket.send(encode(GenerateRequest(request_id, "poison", max_new_tokens=1)))
+
+
+def test_workers_that_die_taking_their_first_request_after_hello_are_a_crash_loop(
+    tmp_path: Path,
+) -> None:
+    overrides = {"FAKE_CRASH_PROMPT": "poison", "CRASH_LOOP_LIMIT": "2"}
+    with running_stack(tmp_path, overrides) as stack:
+        live = stack.wait_live()
+        time.sleep(0.5)  # the supervisor pings every 0.1 s: it has heard the hello
+        _send_poison(stack.env["WORKER_ENDPOINT"], "poison-1")
+        live = stack.wait_live(instance_not=str(live["instance_id"]))
+        time.sleep(0.5)
+        _send_poison(stack.env["WORKER_ENDPOINT"], "poison-2")
+        assert _exit_code(stack) != 0
+        log = stack.log("supervisor")
+        assert "giving up: worker died before serving 2 times in a row" in log
+        assert f"(last: exit code {CRASH_EXIT_CODE})" in log
+
+
+def test_killing_a_worker_that_answered_requests_is_not_a_crash_loop(tmp_path: Path) -> None:
+    with running_stack(tmp_path, {"CRASH_LOOP_LIMIT": "1"}) as stack:
+        for _ in range(2):
+            live = stack.wait_live()
+            response = httpx.post(
+                f"{stack.url}/generate", json={"prompt": "hi", "max_new_tokens": 3}, timeout=30
+            )
+            assert response.json()["text"] == expected_text("hi", 3)
+            time.sleep(1)  # heartbeats (every 0.1 s) tell the supervisor it answered
+            stack.signal_worker(signal.SIGKILL)
+            stack.wait_live(instance_not=str(live["instance_id"]))
