@@ -28,6 +28,7 @@ class InFlight:
     attempt: int = 0
     sent_to: str | None = None  # worker instance holding the current attempt
     num_worker_deaths: int = 0  # workers that died while this request was in flight on them
+    made_progress: bool = False  # replayed as a suspect, it ran a step on the new worker
     streamed_token_ids: list[int] = field(default_factory=list)
     streamed_text: str = ""
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
@@ -40,16 +41,19 @@ class InFlight:
     def wire_id(self) -> str:
         return f"{self.request_id}.{self.attempt}"
 
-    def next_attempt(self) -> GenerateRequest:
+    def next_attempt(self, stream: bool = False) -> GenerateRequest:
         """The request to send now. A stream that already sent tokens resumes after
         them and the text they showed, so the client sees one continuous answer,
-        the one an uninterrupted run gives; its budget still counts them."""
+        the one an uninterrupted run gives; its budget still counts them.
+        ``stream`` asks for deltas even if the client did not (the result still
+        carries the whole text), to see that the attempt is making progress."""
         self.attempt += 1
         return dataclasses.replace(
             self.request,
             request_id=self.wire_id,
             resume_token_ids=list(self.streamed_token_ids),
             resume_text_len=len(self.streamed_text),
+            stream=self.request.stream or stream,
         )
 
     def record(self, delta: TokenDelta) -> None:

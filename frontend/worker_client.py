@@ -5,8 +5,15 @@ It is sent while a worker is live, and sent again only when it must be: when a
 new worker instance says hello (the one that held it is gone), or when the
 worker greets this frontend again (it timed this frontend out and dropped its
 requests). A worker that was only late, and is live again as the same
-instance, keeps its requests. A request that was in flight on two workers that
-died may be what kills them: it is answered with an error, not replayed again.
+instance, keeps its requests.
+
+A request that was in flight on a worker that died is a suspect: it may be what
+killed it. Suspects are replayed one at a time, each once the one before has
+made progress (a token, or its answer) on the new worker, so that a poison
+request kills at most one more worker and takes no innocent suspect with it.
+A suspect in flight on a second worker that died before it made progress there
+is answered with an error and not replayed again; one that had made progress
+(it was running beside the one to blame) gets one more try.
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ from protocol.liveness import Liveness, Verdict
 log = logging.getLogger(__name__)
 
 # Workers that died while a request was in flight on them, after which the request
-# is failed rather than replayed again.
+# is failed rather than replayed again: two if it made no progress after the
+# first, three in all.
 MAX_WORKER_DEATHS = 2
+MAX_WORKER_DEATHS_AFTER_PROGRESS = 3
 _TASK_DIED_EXIT_CODE = 4
 
 
@@ -61,6 +70,8 @@ class WorkerClient:
         self.num_worker_restarts = 0
         self._inflight: dict[str, InFlight] = {}  # by request_id
         self._by_wire_id: dict[str, InFlight] = {}
+        self._suspects: list[InFlight] = []  # waiting to be replayed, in order
+        self._suspect_on_trial: InFlight | None = None  # replayed, no progress seen yet
         self._was_live = False
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
@@ -129,7 +140,11 @@ class WorkerClient:
 
     def _forget(self, entry: InFlight) -> bool:
         self._by_wire_id.pop(entry.wire_id, None)
-        return self._inflight.pop(entry.request_id, None) is not None
+        is_known = self._inflight.pop(entry.request_id, None) is not None
+        if entry is self._suspect_on_trial:
+            self._suspect_on_trial = None
+            self._replay_next_suspect()
+        return is_known
 
     def _send(self, message: ToWorker) -> bool:
         return self._send_frame(encode(message))
@@ -145,7 +160,7 @@ class WorkerClient:
             # The previous attempt may still run on this instance: stop it.
             self._send(AbortRequest(entry.wire_id))
         self._by_wire_id.pop(entry.wire_id, None)
-        request = entry.next_attempt()
+        request = entry.next_attempt(stream=entry is self._suspect_on_trial)
         hello = self.liveness.hello
         frame = encode(request)
         if hello is not None and len(frame) > hello.max_message_bytes:
@@ -165,30 +180,56 @@ class WorkerClient:
             self._send_attempt(entry)
 
     def _send_unsent(self) -> None:
-        """Send what no live worker holds: requests accepted while none was live."""
-        unsent = [entry for entry in self._inflight.values() if entry.sent_to is None]
+        """Send what no live worker holds: requests accepted while none was live,
+        and the next suspect."""
+        self._replay_next_suspect()
+        unsent = [
+            entry
+            for entry in self._inflight.values()
+            if entry.sent_to is None and entry not in self._suspects
+        ]
         for entry in sorted(unsent, key=lambda entry: entry.order):
             self._send_attempt(entry)
 
     def _on_worker_replaced(self, dead_instance_id: str) -> None:
-        """Every request the dead instance held is replayed, unless it was in flight
-        on a worker that died before: then it may be what kills them."""
-        orphans: list[InFlight] = []
-        for entry in list(self._inflight.values()):
+        """The dead instance's requests become suspects, replayed one at a time;
+        one that was a suspect already is failed instead."""
+        self._suspect_on_trial = None
+        for entry in sorted(self._inflight.values(), key=lambda entry: entry.order):
             if entry.sent_to != dead_instance_id:
                 continue
+            entry.sent_to = None
             entry.num_worker_deaths += 1
-            if entry.num_worker_deaths >= MAX_WORKER_DEATHS:
+            limit = MAX_WORKER_DEATHS_AFTER_PROGRESS if entry.made_progress else MAX_WORKER_DEATHS
+            entry.made_progress = False
+            if entry.num_worker_deaths >= limit:
                 log.error(
                     "request %s was in flight on %d workers that died; failing it",
                     entry.request_id,
                     entry.num_worker_deaths,
                 )
                 self._resolve(entry, _quarantined(entry))
-            else:
-                orphans.append(entry)
-        self._resend(orphans, f"worker {dead_instance_id[:8]} was replaced")
+            elif entry not in self._suspects:
+                self._suspects.append(entry)
+        self._suspects.sort(key=lambda entry: entry.order)
+        if self._suspects:
+            log.warning(
+                "replaying %d requests one at a time: worker %s was replaced",
+                len(self._suspects),
+                dead_instance_id[:8],
+            )
         self._send_unsent()
+
+    def _replay_next_suspect(self) -> None:
+        """Replay the next suspect once the one on trial has made progress."""
+        if self._suspect_on_trial is not None or not self.liveness.verdict().is_live:
+            return
+        while self._suspects:
+            entry = self._suspects.pop(0)
+            if entry.request_id in self._inflight:
+                self._suspect_on_trial = entry
+                self._send_attempt(entry)
+                return
 
     def _resolve(self, entry: InFlight, final: GenerateResult | ErrorResult) -> None:
         self._forget(entry)
@@ -201,6 +242,10 @@ class WorkerClient:
         if isinstance(message, TokenDelta):
             entry.record(message)
             entry.events.put_nowait(message)
+            if entry is self._suspect_on_trial and message.token_ids:
+                entry.made_progress = True  # it ran a step: likely not what kills workers
+                self._suspect_on_trial = None
+                self._replay_next_suspect()
         else:
             self._resolve(entry, message)
 

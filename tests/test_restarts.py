@@ -224,7 +224,8 @@ def test_a_worker_that_was_only_late_keeps_its_requests(tmp_path: Path) -> None:
         stack.wait_for_health("slots busy", lambda h: h["active"] == 2)
         worker = stack.processes["worker"]
         worker.send_signal(signal.SIGSTOP)
-        stack.wait_for_health("worker dead", lambda h: h["worker"] == "dead")
+        declared = "worker declared dead"
+        stack.wait_until(lambda: declared in stack.log("frontend"), declared)
         worker.send_signal(signal.SIGCONT)
         _assert_fault_free_answers(bodies, futures)
         pool.shutdown()
@@ -232,3 +233,26 @@ def test_a_worker_that_was_only_late_keeps_its_requests(tmp_path: Path) -> None:
         assert (health["instance_id"], health["worker_restarts"]) == (first["instance_id"], 0)
         assert "worker is live again" in stack.log("frontend")
         assert "replaying" not in stack.log("frontend")
+
+
+def test_a_request_that_kills_every_worker_is_failed_after_two_and_the_rest_succeed(
+    tmp_path: Path,
+) -> None:
+    overrides = {"FAKE_CRASH_PROMPT": "poison", "FAKE_STEP_DELAY_S": "0.02"}
+    with running_stack(tmp_path, overrides) as stack:
+        first = stack.wait_live()
+        innocents = _bodies(6, max_new_tokens=30)
+        poison = {"prompt": "a poison pill", "max_new_tokens": 30}
+        pool, futures = _in_background(stack, [*innocents[:3], poison, *innocents[3:]])
+        answers = [future.result(timeout=60) for future in futures]
+        pool.shutdown()
+        poisoned = answers.pop(3)
+        assert poisoned.status_code == 500
+        assert poisoned.json()["error"]["code"] == "workers_died"
+        assert "in flight on 2 workers that died" in poisoned.json()["error"]["message"]
+        for body, answer in zip(innocents, answers, strict=True):
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["text"] == expected_text(str(body["prompt"]), 30)
+        health = stack.wait_live(instance_not=str(first["instance_id"]))
+        assert health["worker_restarts"] == 2
+        assert health["inflight"] == 0

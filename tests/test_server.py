@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -289,3 +292,28 @@ def test_an_invalid_request_is_answered_alone_and_its_batchmates_run(connect: Co
             result = finals[request_id]
             assert isinstance(result, GenerateResult) and result.text == expected_text(prompt, 5)
         assert engine.num_resets == 0
+
+
+@pytest.mark.parametrize(
+    ("patch", "thread"),
+    [
+        ("worker.server._Peers.heartbeat", "worker-io"),
+        ("worker.scheduler.Scheduler.has_work", "MainThread"),
+    ],
+)
+def test_a_thread_that_raises_ends_the_worker_loudly(patch: str, thread: str) -> None:
+    module, cls, method = patch.rsplit(".", 2)
+    script = (
+        f"import {module}, worker.main\n"
+        "def broken(*args, **kwargs):\n"
+        "    raise RuntimeError('injected')\n"
+        f"setattr({module}.{cls}, {method!r}, broken)\n"
+        "worker.main.main([])\n"
+    )
+    env = {**os.environ, "MODEL_ID": "fake", "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 4
+    assert f"thread {thread} failed" in done.stderr
+    assert "RuntimeError: injected" in done.stderr
