@@ -116,6 +116,14 @@ class SlotEngine(InferenceEngine):
             token_ids = list(request.prompt_token_ids)
         else:
             token_ids = self.tokenizer.encode(request.prompt)
+            if token_ids and max(token_ids) >= self.info.vocab_size:
+                # A tokenizer larger than the model's embedding: never index past it.
+                raise RequestRejected(
+                    request.request_id,
+                    ErrorCode.INVALID_REQUEST,
+                    f"prompt: tokenizes to id {max(token_ids)}, outside this model's "
+                    f"vocabulary of {self.info.vocab_size}",
+                )
         if not token_ids:
             raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
         # The resumed output is part of max_new_tokens, so it needs no room of its own.

@@ -1,0 +1,142 @@
+"""Heartbeat gaps while the worker takes the largest messages it allows in.
+
+    python -m bench.heartbeat_gap                 # synthetic model, default limits
+    python -m bench.heartbeat_gap --rounds 5
+
+A worker that stops heartbeating for HEARTBEAT_TIMEOUT_S is declared dead and
+replaced, so no message a peer may send can be allowed to hold up heartbeats.
+This runs a worker in-process and sends, over its real socket, the messages that
+cost it most: a text prompt as large as MAX_MESSAGE_BYTES (refused on its length),
+the longest text prompt it tokenizes, and an id list as large as MAX_MESSAGE_BYTES.
+It reports the longest gap between heartbeats and how long each answer took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from protocol import (
+    ErrorResult,
+    GenerateRequest,
+    GenerateResult,
+    Heartbeat,
+    Ping,
+    decode_to_frontend,
+    encode,
+)
+from protocol.config import WorkerConfig
+from worker.engine import InferenceEngine
+from worker.scheduler import Scheduler
+from worker.server import WorkerServer
+from worker.validation import RequestLimits
+
+RESULTS = Path(__file__).parent / "results"
+_PROSE = "The quick brown fox jumps over the lazy dog, and then it rests. "
+
+
+@dataclass
+class GapReport:
+    interval_s: float  # HEARTBEAT_INTERVAL_S
+    max_gap_s: float = 0.0
+    answer_s: dict[str, list[float]] = field(default_factory=dict)
+
+
+def heavy_requests(limits: RequestLimits, max_message_bytes: int) -> dict[str, GenerateRequest]:
+    """The costliest messages a peer may send, each under ``max_message_bytes``."""
+    room = max_message_bytes - 1024  # the rest of the message's fields
+    longest_tokenized = (_PROSE * (limits.max_prompt_chars // len(_PROSE) + 1))[
+        : limits.max_prompt_chars
+    ]
+    return {
+        "largest text prompt": GenerateRequest("text", "x" * room, 16),
+        "longest tokenized prompt": GenerateRequest("tokenized", longest_tokenized, 16),
+        "largest id list": GenerateRequest("ids", "", 16, prompt_token_ids=[1] * (room // 4)),
+    }
+
+
+def measure(
+    engine: InferenceEngine, config: WorkerConfig, rounds: int, timeout_s: float = 60.0
+) -> GapReport:
+    """Serve ``engine`` in-process and send each heavy request ``rounds`` times."""
+    server = WorkerServer(Scheduler(engine, config.max_queue_depth), config)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(config.endpoint)
+    report = GapReport(config.heartbeat_interval_s)
+    answered_at = time.monotonic()
+    try:
+        peer.send(encode(Ping("heartbeat-gap")))
+        sent_at: dict[str, tuple[str, float]] = {}  # request id -> (kind, when sent)
+        for round_no in range(rounds):
+            for name, request in heavy_requests(server.limits, config.max_message_bytes).items():
+                request_id = f"{request.request_id}-{round_no}"
+                sent_at[request_id] = (name, time.monotonic())
+                peer.send(encode(dataclasses.replace(request, request_id=request_id)))
+        beats: list[float] = []
+        deadline = time.monotonic() + timeout_s
+        # Every answer, then two more heartbeats: the gaps around the last one count.
+        while sent_at or len(beats) < 2 or beats[-1] < answered_at + 2 * report.interval_s:
+            if time.monotonic() > deadline or not peer.poll(int(timeout_s * 1000)):
+                raise RuntimeError(f"no answer within {timeout_s} s for {sorted(sent_at)}")
+            message = decode_to_frontend(peer.recv())
+            now = time.monotonic()
+            if isinstance(message, Heartbeat):
+                beats.append(now)
+            elif isinstance(message, (GenerateResult, ErrorResult)):
+                name, when = sent_at.pop(message.request_id)
+                report.answer_s.setdefault(name, []).append(now - when)
+                answered_at = now
+        report.max_gap_s = max(later - earlier for earlier, later in itertools.pairwise(beats))
+    finally:
+        peer.close(linger=0)
+        context.term()
+        server.stop()
+        thread.join(timeout=10)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-id", default="synthetic")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--port", type=int, default=8450)
+    parser.add_argument("--heartbeat-interval-s", type=float, default=0.1)
+    args = parser.parse_args(argv)
+    from worker.main import build_engine
+
+    config = WorkerConfig(
+        model_id=args.model_id,
+        endpoint=f"tcp://127.0.0.1:{args.port}",
+        heartbeat_interval_s=args.heartbeat_interval_s,
+    )
+    report = measure(build_engine(config), config, args.rounds)
+    print(f"heartbeat interval {report.interval_s:g} s")
+    print(f"longest gap between heartbeats: {report.max_gap_s * 1000:.0f} ms")
+    for name, times in report.answer_s.items():
+        print(f"  {name:<26} answered in {max(times) * 1000:7.1f} ms at most")
+    RESULTS.mkdir(exist_ok=True)
+    summary = {
+        "model": args.model_id,
+        "max_message_bytes": config.max_message_bytes,
+        "heartbeat_interval_s": report.interval_s,
+        "rounds": args.rounds,
+        "max_gap_s": report.max_gap_s,
+        "answer_s": report.answer_s,
+    }
+    (RESULTS / "heartbeat_gap.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
