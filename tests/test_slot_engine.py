@@ -21,7 +21,8 @@ class ScriptedEngine(SlotEngine):
     position i is always ``script[i]``, as for a model that resumes exactly."""
 
     def __init__(self, script: bytes, capacity: int = 2) -> None:
-        super().__init__(ModelInfo("scripted", True, 1024), ByteTokenizer(), capacity)
+        info = ModelInfo("scripted", True, 1024, vocab_size=256, max_token_chars=1)
+        super().__init__(info, ByteTokenizer(), capacity)
         self.script = script
         self.num_prefilled = 0
         self.num_decoded = 0
