@@ -7,7 +7,14 @@ It sends a seeded workload twice at steady concurrency: once without faults (the
 reference answers), then again while it SIGKILLs the worker ``--kills`` times and
 SIGSTOPs it once for longer than the liveness timeouts, each at a random point of
 progress. Every answer of the second run must equal the first (greedy decoding is
-deterministic). Exit status 1 if any request was lost, duplicated or wrong.
+deterministic). Each fault waits until every request the one before it caught has
+been answered. Exit status 1 if any request was lost, duplicated, failed or wrong.
+
+    python -m bench.fault_drill --poison              # poison requests instead of faults
+
+With ``--poison`` the second run injects no faults: poison requests (see
+`bench.poison`) are sent alongside the workload instead, each must get the answer
+a sound server gives it, no worker may restart, and no innocent answer may change.
 
 For a compose stack, name the fault commands, for example:
     --kill-cmd "docker compose exec -T worker sh -c 'kill -KILL -1'"
@@ -25,17 +32,19 @@ import random
 import signal
 import sys
 import time
-from collections import Counter
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 import psutil
 
+from bench.poison import KindTally, make_probes, print_tallies, send_mixed_in, vocab_size_of
+from bench.stack import LocalStack, stack_env
 from bench.stack import local_stack as supervised_stack
-from bench.stack import stack_env
 from bench.workload import make_workload
+from protocol.config import FrontendConfig
 
 RESULTS = Path(__file__).parent / "results"
 WORKER_MODULES = ("worker.main", "minibatch-worker")
@@ -45,7 +54,9 @@ WORKER_MODULES = ("worker.main", "minibatch-worker")
 class Fault:
     kind: str  # "kill" or "stop"
     after_completed: int  # injected once this many requests have completed
-    injected_at: float = 0.0
+    injected_at: float = 0.0  # 0: never injected, the workload ended first
+    num_completed: int = 0  # at injection: later than planned while the last one's catch ran
+    num_in_flight: int = 0  # requests sent and not yet answered at the fault
     live_again_at: float = 0.0  # /health is 200 again (a new instance, after a kill)
     recovery_s: float | None = None  # injection -> first request completed once live again
 
@@ -63,16 +74,23 @@ class Outcome:
 
 
 class FaultInjector:
-    """SIGKILL/SIGSTOP the local worker, or run the user's commands for a remote one."""
+    """SIGKILL/SIGSTOP the local worker, or run the user's commands for a remote one.
+    With ``supervisor_pid`` only that supervisor's worker is faulted: other stacks
+    may be running on this machine."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, supervisor_pid: int | None) -> None:
         self.args = args
+        self.supervisor_pid = supervisor_pid
 
     def _worker(self) -> psutil.Process:
-        for process in psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(process.info["cmdline"] or [])
-            if any(module in cmdline for module in WORKER_MODULES):
-                return process
+        if self.supervisor_pid is None:
+            processes = list(psutil.process_iter())
+        else:
+            processes = psutil.Process(self.supervisor_pid).children(recursive=True)
+        for process in processes:
+            with contextlib.suppress(psutil.Error):  # gone, a zombie, or not ours to read
+                if any(module in " ".join(process.cmdline()) for module in WORKER_MODULES):
+                    return process
         raise RuntimeError("no local worker process found; pass --kill-cmd/--stop-cmd")
 
     async def kill(self) -> None:
@@ -102,81 +120,108 @@ async def _shell(command: str) -> None:
         raise RuntimeError(f"fault command failed: {command}")
 
 
-async def run_load(
-    url: str,
-    bodies: list[dict[str, object]],
-    concurrency: int,
-    timeout_s: float,
-    faults: list[Fault] | None = None,
-    injector: FaultInjector | None = None,
-    stop_s: float = 0.0,
-) -> Outcome:
-    outcome = Outcome()
-    queue: asyncio.Queue[dict[str, object]] = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
-    progress = asyncio.Event()
+class LoadRun:
+    """A workload sent at steady concurrency. Faults and poison run alongside it and
+    pace themselves on its progress."""
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
-        while not queue.empty():
-            body = queue.get_nowait()
+    def __init__(
+        self, url: str, bodies: list[dict[str, object]], concurrency: int, timeout_s: float
+    ) -> None:
+        self.url = url
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.outcome = Outcome()
+        self.in_flight: set[str] = set()  # request ids sent and not yet answered
+        self._waiting = deque(bodies)
+        self._progress = asyncio.Event()  # set whenever a request ends
+
+    async def run(self, *alongside: Callable[[LoadRun], Awaitable[object]]) -> Outcome:
+        async with httpx.AsyncClient(base_url=self.url) as client:
+            tasks = [
+                asyncio.create_task(self._client_loop(client)) for _ in range(self.concurrency)
+            ]
+            await asyncio.gather(*tasks, *(side(self) for side in alongside))
+        return self.outcome
+
+    async def wait_for_num_completed(self, num_completed: int) -> bool:
+        """Until ``num_completed`` requests have been answered: True, or False if the
+        workload ended first."""
+        return await self._wait_until(lambda: len(self.outcome.completed_at) >= num_completed)
+
+    async def wait_for_answers(self, request_ids: set[str]) -> bool:
+        """Until none of ``request_ids`` is still in flight."""
+        return await self._wait_until(lambda: request_ids.isdisjoint(self.in_flight))
+
+    async def _wait_until(self, condition: Callable[[], bool]) -> bool:
+        while not condition():
+            if not self._waiting and not self.in_flight:
+                return False
+            self._progress.clear()
+            await self._progress.wait()
+        return True
+
+    async def _client_loop(self, client: httpx.AsyncClient) -> None:
+        outcome = self.outcome
+        while self._waiting:
+            body = self._waiting.popleft()
+            request_id = str(body["request_id"])
             outcome.sent += 1
+            self.in_flight.add(request_id)
             try:
-                response = await client.post("/generate", json=body, timeout=timeout_s)
+                response = await client.post("/generate", json=body, timeout=self.timeout_s)
             except httpx.TimeoutException:
                 outcome.lost += 1
                 continue
             except httpx.TransportError:
                 outcome.failed_by_status[0] += 1  # connection refused/reset: no status
                 continue
+            finally:
+                self.in_flight.discard(request_id)
+                self._progress.set()
             outcome.completed_at.append(time.monotonic())
-            progress.set()
             if response.status_code != 200:
                 outcome.failed_by_status[response.status_code] += 1
                 continue
             answer = response.json()
-            request_id = str(answer["request_id"])
-            if request_id != body["request_id"] or request_id in outcome.texts:
+            if answer["request_id"] != request_id or request_id in outcome.texts:
                 outcome.duplicated += 1
                 continue
             outcome.succeeded += 1
             outcome.texts[request_id] = str(answer["text"])
 
-    async def inject_faults() -> None:
-        assert faults is not None and injector is not None
-        for fault in faults:
-            while len(outcome.completed_at) < fault.after_completed:
-                progress.clear()
-                await progress.wait()
-            before = await _instance(url)
-            fault.injected_at = time.monotonic()
-            print(f"  fault: {fault.kind} after {fault.after_completed} completed", flush=True)
-            if fault.kind == "kill":
-                await injector.kill()
-                await _wait_live(url, timeout_s, instance_not=before)
-            else:
-                await injector.stop(stop_s)
-                await _wait_live(url, timeout_s)
-            fault.live_again_at = time.monotonic()
-            # The next fault waits for recovery: a request completed on the live worker.
-            while not outcome.completed_at or outcome.completed_at[-1] < fault.live_again_at:
-                progress.clear()
-                await progress.wait()
 
-    async with httpx.AsyncClient(base_url=url) as client:
-        tasks = [asyncio.create_task(client_loop(client)) for _ in range(concurrency)]
-        if faults:
-            tasks.append(asyncio.create_task(inject_faults()))
-        await asyncio.gather(*tasks)
-    for fault in faults or []:
-        after = [t for t in outcome.completed_at if t >= fault.live_again_at]
-        fault.recovery_s = min(after) - fault.injected_at if after else None
-    return outcome
+async def inject_faults(
+    run: LoadRun, faults: list[Fault], injector: FaultInjector, stop_s: float
+) -> None:
+    for fault in faults:
+        if not await run.wait_for_num_completed(fault.after_completed):
+            return  # the workload ended first: the fault stays not injected
+        before = await _instance(run.url)
+        caught = set(run.in_flight)
+        fault.num_completed = len(run.outcome.completed_at)
+        fault.num_in_flight = len(caught)
+        fault.injected_at = time.monotonic()
+        print(f"  fault: {fault.kind} after {fault.after_completed} completed", flush=True)
+        if fault.kind == "kill":
+            await injector.kill()
+            await _wait_live(run.url, run.timeout_s, instance_not=before)
+        else:
+            await injector.stop(stop_s)
+            await _wait_live(run.url, run.timeout_s)
+        fault.live_again_at = time.monotonic()
+        # The next fault waits until every request this one caught has its answer:
+        # a request in flight on two workers that died is failed, not replayed again.
+        await run.wait_for_answers(caught)
+
+
+async def _health(url: str) -> dict[str, object]:
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        return dict((await client.get("/health")).json())
 
 
 async def _instance(url: str) -> str | None:
-    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
-        return (await client.get("/health")).json().get("instance_id")  # type: ignore[no-any-return]
+    instance_id = (await _health(url)).get("instance_id")
+    return None if instance_id is None else str(instance_id)
 
 
 async def _wait_live(url: str, timeout_s: float, instance_not: str | None = None) -> None:
@@ -204,8 +249,8 @@ def plan_faults(num_kills: int, num_requests: int, seed: int) -> list[Fault]:
 
 
 @contextlib.contextmanager
-def local_stack(args: argparse.Namespace) -> Iterator[str]:
-    """Start the supervisor with drill-friendly liveness timeouts; yield its URL."""
+def local_stack(args: argparse.Namespace) -> Iterator[LocalStack]:
+    """Start the supervisor with drill-friendly liveness timeouts."""
     env = stack_env(
         {
             "MODEL_ID": args.model_id,
@@ -217,12 +262,12 @@ def local_stack(args: argparse.Namespace) -> Iterator[str]:
         }
     )
     with supervised_stack(env, Path(args.log)) as stack:
-        yield stack.url
+        yield stack
 
 
-def report(
-    reference: Outcome, drill: Outcome, faults: list[Fault], wall_s: float
-) -> dict[str, object]:
+def check_answers(reference: Outcome, drill: Outcome) -> tuple[dict[str, object], int]:
+    """Print how the drill's requests fared against the reference; return that
+    summary and the number of requests that went wrong in any way."""
     drill.wrong = sum(
         1 for rid, text in drill.texts.items() if reference.texts.get(rid) not in (None, text)
     )
@@ -239,23 +284,105 @@ def report(
         ("duplicated", drill.duplicated),
         ("wrong text", drill.wrong),
     ]
-    print(f"\nfault drill: {len(faults)} faults in {wall_s:.1f} s")
     for name, value in rows:
         print(f"  {name:<34} {value:>6}")
-    print("\n  fault  after request  recovery (fault -> first request completed by a live worker)")
-    for fault in faults:
-        recovery = f"{fault.recovery_s:.2f} s" if fault.recovery_s is not None else "never"
-        print(f"  {fault.kind:<5}  {fault.after_completed:>13}  {recovery}")
-    return {
+    summary = {
         "sent": drill.sent,
         "succeeded": drill.succeeded,
         "failed_by_status": {str(k): v for k, v in drill.failed_by_status.items()},
         "lost": drill.lost,
         "duplicated": drill.duplicated,
         "wrong": drill.wrong,
-        "faults": [asdict(f) for f in faults],
+    }
+    return summary, failed + drill.lost + drill.duplicated + drill.wrong
+
+
+def kill_drill(
+    url: str,
+    bodies: list[dict[str, object]],
+    reference: Outcome,
+    args: argparse.Namespace,
+    supervisor_pid: int | None,
+) -> tuple[dict[str, object], bool]:
+    """The second run with faults; its summary, and whether anything went wrong."""
+    faults = plan_faults(args.kills, len(bodies), args.seed)
+    print("drill run, with faults:", flush=True)
+    started = time.monotonic()
+    run = LoadRun(url, bodies, args.concurrency, args.timeout_s)
+    injector = FaultInjector(args, supervisor_pid)
+    drill = asyncio.run(run.run(lambda run: inject_faults(run, faults, injector, args.stop_s)))
+    wall_s = time.monotonic() - started
+    for fault in faults:
+        after = [t for t in drill.completed_at if t >= fault.live_again_at > 0]
+        fault.recovery_s = min(after) - fault.injected_at if after else None
+    num_injected = sum(1 for fault in faults if fault.injected_at)
+    print(f"\nfault drill: {num_injected} faults in {wall_s:.1f} s")
+    summary, num_bad = check_answers(reference, drill)
+    print("\n  fault  planned after  injected after  in flight  recovery (to first answer)")
+    for fault in faults:
+        planned = f"  {fault.kind:<5}  {fault.after_completed:>13}"
+        if not fault.injected_at:
+            print(f"{planned}  not injected: the workload ended first")
+            continue
+        recovery = f"{fault.recovery_s:.2f} s" if fault.recovery_s is not None else "never"
+        print(f"{planned}  {fault.num_completed:>14}  {fault.num_in_flight:>9}  {recovery}")
+    if num_injected < len(faults):
+        print("  some faults came too late for the workload: give more --requests")
+    summary |= {"faults": [asdict(f) for f in faults], "wall_s": wall_s}
+    return summary, num_bad > 0 or num_injected < len(faults)
+
+
+def poison_drill(
+    url: str, bodies: list[dict[str, object]], reference: Outcome, args: argparse.Namespace
+) -> tuple[dict[str, object], bool]:
+    """The second run with poison mixed in and no faults, so that any restart is
+    the poison's doing; its summary, and whether a target was missed."""
+    before = asyncio.run(_health(url))
+    model = str(before["model"])
+    probes = make_probes(
+        bodies,
+        reference.texts,
+        model,
+        args.vocab_size or vocab_size_of(model),
+        args.max_request_bytes,
+    )
+    probes *= args.poison_repeats
+    print(f"drill run, with {len(probes)} poison requests mixed in:", flush=True)
+    tallies: dict[str, KindTally] = {}
+
+    async def mix_in(run: LoadRun) -> None:
+        # Spread evenly over the workload: probe i once i/len(probes) of it is answered.
+        def wait_turn(i: int) -> Awaitable[bool]:
+            return run.wait_for_num_completed(i * len(bodies) // len(probes))
+
+        tallies.update(await send_mixed_in(url, probes, args.timeout_s, wait_turn))
+
+    started = time.monotonic()
+    drill = asyncio.run(LoadRun(url, bodies, args.concurrency, args.timeout_s).run(mix_in))
+    wall_s = time.monotonic() - started
+    after = asyncio.run(_health(url))
+    num_restarts = int(str(after["worker_restarts"])) - int(str(before["worker_restarts"]))
+    is_same_worker = after["instance_id"] == before["instance_id"]
+    num_under_load = sum(t.num_sent_under_load for t in tallies.values())
+    print(f"\npoison drill: {len(probes)} poison requests in {wall_s:.1f} s")
+    print(f"  {'worker restarts':<34} {num_restarts:>6}")
+    print(f"  {'same worker instance after':<34} {'yes' if is_same_worker else 'NO':>6}")
+    print(f"  {'poison sent while innocents ran':<34} {num_under_load:>6}")
+    print("  innocent requests:")
+    innocent, num_bad = check_answers(reference, drill)
+    print_tallies(tallies)
+    num_unexpected = sum(t.num_unexpected for t in tallies.values())
+    summary: dict[str, object] = {
+        "worker_restarts": num_restarts,
+        "same_worker_instance": is_same_worker,
+        "innocent": innocent,
+        "poison_sent": len(probes),
+        "poison_sent_while_innocents_ran": num_under_load,
+        "poison": {kind: tally.summary() for kind, tally in tallies.items()},
         "wall_s": wall_s,
     }
+    is_bad = num_restarts > 0 or not is_same_worker or num_bad > 0 or num_unexpected > 0
+    return summary, is_bad
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -266,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--log", default=str(RESULTS / "fault_drill_stack.log"), help="the started stack's log"
     )
+    parser.add_argument(
+        "--out", help="the results file (default: bench/results/fault_drill[_poison].json)"
+    )
     parser.add_argument("--kills", type=int, default=5, help="SIGKILLs of the worker")
     parser.add_argument("--stop-s", type=float, default=4.0, help="how long SIGSTOP lasts")
     parser.add_argument("--requests", type=int, default=120)
@@ -275,40 +405,45 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-cmd", help="shell command that SIGKILLs the worker")
     parser.add_argument("--stop-cmd", help="shell command that freezes the worker")
     parser.add_argument("--cont-cmd", help="shell command that thaws it")
+    parser.add_argument(
+        "--poison", action="store_true", help="mix in poison requests instead of faults"
+    )
+    parser.add_argument("--poison-repeats", type=int, default=3, help="sends of each poison")
+    parser.add_argument(
+        "--vocab-size", type=int, help="the served model's (default: by the model /health names)"
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=FrontendConfig.max_request_bytes,
+        help="the stack's MAX_REQUEST_BYTES",
+    )
     args = parser.parse_args(argv)
     if bool(args.stop_cmd) != bool(args.cont_cmd):
         parser.error("--stop-cmd and --cont-cmd go together")
 
-    bodies = [
+    bodies: list[dict[str, object]] = [
         {"request_id": r.request_id, "prompt": r.prompt, "max_new_tokens": r.max_new_tokens}
         for r in make_workload(args.requests, seed=args.seed)
     ]
-    faults = plan_faults(args.kills, len(bodies), args.seed)
-    stack = contextlib.nullcontext(args.url) if args.url else local_stack(args)
-    with stack as url:
+    with contextlib.ExitStack() as exits:
+        local = None if args.url else exits.enter_context(local_stack(args))
+        url = local.url if local else args.url
         asyncio.run(_wait_live(url, 300))
         print(f"reference run: {len(bodies)} requests, concurrency {args.concurrency}", flush=True)
-        reference = asyncio.run(run_load(url, bodies, args.concurrency, args.timeout_s))
+        reference = asyncio.run(LoadRun(url, bodies, args.concurrency, args.timeout_s).run())
         if reference.succeeded != len(bodies):
             sys.exit(f"the reference run itself failed: {reference.failed_by_status}")
-        print("drill run, with faults:", flush=True)
-        started = time.monotonic()
-        drill = asyncio.run(
-            run_load(
-                url,
-                bodies,
-                args.concurrency,
-                args.timeout_s,
-                faults,
-                FaultInjector(args),
-                args.stop_s,
-            )
-        )
-        summary = report(reference, drill, faults, time.monotonic() - started)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "fault_drill.json").write_text(json.dumps(summary, indent=2) + "\n")
-    bad = drill.lost + drill.duplicated + drill.wrong + sum(drill.failed_by_status.values())
-    sys.exit(1 if bad else 0)
+        if args.poison:
+            summary, is_bad = poison_drill(url, bodies, reference, args)
+        else:
+            supervisor_pid = local.supervisor.pid if local else None
+            summary, is_bad = kill_drill(url, bodies, reference, args, supervisor_pid)
+    name = "fault_drill_poison.json" if args.poison else "fault_drill.json"
+    out = Path(args.out) if args.out else RESULTS / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    sys.exit(1 if is_bad else 0)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""The benchmark tools, model-free: statistics, arrival schedules, load shapes, and
-the HTTP and ZMQ clients against a fake-engine stack."""
+"""The benchmark tools, model-free: statistics, arrival schedules, load shapes, the
+HTTP and ZMQ clients against a fake-engine stack, and the poison drill."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 from pathlib import Path
@@ -12,9 +13,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from bench import load
+from bench import fault_drill, load
 from bench.http_client import NATIVE, OPENAI, HttpTarget
 from bench.report import OK, RequestRecord, latency_stats, summarize
+from bench.stack import free_port
 from bench.zmq_client import ZmqTarget
 from protocol import GenerateRequest
 from tests.stack import running_stack
@@ -150,3 +152,28 @@ def test_http_client_reports_a_refused_request_by_status(tmp_path: Path) -> None
         record = asyncio.run(run())
     assert record.status == "422"  # beyond the fake model's context window
     assert summarize([record])["failures_by_status"] == {"422": 1}
+
+
+def test_poison_drill_on_a_fake_stack_restarts_nothing_and_fails_no_innocent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_STEP_DELAY_S", "0.005")  # innocents still run while poison arrives
+    out = tmp_path / "poison.json"
+    argv = ["--poison", "--model-id", "fake", "--requests", "12", "--concurrency", "4"]
+    argv += ["--poison-repeats", "1", "--port", str(free_port())]
+    argv += ["--log", str(tmp_path / "stack.log"), "--out", str(out)]
+    with pytest.raises(SystemExit) as exited:
+        fault_drill.main(argv)
+    summary = json.loads(out.read_text())
+    assert exited.value.code == 0, summary
+    assert summary["worker_restarts"] == 0
+    assert summary["same_worker_instance"]
+    innocent = summary["innocent"]
+    assert (innocent["succeeded"], innocent["failed_by_status"], innocent["wrong"]) == (12, {}, 0)
+    poison = summary["poison"]
+    assert poison["over_limit_body"]["statuses"] == {"413": 2}
+    assert poison["not_json"]["statuses"] == {"415": 3}
+    assert poison["tiny_temperature"]["statuses"] == {"200": 2}
+    assert {
+        kind: tally["unexpected"] for kind, tally in poison.items() if tally["unexpected"]
+    } == {}
