@@ -7,7 +7,8 @@ A worker that stops heartbeating for HEARTBEAT_TIMEOUT_S is declared dead and
 replaced, so no message a peer may send can be allowed to hold up heartbeats.
 This runs a worker in-process and sends, over its real socket, the messages that
 cost it most: a text prompt as large as MAX_MESSAGE_BYTES (refused on its length),
-the longest text prompt it tokenizes, and an id list as large as MAX_MESSAGE_BYTES.
+the longest text prompt it tokenizes, an id list as large as MAX_MESSAGE_BYTES,
+and frames as large that hold a list of one-character strings or a map of keys.
 It reports the longest gap between heartbeats and how long each answer took.
 """
 
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
 import zmq
 
 from protocol import (
@@ -63,6 +65,18 @@ def heavy_requests(limits: RequestLimits, max_message_bytes: int) -> dict[str, G
     }
 
 
+def unanswerable_frames(max_message_bytes: int) -> dict[str, bytes]:
+    """Frames that cost the unpacker most and name no request to answer."""
+    room = max_message_bytes - 1024
+    frames = {
+        # Two bytes a string, and at most eight a key with its value.
+        "largest list of strings": encode(GenerateRequest("s", "p", 16, stop=["a"] * (room // 2))),
+        "most map keys": msgpack.packb({f"{i:x}": 0 for i in range(room // 8)}),
+    }
+    assert all(len(frame) <= max_message_bytes for frame in frames.values())
+    return frames
+
+
 def measure(
     engine: InferenceEngine, config: WorkerConfig, rounds: int, timeout_s: float = 60.0
 ) -> GapReport:
@@ -80,6 +94,8 @@ def measure(
         peer.send(encode(Ping("heartbeat-gap")))
         sent_at: dict[str, tuple[str, float]] = {}  # request id -> (kind, when sent)
         for round_no in range(rounds):
+            for frame in unanswerable_frames(config.max_message_bytes).values():
+                peer.send(frame)
             for name, request in heavy_requests(server.limits, config.max_message_bytes).items():
                 request_id = f"{request.request_id}-{round_no}"
                 sent_at[request_id] = (name, time.monotonic())

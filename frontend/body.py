@@ -30,7 +30,7 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     _check_media_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and int(declared) > config.max_request_bytes:
-        raise _too_large(config, f"Content-Length is {int(declared):,} bytes")
+        raise _too_large(config, f"the body's Content-Length, {int(declared):,} bytes,")
     body = await _read(request, config)
     try:
         value = pydantic_core.from_json(body, allow_inf_nan=False)
@@ -42,7 +42,10 @@ async def read_json_object(request: Request) -> dict[str, Any]:
                 "a request body needs 3 at most"
             )
         else:
-            message = f"body: Invalid JSON: {exc}; {SEND_JSON}"
+            message = (
+                f"body: invalid JSON ({exc}); send one JSON object in UTF-8 "
+                "(an escape such as \\ud800 alone is no character)"
+            )
         raise ApiError(422, message, "invalid_request") from None
     if not isinstance(value, dict):
         raise ApiError(

@@ -136,8 +136,8 @@ async def next_event(
     log.warning("request %s: deadline passed; aborted", entry.request_id)
     raise ApiError(
         504,
-        f"no answer within REQUEST_TIMEOUT_S={client.config.request_timeout_s:g} s; "
-        f"worker: {client.verdict().reason}",
+        f"no answer within REQUEST_TIMEOUT_S={client.config.request_timeout_s:g} s "
+        f"(worker: {client.verdict().reason}); retry later, or ask for fewer tokens",
         "timeout",
     )
 

@@ -30,6 +30,10 @@ TYPE_KEY = "type"
 # array's typecode for 4-byte unsigned ints ("I" is 4 bytes on every platform
 # CPython supports; checked at import below).
 _UINT32 = "I"
+# No message has a list longer than this (token ids travel as bytes, not lists),
+# nor a map with more entries: a frame beyond either is refused while unpacking.
+MAX_LIST_ITEMS = 256
+MAX_MAP_ITEMS = 64
 assert array.array(_UINT32).itemsize == 4
 
 
@@ -84,7 +88,15 @@ def decode_to_frontend(frame: bytes) -> ToFrontend:
 
 def _decode(frame: bytes, accepted: dict[str, _Schema]) -> Message:
     try:
-        payload = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        # Bounded before anything is built: a frame of a million small strings or
+        # keys costs the unpacker, and the thread running it, no more than this.
+        payload = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=MAX_LIST_ITEMS,
+            max_map_len=MAX_MAP_ITEMS,
+        )
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"frame is not valid msgpack ({len(frame)} bytes): {exc}") from exc
     if not isinstance(payload, dict):
@@ -127,7 +139,9 @@ class _Schema:
         name = self.cls.TYPE
         unknown = sorted(set(body) - set(self.fields))
         if unknown:
-            raise ProtocolError(f"{name}: unknown fields {unknown}", request_id)
+            shown = ", ".join(_preview(key) for key in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise ProtocolError(f"{name}: unknown fields {shown}{more}", request_id)
         missing = sorted(self.required - set(body))
         if missing:
             raise ProtocolError(f"{name}: missing fields {missing}", request_id)

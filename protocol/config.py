@@ -100,7 +100,7 @@ class WorkerConfig:
     )
     max_message_bytes: int = _setting(
         "MAX_MESSAGE_BYTES",
-        4 * 1024 * 1024,
+        2 * 1024 * 1024,
         "largest ZMQ message a peer may send; ZMQ disconnects a peer that sends more",
     )
     frontend_timeout_s: float = _setting(

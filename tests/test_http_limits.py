@@ -197,7 +197,7 @@ def test_a_long_list_of_bad_token_ids_gets_one_error(stack: Stack) -> None:
     [
         (b"[" * 100_000 + b"]" * 100_000, "body: JSON nested too deeply"),
         (b'["prompt"]', "body: must be a JSON object, got an array"),
-        (b'{"prompt": "hi"', "body: Invalid JSON"),
+        (b'{"prompt": "hi"', "body: invalid JSON"),
     ],
 )
 def test_a_body_that_is_not_one_json_object_gets_a_short_422(

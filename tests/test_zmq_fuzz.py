@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import msgpack
+import psutil
 import zmq
 
 from protocol import PROTOCOL_VERSION, GenerateRequest, Ping, encode
@@ -113,3 +114,33 @@ def test_a_peer_that_never_reads_cannot_stall_the_worker(tmp_path: Path) -> None
         finally:
             silent.close(linger=0)
             context.term()
+
+
+def test_a_flooding_peer_is_pushed_back_and_the_worker_stays_small(tmp_path: Path) -> None:
+    with running_stack(tmp_path, supervised=False) as stack:
+        first = stack.wait_live()
+        (pid,) = stack.worker_pids()
+        worker = psutil.Process(pid)
+        rss_before = worker.memory_info().rss
+        context = zmq.Context()
+        flood = context.socket(zmq.DEALER)
+        flood.setsockopt(zmq.LINGER, 0)
+        flood.connect(stack.env["WORKER_ENDPOINT"])
+        garbage = b"\xc1" * 200
+        num_sent = 0
+        try:
+            ends_at = time.monotonic() + 3
+            while time.monotonic() < ends_at:
+                try:
+                    flood.send(garbage, zmq.NOBLOCK)
+                    num_sent += 1
+                except zmq.Again:
+                    time.sleep(0.001)  # pushed back: the worker reads no faster than it decodes
+            assert _generate(stack, "during a flood", 6) == expected_text("during a flood", 6)
+            growth_mb = (worker.memory_info().rss - rss_before) / 1e6
+        finally:
+            flood.close(linger=0)
+            context.term()
+        assert num_sent > 10_000  # a real flood
+        assert growth_mb < 100, f"worker grew {growth_mb:.0f} MB under {num_sent} frames"
+        assert stack.wait_live()["instance_id"] == first["instance_id"]

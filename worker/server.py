@@ -52,8 +52,10 @@ _WEDGED_EXIT_CODE = 3
 _CRASHED_EXIT_CODE = 4
 _MAX_FAILURES_IN_A_ROW = 3  # engine failures with no success between them
 _MAX_FRAMES_PER_TURN = 256
-_MAX_PEERS = 1024
-_MAX_QUEUED_PER_PEER = 100_000  # messages the worker holds for a peer that does not read
+_MAX_TURN_S = 0.05
+_IDLE_PEER_ROOM = 64  # peers with no request in flight, beyond those that can have one
+_MAX_QUEUED_PER_PEER = 10_000  # messages the worker holds for a peer that does not read
+_MAX_RECEIVED_PER_PEER = 64  # messages read from a peer and not yet decoded
 _FINAL = b"1"
 _PARTIAL = b"0"
 
@@ -162,10 +164,11 @@ class WorkerServer:
         # A peer that sends a larger message is disconnected by ZMQ before any of it
         # is decoded; frontends learn the limit from the hello and never send one.
         router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
-        # Outputs are bounded by the queue depth; the limit only stops a peer that
-        # never reads from growing this process without end.
+        # Bounded queues both ways, per peer: past them ZMQ stops reading a peer
+        # that floods the socket (TCP pushes back on it) and drops what a peer that
+        # never reads would otherwise pile up in this process.
         router.setsockopt(zmq.SNDHWM, _MAX_QUEUED_PER_PEER)
-        router.setsockopt(zmq.RCVHWM, 0)
+        router.setsockopt(zmq.RCVHWM, _MAX_RECEIVED_PER_PEER)
         stop_authenticator = secure_server(router, self.config.curve)
         outputs = self._context.socket(zmq.PULL)
         try:
@@ -182,7 +185,10 @@ class WorkerServer:
             stop_authenticator()
             return
         self._bound.set()
-        peers = _Peers(router, self.hello, self.limits, self.config.frontend_timeout_s)
+        # Requests in flight are bounded by queue and slots, so busy peers can never
+        # fill the table: room stays for the frontends and probes that send none.
+        max_peers = self.scheduler.max_queue_depth + self.hello.capacity + _IDLE_PEER_ROOM
+        peers = _Peers(router, self.hello, self.limits, self.config.frontend_timeout_s, max_peers)
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(outputs, zmq.POLLIN)
@@ -192,9 +198,12 @@ class WorkerServer:
             while not self._engine_done.is_set():
                 timeout_ms = max(0.0, next_heartbeat - time.monotonic()) * 1000
                 events = dict(poller.poll(int(min(timeout_ms, _IDLE_POLL_S * 1000))))
-                # A bounded batch per turn: a peer flooding the socket cannot hold up
-                # outputs or heartbeats.
+                # A bounded batch per turn, in count and time: a peer flooding the
+                # socket cannot hold up outputs or heartbeats.
+                turn_ends_at = time.monotonic() + _MAX_TURN_S
                 for _ in range(_MAX_FRAMES_PER_TURN if router in events else 0):
+                    if time.monotonic() > turn_ends_at:
+                        break
                     try:
                         frames = router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
@@ -294,15 +303,22 @@ class _Peers:
     so a peer can neither receive nor abort another peer's requests."""
 
     def __init__(
-        self, router: zmq.Socket[bytes], hello: Hello, limits: RequestLimits, timeout_s: float
+        self,
+        router: zmq.Socket[bytes],
+        hello: Hello,
+        limits: RequestLimits,
+        timeout_s: float,
+        max_peers: int,
     ) -> None:
         self.router = router
+        self.max_peers = max_peers
         self.hello = encode(hello)
         self.limits = limits
         self.timeout_s = timeout_s
         self.last_seen: dict[bytes, float] = {}
         self.routes: dict[str, bytes] = {}  # route -> peer, for requests in flight
         self._malformed = _Throttled(log, "malformed frames")
+        self._refused = _Throttled(log, "refused requests")
 
     def receive(self, frames: list[bytes]) -> list[ToWorker]:
         """Check one multipart message; return what the engine thread must act on."""
@@ -329,7 +345,7 @@ class _Peers:
                 return []
             route = route_for(peer, message.request_id)
             if route in self.routes:
-                log.warning("peer %s repeated request %s; ignored", peer.hex(), message.request_id)
+                self._refused.warn(f"peer {peer.hex()} repeated request {route}; ignored")
                 return []
             self.routes[route] = peer
             return [dataclasses.replace(message, request_id=route)]
@@ -357,8 +373,8 @@ class _Peers:
         """Note a valid message from ``peer``, greeting it on first contact; False
         if there is no room for another peer."""
         if peer not in self.last_seen:
-            if len(self.last_seen) >= _MAX_PEERS and not self._make_room():
-                self._malformed.warn(f"{_MAX_PEERS} peers connected; ignoring {peer.hex()}")
+            if len(self.last_seen) >= self.max_peers and not self._make_room():
+                self._refused.warn(f"{self.max_peers} peers connected; ignoring {peer.hex()}")
                 return False
             # Debug level: health probes connect as short-lived frontends.
             log.debug("peer %s connected", peer.hex())
@@ -394,7 +410,7 @@ class _Peers:
         return orphans
 
     def _answer(self, peer: bytes, request_id: str, code: str, message: str) -> None:
-        log.info("request %.64s from peer %s refused: %s", request_id, peer.hex(), message)
+        self._refused.warn(f"request {request_id:.64} from peer {peer.hex()} refused: {message}")
         self.router.send_multipart([peer, encode(ErrorResult(request_id, code, message))])
 
 
