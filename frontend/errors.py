@@ -17,6 +17,18 @@ _STATUS_BY_CODE = {
     ErrorCode.INTERNAL: 500,
     ErrorCode.WORKERS_DIED: 500,
 }
+# Worker field -> request field; prompt ids are the request's "prompt".
+_PARAM_BY_WORKER_FIELD = {
+    "prompt": "prompt",
+    "prompt_token_ids": "prompt",
+    "max_new_tokens": "max_new_tokens",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+}
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "invalid_request_error",  # what OpenAI sends for a bad key
@@ -52,7 +64,13 @@ class ApiError(Exception):
 
     @classmethod
     def from_worker(cls, error: ErrorResult) -> ApiError:
-        return cls(_STATUS_BY_CODE.get(error.code, 500), error.message, error.code)
+        """The worker's refusal; its message names the field first ("top_k: ..."),
+        and that field, as the request spells it, becomes ``param``."""
+        field, colon, _ = error.message.partition(":")
+        param = _PARAM_BY_WORKER_FIELD.get(field) if colon else None
+        if error.code == ErrorCode.CONTEXT_OVERFLOW:
+            param = "prompt"
+        return cls(_STATUS_BY_CODE.get(error.code, 500), error.message, error.code, param)
 
 
 def error_body(error: ApiError) -> dict[str, object]:

@@ -69,3 +69,18 @@ def test_poison_requests_fail_alone_and_restart_nothing(tmp_path: Path) -> None:
         assert greedy.json()["text"] == expected_text("poison", 16)
         health = stack.wait_live()
         assert (health["instance_id"], health["worker_restarts"]) == (first["instance_id"], 0)
+
+
+def test_a_refusal_by_the_worker_names_the_request_field(tmp_path: Path) -> None:
+    with running_stack(tmp_path, supervised=False) as stack:
+        stack.wait_live()
+        cases = [
+            ("/v1/completions", {"prompt": [FAKE_VOCAB_SIZE]}, "prompt"),
+            ("/generate", {"stop": ["s" * 300]}, "stop"),
+            ("/generate", {"stop_token_ids": [FAKE_VOCAB_SIZE]}, "stop_token_ids"),
+            ("/generate", {"prompt": "x" * 2000}, "prompt"),
+        ]
+        for path, body, param in cases:
+            response = _send(stack, path, body)
+            assert response.status_code == 422, response.text
+            assert response.json()["error"]["param"] == param, response.text
