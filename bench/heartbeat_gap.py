@@ -27,6 +27,7 @@ import msgpack
 import zmq
 
 from protocol import (
+    PROTOCOL_VERSION,
     ErrorResult,
     GenerateRequest,
     GenerateResult,
@@ -65,15 +66,25 @@ def heavy_requests(limits: RequestLimits, max_message_bytes: int) -> dict[str, G
     }
 
 
-def unanswerable_frames(max_message_bytes: int) -> dict[str, bytes]:
-    """Frames that cost the unpacker most and name no request to answer."""
+def costly_frames(max_message_bytes: int, suffix: str) -> list[tuple[str, str | None, bytes]]:
+    """(kind, request id to be answered or None, frame): the frames that cost the
+    unpacker most. Those that name a request name it first, so that their refusal
+    can be answered."""
     room = max_message_bytes - 1024
-    frames = {
+    nested_id = f"nested-{suffix}"
+    head = {"v": PROTOCOL_VERSION, "type": "generate", "request_id": nested_id}
+    # One byte an empty list: two million Python objects, were they unpacked.
+    leaf = b"\xdc" + (256).to_bytes(2, "big") + b"\x90" * 256
+    num_leaves = room // len(leaf) // 256
+    nested = b"\xdc\x01\x00" + (b"\xdc" + num_leaves.to_bytes(2, "big") + leaf * num_leaves) * 256
+    strings = GenerateRequest(f"strings-{suffix}", "p", 16, stop=["a"] * (room // 2))
+    frames: list[tuple[str, str | None, bytes]] = [
         # Two bytes a string, and at most eight a key with its value.
-        "largest list of strings": encode(GenerateRequest("s", "p", 16, stop=["a"] * (room // 2))),
-        "most map keys": msgpack.packb({f"{i:x}": 0 for i in range(room // 8)}),
-    }
-    assert all(len(frame) <= max_message_bytes for frame in frames.values())
+        ("largest list of strings", strings.request_id, encode(strings)),
+        ("nested lists", nested_id, b"\x84" + msgpack.packb(head)[1:] + b"\xa4stop" + nested),
+        ("most map keys", None, msgpack.packb({f"{i:x}": 0 for i in range(room // 8)})),
+    ]
+    assert all(len(frame) <= max_message_bytes for _, _, frame in frames)
     return frames
 
 
@@ -94,7 +105,9 @@ def measure(
         peer.send(encode(Ping("heartbeat-gap")))
         sent_at: dict[str, tuple[str, float]] = {}  # request id -> (kind, when sent)
         for round_no in range(rounds):
-            for frame in unanswerable_frames(config.max_message_bytes).values():
+            for name, request_id, frame in costly_frames(config.max_message_bytes, str(round_no)):
+                if request_id is not None:
+                    sent_at[request_id] = (name, time.monotonic())
                 peer.send(frame)
             for name, request in heavy_requests(server.limits, config.max_message_bytes).items():
                 request_id = f"{request.request_id}-{round_no}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import reprlib
 import sys
 import types
 import typing
@@ -34,6 +35,10 @@ _UINT32 = "I"
 # nor a map with more entries: a frame beyond either is refused while unpacking.
 MAX_LIST_ITEMS = 256
 MAX_MAP_ITEMS = 64
+# A longer request id is refused unanswered: no reply echoes a peer's megabytes
+# back at it. (A frontend's ids are a client's id of at most 128 characters, or a
+# uuid, and an attempt number.)
+MAX_REQUEST_ID_CHARS = 256
 assert array.array(_UINT32).itemsize == 4
 
 
@@ -87,6 +92,7 @@ def decode_to_frontend(frame: bytes) -> ToFrontend:
 
 
 def _decode(frame: bytes, accepted: dict[str, _Schema]) -> Message:
+    _check_flat(frame)
     try:
         # Bounded before anything is built: a frame of a million small strings or
         # keys costs the unpacker, and the thread running it, no more than this.
@@ -103,6 +109,10 @@ def _decode(frame: bytes, accepted: dict[str, _Schema]) -> Message:
         raise ProtocolError(f"frame must be a msgpack map, got {type(payload).__name__}")
     request_id = payload.get("request_id")
     request_id = request_id if isinstance(request_id, str) else None
+    if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ProtocolError(
+            f"request_id is {len(request_id):,} characters; at most {MAX_REQUEST_ID_CHARS}"
+        )
 
     version = payload.get(VERSION_KEY)
     if version != PROTOCOL_VERSION:
@@ -119,6 +129,71 @@ def _decode(frame: bytes, accepted: dict[str, _Schema]) -> Message:
             request_id,
         )
     return schema.build(payload, request_id)
+
+
+def _check_flat(frame: bytes) -> None:
+    """Refuse a frame whose shape no message has, before any of it is built.
+
+    Every message is one map from names to scalars, strings, bytes and lists of
+    those. A frame of nested containers passes the unpacker's per-container limits,
+    yet 2 MiB of them is two million Python objects: a second of the I/O thread.
+    Walking the headers stops at the first nested container, so such a frame costs
+    next to nothing. (A failed ``read_*_header`` consumes nothing: the next read
+    sees the same item.)
+    """
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(frame), 1))
+    unpacker.feed(frame)
+    request_id = None
+    try:
+        try:
+            num_entries = unpacker.read_map_header()
+        except ValueError as exc:
+            raise ProtocolError(
+                f"frame must be a msgpack map ({len(frame)} bytes): {exc}"
+            ) from None
+        if num_entries > MAX_MAP_ITEMS:
+            raise ProtocolError(
+                f"frame is a map of {num_entries:,} entries; at most {MAX_MAP_ITEMS}"
+            )
+        for _ in range(num_entries):
+            if _container_size(unpacker) is not None:
+                raise ProtocolError("frame has a container for a field name")
+            key = unpacker.unpack()
+            num_items = _container_size(unpacker)
+            if num_items is None:
+                value = unpacker.unpack() if key == "request_id" else unpacker.skip()
+                request_id = value if isinstance(value, str) else request_id
+                continue
+            if num_items < 0:
+                raise ProtocolError(f"{_preview(key)}: no field is a map")
+            for _ in range(num_items):
+                if _container_size(unpacker) is not None:
+                    raise ProtocolError(f"{_preview(key)}: no field nests lists")
+                unpacker.skip()
+    except ProtocolError as exc:
+        # Answerable if the id came first, as it does from our frontends.
+        if request_id is not None and len(request_id) <= MAX_REQUEST_ID_CHARS:
+            exc.request_id = request_id
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"frame is not valid msgpack ({len(frame)} bytes): {exc}") from exc
+
+
+def _container_size(unpacker: msgpack.Unpacker) -> int | None:
+    """The item count if a list starts here, -1 if a map does, None otherwise."""
+    try:
+        num_items: int = unpacker.read_array_header()
+    except ValueError:
+        pass
+    else:
+        if num_items > MAX_LIST_ITEMS:
+            raise ProtocolError(f"a list of {num_items:,} items; at most {MAX_LIST_ITEMS}")
+        return num_items
+    try:
+        unpacker.read_map_header()
+    except ValueError:
+        return None
+    return -1
 
 
 class _Schema:
@@ -184,10 +259,14 @@ def _matches(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation)
 
 
+_PREVIEW = reprlib.Repr()
+_PREVIEW.maxstring = _PREVIEW.maxother = 40
+_PREVIEW.maxlist = 3
+
+
 def _preview(value: Any) -> str:
-    """A short, bounded repr: an error message must not grow with the input."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """A short repr, in time and length: an error message must not grow with the input."""
+    return _PREVIEW.repr(value)
 
 
 def _describe(annotation: Any) -> str:

@@ -113,7 +113,7 @@ _DROP = object()
 @pytest.mark.parametrize(
     ("frame", "expected"),
     [
-        (b"\xc1", "not valid msgpack"),
+        (b"\xc1", "must be a msgpack map"),
         (b"", "not valid msgpack"),
         (msgpack.packb([1, 2]), "must be a msgpack map"),
         (_frame(v=PROTOCOL_VERSION + 1), "protocol version"),
@@ -126,8 +126,13 @@ _DROP = object()
         (_frame(seed=1.5), "seed must be int or null"),
         (_frame(prompt=_DROP), "missing fields ['prompt']"),
         (_frame(colour="red"), "unknown fields 'colour'"),
-        (_frame(stop=["a"] * 257), "not valid msgpack"),
-        (msgpack.packb({str(i): i for i in range(65)}), "not valid msgpack"),
+        (_frame(stop=["a"] * 257), "a list of 257 items; at most 256"),
+        (msgpack.packb({str(i): i for i in range(65)}), "a map of 65 entries; at most 64"),
+        (_frame(prompt=[[]]), "'prompt': no field nests lists"),
+        (_frame(stop={"a": 1}), "'stop': no field is a map"),
+        (msgpack.packb({(1,): 2}), "a container for a field name"),
+        (_frame(request_id="r" * 257), "request_id is 257 characters; at most 256"),
+        (_frame() + b"\x00", "not valid msgpack"),
         (_frame(stop_token_ids=[1, 2]), "stop_token_ids must be token ids packed as"),
         (_frame(prompt_token_ids=b"\x01\x00\x00"), "prompt_token_ids must be token ids packed"),
         (msgpack.packb({1: 2}), "not valid msgpack"),
@@ -149,6 +154,27 @@ def test_a_bad_frame_that_names_a_request_keeps_its_id_so_it_can_be_answered() -
     with pytest.raises(ProtocolError) as caught:
         decode_to_worker(_frame(max_new_tokens="4"))
     assert caught.value.request_id == "r1"
+
+
+def test_a_frame_that_nests_containers_is_refused_before_it_is_built() -> None:
+    # 2 MiB of empty lists, 256 wide and 3 deep: two million Python objects if it
+    # were unpacked, refused at its first nested header instead, still answerable.
+    leaf = b"\xdc\x01\x00" + b"\x90" * 256
+    tree = b"\xdc\x01\x00" + (b"\xdc\x00\x1e" + leaf * 30) * 256
+    head = msgpack.packb({"v": PROTOCOL_VERSION, "type": "generate", "request_id": "r1"})
+    entries = head[1:] + msgpack.packb("max_new_tokens") + b"\x04" + msgpack.packb("prompt")
+    frame = b"\x85" + entries + tree
+    assert len(frame) > 1_900_000
+    with pytest.raises(ProtocolError, match="no field nests lists") as caught:
+        decode_to_worker(frame)
+    assert caught.value.request_id == "r1"
+
+
+def test_an_over_long_request_id_is_refused_without_being_echoed() -> None:
+    with pytest.raises(ProtocolError) as caught:
+        decode_to_worker(_frame(request_id="r" * 2_000_000))
+    assert caught.value.request_id is None
+    assert len(str(caught.value)) < 100
 
 
 def test_a_frontend_message_is_refused_on_the_worker_side_and_vice_versa() -> None:

@@ -22,6 +22,8 @@ def test_the_costliest_messages_leave_no_heartbeat_gap() -> None:
     )
     report = measure(tiny_engine(capacity=2), config, rounds=2)
     assert set(report.answer_s) == {
+        "largest list of strings",
+        "nested lists",
         "largest text prompt",
         "longest tokenized prompt",
         "largest id list",

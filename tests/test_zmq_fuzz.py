@@ -144,3 +144,36 @@ def test_a_flooding_peer_is_pushed_back_and_the_worker_stays_small(tmp_path: Pat
         assert num_sent > 10_000  # a real flood
         assert growth_mb < 100, f"worker grew {growth_mb:.0f} MB under {num_sent} frames"
         assert stack.wait_live()["instance_id"] == first["instance_id"]
+
+
+def test_refusals_that_are_never_read_cost_the_worker_little(tmp_path: Path) -> None:
+    # Before ids were bounded, each refusal echoed the peer's id back at it: 300
+    # one-megabyte ids left 300 MB queued in the worker for a peer that never reads.
+    with running_stack(tmp_path, supervised=False) as stack:
+        first = stack.wait_live()
+        (pid,) = stack.worker_pids()
+        worker = psutil.Process(pid)
+        rss_before = worker.memory_info().rss
+        context = zmq.Context()
+        silent = context.socket(zmq.DEALER)
+        silent.setsockopt(zmq.LINGER, 0)
+        silent.setsockopt(zmq.RCVHWM, 1)
+        silent.setsockopt(zmq.RCVBUF, 4096)
+        silent.connect(stack.env["WORKER_ENDPOINT"])
+        silent.send(encode(Ping("silent")))
+        try:
+            for i in range(300):
+                silent.send(encode(GenerateRequest(f"{i}-" + "x" * 1_000_000, "p", 0)))
+            for i in range(40_000):  # answerable: the longest id allowed, and a bad field
+                silent.send(encode(GenerateRequest(f"{i:<256}", "p", 0)))
+            deadline = time.monotonic() + 30
+            while "stopped reading" not in stack.log("worker") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert "stopped reading" in stack.log("worker")  # forgotten, its queue dropped
+            assert _generate(stack, "after", 6) == expected_text("after", 6)
+            growth_mb = (worker.memory_info().rss - rss_before) / 1e6
+        finally:
+            silent.close(linger=0)
+            context.term()
+        assert growth_mb < 50, f"worker grew {growth_mb:.0f} MB"
+        assert stack.wait_live()["instance_id"] == first["instance_id"]

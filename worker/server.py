@@ -54,8 +54,13 @@ _MAX_FAILURES_IN_A_ROW = 3  # engine failures with no success between them
 _MAX_FRAMES_PER_TURN = 256
 _MAX_TURN_S = 0.05
 _IDLE_PEER_ROOM = 64  # peers with no request in flight, beyond those that can have one
-_MAX_QUEUED_PER_PEER = 10_000  # messages the worker holds for a peer that does not read
-_MAX_RECEIVED_PER_PEER = 64  # messages read from a peer and not yet decoded
+# Messages the worker holds for a peer that does not read. Past this the peer is
+# forgotten and its requests aborted (a frontend that only stalled is greeted again
+# on its next ping, and replays them): with every reply bounded (ids, error text),
+# a peer that never reads costs at most about a megabyte.
+_MAX_QUEUED_PER_PEER = 2048
+_MAX_ERROR_CHARS = 512
+_MAX_RECEIVED_PER_PEER = 8  # messages read from a peer and not yet decoded
 _FINAL = b"1"
 _PARTIAL = b"0"
 
@@ -169,6 +174,9 @@ class WorkerServer:
         # never reads would otherwise pile up in this process.
         router.setsockopt(zmq.SNDHWM, _MAX_QUEUED_PER_PEER)
         router.setsockopt(zmq.RCVHWM, _MAX_RECEIVED_PER_PEER)
+        # A send to a peer that is gone or not reading fails rather than vanishing, so
+        # that its requests are aborted instead of silently losing their tokens.
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         stop_authenticator = secure_server(router, self.config.curve)
         outputs = self._context.socket(zmq.PULL)
         try:
@@ -225,9 +233,10 @@ class WorkerServer:
                             num_finished=self.scheduler.num_finished,
                         )
                     )
-                    for route in peers.expire():
-                        self._inbox.put((AbortRequest(route), time.monotonic()))
+                    peers.expire()
                     watchdog.check()
+                for route in peers.take_orphans():
+                    self._inbox.put((AbortRequest(route), time.monotonic()))
         finally:
             router.close(linger=0)
             outputs.close(linger=0)
@@ -300,7 +309,9 @@ class _Watchdog:
 class _Peers:
     """Which peers are connected, and which peer sent each request in flight.
     Used by the I/O thread alone. A request is known by its route (`route_for`),
-    so a peer can neither receive nor abort another peer's requests."""
+    so a peer can neither receive nor abort another peer's requests. A peer that
+    leaves, stops pinging or stops reading is forgotten, and the routes of its
+    requests wait in `take_orphans` for the engine to abort them."""
 
     def __init__(
         self,
@@ -315,8 +326,10 @@ class _Peers:
         self.hello = encode(hello)
         self.limits = limits
         self.timeout_s = timeout_s
+        # peer -> when it last sent a valid message; in order of first contact
         self.last_seen: dict[bytes, float] = {}
         self.routes: dict[str, bytes] = {}  # route -> peer, for requests in flight
+        self._orphans: list[str] = []
         self._malformed = _Throttled(log, "malformed frames")
         self._refused = _Throttled(log, "refused requests")
 
@@ -356,18 +369,39 @@ class _Peers:
     def send(self, route: str, final: bool, payload: bytes) -> None:
         peer = self.routes.pop(route, None) if final else self.routes.get(route)
         if peer is not None:
-            self.router.send_multipart([peer, payload])
+            self._deliver(peer, payload)
 
     def heartbeat(self, heartbeat: Heartbeat) -> None:
         frame = encode(heartbeat)
-        for peer in self.last_seen:
-            self.router.send_multipart([peer, frame])
+        for peer in list(self.last_seen):
+            self._deliver(peer, frame)
 
-    def expire(self) -> list[str]:
-        """Forget peers whose pings stopped; return the routes of their requests."""
+    def expire(self) -> None:
+        """Forget peers whose pings stopped."""
         cutoff = time.monotonic() - self.timeout_s
         gone = {peer for peer, seen in self.last_seen.items() if seen < cutoff}
-        return self._forget(gone, f"sent nothing for {self.timeout_s:.0f} s")
+        self._forget(gone, f"sent nothing for {self.timeout_s:.0f} s")
+
+    def take_orphans(self) -> list[str]:
+        """The routes of requests whose peers were forgotten since the last call."""
+        orphans, self._orphans = self._orphans, []
+        return orphans
+
+    def _deliver(self, peer: bytes, frame: bytes) -> bool:
+        """Queue ``frame`` for ``peer``. If the peer left, or its queue is full
+        because it does not read, nothing is queued: the peer is forgotten, and
+        False returned."""
+        try:
+            self.router.send_multipart([peer, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            self._forget({peer}, f"stopped reading ({_MAX_QUEUED_PER_PEER} unread)", loud=True)
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._forget({peer}, "left")
+            return False
+        return True
 
     def _see(self, peer: bytes) -> bool:
         """Note a valid message from ``peer``, greeting it on first contact; False
@@ -378,40 +412,46 @@ class _Peers:
                 return False
             # Debug level: health probes connect as short-lived frontends.
             log.debug("peer %s connected", peer.hex())
-            self.router.send_multipart([peer, self.hello])
+            if not self._deliver(peer, self.hello):
+                return False
         self.last_seen[peer] = time.monotonic()
         return True
 
     def _make_room(self) -> bool:
-        """Forget the longest-silent peer with no request in flight, if there is one."""
+        """Forget the newest peer with no request in flight, if there is one: the
+        frontends that were here first keep their place however often newcomers
+        ping (a newcomer that keeps them out only delays other newcomers)."""
         busy = set(self.routes.values())
         idle = [peer for peer in self.last_seen if peer not in busy]
         if not idle:
             return False
-        self._forget({min(idle, key=self.last_seen.__getitem__)}, "too many peers")
+        self._forget({idle[-1]}, "too many peers")
         return True
 
-    def _forget(self, gone: set[bytes], why: str) -> list[str]:
+    def _forget(self, gone: set[bytes], why: str, loud: bool = False) -> None:
         if not gone:
-            return []
+            return
         orphans = [route for route, peer in self.routes.items() if peer in gone]
         for peer in gone:
             num_orphans = sum(1 for route in orphans if self.routes[route] == peer)
+            # Probes come and go all the time; a peer that takes work with it does not.
             log.log(
-                logging.WARNING if num_orphans else logging.DEBUG,
+                logging.WARNING if num_orphans or loud else logging.DEBUG,
                 "peer %s %s; aborting its %d requests",
                 peer.hex(),
                 why,
                 num_orphans,
             )
-            del self.last_seen[peer]
+            self.last_seen.pop(peer, None)
         for route in orphans:
             del self.routes[route]
-        return orphans
+        self._orphans.extend(orphans)
 
     def _answer(self, peer: bytes, request_id: str, code: str, message: str) -> None:
+        if len(message) > _MAX_ERROR_CHARS:
+            message = message[: _MAX_ERROR_CHARS - 3] + "..."
         self._refused.warn(f"request {request_id:.64} from peer {peer.hex()} refused: {message}")
-        self.router.send_multipart([peer, encode(ErrorResult(request_id, code, message))])
+        self._deliver(peer, encode(ErrorResult(request_id, code, message)))
 
 
 class _Throttled:

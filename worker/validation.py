@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 
 from protocol import AbortRequest, ErrorCode, GenerateRequest
+from protocol.codec import MAX_REQUEST_ID_CHARS
 from worker.engine import ModelInfo, RequestRejected
 
-MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
