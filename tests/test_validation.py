@@ -33,7 +33,7 @@ def test_a_sound_request_passes() -> None:
 @pytest.mark.parametrize(
     ("fields", "code", "named"),
     [
-        ({"max_new_tokens": 0}, ErrorCode.INVALID_REQUEST, "max_new_tokens"),
+        ({"max_new_tokens": -1}, ErrorCode.INVALID_REQUEST, "max_new_tokens"),
         ({"max_new_tokens": 65}, ErrorCode.INVALID_REQUEST, "max_new_tokens"),
         ({"prompt_token_ids": []}, ErrorCode.INVALID_REQUEST, "prompt_token_ids"),
         ({"prompt_token_ids": [1] * 57}, ErrorCode.CONTEXT_OVERFLOW, "context window 64"),
