@@ -8,7 +8,6 @@ deltas, a last chunk with the finish reason, then usage and ``[DONE]``.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from starlette.requests import Request
@@ -18,7 +17,13 @@ from frontend.errors import ApiError, error_body
 from frontend.generation import CLIENT_CLOSED_REQUEST, ClientGone, accept, final_result
 from frontend.logprobs import chat_logprobs, unpack
 from frontend.metrics import Metrics
-from frontend.openai_common import UsageStream, generate_request, read_openai_request, result_usage
+from frontend.openai_common import (
+    Envelope,
+    UsageStream,
+    generate_request,
+    read_openai_request,
+    result_usage,
+)
 from frontend.openai_schemas import ChatBody, ChatMessage
 from frontend.streaming import sse_frame, stream_response
 from protocol import GenerateResult, TokenDelta
@@ -51,7 +56,7 @@ async def chat_completions(request: Request) -> Response:
     )
     read.log_ignored(work.request_id)
     accepted = accept(client, work, client.config.request_timeout_s, metrics, ENDPOINT)
-    chat = _Chat(f"chatcmpl-{work.request_id}", read.model)
+    chat = Envelope(f"chatcmpl-{work.request_id}", read.model)
     if body.stream:
         stream = _ChatStream(chat, body)
         return await stream_response(request, client, accepted, stream, read.headers)
@@ -69,7 +74,7 @@ async def chat_completions(request: Request) -> Response:
         "logprobs": logprobs,
         "finish_reason": result.finish_reason,
     }
-    answer = chat.answer("chat.completion", [choice], result_usage(result))
+    answer = chat.wrap("chat.completion", [choice], result_usage(result))
     return JSONResponse(answer, headers=read.headers)
 
 
@@ -98,27 +103,8 @@ def conversation(messages: list[ChatMessage]) -> tuple[list[str], list[str]]:
     return roles, contents
 
 
-class _Chat:
-    def __init__(self, chat_id: str, model: str) -> None:
-        self.id = chat_id
-        self.model = model
-        self.created = int(time.time())
-
-    def answer(
-        self, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None
-    ) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage,
-        }
-
-
 class _ChatStream:
-    def __init__(self, chat: _Chat, body: ChatBody) -> None:
+    def __init__(self, chat: Envelope, body: ChatBody) -> None:
         self.chat = chat
         self.usage = UsageStream(body)
         self.wants_logprobs = bool(body.logprobs)
@@ -135,7 +121,7 @@ class _ChatStream:
         logprobs = chat_logprobs(unpack(result.logprobs)) if self.wants_logprobs else None
         frames = [self._chunk({}, logprobs, result.finish_reason)]
         if self.usage.is_final:
-            frames.append(sse_frame(self.chat.answer(_CHUNK, [], result_usage(result))))
+            frames.append(sse_frame(self.chat.wrap(_CHUNK, [], result_usage(result))))
         return [*frames, sse_frame("[DONE]")]
 
     def error(self, error: ApiError) -> list[str]:
@@ -149,7 +135,7 @@ class _ChatStream:
             delta = {"role": "assistant", **delta}
             self.is_started = True
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return sse_frame(self.chat.answer(_CHUNK, [choice], self.usage.so_far()))
+        return sse_frame(self.chat.wrap(_CHUNK, [choice], self.usage.so_far()))
 
 
 _CHUNK = "chat.completion.chunk"

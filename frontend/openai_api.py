@@ -7,7 +7,6 @@ unchanged, streaming, logprobs and echo included.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from starlette.requests import Request
@@ -18,6 +17,7 @@ from frontend.generation import CLIENT_CLOSED_REQUEST, ClientGone, accept, final
 from frontend.logprobs import TokenScore, completion_logprobs, unpack
 from frontend.metrics import Metrics
 from frontend.openai_common import (
+    Envelope,
     UsageStream,
     read_openai_request,
     result_usage,
@@ -124,12 +124,7 @@ def _one_prompt(
     return "", [int(token_id) for token_id in prompt]  # type: ignore[arg-type]
 
 
-class _Completion:
-    def __init__(self, completion_id: str, model: str) -> None:
-        self.id = completion_id
-        self.model = model
-        self.created = int(time.time())
-
+class _Completion(Envelope):
     def chunk(
         self,
         text: str | None,
@@ -142,14 +137,7 @@ class _Completion:
             if text is None
             else [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]
         )
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage,
-        }
+        return self.wrap("text_completion", choices, usage)
 
 
 class _CompletionStream:

@@ -5,6 +5,7 @@ and usage."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -117,6 +118,27 @@ def generate_request(
         frequency_penalty=body.frequency_penalty or 0.0,
         **prompt,
     )
+
+
+class Envelope:
+    """What every answer and chunk of one request carries around its choices."""
+
+    def __init__(self, answer_id: str, model: str) -> None:
+        self.id = answer_id
+        self.model = model
+        self.created = int(time.time())
+
+    def wrap(
+        self, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.stack import Stack, running_stack
+from tests.stack import Stack, live_stack, openai_client
 from worker.fake_engine import expected_text
 
 CHAT_PROMPT = "System: Be brief.\n\nUser: Hi\n\nAssistant:"  # the default template's
@@ -21,16 +21,17 @@ MESSAGES: list[dict[str, str]] = [
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    overrides = {"FAKE_STEP_DELAY_S": "0.005", "MAX_NEW_TOKENS_LIMIT": "40"}
-    with running_stack(tmp_path_factory.mktemp("stack"), overrides, supervised=False) as stack:
-        stack.wait_live()
+    with live_stack(
+        tmp_path_factory.mktemp("stack"),
+        {"FAKE_STEP_DELAY_S": "0.005", "MAX_NEW_TOKENS_LIMIT": "40"},
+    ) as stack:
         yield stack
 
 
 @pytest.fixture
 def client(stack: Stack) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
+    with openai_client(stack) as client:
+        yield client
 
 
 def test_chat_completion(client: openai.OpenAI) -> None:

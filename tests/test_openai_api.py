@@ -12,22 +12,20 @@ import pytest
 
 from frontend.openai_common import IGNORED_FIELDS_HEADER
 from tests.sse import sse_events
-from tests.stack import Stack, running_stack
+from tests.stack import Stack, live_stack, openai_client, running_stack
 from worker.fake_engine import expected_text
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    overrides = {"FAKE_STEP_DELAY_S": "0.005"}
-    with running_stack(tmp_path_factory.mktemp("stack"), overrides, supervised=False) as stack:
-        stack.wait_live()
+    with live_stack(tmp_path_factory.mktemp("stack"), {"FAKE_STEP_DELAY_S": "0.005"}) as stack:
         yield stack
 
 
 @pytest.fixture
 def client(stack: Stack) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
+    with openai_client(stack) as client:
+        yield client
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:

@@ -15,7 +15,14 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from protocol import GenerateRequest, Logprobs
-from tests.model_fixtures import EOS, VOCAB_SIZE, reference_ids, run_schedule, tiny_engine
+from tests.model_fixtures import (
+    EOS,
+    VOCAB_SIZE,
+    reference_ids,
+    request,
+    run_schedule,
+    tiny_engine,
+)
 from tests.resume import run
 from worker.engine import FinishedSequence
 from worker.model_loader import synthetic_model
@@ -24,18 +31,6 @@ from worker.torch_engine import TorchEngine
 pytestmark = pytest.mark.model
 
 LOGPROB_TOLERANCE = 1e-4
-
-
-def request(
-    request_id: str, prompt_ids: list[int], max_new_tokens: int, **fields: object
-) -> GenerateRequest:
-    return GenerateRequest(
-        request_id,
-        "",
-        max_new_tokens,
-        prompt_token_ids=prompt_ids,
-        **fields,  # type: ignore[arg-type]
-    )
 
 
 def hf_logprobs(model: GPT2LMHeadModel, token_ids: list[int]) -> torch.Tensor:
