@@ -35,20 +35,29 @@ class OpenAIRequest(Generic[Body]):
 
     @property
     def headers(self) -> dict[str, str]:
-        if not self.ignored:
-            return {}
-        # A header value must be ASCII: escape whatever a field name holds.
-        named = name_fields(self.ignored).encode("ascii", "backslashreplace").decode()
-        return {IGNORED_FIELDS_HEADER: "".join(c if c.isprintable() else "?" for c in named)}
+        return ignored_fields_headers(self.ignored)
 
     def log_ignored(self, request_id: str) -> None:
-        if self.ignored:
-            log.warning(
-                "request %s: ignored %d unknown fields: %s",
-                request_id,
-                len(self.ignored),
-                name_fields(self.ignored),
-            )
+        log_ignored_fields(request_id, self.ignored)
+
+
+def ignored_fields_headers(ignored: list[str]) -> dict[str, str]:
+    """The response header that names the ignored fields, if any."""
+    if not ignored:
+        return {}
+    # A header value must be ASCII: escape whatever a field name holds.
+    named = name_fields(ignored).encode("ascii", "backslashreplace").decode()
+    return {IGNORED_FIELDS_HEADER: "".join(c if c.isprintable() else "?" for c in named)}
+
+
+def log_ignored_fields(request_id: str, ignored: list[str]) -> None:
+    if ignored:
+        log.warning(
+            "request %s: ignored %d unknown fields: %s",
+            request_id,
+            len(ignored),
+            name_fields(ignored),
+        )
 
 
 async def read_openai_request(request: Request, schema: type[Body]) -> OpenAIRequest[Body]:

@@ -135,8 +135,9 @@ def test_images_are_refused_by_name(client: openai.OpenAI) -> None:
 
 
 def test_tokenize_and_detokenize_as_vllm_shapes_them(stack: Stack) -> None:
-    tokens = httpx.post(f"{stack.url}/tokenize", json={"prompt": "hey"}, timeout=10).json()
-    assert tokens == {
+    response = httpx.post(f"{stack.url}/tokenize", json={"prompt": "hey", "x": 1}, timeout=10)
+    assert response.headers["X-Ignored-Fields"] == "x"
+    assert response.json() == {
         "count": 3,
         "max_model_len": 1024,
         "tokens": [ord(c) for c in "hey"],
