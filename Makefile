@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test check bench clean
+.PHONY: install serve test check bench evals clean
 
 # Debian's docker-compose validates docker-compose.yml without a Docker engine
 # (tests/test_compose.py). Installing it needs apt-get and root; where either is
@@ -50,5 +50,15 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.http_load --mode open --rate 4 --requests 32
 	$(BIN)/python -m bench.zmq_load --mode open --rate 4 --requests 32
 
+# guidellm and lm-eval-harness against a local stack (bench/clients.py). They need
+# hundreds of MB of their own dependencies, so they get their own virtualenv,
+# with the same pinned CPU torch, and stay out of `make test`.
+EVALS := .venv-evals
+evals: $(STAMP)
+	test -x $(EVALS)/bin/python || $(PYTHON) -m venv $(EVALS)
+	$(EVALS)/bin/python -m pip install --quiet "torch==2.13.0" "transformers>=5.0,<6" \
+		"guidellm==0.8.1" "lm-eval[api,hf]==0.4.13"
+	$(BIN)/python -m bench.clients
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(EVALS) .pytest_cache .mypy_cache .ruff_cache *.egg-info

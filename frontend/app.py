@@ -15,11 +15,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from frontend.auth import ApiKeyMiddleware
+from frontend.chat_api import chat_completions
 from frontend.errors import ApiError, handle_api_error
 from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, Metrics
 from frontend.native_api import generate
 from frontend.openai_api import completions, models
 from frontend.openapi import openapi_schema
+from frontend.tokenize_api import detokenize, tokenize, version
 from frontend.worker_client import WorkerClient
 from protocol.config import FrontendConfig
 
@@ -39,7 +41,11 @@ def create_app(config: FrontendConfig) -> Starlette:
         routes=[
             Route("/generate", generate, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/version", version, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

@@ -28,6 +28,13 @@ _PARAM_BY_WORKER_FIELD = {
     "top_p": "top_p",
     "top_k": "top_k",
     "seed": "seed",
+    "messages": "messages",
+    "min_tokens": "min_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "logprobs": "logprobs",
+    "prompt_logprobs": "logprobs",
 }
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",

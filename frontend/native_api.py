@@ -37,7 +37,7 @@ async def generate(request: Request) -> Response:
     request, 400 unsupported value, 503 (Retry-After) when full, 504 past
     REQUEST_TIMEOUT_S.
     """
-    body = await parse_body(request, GenerateBody)
+    body, _ = await parse_body(request, GenerateBody)
     client: WorkerClient = request.app.state.client
     metrics: Metrics = request.app.state.metrics
     check_max_new_tokens(body.max_new_tokens, client.config.max_new_tokens_limit, "max_new_tokens")

@@ -1,30 +1,33 @@
 """OpenAI-compatible endpoints: POST /v1/completions and GET /v1/models.
 
-Shaped as OpenAI's legacy completions API, so that the `openai` package and
-load tools built on it work unchanged, streaming included.
+Shaped as OpenAI's legacy completions API, with vLLM's extensions, so that the
+`openai` package, load tools and evaluation harnesses built on it work
+unchanged, streaming, logprobs and echo included.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from frontend.errors import ApiError, error_body
-from frontend.generation import (
-    CLIENT_CLOSED_REQUEST,
-    ClientGone,
-    accept,
-    final_result,
-    new_request_id,
-)
+from frontend.generation import CLIENT_CLOSED_REQUEST, ClientGone, accept, final_result
+from frontend.logprobs import TokenScore, completion_logprobs, unpack
 from frontend.metrics import Metrics
-from frontend.schemas import CompletionBody, check_max_new_tokens, parse_body, stop_strings
+from frontend.openai_common import (
+    Envelope,
+    UsageStream,
+    read_openai_request,
+    result_usage,
+    served_model,
+)
+from frontend.openai_common import generate_request as build_request
+from frontend.openai_schemas import CompletionBody
 from frontend.streaming import sse_frame, stream_response
 from frontend.worker_client import WorkerClient
-from protocol import GenerateRequest, GenerateResult, TokenDelta
+from protocol import GenerateResult, TokenDelta
 
 ENDPOINT = "/v1/completions"
 OWNER = "minibatch-llm"
@@ -34,67 +37,68 @@ async def completions(request: Request) -> Response:
     """Complete one prompt (text or token ids). Body: CompletionBody. Answer:
     OpenAI's ``text_completion`` object, or with ``stream`` its chunks as
     server-sent events ending in ``data: [DONE]``. Errors in OpenAI's shape."""
-    body = await parse_body(request, CompletionBody)
-    client: WorkerClient = request.app.state.client
+    read = await read_openai_request(request, CompletionBody)
+    body, client = read.body, read.client
     metrics: Metrics = request.app.state.metrics
-    unsupported = body.unsupported()
-    if unsupported is not None:
-        param, message = unsupported
-        raise ApiError(400, message, "unsupported", param)
-    model = _served_model(client)
-    if model is not None and body.model != model:
-        raise ApiError(
-            404,
-            f"model {body.model!r} is not served here; this server serves {model!r}",
-            "model_not_found",
-            "model",
-        )
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    check_max_new_tokens(max_tokens, client.config.max_new_tokens_limit, "max_tokens")
+    if max_tokens == 0 and not body.echo:
+        raise ApiError(
+            422,
+            "max_tokens: must be at least 1; 0 is for echo, to score the prompt alone",
+            "invalid_request",
+            "max_tokens",
+        )
     prompt, prompt_token_ids = _one_prompt(body.prompt)
-    work = GenerateRequest(
-        request_id=new_request_id(),
+    if body.echo and body.stream and prompt_token_ids is not None:
+        raise ApiError(
+            400,
+            "echo: a streamed echo needs a text prompt; send the text, or stream false",
+            "unsupported",
+            "echo",
+        )
+    work = build_request(
+        body,
+        client,
+        max_tokens,
+        "max_tokens",
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
-        max_new_tokens=max_tokens,
-        stop=stop_strings(body.stop),
-        stop_token_ids=body.stop_token_ids or [],
-        ignore_eos=body.ignore_eos,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(0, body.top_k or 0),
-        seed=body.seed,
-        stream=bool(body.stream),
+        logprobs=body.logprobs,
+        prompt_logprobs=body.logprobs if body.echo else None,
+        echo=bool(body.echo),
     )
+    read.log_ignored(work.request_id)
     accepted = accept(client, work, client.config.request_timeout_s, metrics, ENDPOINT)
-    completion = _Completion(f"cmpl-{work.request_id}", model or body.model)
+    completion = _Completion(f"cmpl-{work.request_id}", read.model)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return await stream_response(
-            request, client, accepted, _CompletionStream(completion, include_usage)
-        )
+        echo_text = prompt if body.echo else None
+        stream = _CompletionStream(completion, body, echo_text)
+        return await stream_response(request, client, accepted, stream, read.headers)
     try:
         result = await final_result(request, client, accepted)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    usage = _usage(result)
-    return JSONResponse(completion.chunk(result.text, result.finish_reason, usage))
+    text = (result.prompt_text or "") + result.text if body.echo else result.text
+    logprobs = None
+    if body.logprobs is not None:
+        prompt_logprobs, output_logprobs = accepted.entry.all_logprobs(result)
+        scores = unpack(prompt_logprobs) if body.echo else []
+        for part in output_logprobs:
+            scores += unpack(part)
+        logprobs = completion_logprobs(scores)
+    answer = completion.chunk(text, result.finish_reason, result_usage(result), logprobs)
+    return JSONResponse(answer, headers=read.headers)
 
 
 async def models(request: Request) -> Response:
     """List the one served model, as the worker's hello names it."""
     client: WorkerClient = request.app.state.client
-    model = _served_model(client)
+    model = served_model(client)
     if model is None:
         raise ApiError(503, f"no model is loaded yet: {client.verdict().reason}", "no_worker")
     created: int = request.app.state.started_at
     card = {"id": model, "object": "model", "created": created, "owned_by": OWNER}
     return JSONResponse({"object": "list", "data": [card]})
-
-
-def _served_model(client: WorkerClient) -> str | None:
-    hello = client.liveness.hello
-    return hello.model if hello else None
 
 
 def _one_prompt(
@@ -120,54 +124,67 @@ def _one_prompt(
     return "", [int(token_id) for token_id in prompt]  # type: ignore[arg-type]
 
 
-def _usage(result: GenerateResult) -> dict[str, int]:
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
-    }
-
-
-class _Completion:
-    def __init__(self, completion_id: str, model: str) -> None:
-        self.id = completion_id
-        self.model = model
-        self.created = int(time.time())
-
+class _Completion(Envelope):
     def chunk(
-        self, text: str | None, finish_reason: str | None, usage: dict[str, int] | None
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        usage: dict[str, int] | None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         choices = (
             []
             if text is None
-            else [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]
+            else [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]
         )
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage,
-        }
+        return self.wrap("text_completion", choices, usage)
 
 
 class _CompletionStream:
-    def __init__(self, completion: _Completion, include_usage: bool) -> None:
+    """Chunks of text; a token's logprobs go out with the chunk that shows its
+    text (a token whose text is held back waits for it), at offsets counted
+    across the whole stream."""
+
+    def __init__(self, completion: _Completion, body: CompletionBody, echo: str | None) -> None:
         self.completion = completion
-        self.include_usage = include_usage
+        self.usage = UsageStream(body)
+        self.wants_logprobs = body.logprobs is not None
+        self.echo = echo  # the prompt, sent before the first output
+        self.pending: list[TokenScore] = []
+        self.text_offset = 0
 
     def delta(self, delta: TokenDelta) -> str | None:
-        if not delta.text:
+        self.usage.count(delta.prompt_tokens, len(delta.token_ids))
+        self._score(delta.prompt_logprobs, delta.logprobs)
+        text = self._take_echo() + delta.text
+        if not text:
             return None  # tokens whose text is held back: nothing to show yet
-        return sse_frame(self.completion.chunk(delta.text, None, None))
+        return self._frame(text, None)
 
     def final(self, result: GenerateResult) -> list[str]:
-        frames = [sse_frame(self.completion.chunk("", result.finish_reason, None))]
-        if self.include_usage:
-            usage = _usage(result)
-            frames.append(sse_frame(self.completion.chunk(None, None, usage)))
+        self._score(result.prompt_logprobs, result.logprobs)
+        frames = [self._frame(self._take_echo(), result.finish_reason)]
+        if self.usage.is_final:
+            frames.append(sse_frame(self.completion.chunk(None, None, result_usage(result))))
         return [*frames, sse_frame("[DONE]")]
 
     def error(self, error: ApiError) -> list[str]:
         return [sse_frame(error_body(error)), sse_frame("[DONE]")]
+
+    def _score(self, *parts: Any) -> None:
+        if self.wants_logprobs:
+            for part in parts:
+                self.pending += unpack(part)
+
+    def _take_echo(self) -> str:
+        echo, self.echo = self.echo or "", None
+        return echo
+
+    def _frame(self, text: str, finish_reason: str | None) -> str:
+        logprobs = None
+        if self.wants_logprobs:
+            logprobs = completion_logprobs(self.pending, self.text_offset)
+            self.text_offset += sum(len(score.text) for score in self.pending)
+            self.pending = []
+        chunk = self.completion.chunk(text, finish_reason, self.usage.so_far(), logprobs)
+        return sse_frame(chunk)

@@ -9,7 +9,9 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from frontend import __doc__ as frontend_doc
-from frontend.schemas import CompletionBody, GenerateBody
+from frontend.openai_schemas import ChatBody, CompletionBody
+from frontend.schemas import GenerateBody
+from frontend.tokenize_api import DetokenizeBody, TokenizeBody
 
 _REF = "#/components/schemas/{model}"
 
@@ -98,7 +100,11 @@ def _get(
 @functools.cache
 def openapi_schema() -> dict[str, Any]:
     _, definitions = models_json_schema(
-        [(GenerateBody, "validation"), (CompletionBody, "validation")], ref_template=_REF
+        [
+            (body, "validation")
+            for body in (GenerateBody, CompletionBody, ChatBody, TokenizeBody, DetokenizeBody)
+        ],
+        ref_template=_REF,
     )
     schemas = {**definitions["$defs"], "Error": _ERROR}
     return {
@@ -115,7 +121,17 @@ def openapi_schema() -> dict[str, Any]:
             "/v1/completions": _post(
                 "OpenAI-compatible completion", "CompletionBody", 400, 404, *_BODY_ERRORS, 503, 504
             ),
+            "/v1/chat/completions": _post(
+                "OpenAI-compatible chat completion", "ChatBody", 400, 404, *_BODY_ERRORS, 503, 504
+            ),
             "/v1/models": _get("The served model", "application/json", 401, 503),
+            "/tokenize": _post(
+                "A prompt's or a conversation's token ids", "TokenizeBody", 404, *_BODY_ERRORS, 503
+            ),
+            "/detokenize": _post(
+                "The text of token ids", "DetokenizeBody", 404, *_BODY_ERRORS, 503
+            ),
+            "/version": _get("This server's version", "application/json", 401),
             "/health": _get("Worker liveness; 503 when no worker is live", is_open=True),
             "/ready": _get(
                 "200 when a worker is live and there is room for requests", is_open=True

@@ -1,9 +1,11 @@
 """Request bodies of the HTTP API, validated with pydantic.
 
-JSON types are checked strictly (``"16"`` is not a number), unknown fields are
-refused so that a misspelt parameter is not silently ignored, and every error
-names the field. Integer fields are bounded so that every accepted value fits
-the wire encoding.
+JSON types are checked strictly (``"16"`` is not a number) and every error
+names the field. Unknown fields are refused on the native endpoint, so that a
+misspelt parameter is not silently ignored; the OpenAI endpoints ignore them
+(`parse_body`'s ``ignore_unknown``), as vLLM does. Integer fields are bounded so
+that every accepted value fits the wire encoding. The OpenAI bodies are in
+`frontend.openai_schemas`.
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ StopStrings = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS, fail
 
 Body = TypeVar("Body", bound=BaseModel)
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class GenerateBody(BaseModel):
     """POST /generate."""
 
-    model_config = _STRICT
+    model_config = STRICT
 
     request_id: str | None = Field(
         None, min_length=1, max_length=128, description="echoed back; made up if absent"
@@ -54,63 +56,6 @@ class GenerateBody(BaseModel):
     stop_token_ids: TokenIds = Field(default_factory=list)
     ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks)")
     stream: bool = Field(False, description="send server-sent events as tokens arrive")
-
-
-class StreamOptions(BaseModel):
-    model_config = _STRICT
-
-    include_usage: bool = False
-
-
-class CompletionBody(BaseModel):
-    """POST /v1/completions, as OpenAI defines it; n, best_of, echo, logprobs,
-    suffix and the penalties are accepted only at their neutral values."""
-
-    model_config = _STRICT
-
-    model: str = Field(min_length=1, description="the served model, as GET /v1/models names it")
-    prompt: (
-        str
-        | TokenIds
-        | Annotated[list[str], Field(fail_fast=True)]
-        | Annotated[list[TokenIds], Field(fail_fast=True)]
-    ) = Field(description="text, or token ids; one prompt per request")
-    max_tokens: int | None = Field(16, ge=1, description="1 to MAX_NEW_TOKENS_LIMIT")
-    temperature: float | None = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
-    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_ID, description="-1 or 0: off")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: StopStrings = None
-    stop_token_ids: TokenIds | None = None
-    ignore_eos: bool = False
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(1, description="only 1")
-    best_of: int | None = Field(None, description="only 1")
-    echo: bool | None = Field(False, description="only false")
-    logprobs: int | None = Field(None, description="not supported: only null")
-    suffix: str | None = Field(None, description="not supported: only null")
-    presence_penalty: float | None = Field(0.0, description="only 0")
-    frequency_penalty: float | None = Field(0.0, description="only 0")
-    logit_bias: dict[str, Any] | None = Field(None, description="only empty")
-    user: str | None = Field(None, description="accepted and ignored")
-
-    def unsupported(self) -> tuple[str, str] | None:
-        """The first parameter set to a value this server cannot honour, with why."""
-        checks = [
-            ("n", self.n in (None, 1), "only n=1 is supported; send one request per completion"),
-            ("best_of", self.best_of in (None, 1), "only best_of=1 is supported"),
-            ("echo", not self.echo, "echo is not supported"),
-            ("logprobs", self.logprobs is None, "logprobs are not supported"),
-            ("suffix", self.suffix is None, "suffix is not supported"),
-            ("presence_penalty", not self.presence_penalty, "only presence_penalty=0"),
-            ("frequency_penalty", not self.frequency_penalty, "only frequency_penalty=0"),
-            ("logit_bias", not self.logit_bias, "logit_bias is not supported"),
-        ]
-        for param, is_ok, message in checks:
-            if not is_ok:
-                return param, f"{param}: {message}"
-        return None
 
 
 # pydantic names the arm of a union it tried in an error's location: "list[str]".
@@ -192,16 +137,48 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-async def parse_body(request: Request, schema: type[Body]) -> Body:
-    """The request's JSON body as ``schema``, or an error: 422 naming the bad
+async def parse_body(
+    request: Request, schema: type[Body], ignore_unknown: bool = False
+) -> tuple[Body, list[str]]:
+    """The request's JSON body as ``schema``, and the unknown fields ignored (with
+    ``ignore_unknown``; else they are refused), or an error: 422 naming the bad
     fields, or what `read_json_object` refuses (408, 413, 415)."""
     value = await read_json_object(request)
+    ignored: list[str] = []
+    if ignore_unknown:
+        value = drop_unknown(value, schema, ignored)
     check_num_fields(value, schema)
     try:
-        return schema.model_validate(value)
+        return schema.model_validate(value), ignored
     except ValidationError as exc:
         message, param = describe(exc)
         raise ApiError(422, message, "invalid_request", param) from None
+
+
+def drop_unknown(
+    value: dict[str, Any], schema: type[BaseModel], dropped: list[str], where: str = ""
+) -> dict[str, Any]:
+    """``value`` without the fields ``schema`` does not know (in nested objects
+    too), whose dotted names are added to ``dropped``. One pass over the keys, so
+    a body of a million unknown fields costs a million cheap lookups."""
+    fields = schema.model_fields
+    known: dict[str, Any] = {}
+    for key, item in value.items():
+        if key not in fields:
+            dropped.append(where + key)
+            continue
+        nested = _model_in(fields[key].annotation)
+        if nested is not None and isinstance(item, dict):
+            item = drop_unknown(item, nested, dropped, f"{where}{key}.")
+        known[key] = item
+    return known
+
+
+def name_fields(names: list[str]) -> str:
+    """A few field names, shortened, and how many more: for messages and headers."""
+    named = ", ".join(_name(name) for name in names[:MAX_REPORTED_ERRORS])
+    more = len(names) - MAX_REPORTED_ERRORS
+    return named + (f" and {more:,} more" if more > 0 else "")
 
 
 def check_max_new_tokens(value: int, limit: int, param: str) -> None:

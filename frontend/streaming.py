@@ -47,7 +47,11 @@ def sse_frame(data: object, event: str | None = None) -> str:
 
 
 async def stream_response(
-    http_request: Request, client: WorkerClient, accepted: Accepted, stream_format: StreamFormat
+    http_request: Request,
+    client: WorkerClient,
+    accepted: Accepted,
+    stream_format: StreamFormat,
+    headers: dict[str, str] | None = None,
 ) -> Response:
     """Stream a request's events; raises ApiError if it fails before its first event."""
     try:
@@ -55,7 +59,7 @@ async def stream_response(
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     frames = _frames(http_request, client, accepted, stream_format, first)
-    return _SseResponse(frames, client, accepted)
+    return _SseResponse(frames, client, accepted, headers or {})
 
 
 async def _frames(
@@ -86,10 +90,15 @@ class _SseResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(
-        self, frames: AsyncGenerator[str, None], client: WorkerClient, accepted: Accepted
+        self,
+        frames: AsyncGenerator[str, None],
+        client: WorkerClient,
+        accepted: Accepted,
+        headers: dict[str, str],
     ) -> None:
         # X-Accel-Buffering: nginx would otherwise hold events back in its buffer.
-        super().__init__(frames, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers}
+        super().__init__(frames, headers=headers)
         self._frames = frames
         self._client = client
         self._accepted = accepted

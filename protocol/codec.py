@@ -31,6 +31,11 @@ TYPE_KEY = "type"
 # array's typecode for 4-byte unsigned ints ("I" is 4 bytes on every platform
 # CPython supports; checked at import below).
 _UINT32 = "I"
+_FLOAT32 = "f"
+_PACKED_KINDS = {
+    _UINT32: "token ids packed as little-endian uint32",
+    _FLOAT32: "numbers packed as little-endian float32",
+}
 # No message has a list longer than this (token ids travel as bytes, not lists),
 # nor a map with more entries: a frame beyond either is refused while unpacking.
 MAX_LIST_ITEMS = 256
@@ -39,7 +44,7 @@ MAX_MAP_ITEMS = 64
 # back at it. (A frontend's ids are a client's id of at most 128 characters, or a
 # uuid, and an attempt number.)
 MAX_REQUEST_ID_CHARS = 256
-assert array.array(_UINT32).itemsize == 4
+assert array.array(_UINT32).itemsize == array.array(_FLOAT32).itemsize == 4
 
 
 class ProtocolError(ValueError):
@@ -53,37 +58,61 @@ class ProtocolError(ValueError):
 
 def encode(message: Message) -> bytes:
     payload: dict[str, Any] = {VERSION_KEY: PROTOCOL_VERSION, TYPE_KEY: message.TYPE}
-    for f in dataclasses.fields(message):
-        value = getattr(message, f.name)
-        payload[f.name] = pack_ids(value) if f.name in _ID_LIST_FIELDS else value
+    payload.update(_fields(message))
     return typing.cast(bytes, msgpack.packb(payload, use_bin_type=True))
 
 
-def pack_ids(token_ids: list[int] | None) -> bytes | None:
-    """Token ids as little-endian uint32 bytes (None stays None)."""
-    if token_ids is None:
+def _fields(value: Any) -> dict[str, Any]:
+    """A dataclass's fields as msgpack values: packed lists as bytes, nested
+    dataclasses as maps."""
+    packed = _packed_fields(type(value))
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(value):
+        item = getattr(value, f.name)
+        if f.name in packed:
+            item = _pack(item, packed[f.name])
+        elif dataclasses.is_dataclass(item):
+            item = _fields(item)
+        fields[f.name] = item
+    return fields
+
+
+def _pack(values: list[int] | list[float] | None, typecode: str) -> bytes | None:
+    if values is None:
         return None
     try:
-        packed = array.array(_UINT32, token_ids)
+        packed = array.array(typecode, values)
     except (OverflowError, TypeError) as exc:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+        kind = "integers in [0, 2**32)" if typecode == _UINT32 else "numbers"
+        raise ValueError(f"a packed list must hold {kind}: {exc}") from None
     if sys.byteorder == "big":
         packed.byteswap()
     return packed.tobytes()
 
 
-def unpack_ids(raw: bytes) -> list[int] | None:
-    """The inverse of `pack_ids`; None if ``raw`` is not a whole number of ids."""
+def _unpack(raw: bytes, typecode: str) -> list[Any] | None:
+    """The inverse of `_pack`; None if ``raw`` is not a whole number of items."""
     if len(raw) % 4:
         return None
-    ids = array.array(_UINT32)
-    ids.frombytes(raw)
+    values = array.array(typecode)
+    values.frombytes(raw)
     if sys.byteorder == "big":
-        ids.byteswap()
-    return ids.tolist()
+        values.byteswap()
+    return values.tolist()
+
+
+def pack_ids(token_ids: list[int] | None) -> bytes | None:
+    """Token ids as little-endian uint32 bytes (None stays None)."""
+    return _pack(token_ids, _UINT32)
+
+
+def unpack_ids(raw: bytes) -> list[int] | None:
+    """The inverse of `pack_ids`; None if ``raw`` is not a whole number of ids."""
+    return _unpack(raw, _UINT32)
 
 
 def decode_to_worker(frame: bytes) -> ToWorker:
+    _check_flat(frame)  # anyone can reach the worker's socket
     return typing.cast(ToWorker, _decode(frame, _TO_WORKER))
 
 
@@ -92,7 +121,6 @@ def decode_to_frontend(frame: bytes) -> ToFrontend:
 
 
 def _decode(frame: bytes, accepted: dict[str, _Schema]) -> Message:
-    _check_flat(frame)
     try:
         # Bounded before anything is built: a frame of a million small strings or
         # keys costs the unpacker, and the thread running it, no more than this.
@@ -128,18 +156,20 @@ def _decode(frame: bytes, accepted: dict[str, _Schema]) -> Message:
             f"message type {kind!r} is not expected here (expected one of {sorted(accepted)})",
             request_id,
         )
-    return schema.build(payload, request_id)
+    return typing.cast(Message, schema.build(payload, request_id))
 
 
 def _check_flat(frame: bytes) -> None:
-    """Refuse a frame whose shape no message has, before any of it is built.
+    """Refuse a frame whose shape no message to the worker has, before any of it
+    is built.
 
-    Every message is one map from names to scalars, strings, bytes and lists of
-    those. A frame of nested containers passes the unpacker's per-container limits,
-    yet 2 MiB of them is two million Python objects: a second of the I/O thread.
-    Walking the headers stops at the first nested container, so such a frame costs
-    next to nothing. (A failed ``read_*_header`` consumes nothing: the next read
-    sees the same item.)
+    Every such message is one map from names to scalars, strings, bytes and lists
+    of those (only a worker's answers nest: `Logprobs`). A frame of nested
+    containers passes the unpacker's per-container limits, yet 2 MiB of them is
+    two million Python objects: a second of the I/O thread. Walking the headers
+    stops at the first nested container, so such a frame costs next to nothing.
+    (A failed ``read_*_header`` consumes nothing: the next read sees the same
+    item.)
     """
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(frame), 1))
     unpacker.feed(frame)
@@ -197,21 +227,29 @@ def _container_size(unpacker: msgpack.Unpacker) -> int | None:
 
 
 class _Schema:
-    """The fields of one message class, with the checks `_decode` applies."""
+    """The fields of one message class (or of a dataclass nested in one), with the
+    checks `_decode` applies."""
 
     def __init__(self, cls: type[Any]) -> None:
         self.cls = cls
+        self.name = getattr(cls, "TYPE", cls.__name__)
         hints = typing.get_type_hints(cls)
         self.fields = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        self.packed = _packed_fields(cls)
+        self.nested = {
+            name: _Schema(kind)
+            for name, annotation in self.fields.items()
+            if (kind := _dataclass_in(annotation)) is not None
+        }
         self.required = {
             f.name
             for f in dataclasses.fields(cls)
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         }
 
-    def build(self, payload: dict[str, Any], request_id: str | None) -> Message:
+    def build(self, payload: dict[str, Any], request_id: str | None) -> Any:
         body = {k: v for k, v in payload.items() if k not in (VERSION_KEY, TYPE_KEY)}
-        name = self.cls.TYPE
+        name = self.name
         unknown = sorted(set(body) - set(self.fields))
         if unknown:
             shown = ", ".join(_preview(key) for key in unknown[:5])
@@ -222,24 +260,31 @@ class _Schema:
             raise ProtocolError(f"{name}: missing fields {missing}", request_id)
         for key, value in body.items():
             annotation = self.fields[key]
-            if key in _ID_LIST_FIELDS:
-                if value is None and _matches(None, annotation):
-                    continue
-                ids = unpack_ids(value) if isinstance(value, bytes) else None
-                if ids is None:
+            if value is None and _matches(None, annotation):
+                continue
+            if key in self.packed:
+                items = _unpack(value, self.packed[key]) if isinstance(value, bytes) else None
+                if items is None:
+                    kind = _PACKED_KINDS[self.packed[key]]
                     raise ProtocolError(
-                        f"{name}.{key} must be token ids packed as little-endian uint32, "
+                        f"{name}.{key} must be {kind}, "
                         f"got {type(value).__name__} {_preview(value)}",
                         request_id,
                     )
-                body[key] = ids
+                body[key] = items
+            elif key in self.nested:
+                if not isinstance(value, dict):
+                    raise ProtocolError(
+                        f"{name}.{key} must be a map, got {type(value).__name__}", request_id
+                    )
+                body[key] = self.nested[key].build(value, request_id)
             elif not _matches(value, annotation):
                 raise ProtocolError(
                     f"{name}.{key} must be {_describe(annotation)}, "
                     f"got {type(value).__name__} {_preview(value)}",
                     request_id,
                 )
-        return typing.cast(Message, self.cls(**body))
+        return self.cls(**body)
 
 
 def _matches(value: Any, annotation: Any) -> bool:
@@ -280,17 +325,32 @@ def _describe(annotation: Any) -> str:
     return str(annotation.__name__)
 
 
-def _id_list_fields(classes: tuple[type[Any], ...]) -> frozenset[str]:
-    """Names of the fields that hold token ids (``list[int]``, maybe ``| None``)."""
-    names = set()
-    for cls in classes:
-        for name, annotation in typing.get_type_hints(cls).items():
-            arms = typing.get_args(annotation) if typing.get_origin(annotation) else ()
-            if annotation == list[int] or list[int] in arms:
-                names.add(name)
-    return frozenset(names)
+def _packed_fields(cls: type[Any]) -> dict[str, str]:
+    """The fields of ``cls`` that travel packed, with their array typecode:
+    ``list[int]`` (token ids) as uint32, ``list[float]`` as float32, maybe ``| None``."""
+    known = _PACKED_BY_CLASS.get(cls)
+    if known is not None:
+        return known
+    packed = {}
+    for name, annotation in typing.get_type_hints(cls).items():
+        arms = typing.get_args(annotation) if typing.get_origin(annotation) else ()
+        for kind, typecode in ((list[int], _UINT32), (list[float], _FLOAT32)):
+            if annotation == kind or kind in arms:
+                packed[name] = typecode
+    _PACKED_BY_CLASS[cls] = packed
+    return packed
 
 
-_ID_LIST_FIELDS = _id_list_fields((*TO_WORKER, *TO_FRONTEND))
+_PACKED_BY_CLASS: dict[type[Any], dict[str, str]] = {}
+
+
+def _dataclass_in(annotation: Any) -> type[Any] | None:
+    """The dataclass a field holds (``Logprobs | None``), if any."""
+    for kind in (annotation, *typing.get_args(annotation)):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            return kind
+    return None
+
+
 _TO_WORKER = {cls.TYPE: _Schema(cls) for cls in TO_WORKER}
 _TO_FRONTEND = {cls.TYPE: _Schema(cls) for cls in TO_FRONTEND}

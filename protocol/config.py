@@ -112,6 +112,12 @@ class WorkerConfig:
         "exit when the engine makes no progress this long with work pending, so that a "
         "restart policy (the supervisor, Docker) replaces a wedged worker",
     )
+    chat_template: str = _setting(
+        "CHAT_TEMPLATE",
+        "",
+        "a Jinja chat template file for /v1/chat/completions, instead of the model's own "
+        "(or, for a model without one, the built-in default)",
+    )
     device: str = _setting("DEVICE", "", "cpu or cuda (default: cuda when available)")
     dtype: str = _setting("DTYPE", "float32", "float32, bfloat16 or float16")
     fake_step_delay_s: float = _setting(
@@ -157,6 +163,11 @@ class WorkerConfig:
             raise ConfigError(f"FAKE_STEP_DELAY_S must be >= 0, got {self.fake_step_delay_s}")
         if self.fake_start_delay_s < 0:
             raise ConfigError(f"FAKE_START_DELAY_S must be >= 0, got {self.fake_start_delay_s}")
+        if self.chat_template and not os.path.isfile(self.chat_template):
+            raise ConfigError(
+                f"CHAT_TEMPLATE={self.chat_template!r} is not a file: name a Jinja template "
+                "file, or unset it to use the model's own template"
+            )
         _ = self.curve  # a bad key stops the worker at start, not at its first bind
 
     @cached_property
@@ -242,6 +253,12 @@ class FrontendConfig:
         "file), whose public key the worker's CURVE_CLIENT_KEYS allows",
         is_secret=True,
     )
+    strict_request_fields: bool = _setting(
+        "STRICT_REQUEST_FIELDS",
+        False,
+        "1: the OpenAI endpoints refuse unknown request fields with 422 instead of "
+        "ignoring them (and naming them in a log line and the X-Ignored-Fields header)",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "port", "max_new_tokens_limit", "max_queue_depth", "ping_interval_s")
@@ -324,9 +341,17 @@ def load(
     return cls(**values)
 
 
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True}
+_BOOLEANS.update({"0": False, "false": False, "no": False, "off": False, "": False})
+
+
 def _parse(env: str, raw: str, kind: Any) -> Any:
     if kind is str:
         return raw
+    if kind is bool:
+        if raw.strip().lower() not in _BOOLEANS:
+            raise ConfigError(f"{env} must be 1 or 0 (true or false), got {raw!r}")
+        return _BOOLEANS[raw.strip().lower()]
     try:
         return kind(raw)
     except ValueError:

@@ -3,9 +3,10 @@
 A message is a frozen dataclass. Its wire form is a msgpack map holding the
 protocol version, the message type (``TYPE``) and one entry per field; `codec`
 encodes and strictly decodes it. Field types are limited to what `codec` can
-check: int, float, str, bool, ``list[int]``, ``list[str]`` and ``X | None``.
-A ``list[int]`` (token ids) travels as raw little-endian uint32 bytes, so that
-decoding a long id list costs no Python time per id.
+check: int, float, str, bool, ``list[int]``, ``list[float]``, ``list[str]``, a
+nested message-less dataclass (`Logprobs`) and ``X | None``. A ``list[int]``
+(token ids) travels as raw little-endian uint32 bytes and a ``list[float]`` as
+float32 bytes, so that decoding a long list costs no Python time per item.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class ErrorCode:
@@ -54,6 +55,18 @@ class GenerateRequest:
     requests in flight (the worker keys requests by sender and id). Sampling is
     greedy when ``temperature`` is 0. ``stream`` asks for a `TokenDelta` after
     each step.
+
+    ``chat_roles`` and ``chat_contents``, when set, are a conversation that
+    replaces ``prompt``: the worker renders it through the model's chat template.
+    With ``fit_context``, ``max_new_tokens`` is a ceiling, lowered to what the
+    context window leaves after the prompt. No stop (EOS, stop ids, stop strings)
+    ends the output before ``min_tokens``. The penalties follow vLLM: repetition
+    over prompt and output, presence and frequency over the output. ``logprobs``
+    asks for each output token's log-probability and that many alternatives;
+    ``prompt_logprobs`` the same for the prompt's tokens. ``echo`` asks for the
+    prompt's token ids and text (a conversation as rendered) in the result.
+    ``max_new_tokens`` may be 0: nothing is generated, and without
+    ``prompt_logprobs`` the model does not run (tokenizing).
     """
 
     TYPE: ClassVar[str] = "generate"
@@ -71,6 +84,17 @@ class GenerateRequest:
     top_k: int = 0
     seed: int | None = None
     stream: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    chat_roles: list[str] = field(default_factory=list)
+    chat_contents: list[str] = field(default_factory=list)
+    add_generation_prompt: bool = True
+    fit_context: bool = False
+    echo: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +115,28 @@ class Ping:
 
 
 # --- worker -> frontend ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """Log-probabilities of consecutive tokens under the model's own distribution
+    (log-softmax of its logits, before penalties and temperature), as vLLM reports.
+
+    Token i is ``token_ids[i]``, with log-probability ``logprobs[i]`` (NaN where
+    there is none: a prompt's first token). Its ``num_top`` likeliest tokens, best
+    first, are ``top_token_ids[i * num_top : (i + 1) * num_top]``, with
+    ``top_logprobs`` alike. ``texts`` holds each token's text followed by its
+    alternatives' texts, token after token, and ``text_lens`` their lengths, so
+    that the frontend, which has no tokenizer, can name every token.
+    """
+
+    num_top: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+    texts: str
+    text_lens: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,11 +180,19 @@ class TokenDelta:
     request_id: str
     token_ids: list[int]
     text: str
+    prompt_tokens: int = 0
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class GenerateResult:
-    """The one final answer to a `GenerateRequest` that ran."""
+    """The one final answer to a `GenerateRequest` that ran.
+
+    Logprobs, when asked for, are delivered once each: a streaming request's
+    ride on its deltas (the prompt's on the first), and a result carries only
+    those of tokens no delta carried. Those of resumed tokens came with the
+    earlier attempt's deltas."""
 
     TYPE: ClassVar[str] = "result"
     request_id: str
@@ -149,6 +203,10 @@ class GenerateResult:
     completion_tokens: int
     queue_wait_ms: float
     generate_ms: float
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,19 @@ def disable_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(module, "load_kernels", lambda: None)
 
 
+def request(
+    request_id: str, prompt_ids: list[int], max_new_tokens: int, **fields: object
+) -> GenerateRequest:
+    """A request whose prompt is token ids."""
+    return GenerateRequest(
+        request_id,
+        "",
+        max_new_tokens,
+        prompt_token_ids=prompt_ids,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
 def reference_ids(model: GPT2LMHeadModel, request: GenerateRequest) -> list[int]:
     """Standalone HF greedy generate for one request, cut where the engine stops."""
     assert request.prompt_token_ids is not None

@@ -15,6 +15,7 @@ from worker.slot_engine import SlotEngine
 class Run:
     delta_texts: list[str]  # one per delta, in order
     delta_token_ids: list[list[int]]
+    delta_logprobs: list[list[float]]  # each delta's tokens' logprobs, when asked for
     result: FinishedSequence
 
 
@@ -23,14 +24,16 @@ def run(engine: SlotEngine, request: GenerateRequest) -> Run:
     engine.admit([request])
     texts: list[str] = []
     token_ids: list[list[int]] = []
+    logprobs: list[list[float]] = []
     while True:
         output = engine.step()
         for delta in output.deltas:
             texts.append(delta.text)
             token_ids.append(delta.token_ids)
+            logprobs.append(delta.logprobs.logprobs if delta.logprobs else [])
         if output.finished:
             [result] = output.finished
-            return Run(texts, token_ids, result)
+            return Run(texts, token_ids, logprobs, result)
 
 
 def assert_every_resume_is_exact(

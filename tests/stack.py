@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -200,3 +201,18 @@ def running_stack(
         yield stack
     finally:
         stack.stop()
+
+
+@contextmanager
+def live_stack(tmp_path: Path, overrides: Mapping[str, str] | None = None) -> Iterator[Stack]:
+    """A worker and a frontend, started alone and live."""
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        yield stack
+
+
+@contextmanager
+def openai_client(stack: Stack) -> Iterator[openai.OpenAI]:
+    """The official client on ``stack``; it never retries behind a test's back."""
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as client:
+        yield client

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import math
 import re
+import struct
 
 import msgpack
 import pytest
@@ -15,6 +17,7 @@ from protocol import (
     GenerateResult,
     Heartbeat,
     Hello,
+    Logprobs,
     Ping,
     ProtocolError,
     TokenDelta,
@@ -28,6 +31,18 @@ texts = st.text(max_size=40)
 ids = st.lists(st.integers(min_value=0, max_value=2**31), max_size=20)
 counts = st.integers(min_value=0, max_value=2**31)
 floats = st.floats(allow_nan=False, allow_infinity=False)
+# Logprobs travel as float32: these survive the trip exactly.
+float32s = st.floats(width=32, allow_nan=False)
+logprobs = st.builds(
+    Logprobs,
+    num_top=counts,
+    token_ids=ids,
+    logprobs=st.lists(float32s, max_size=20),
+    top_token_ids=ids,
+    top_logprobs=st.lists(float32s, max_size=20),
+    texts=texts,
+    text_lens=ids,
+)
 
 to_worker = st.one_of(
     st.builds(
@@ -46,6 +61,12 @@ to_worker = st.one_of(
         top_k=counts,
         seed=st.none() | counts,
         stream=st.booleans(),
+        min_tokens=counts,
+        repetition_penalty=floats,
+        logprobs=st.none() | counts,
+        chat_roles=st.lists(texts, max_size=4),
+        chat_contents=st.lists(texts, max_size=4),
+        echo=st.booleans(),
     ),
     st.builds(AbortRequest, request_id=texts),
     st.builds(Ping, frontend_id=texts),
@@ -69,7 +90,9 @@ to_frontend = st.one_of(
         num_active=counts,
         num_finished=counts,
     ),
-    st.builds(TokenDelta, request_id=texts, token_ids=ids, text=texts),
+    st.builds(
+        TokenDelta, request_id=texts, token_ids=ids, text=texts, logprobs=st.none() | logprobs
+    ),
     st.builds(
         GenerateResult,
         request_id=texts,
@@ -80,6 +103,9 @@ to_frontend = st.one_of(
         completion_tokens=counts,
         queue_wait_ms=floats,
         generate_ms=floats,
+        prompt_logprobs=st.none() | logprobs,
+        prompt_token_ids=st.none() | ids,
+        prompt_text=st.none() | texts,
     ),
     st.builds(ErrorResult, request_id=texts, code=texts, message=texts),
 )
@@ -206,3 +232,42 @@ def test_a_float_field_accepts_a_json_style_integer() -> None:
     payload = msgpack.unpackb(encode(GenerateRequest("r1", "hi", 4)))
     payload["temperature"] = 1
     assert decode_to_worker(msgpack.packb(payload)).temperature == 1  # type: ignore[union-attr]
+
+
+def test_logprobs_travel_as_packed_float32_bytes() -> None:
+    scores = Logprobs(
+        2, [5, 6], [-0.5, math.nan], [5, 7, 6, 8], [-0.5, -1.0, -2.0, -3.0], "ab", [1, 1]
+    )
+    frame = encode(TokenDelta("r", [5, 6], "x", logprobs=scores))
+    packed = msgpack.unpackb(frame)["logprobs"]
+    assert packed["logprobs"] == struct.pack("<2f", -0.5, math.nan)
+    decoded = decode_to_frontend(frame)
+    assert isinstance(decoded, TokenDelta) and decoded.logprobs is not None
+    assert decoded.logprobs.top_logprobs == [-0.5, -1.0, -2.0, -3.0]
+    assert math.isnan(decoded.logprobs.logprobs[1])
+
+
+@pytest.mark.parametrize(
+    ("logprobs", "problem"),
+    [
+        ({"logprobs": b"abc"}, "logprobs must be numbers packed as little-endian float32"),
+        ({"logprobs": [0.5]}, "logprobs must be numbers packed"),
+        ({"num_top": "2"}, "Logprobs.num_top must be int"),
+        ({"colour": 1}, "Logprobs: unknown fields"),
+    ],
+)
+def test_malformed_logprobs_are_refused(logprobs: dict[str, object], problem: str) -> None:
+    fields = {
+        "num_top": 0,
+        "token_ids": b"",
+        "logprobs": b"",
+        "top_token_ids": b"",
+        "top_logprobs": b"",
+        "texts": "",
+        "text_lens": b"",
+        **logprobs,
+    }
+    payload = {"v": PROTOCOL_VERSION, "type": "delta", "request_id": "r", "token_ids": b""}
+    payload.update(text="", logprobs=fields)
+    with pytest.raises(ProtocolError, match=problem):
+        decode_to_frontend(msgpack.packb(payload))

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from frontend.schemas import CompletionBody, GenerateBody
+from frontend.openai_schemas import ChatBody, CompletionBody
+from frontend.schemas import GenerateBody
 from tests.stack import Stack, running_stack
 
 ANSWER_WITHIN_S = 10.0  # no request here may take longer: a timeout is a hang
@@ -57,7 +58,10 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "stop_token_ids": st.none() | token_ids,
     "ignore_eos": st.booleans(),
     "stream": st.booleans(),
-    "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stream_options": st.none()
+    | st.fixed_dictionaries(
+        {"include_usage": st.booleans()}, optional={"continuous_usage_stats": st.booleans()}
+    ),
     "n": st.none() | boundary_ints,
     "best_of": st.none() | boundary_ints,
     "echo": st.none() | st.booleans(),
@@ -67,6 +71,25 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "frequency_penalty": st.none() | boundary_floats,
     "logit_bias": st.none() | st.dictionaries(small_texts, st.integers(), max_size=2),
     "user": st.none() | small_texts,
+    "min_tokens": st.none() | boundary_ints,
+    "repetition_penalty": st.none() | boundary_floats,
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant", ""])},
+            optional={
+                "content": st.none()
+                | small_texts
+                | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": small_texts}))
+            },
+        ),
+        max_size=3,
+    ),
+    "max_completion_tokens": st.none() | boundary_ints | st.integers(1, 24),
+    "top_logprobs": st.none() | boundary_ints,
+    "add_generation_prompt": st.none() | st.booleans(),
+    "tools": st.none() | st.lists(json_values, max_size=1),
+    "tool_choice": st.none() | st.sampled_from(["none", "auto"]),
+    "response_format": st.none() | st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
 }
 
 
@@ -134,6 +157,23 @@ def test_completions_answers_every_body_clearly(http: httpx.Client, body: Any) -
 
 
 @FUZZ
+@given(body=bodies(set(ChatBody.model_fields)))
+def test_chat_answers_every_body_clearly(http: httpx.Client, body: Any) -> None:
+    post(http, "/v1/chat/completions", json.dumps(body).encode())
+
+
+@FUZZ
+@given(
+    body=boundary_bodies(
+        set(ChatBody.model_fields),
+        {"model": "fake", "messages": [{"role": "user", "content": "x"}]},
+    )
+)
+def test_chat_answers_boundary_values_clearly(http: httpx.Client, body: Any) -> None:
+    post(http, "/v1/chat/completions", json.dumps(body).encode())
+
+
+@FUZZ
 @given(body=boundary_bodies(set(GenerateBody.model_fields), {"prompt": "fuzz"}))
 def test_generate_answers_boundary_values_clearly(http: httpx.Client, body: Any) -> None:
     post(http, "/generate", json.dumps(body).encode())
@@ -147,7 +187,9 @@ def test_completions_answers_boundary_values_clearly(http: httpx.Client, body: A
 
 @FUZZ
 @given(content=st.binary(max_size=64) | st.text(max_size=64).map(str.encode))
-@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+@pytest.mark.parametrize(
+    "path", ["/generate", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+)
 def test_bytes_that_are_not_a_request_get_a_clear_error(
     http: httpx.Client, path: str, content: bytes
 ) -> None:
@@ -157,9 +199,18 @@ def test_bytes_that_are_not_a_request_get_a_clear_error(
 def test_openapi_describes_every_endpoint_and_body_field(stack: Stack) -> None:
     schema = httpx.get(f"{stack.url}/openapi.json", timeout=5).json()
     assert schema["openapi"].startswith("3.")
-    assert set(schema["paths"]) >= {"/generate", "/v1/completions", "/v1/models", "/metrics"}
+    assert set(schema["paths"]) >= {
+        "/generate",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+        "/metrics",
+    }
     components = schema["components"]["schemas"]
-    for model in (GenerateBody, CompletionBody):
+    for model in (GenerateBody, CompletionBody, ChatBody):
         body_schema = components[model.__name__]
         assert set(body_schema["properties"]) == set(model.model_fields)
         assert body_schema["additionalProperties"] is False

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
-from transformers import PreTrainedTokenizerFast
+import torch
+from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from tests.stack import running_stack
 from worker.model_loader import gpt2_tokenizer, synthetic_config, synthetic_model
@@ -48,3 +50,40 @@ def test_context_overflow_is_422_with_both_numbers_and_the_limit(
         assert too_long.status_code == 422
         message = too_long.json()["error"]["message"]
         assert "prompt is 5 tokens + max_new_tokens 60 > context window 64" in message
+
+
+def test_echoed_logprobs_over_http_match_hf_on_the_same_weights(
+    tmp_path: Path, small_model_dir: Path
+) -> None:
+    """What lm-eval's local-completions model asks for, held to the HF model loaded
+    from the same directory; and the chat endpoint on a model without a template."""
+    model = GPT2LMHeadModel.from_pretrained(small_model_dir)
+    prompt_ids = gpt2_tokenizer().encode("The quick brown fox jumps over the lazy dog").ids
+    with torch.inference_mode():
+        reference = model(torch.tensor([prompt_ids])).logits[0].log_softmax(dim=-1)
+    overrides = {"MODEL_ID": str(small_model_dir), "DEVICE": "cpu"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live(timeout_s=120)
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+        model_name = client.models.list().data[0].id
+        completion = client.completions.create(
+            model=model_name,
+            prompt=[prompt_ids],
+            max_tokens=1,
+            echo=True,
+            logprobs=1,
+            temperature=0,
+        )
+        chat = client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+        )
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert logprobs.token_logprobs[0] is None
+    served = torch.tensor(logprobs.token_logprobs[1 : len(prompt_ids)])
+    expected = reference[torch.arange(len(prompt_ids) - 1), torch.tensor(prompt_ids[1:])]
+    assert (served - expected).abs().max().item() < 1e-4
+    generated = logprobs.token_logprobs[-1]
+    assert generated is not None and abs(generated - reference[-1].max().item()) < 1e-4
+    assert chat.choices[0].message.content and chat.usage is not None
+    assert chat.usage.prompt_tokens == len(gpt2_tokenizer().encode("User: Hi\n\nAssistant:").ids)

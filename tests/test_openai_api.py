@@ -2,29 +2,30 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from frontend.openai_common import IGNORED_FIELDS_HEADER
 from tests.sse import sse_events
-from tests.stack import Stack, running_stack
+from tests.stack import Stack, live_stack, openai_client, running_stack
 from worker.fake_engine import expected_text
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    overrides = {"FAKE_STEP_DELAY_S": "0.005"}
-    with running_stack(tmp_path_factory.mktemp("stack"), overrides, supervised=False) as stack:
-        stack.wait_live()
+    with live_stack(tmp_path_factory.mktemp("stack"), {"FAKE_STEP_DELAY_S": "0.005"}) as stack:
         yield stack
 
 
 @pytest.fixture
 def client(stack: Stack) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
+    with openai_client(stack) as client:
+        yield client
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
@@ -131,3 +132,159 @@ def test_batch_of_prompts_is_refused_with_a_reason(client: openai.OpenAI) -> Non
 def test_max_tokens_over_the_limit_is_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.UnprocessableEntityError, match="MAX_NEW_TOKENS_LIMIT"):
         client.completions.create(model="fake", prompt="hi", max_tokens=100_000)
+
+
+def test_logprobs_per_token_with_the_chosen_one_among_the_top(client: openai.OpenAI) -> None:
+    completion = client.completions.create(model="fake", prompt="hello", max_tokens=3, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    text = expected_text("hello", 3)
+    assert logprobs is not None
+    assert logprobs.tokens == list(text)
+    assert logprobs.token_logprobs == [-0.25] * 3
+    assert logprobs.top_logprobs is not None
+    assert logprobs.top_logprobs[0] == {text[0]: -0.25, chr(ord(text[0]) + 1): -0.5}
+    assert logprobs.text_offset == [0, 1, 2]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model="fake", prompt="abc", max_tokens=0, echo=True, logprobs=1
+    )
+    (choice,) = completion.choices
+    assert choice.text == "abc"
+    assert choice.logprobs is not None and choice.logprobs.tokens == ["a", "b", "c"]
+    assert choice.logprobs.token_logprobs == [None, -0.25, -0.25]
+    assert choice.logprobs.top_logprobs is not None and choice.logprobs.top_logprobs[0] is None
+    assert completion.usage is not None and completion.usage.completion_tokens == 0
+
+
+def test_lm_eval_loglikelihood_request_shape(stack: Stack) -> None:
+    """lm-eval's local-completions model: a batch of one id prompt, echo, logprobs 1,
+    max_tokens 1; it sums token_logprobs[ctxlen:-1] and checks greediness."""
+    context, continuation = [ord(c) for c in "Q: "], [ord(c) for c in "ab"]
+    body = {
+        "model": "fake",
+        "prompt": [context + continuation],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    answer = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10).json()
+    logprobs = answer["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(context) + len(continuation) + 1
+    scored = logprobs["token_logprobs"][len(context) : -1]
+    assert scored == [-0.25, -0.25]
+    assert all(top is not None for top in logprobs["top_logprobs"][1:])
+
+
+def test_streamed_logprobs_wait_for_the_text_they_belong_to(stack: Stack) -> None:
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 4, "logprobs": 0, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as r:
+        chunks = [json.loads(data) for _, data in sse_events(r) if data != "[DONE]"]
+    choices = [chunk["choices"][0] for chunk in chunks]
+    tokens = [token for choice in choices for token in choice["logprobs"]["tokens"]]
+    assert "".join(tokens) == expected_text("hi", 4)
+    assert [c["logprobs"]["text_offset"] for c in choices if c["text"]] == [[0], [1], [2], [3]]
+
+
+def test_streamed_echo_sends_the_prompt_first(stack: Stack) -> None:
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 2, "echo": True, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as r:
+        texts = [json.loads(d)["choices"][0]["text"] for _, d in sse_events(r) if d != "[DONE]"]
+    assert texts[0] == "hi" + expected_text("hi", 1)
+    assert "".join(texts) == "hi" + expected_text("hi", 2)
+
+
+def test_vllm_extensions_are_honoured(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model="fake",
+        prompt="hi",
+        max_tokens=6,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"min_tokens": 6, "repetition_penalty": 1.2},
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens == 6
+
+
+def test_min_tokens_above_max_tokens_is_a_422(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.completions.create(
+            model="fake", prompt="hi", max_tokens=2, extra_body={"min_tokens": 3}
+        )
+    assert isinstance(raised.value.body, dict) and raised.value.body["param"] == "min_tokens"
+
+
+def test_unknown_fields_are_ignored_and_named(stack: Stack) -> None:
+    body = {
+        "model": "fake",
+        "prompt": "hi",
+        "max_tokens": 2,
+        "stream_options": {"include_usage": True, "nonsense": 1},
+        "best_of_luck": True,
+    }
+    response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers[IGNORED_FIELDS_HEADER] == "stream_options.nonsense, best_of_luck"
+    assert "ignored 2 unknown fields: stream_options.nonsense, best_of_luck" in stack.log(
+        "frontend"
+    )
+
+
+def test_a_known_field_of_the_wrong_type_is_still_a_422(stack: Stack) -> None:
+    body = {"model": "fake", "prompt": "hi", "min_tokens": "3", "whatever": 1}
+    response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert response.status_code == 422
+    assert response.json()["error"]["param"] == "min_tokens"
+
+
+GUIDELLM_BODIES = [
+    (
+        "/v1/completions",
+        {
+            "model": "fake",
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_tokens": 3,
+            "stop": None,
+            "ignore_eos": True,
+            "prompt": "some words",
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "fake",
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_completion_tokens": 3,
+            "stop": None,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "some words"}]}],
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), GUIDELLM_BODIES, ids=["completions", "chat"])
+def test_guidellm_request_bodies_are_served(
+    stack: Stack, path: str, body: dict[str, object]
+) -> None:
+    """What guidellm 0.8 sends by default (bench/clients.py runs guidellm itself)."""
+    with httpx.stream("POST", f"{stack.url}{path}", json=body, timeout=10) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [json.loads(data) for _, data in sse_events(r) if data != "[DONE]"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all(chunk["usage"] is not None for chunk in chunks)
+
+
+def test_strict_request_fields_restores_the_422(tmp_path: Path) -> None:
+    overrides = {"STRICT_REQUEST_FIELDS": "1"}
+    with running_stack(tmp_path, overrides, supervised=False) as strict:
+        strict.wait_live()
+        body = {"model": "fake", "prompt": "hi", "best_of_luck": True}
+        response = httpx.post(f"{strict.url}/v1/completions", json=body, timeout=10)
+    assert response.status_code == 422
+    assert "best_of_luck" in response.json()["error"]["message"]

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from protocol import ErrorCode, GenerateRequest
+from protocol import ErrorCode, GenerateRequest, TokenDelta
 from tests.resume import assert_every_resume_is_exact, run
 from tests.test_sequence import ByteTokenizer
-from worker.engine import ModelInfo, RequestRejected
+from worker.engine import FinishedSequence, ModelInfo, RequestRejected
 from worker.fake_engine import FakeEngine
 from worker.sequence import Sequence
 from worker.slot_engine import SlotEngine
@@ -134,3 +134,80 @@ def test_output_the_run_could_not_have_streamed_is_rejected(
     assert rejected.value.code == ErrorCode.INVALID_REQUEST
     assert rejected.value.message.startswith(problem)
     assert engine.num_active() == 1 and engine.num_prefilled == 1
+
+
+def _finished(engine: SlotEngine) -> list[FinishedSequence]:
+    finished: list[FinishedSequence] = []
+    while engine.num_active():
+        finished += engine.step().finished
+    return finished
+
+
+def test_logprobs_are_delivered_once_each_on_deltas_or_the_result() -> None:
+    engine = FakeEngine(capacity=2)
+    streamed = streaming(max_new_tokens=5, logprobs=2, prompt_logprobs=1)
+    plain = dataclasses.replace(streamed, request_id="plain", stream=False)
+    engine.admit([streamed, plain])
+    deltas: list[TokenDelta] = []
+    finished: list[FinishedSequence] = []
+    while engine.num_active():
+        output = engine.step()
+        deltas += output.deltas
+        finished += output.finished
+    by_id = {f.request_id: f for f in finished}
+    assert by_id["r"].logprobs is None and by_id["r"].prompt_logprobs is None
+    assert [d.prompt_logprobs is not None for d in deltas] == [True] + [False] * 4
+    streamed_ids = [t for d in deltas if d.logprobs for t in d.logprobs.token_ids]
+    assert streamed_ids == by_id["r"].token_ids
+    result = by_id["plain"]
+    assert result.logprobs is not None and result.logprobs.token_ids == result.token_ids
+    assert result.logprobs.num_top == 2 and len(result.logprobs.top_token_ids) == 10
+    assert result.prompt_logprobs is not None
+    assert result.prompt_logprobs.token_ids == [ord(c) for c in "prompt"]
+    assert all(d.prompt_tokens == len("prompt") for d in deltas)
+
+
+def test_a_resumed_request_sends_only_its_new_tokens_logprobs() -> None:
+    request = streaming(max_new_tokens=6, logprobs=0, prompt_logprobs=0)
+    fault_free = run(FakeEngine(capacity=1), request)
+    resumed_request = dataclasses.replace(
+        request,
+        stream=False,
+        resume_token_ids=fault_free.result.token_ids[:2],
+    )
+    engine = FakeEngine(capacity=1)
+    engine.admit([resumed_request])
+    [result] = _finished(engine)
+    assert result.prompt_logprobs is None  # the first attempt's first delta carried them
+    assert result.logprobs is not None
+    assert result.logprobs.token_ids == fault_free.result.token_ids[2:]
+
+
+def test_zero_new_tokens_tokenizes_without_the_model_and_echoes() -> None:
+    engine = ScriptedEngine(b"unused")
+    engine.admit([GenerateRequest("t", "hello", 0, echo=True)])
+    [result] = _finished(engine)
+    assert (result.token_ids, result.finish_reason) == ([], "length")
+    assert result.prompt_token_ids == list(b"hello") and result.prompt_text == "hello"
+    assert engine.num_prefilled == engine.num_decoded == 0
+
+
+def test_fit_context_lowers_max_new_tokens_to_what_the_window_leaves() -> None:
+    engine = FakeEngine(capacity=1, context_window=16)
+    engine.admit([GenerateRequest("r", "ten chars!", 500, fit_context=True)])
+    [result] = _finished(engine)
+    assert len(result.token_ids) == 6 and result.finish_reason == "length"
+    with pytest.raises(RequestRejected) as rejected:
+        engine.admit([GenerateRequest("full", "x" * 16, 500, fit_context=True)])
+    assert rejected.value.code == ErrorCode.CONTEXT_OVERFLOW
+
+
+def test_no_stop_ends_the_output_before_min_tokens() -> None:
+    free = run(FakeEngine(capacity=1), streaming(max_new_tokens=20)).result
+    stop_id = free.token_ids[1]
+    stopped = run(FakeEngine(capacity=1), streaming(max_new_tokens=20, stop_token_ids=[stop_id]))
+    assert stopped.result.finish_reason == "stop" and len(stopped.result.token_ids) == 2
+    held = run(
+        FakeEngine(capacity=1), streaming(max_new_tokens=20, stop_token_ids=[stop_id], min_tokens=4)
+    ).result
+    assert len(held.token_ids) > 4 and held.token_ids[:4] == free.token_ids[:4]

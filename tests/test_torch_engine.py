@@ -18,6 +18,7 @@ from tests.model_fixtures import (
     VOCAB_SIZE,
     disable_kernels,
     reference_ids,
+    request,
     run_schedule,
     tiny_engine,
     tiny_model,
@@ -28,18 +29,6 @@ from worker.static_baseline import StaticBatchRunner
 from worker.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.model
-
-
-def request(
-    request_id: str, prompt_ids: list[int], max_new_tokens: int, **kwargs: object
-) -> GenerateRequest:
-    return GenerateRequest(
-        request_id,
-        "",
-        max_new_tokens,
-        prompt_token_ids=prompt_ids,
-        **kwargs,  # type: ignore[arg-type]
-    )
 
 
 def random_prompt(rng: random.Random, low: int = 1, high: int = 24) -> list[int]:

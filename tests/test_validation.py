@@ -27,13 +27,28 @@ def _request(**fields: object) -> GenerateRequest:
 
 def test_a_sound_request_passes() -> None:
     check_generate(_request(temperature=1e-40, top_p=1e-300, seed=2**63 - 1), LIMITS)
+    check_generate(
+        _request(
+            max_new_tokens=0,
+            prompt_logprobs=20,
+            logprobs=0,
+            repetition_penalty=10.0,
+            presence_penalty=-2.0,
+            frequency_penalty=2.0,
+        ),
+        LIMITS,
+    )
+    check_generate(
+        _request(prompt="", chat_roles=["system", "user"], chat_contents=["", "hi"], min_tokens=8),
+        LIMITS,
+    )
     check_generate(_request(prompt="", prompt_token_ids=[0, 999], stop_token_ids=[999]), LIMITS)
 
 
 @pytest.mark.parametrize(
     ("fields", "code", "named"),
     [
-        ({"max_new_tokens": 0}, ErrorCode.INVALID_REQUEST, "max_new_tokens"),
+        ({"max_new_tokens": -1}, ErrorCode.INVALID_REQUEST, "max_new_tokens"),
         ({"max_new_tokens": 65}, ErrorCode.INVALID_REQUEST, "max_new_tokens"),
         ({"prompt_token_ids": []}, ErrorCode.INVALID_REQUEST, "prompt_token_ids"),
         ({"prompt_token_ids": [1] * 57}, ErrorCode.CONTEXT_OVERFLOW, "context window 64"),
@@ -60,6 +75,38 @@ def test_a_sound_request_passes() -> None:
         ({"stop_token_ids": [1] * 65}, ErrorCode.INVALID_REQUEST, "stop_token_ids: at most"),
         ({"request_id": ""}, ErrorCode.INVALID_REQUEST, "request_id"),
         ({"request_id": "x" * 257}, ErrorCode.INVALID_REQUEST, "request_id"),
+        ({"min_tokens": 9}, ErrorCode.INVALID_REQUEST, "min_tokens"),
+        ({"min_tokens": -1}, ErrorCode.INVALID_REQUEST, "min_tokens"),
+        ({"repetition_penalty": 0.0}, ErrorCode.INVALID_REQUEST, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, ErrorCode.INVALID_REQUEST, "repetition_penalty"),
+        ({"repetition_penalty": 11.0}, ErrorCode.INVALID_REQUEST, "repetition_penalty"),
+        ({"presence_penalty": math.nan}, ErrorCode.INVALID_REQUEST, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, ErrorCode.INVALID_REQUEST, "frequency_penalty"),
+        ({"logprobs": 21}, ErrorCode.INVALID_REQUEST, "logprobs"),
+        ({"logprobs": -1}, ErrorCode.INVALID_REQUEST, "logprobs"),
+        ({"prompt_logprobs": 10**6}, ErrorCode.INVALID_REQUEST, "prompt_logprobs"),
+        ({"chat_roles": ["user"]}, ErrorCode.INVALID_REQUEST, "chat_contents"),
+        ({"chat_contents": ["hi"]}, ErrorCode.INVALID_REQUEST, "chat_contents"),
+        (
+            {"prompt": "", "chat_roles": ["user"] * 257, "chat_contents": ["x"] * 257},
+            ErrorCode.INVALID_REQUEST,
+            "messages: at most",
+        ),
+        (
+            {"prompt": "", "chat_roles": [""], "chat_contents": ["x"]},
+            ErrorCode.INVALID_REQUEST,
+            "messages: each role",
+        ),
+        (
+            {"chat_roles": ["user"], "chat_contents": ["x"]},
+            ErrorCode.INVALID_REQUEST,
+            "prompt: a chat request",
+        ),
+        (
+            {"prompt": "", "chat_roles": ["user"], "chat_contents": ["x" * 257]},
+            ErrorCode.CONTEXT_OVERFLOW,
+            "messages: 257 characters",
+        ),
     ],
 )
 def test_each_bad_field_is_refused_by_name(

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from protocol import GenerateRequest, TokenDelta
+from protocol import GenerateRequest, Logprobs, TokenDelta
 
 
 class RequestRejected(Exception):
@@ -31,6 +31,10 @@ class FinishedSequence:
     text: str
     finish_reason: str
     num_prompt_tokens: int
+    logprobs: Logprobs | None = None  # of tokens no delta carried
+    prompt_logprobs: Logprobs | None = None  # unless the first delta carried them
+    prompt_token_ids: list[int] | None = None  # with echo
+    prompt_text: str | None = None  # with echo: the prompt, a conversation as rendered
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 
 from protocol import GenerateRequest
 from worker.engine import ModelInfo
+from worker.logprobs import UNSCORED, TokenLogprob
 from worker.sequence import Sequence
 from worker.slot_engine import SlotEngine
 
@@ -42,6 +43,13 @@ class CharTokenizer:
 def fake_next_token(context: Seq[int]) -> int:
     """The fake model's next token after ``context`` (prompt and output so far)."""
     return ord("a") + (sum(context) * 31 + len(context) * 7) % 26
+
+
+def fake_logprob(token_id: int, num_top: int) -> TokenLogprob:
+    """The fake model's scores: the chosen token is the likeliest at -0.25, and
+    the next code points follow, each a quarter less likely."""
+    top = [token_id + rank for rank in range(num_top)]
+    return TokenLogprob(-0.25, top, [-0.25 * (rank + 1) for rank in range(num_top)])
 
 
 def expected_text(prompt: str, num_tokens: int) -> str:
@@ -93,7 +101,11 @@ class FakeEngine(SlotEngine):
                 os._exit(CRASH_EXIT_CODE)
             if self.fail_admit_if is not None and self.fail_admit_if(seq.request):
                 raise InjectedFailure(f"admit failure injected for {seq.request_id}")
-        return [fake_next_token(seq.context_token_ids) for seq in newcomers]
+            if seq.wants_prompt_logprobs:
+                num_top = seq.request.prompt_logprobs or 0
+                scores = [fake_logprob(t, num_top) for t in seq.prompt_token_ids[1:]]
+                seq.set_prompt_logprobs([UNSCORED, *scores])
+        return self._next_tokens(newcomers)
 
     def _decode(self, active: list[Sequence]) -> list[int]:
         self.num_decode_steps += 1
@@ -101,7 +113,14 @@ class FakeEngine(SlotEngine):
             raise InjectedFailure(f"step failure injected at step {self.num_decode_steps}")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return [fake_next_token(seq.context_token_ids) for seq in active]
+        return self._next_tokens(active)
+
+    def _next_tokens(self, seqs: list[Sequence]) -> list[int]:
+        next_ids = [fake_next_token(seq.context_token_ids) for seq in seqs]
+        for seq, token_id in zip(seqs, next_ids, strict=True):
+            if seq.request.logprobs is not None and seq.finish_reason is None:
+                seq.record_logprob(fake_logprob(token_id, seq.request.logprobs))
+        return next_ids
 
     def reset(self) -> list[str]:
         self.num_resets += 1

@@ -12,7 +12,7 @@ attention runs in this project's own kernel (`worker/kernels.py`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,18 +108,25 @@ class GPT2:
         lengths: list[int],
         slots: list[int],
         cache: SlotKVCache,
-    ) -> torch.Tensor:
+        keep_all: Collection[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Newcomers' prompts packed end to end in ``token_ids`` (S,), ``lengths[i]``
         tokens for cache slot ``slots[i]``; returns (B, V) logits at each prompt's
-        last position.
+        last position, and for each prompt i in ``keep_all`` (in order) the final
+        hidden state (L_i, C) of every position, for `logits` to score the prompt.
 
         Packing instead of padding to the longest prompt means every projection
         runs on real tokens only; attention runs per prompt, so prompts never see
         each other. Only a prompt's last position feeds its logits, so the last
         layer computes keys and values for every position (the cache needs them)
-        but attention output and MLP for the last positions alone."""
+        but attention output and MLP for the last positions alone, except for
+        the prompts in ``keep_all``."""
         ends = itertools.accumulate(lengths)
         spans = [(end - length, end) for end, length in zip(ends, lengths, strict=True)]
+        kept = [
+            (start, end) if i in keep_all else (end - 1, end)
+            for i, (start, end) in enumerate(spans)
+        ]
         positions = torch.cat([torch.arange(length, device=token_ids.device) for length in lengths])
         x = self.wte[token_ids] + self.wpe[positions]  # (S, C)
         for index, layer in enumerate(self.layers):
@@ -128,12 +135,14 @@ class GPT2:
             q, k, v = self._split_heads(layer.attn(h)[None])  # 3 x (1, H, S, D)
             for slot, (start, end) in zip(slots, spans, strict=True):
                 cache.write_prompt(index, slot, k[0, :, start:end], v[0, :, start:end])
-            attn = self._attend_prompts(q, k, v, spans, last_only=is_last_layer)
+            attn = self._attend_prompts(q, k, v, spans, kept if is_last_layer else spans)
             if is_last_layer:
-                x = x[[end - 1 for _, end in spans]]  # (B, C)
+                x = x[[p for start, end in kept for p in range(start, end)]]  # (K, C)
             x = x + layer.proj(attn)
             x = x + self._mlp(x, layer)
-        return self._logits(x)
+        ends_kept = list(itertools.accumulate(end - start for start, end in kept))
+        hidden = [x[ends_kept[i] - lengths[i] : ends_kept[i]] for i in sorted(keep_all)]
+        return self.logits(x[[end - 1 for end in ends_kept]]), hidden
 
     def _attend_prompts(
         self,
@@ -141,22 +150,21 @@ class GPT2:
         k: torch.Tensor,
         v: torch.Tensor,
         spans: list[tuple[int, int]],
-        last_only: bool,
+        queries: list[tuple[int, int]],
     ) -> torch.Tensor:
         """Causal attention within each prompt's span of the packed (1, H, S, D)
-        q, k, v; returns (S, C), or with ``last_only`` each prompt's last position
-        alone, (B, C)."""
+        q, k, v, for the query positions ``queries[i]`` (a tail of span i: all of
+        it, or its last position); returns (Q, C)."""
         outputs = []
-        for start, end in spans:
+        for (start, end), (first, last) in zip(spans, queries, strict=True):
             keys, values = k[..., start:end, :], v[..., start:end, :]
-            if last_only:
-                outputs.append(
-                    F.scaled_dot_product_attention(q[..., end - 1 : end, :], keys, values)
-                )
+            if last - first == 1:
+                outputs.append(F.scaled_dot_product_attention(q[..., first:last, :], keys, values))
             else:
-                queries = q[..., start:end, :]
                 outputs.append(
-                    F.scaled_dot_product_attention(queries, keys, values, is_causal=True)
+                    F.scaled_dot_product_attention(
+                        q[..., first:last, :], keys, values, is_causal=True
+                    )
                 )
         return self._merge_heads(torch.cat(outputs, dim=2))[0]
 
@@ -181,7 +189,7 @@ class GPT2:
             keys, values = cache.read(index, num_rows, attend_len)  # (R, H, L, D)
             x = x + layer.proj(attend(q, keys, values))
             x = x + self._mlp(x, layer)
-        return self._logits(x[:, 0])
+        return self.logits(x[:, 0])
 
     def _token_attention(self, positions: torch.Tensor, attend_len: int) -> TokenAttention:
         """Attention for decode's one query per row, (R, H, 1, D) against the
@@ -223,6 +231,7 @@ class GPT2:
         h = F.gelu(layer.fc(h), approximate="tanh")  # (B, T, 4C)
         return layer.out(h)
 
-    def _logits(self, last: torch.Tensor) -> torch.Tensor:
-        h = F.layer_norm(last, (self.width,), *self.ln_f, self.eps)  # (B, C)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits of final hidden states (B, C)."""
+        h = F.layer_norm(hidden, (self.width,), *self.ln_f, self.eps)  # (B, C)
         return self.lm_head(h)  # (B, V)

@@ -65,6 +65,20 @@ class LoadedModel:
     model: GPT2LMHeadModel
     tokenizer: TextTokenizer
     is_random_weights: bool
+    hf_tokenizer: Any | None = None  # transformers' tokenizer, for its chat template
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """What a chat template may name ({{ bos_token }}, {{ eos_token }})."""
+        if self.hf_tokenizer is not None:
+            return {
+                name: str(token)
+                for name, token in self.hf_tokenizer.special_tokens_map.items()
+                if isinstance(token, str)
+            }
+        eos = self.tokenizer.eos_token_id
+        eos_text = "" if eos is None else self.tokenizer.decode([eos])
+        return {"bos_token": eos_text, "eos_token": eos_text}  # GPT-2 uses one for both
 
 
 def load_model(
@@ -160,7 +174,9 @@ def _pretrained(model_id: str) -> LoadedModel:
     if eos is None:
         eos = hf_tokenizer.eos_token_id
     tokenizer = TextTokenizer(backend, eos)
-    return LoadedModel(model_id, model, tokenizer, is_random_weights=False)
+    return LoadedModel(
+        model_id, model, tokenizer, is_random_weights=False, hf_tokenizer=hf_tokenizer
+    )
 
 
 def _hub_resolves() -> bool:

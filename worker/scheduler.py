@@ -153,6 +153,10 @@ class Scheduler:
             completion_tokens=len(finished.token_ids),
             queue_wait_ms=(admitted - arrival) * 1000,
             generate_ms=(self._clock() - admitted) * 1000,
+            logprobs=finished.logprobs,
+            prompt_logprobs=finished.prompt_logprobs,
+            prompt_token_ids=finished.prompt_token_ids,
+            prompt_text=finished.prompt_text,
         )
 
 

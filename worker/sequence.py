@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 from typing import Protocol
 
 from protocol import GenerateRequest
+from worker.logprobs import TokenLogprob
 
 # A byte-level BPE token may end in the middle of a multi-byte character; its text
 # is held back until the character completes, or this many tokens have passed
@@ -40,13 +41,21 @@ class Sequence:
         self.request = request
         self.request_id = request.request_id
         self.prompt_token_ids = prompt_token_ids
+        self.prompt_text: str | None = None  # the prompt as text, when echo needs it
         self.output_token_ids: list[int] = []
         self.slot = slot
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = "length" if request.max_new_tokens == 0 else None
         self._tokenizer = tokenizer
         self._stop_ids = set(request.stop_token_ids)
         if tokenizer.eos_token_id is not None and not request.ignore_eos:
             self._stop_ids.add(tokenizer.eos_token_id)
+        # Logprobs of output tokens this attempt generated (not resumed ones, which
+        # an earlier attempt delivered), and of the prompt: each delivered once.
+        self._logprobs: list[TokenLogprob] = []
+        self._num_delivered_logprobs = 0
+        self._num_resumed = 0
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self._is_prompt_scored = False
         # Text is built as tokens arrive only when something needs it before the
         # end: stop strings or streaming. Otherwise it is decoded once, at finish.
         self._tracks_text = bool(request.stop) or request.stream
@@ -68,6 +77,45 @@ class Sequence:
     def context_token_ids(self) -> list[int]:
         """Prompt and output so far: what the model has read before the next token."""
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def stop_token_ids(self) -> set[int]:
+        return self._stop_ids
+
+    @property
+    def is_within_min_tokens(self) -> bool:
+        """No stop may end the output yet: it has fewer than min_tokens tokens."""
+        return len(self.output_token_ids) < self.request.min_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The prefill must score the prompt: asked for, and not delivered by an
+        earlier attempt (whose first delta carried them, with its first token)."""
+        return (
+            self.request.prompt_logprobs is not None
+            and not self.request.resume_token_ids
+            and not self._is_prompt_scored
+        )
+
+    def set_prompt_logprobs(self, scores: list[TokenLogprob]) -> None:
+        self.prompt_logprobs = scores
+        self._is_prompt_scored = True
+
+    def record_logprob(self, score: TokenLogprob) -> None:
+        """The logprobs of the token about to be appended."""
+        self._logprobs.append(score)
+
+    def take_logprobs(self) -> tuple[list[int], list[TokenLogprob]]:
+        """Output tokens whose logprobs are not delivered yet, and those logprobs."""
+        start = self._num_delivered_logprobs
+        scores = self._logprobs[start:]
+        self._num_delivered_logprobs = len(self._logprobs)
+        first = self._num_resumed + start
+        return self.output_token_ids[first : first + len(scores)], scores
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob] | None:
+        scores, self.prompt_logprobs = self.prompt_logprobs, None
+        return scores
 
     def resume(self, token_ids: Seq[int], num_chars_shown: int) -> None:
         """Replay output that an earlier attempt already streamed: ``token_ids``, of
@@ -91,12 +139,14 @@ class Sequence:
             )
         self._num_streamed_tokens = len(self.output_token_ids)
         self._num_streamed_chars = num_chars_shown
+        self._num_resumed = len(self.output_token_ids)
 
     def append(self, token_id: int) -> str | None:
         """Record a generated token; return the finish reason if it ends the sequence."""
         assert self.finish_reason is None, f"{self.request_id} is already finished"
         self.output_token_ids.append(token_id)
-        if token_id in self._stop_ids:
+        may_stop = not self.is_within_min_tokens  # as vLLM: no stop before min_tokens
+        if may_stop and token_id in self._stop_ids:
             self.finish_reason = "stop"
             return self.finish_reason
         self._num_text_tokens = len(self.output_token_ids)
@@ -107,6 +157,7 @@ class Sequence:
         if (
             self._tracks_text
             and self._extend_text(flush=is_last)
+            and may_stop
             and self._cut_at_stop_string(num_chars_before)
         ):
             self.finish_reason = "stop"

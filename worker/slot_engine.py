@@ -3,10 +3,17 @@ finishing and streaming deltas. A subclass only computes next tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 from abc import abstractmethod
 from collections.abc import Sequence as Seq
 
-from protocol import ErrorCode, GenerateRequest, TokenDelta
+from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
+from worker.chat_template import (
+    DEFAULT_CHAT_TEMPLATE,
+    ChatTemplate,
+    ChatTemplateError,
+    jinja_template,
+)
 from worker.engine import (
     FinishedSequence,
     InferenceEngine,
@@ -14,15 +21,24 @@ from worker.engine import (
     RequestRejected,
     StepOutput,
 )
+from worker.logprobs import TokenLogprob, pack
 from worker.sequence import Sequence, Tokenizer
 
 
 class SlotEngine(InferenceEngine):
-    def __init__(self, info: ModelInfo, tokenizer: Tokenizer, capacity: int) -> None:
+    def __init__(
+        self,
+        info: ModelInfo,
+        tokenizer: Tokenizer,
+        capacity: int,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
         self.info = info
         self.tokenizer = tokenizer
+        self.chat_template = chat_template or jinja_template(DEFAULT_CHAT_TEMPLATE, "default")
         self._slots: list[Sequence | None] = [None] * capacity
         self._by_id: dict[str, Sequence] = {}
+        self._token_texts: dict[int, str] = {}  # each token's own text, for logprobs
 
     # --- what a subclass computes -------------------------------------------------
 
@@ -59,14 +75,18 @@ class SlotEngine(InferenceEngine):
             self._new_sequence(request, slot) for request, slot in zip(requests, free, strict=False)
         ]
         # A resumed sequence whose streamed output already finished it (its result
-        # was lost with the old worker) needs no model: the next step answers it.
-        to_prefill = [seq for seq in newcomers if seq.finish_reason is None]
+        # was lost with the old worker), or one asked for no tokens, needs no model
+        # unless its prompt is to be scored: the next step answers it.
+        to_prefill = [
+            seq for seq in newcomers if seq.finish_reason is None or seq.wants_prompt_logprobs
+        ]
         first_tokens = self._prefill(to_prefill) if to_prefill else []
         for seq in newcomers:
             self._slots[seq.slot] = seq
             self._by_id[seq.request_id] = seq
         for seq, token_id in zip(to_prefill, first_tokens, strict=True):
-            seq.append(token_id)
+            if seq.finish_reason is None:
+                seq.append(token_id)
         return [seq.request_id for seq in newcomers]
 
     def step(self) -> StepOutput:
@@ -98,24 +118,36 @@ class SlotEngine(InferenceEngine):
     # --- internals --------------------------------------------------------------------
 
     def _new_sequence(self, request: GenerateRequest, slot: int) -> Sequence:
-        seq = Sequence(request, self._prompt_token_ids(request), self.tokenizer, slot)
+        token_ids, text = self._prompt(request)
+        if request.fit_context:
+            room = self.info.context_window - len(token_ids)
+            request = dataclasses.replace(
+                request, max_new_tokens=max(0, min(request.max_new_tokens, room))
+            )
+        self._check_context(request, len(token_ids))
+        seq = Sequence(request, token_ids, self.tokenizer, slot)
+        if request.echo:
+            seq.prompt_text = self.tokenizer.decode(token_ids) if text is None else text
         try:
             seq.resume(request.resume_token_ids, request.resume_text_len)
         except ValueError as exc:
             raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)) from None
         return seq
 
-    def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+    def _prompt(self, request: GenerateRequest) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and its text unless it came as ids."""
         if request.request_id in self._by_id:
             raise RequestRejected(
                 request.request_id,
                 ErrorCode.INVALID_REQUEST,
                 f"request {request.request_id} is already being generated",
             )
+        text: str | None = None
         if request.prompt_token_ids is not None:
             token_ids = list(request.prompt_token_ids)
         else:
-            token_ids = self.tokenizer.encode(request.prompt)
+            text = self._render_chat(request) if request.chat_roles else request.prompt
+            token_ids = self.tokenizer.encode(text)
             if token_ids and max(token_ids) >= self.info.vocab_size:
                 # A tokenizer larger than the model's embedding: never index past it.
                 raise RequestRejected(
@@ -126,17 +158,29 @@ class SlotEngine(InferenceEngine):
                 )
         if not token_ids:
             raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
+        return token_ids, text
+
+    def _render_chat(self, request: GenerateRequest) -> str:
+        try:
+            return self.chat_template.render(
+                request.chat_roles, request.chat_contents, request.add_generation_prompt
+            )
+        except ChatTemplateError as exc:
+            raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+    def _check_context(self, request: GenerateRequest, num_prompt_tokens: int) -> None:
         # The resumed output is part of max_new_tokens, so it needs no room of its own.
         limit = self.info.context_window
-        if len(token_ids) + request.max_new_tokens > limit:
+        if num_prompt_tokens + request.max_new_tokens > limit or (
+            request.fit_context and request.max_new_tokens == 0
+        ):
             raise RequestRejected(
                 request.request_id,
                 ErrorCode.CONTEXT_OVERFLOW,
-                f"prompt is {len(token_ids):,} tokens + max_new_tokens "
-                f"{request.max_new_tokens:,} > context window {limit:,}: "
+                f"prompt is {num_prompt_tokens:,} tokens + max_new_tokens "
+                f"{max(1, request.max_new_tokens):,} > context window {limit:,}: "
                 "shorten the prompt or lower max_new_tokens",
             )
-        return token_ids
 
     def _collect(self, output: StepOutput) -> None:
         for seq in self.active_sequences():
@@ -144,7 +188,16 @@ class SlotEngine(InferenceEngine):
                 # A finishing sequence's last delta goes out before its result.
                 token_ids, text = seq.take_delta()
                 if token_ids or text:
-                    output.deltas.append(TokenDelta(seq.request_id, token_ids, text))
+                    output.deltas.append(
+                        TokenDelta(
+                            seq.request_id,
+                            token_ids,
+                            text,
+                            prompt_tokens=len(seq.prompt_token_ids),
+                            logprobs=self._take_logprobs(seq),
+                            prompt_logprobs=self._take_prompt_logprobs(seq),
+                        )
+                    )
             if seq.finish_reason is not None:
                 output.finished.append(self._finish(seq))
 
@@ -155,9 +208,34 @@ class SlotEngine(InferenceEngine):
             text=seq.final_text(),
             finish_reason=seq.finish_reason or "abort",
             num_prompt_tokens=len(seq.prompt_token_ids),
+            logprobs=self._take_logprobs(seq),
+            prompt_logprobs=self._take_prompt_logprobs(seq),
+            prompt_token_ids=list(seq.prompt_token_ids) if seq.request.echo else None,
+            prompt_text=seq.prompt_text,
         )
         self._free(seq)
         return finished
+
+    def _take_logprobs(self, seq: Sequence) -> Logprobs | None:
+        if seq.request.logprobs is None:
+            return None
+        token_ids, scores = seq.take_logprobs()
+        return self._pack(token_ids, scores, seq.request.logprobs) if scores else None
+
+    def _take_prompt_logprobs(self, seq: Sequence) -> Logprobs | None:
+        scores = seq.take_prompt_logprobs()
+        if scores is None or seq.request.prompt_logprobs is None:
+            return None
+        return self._pack(seq.prompt_token_ids, scores, seq.request.prompt_logprobs)
+
+    def _pack(self, token_ids: list[int], scores: list[TokenLogprob], num_top: int) -> Logprobs:
+        return pack(token_ids, scores, num_top, self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _free(self, seq: Sequence) -> None:
         self._slots[seq.slot] = None

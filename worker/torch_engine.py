@@ -14,14 +14,21 @@ import os
 import torch
 
 from protocol.config import ConfigError, WorkerConfig
+from worker.chat_template import ChatTemplate, choose_chat_template
 from worker.engine import ModelInfo
 from worker.gpt2 import GPT2
+from worker.logprobs import UNSCORED, TokenLogprob
 from worker.model_loader import LoadedModel, load_model
+from worker.penalties import apply_penalties, suppress_early_stops
 from worker.sampler import Sampler, check_sampling
 from worker.sequence import Sequence
 from worker.slot_engine import SlotEngine
 
 logger = logging.getLogger(__name__)
+
+
+# Prompt positions scored per LM-head call: 256 x 50257 float32 logits is 51 MB.
+_PROMPT_SCORE_CHUNK = 256
 
 
 def load_engine(config: WorkerConfig) -> TorchEngine:
@@ -35,7 +42,10 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
         getattr(torch, config.dtype),
         may_fall_back=not config.model_id,
     )
-    return TorchEngine(loaded, config.max_batch_size)
+    chat_template = choose_chat_template(
+        config.chat_template, loaded.hf_tokenizer, loaded.special_tokens
+    )
+    return TorchEngine(loaded, config.max_batch_size, chat_template)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,7 +57,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 class TorchEngine(SlotEngine):
-    def __init__(self, loaded: LoadedModel, capacity: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, capacity: int, chat_template: ChatTemplate | None = None
+    ) -> None:
         config = loaded.model.config
         info = ModelInfo(
             loaded.name,
@@ -56,7 +68,7 @@ class TorchEngine(SlotEngine):
             vocab_size=config.vocab_size,
             max_token_chars=loaded.tokenizer.max_token_chars,
         )
-        super().__init__(info, loaded.tokenizer, capacity)
+        super().__init__(info, loaded.tokenizer, capacity, chat_template)
         self.model = loaded.model
         self.gpt2 = GPT2(loaded.model)
         self.device = self.gpt2.device
@@ -76,18 +88,19 @@ class TorchEngine(SlotEngine):
             check_sampling(seq.request)
         seeds = [self.sampler.seed_for(seq.request) for seq in newcomers]
         contexts = [seq.context_token_ids for seq in newcomers]
-        logits = self.gpt2.prefill(
+        scored = [i for i, seq in enumerate(newcomers) if seq.wants_prompt_logprobs]
+        logits, hidden = self.gpt2.prefill(
             self._tensor([token for context in contexts for token in context]),
             [len(context) for context in contexts],
             [seq.slot for seq in newcomers],
             self.cache,
+            keep_all=scored,
         )  # (B, V)
-        first_ids = self.sampler.sample(
-            logits,
-            [seq.request for seq in newcomers],
-            seeds,
-            [len(seq.output_token_ids) for seq in newcomers],
-        )
+        for i, prompt_hidden in zip(scored, hidden, strict=True):
+            seq = newcomers[i]
+            num_top = seq.request.prompt_logprobs or 0
+            seq.set_prompt_logprobs(self._score_prompt(prompt_hidden, contexts[i], num_top))
+        first_ids = self._choose(logits, newcomers, seeds)
         for seq, seed in zip(newcomers, seeds, strict=True):
             self._seeds[seq.slot] = seed
         return first_ids
@@ -107,15 +120,64 @@ class TorchEngine(SlotEngine):
         )  # (R, V)
         if num_rows != len(active):
             logits = logits[self._tensor([seq.slot for seq in active])]
-        return self.sampler.sample(
+        return self._choose(logits, active, [self._seeds[seq.slot] for seq in active])
+
+    def _choose(
+        self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int | None]
+    ) -> list[int]:
+        """Each row's next token, after penalties and min_tokens, recording its
+        logprobs (of the raw logits) where the request asks for them."""
+        scored = [
+            i
+            for i, seq in enumerate(seqs)
+            if seq.request.logprobs is not None and seq.finish_reason is None
+        ]
+        raw = logits[self._tensor(scored)].float().log_softmax(dim=-1) if scored else None
+        apply_penalties(logits, seqs)
+        suppress_early_stops(logits, seqs)
+        next_ids = self.sampler.sample(
             logits,
-            [seq.request for seq in active],
-            [self._seeds[seq.slot] for seq in active],
-            [len(seq.output_token_ids) for seq in active],
+            [seq.request for seq in seqs],
+            seeds,
+            [len(seq.output_token_ids) for seq in seqs],
         )
+        if raw is not None:
+            chosen = self._tensor([next_ids[i] for i in scored])
+            num_top = max(seqs[i].request.logprobs or 0 for i in scored)
+            scores = _scores(raw, chosen, num_top)
+            for i, score in zip(scored, scores, strict=True):
+                seqs[i].record_logprob(score)
+        return next_ids
+
+    def _score_prompt(
+        self, hidden: torch.Tensor, token_ids: list[int], num_top: int
+    ) -> list[TokenLogprob]:
+        """Each prompt token's logprobs given the tokens before it, from the final
+        hidden states (L, C) of the whole prompt; the first token has none. The
+        LM head runs over a few positions at a time, to bound the (n, V) logits."""
+        scores = [UNSCORED]
+        targets = self._tensor(token_ids[1:])
+        for start in range(0, len(token_ids) - 1, _PROMPT_SCORE_CHUNK):
+            end = min(start + _PROMPT_SCORE_CHUNK, len(token_ids) - 1)
+            logprobs = self.gpt2.logits(hidden[start:end]).float().log_softmax(dim=-1)
+            scores += _scores(logprobs, targets[start:end], num_top)
+        return scores
 
     def _release(self, slot: int) -> None:
         self._seeds[slot] = None
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _scores(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: int) -> list[TokenLogprob]:
+    """Row i's logprob of ``chosen[i]`` and its ``num_top`` likeliest tokens, from
+    (N, V) log-probabilities; two transfers to Python for the whole batch."""
+    own = logprobs.gather(-1, chosen[:, None])[:, 0].tolist()
+    if num_top == 0:
+        return [TokenLogprob(lp, [], []) for lp in own]
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return [
+        TokenLogprob(lp, ids, lps)
+        for lp, ids, lps in zip(own, top_ids.tolist(), top_logprobs.tolist(), strict=True)
+    ]

@@ -22,6 +22,11 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
+MAX_CHAT_MESSAGES = 256  # the codec's longest list
+MAX_ROLE_CHARS = 64
+MAX_REPETITION_PENALTY = 10.0
+MAX_PRESENCE_PENALTY = 2.0  # and frequency: OpenAI's range is [-2, 2]
 
 
 @dataclass(frozen=True)
@@ -64,26 +69,13 @@ def _first_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str
     id_problem = _request_id_problem(request.request_id)
     if id_problem is not None:
         return invalid, id_problem
-    if not 1 <= request.max_new_tokens <= window:
-        return invalid, f"max_new_tokens: must be 1 to {window:,}, got {request.max_new_tokens:,}"
-    if request.prompt_token_ids is not None:
-        num_prompt = len(request.prompt_token_ids)
-        if num_prompt == 0:
-            return invalid, "prompt_token_ids: must not be empty"
-        if num_prompt + request.max_new_tokens > window:
-            return ErrorCode.CONTEXT_OVERFLOW, (
-                f"prompt is {num_prompt:,} tokens + max_new_tokens "
-                f"{request.max_new_tokens:,} > context window {window:,}: "
-                "shorten the prompt or lower max_new_tokens"
-            )
-    elif not request.prompt:
-        return invalid, "prompt: must not be empty"
-    elif len(request.prompt) > limits.max_prompt_chars:
-        return ErrorCode.CONTEXT_OVERFLOW, (
-            f"prompt is {len(request.prompt):,} characters: more tokens than the context "
-            f"window ({window:,} tokens of at most {limits.max_token_chars} characters) "
-            "holds; shorten the prompt"
-        )
+    if not 0 <= request.max_new_tokens <= window:
+        return invalid, f"max_new_tokens: must be 0 to {window:,}, got {request.max_new_tokens:,}"
+    prompt_problem = (
+        _chat_problem(request, limits) if request.chat_roles else _prompt_problem(request, limits)
+    )
+    if prompt_problem is not None:
+        return prompt_problem
     if len(request.resume_token_ids) > request.max_new_tokens:
         return invalid, (
             f"resume_token_ids: {len(request.resume_token_ids):,} tokens, more than "
@@ -109,7 +101,85 @@ def _first_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str
                 f"{name}: token id {max(token_ids)} is outside the vocabulary "
                 f"(ids are 0 to {limits.vocab_size - 1})"
             )
-    return _sampling_problem(request)
+    return _sampling_problem(request) or _scoring_problem(request)
+
+
+def _prompt_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str, str] | None:
+    invalid = ErrorCode.INVALID_REQUEST
+    window = limits.context_window
+    if request.chat_contents:
+        return invalid, "chat_contents: sent without chat_roles; each message has one of each"
+    if request.prompt_token_ids is not None:
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            return invalid, "prompt_token_ids: must not be empty"
+        if num_prompt + request.max_new_tokens > window:
+            return ErrorCode.CONTEXT_OVERFLOW, (
+                f"prompt is {num_prompt:,} tokens + max_new_tokens "
+                f"{request.max_new_tokens:,} > context window {window:,}: "
+                "shorten the prompt or lower max_new_tokens"
+            )
+    elif not request.prompt:
+        return invalid, "prompt: must not be empty"
+    elif len(request.prompt) > limits.max_prompt_chars:
+        return ErrorCode.CONTEXT_OVERFLOW, (
+            f"prompt is {len(request.prompt):,} characters: more tokens than the context "
+            f"window ({window:,} tokens of at most {limits.max_token_chars} characters) "
+            "holds; shorten the prompt"
+        )
+    return None
+
+
+def _chat_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str, str] | None:
+    invalid = ErrorCode.INVALID_REQUEST
+    roles, contents = request.chat_roles, request.chat_contents
+    if len(roles) != len(contents):
+        return invalid, (
+            f"chat_contents: {len(contents)} contents for {len(roles)} chat_roles; "
+            "each message has one of each"
+        )
+    if len(roles) > MAX_CHAT_MESSAGES:
+        return invalid, f"messages: at most {MAX_CHAT_MESSAGES} messages, got {len(roles)}"
+    if request.prompt or request.prompt_token_ids is not None:
+        return invalid, "prompt: a chat request carries its messages, not a prompt"
+    if any(not 1 <= len(role) <= MAX_ROLE_CHARS for role in roles):
+        return invalid, f"messages: each role must be 1 to {MAX_ROLE_CHARS} characters"
+    num_chars = sum(len(content) for content in contents)
+    if num_chars > limits.max_prompt_chars:
+        return ErrorCode.CONTEXT_OVERFLOW, (
+            f"messages: {num_chars:,} characters, more tokens than the context window "
+            f"({limits.context_window:,} tokens of at most {limits.max_token_chars} "
+            "characters) holds; shorten the conversation"
+        )
+    return None
+
+
+def _scoring_problem(request: GenerateRequest) -> tuple[str, str] | None:
+    """Penalties, min_tokens and logprobs: each bounded, so none makes work unbounded."""
+    invalid = ErrorCode.INVALID_REQUEST
+    if not 0 <= request.min_tokens <= request.max_new_tokens:
+        return invalid, (
+            f"min_tokens: must be 0 to max_new_tokens ({request.max_new_tokens:,}), "
+            f"got {request.min_tokens:,}"
+        )
+    repetition = request.repetition_penalty
+    if not (math.isfinite(repetition) and 0 < repetition <= MAX_REPETITION_PENALTY):
+        return invalid, (
+            f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}] (1 is off), "
+            f"got {repetition}"
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        value: float = getattr(request, name)
+        if not (math.isfinite(value) and abs(value) <= MAX_PRESENCE_PENALTY):
+            return invalid, (
+                f"{name}: must be in [-{MAX_PRESENCE_PENALTY:g}, {MAX_PRESENCE_PENALTY:g}] "
+                f"(0 is off), got {value}"
+            )
+    for name in ("logprobs", "prompt_logprobs"):
+        num_top: int | None = getattr(request, name)
+        if num_top is not None and not 0 <= num_top <= MAX_LOGPROBS:
+            return invalid, f"{name}: must be 0 to {MAX_LOGPROBS}, got {num_top}"
+    return None
 
 
 def _sampling_problem(request: GenerateRequest) -> tuple[str, str] | None:

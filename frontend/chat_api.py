@@ -1,0 +1,141 @@
+"""POST /v1/chat/completions: a conversation in, the assistant's next message out.
+
+The frontend has no tokenizer: the worker renders the messages through the
+model's chat template (`worker/chat_template.py`) and tokenizes the result.
+Streaming follows OpenAI: a first chunk with the assistant's role, content
+deltas, a last chunk with the finish reason, then usage and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from frontend.errors import ApiError, error_body
+from frontend.generation import CLIENT_CLOSED_REQUEST, ClientGone, accept, final_result
+from frontend.logprobs import chat_logprobs, unpack
+from frontend.metrics import Metrics
+from frontend.openai_common import (
+    Envelope,
+    UsageStream,
+    generate_request,
+    read_openai_request,
+    result_usage,
+)
+from frontend.openai_schemas import ChatBody, ChatMessage
+from frontend.streaming import sse_frame, stream_response
+from protocol import GenerateResult, TokenDelta
+
+ENDPOINT = "/v1/chat/completions"
+
+
+async def chat_completions(request: Request) -> Response:
+    """The assistant's reply to ``messages``. Body: ChatBody. Answer: OpenAI's
+    ``chat.completion`` object, or with ``stream`` its ``chat.completion.chunk``
+    events ending in ``data: [DONE]``. Errors in OpenAI's shape."""
+    read = await read_openai_request(request, ChatBody)
+    body, client = read.body, read.client
+    metrics: Metrics = request.app.state.metrics
+    roles, contents = conversation(body.messages)
+    asked = body.max_completion_tokens or body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    work = generate_request(
+        body,
+        client,
+        asked or client.config.max_new_tokens_limit,
+        param,
+        prompt="",
+        chat_roles=roles,
+        chat_contents=contents,
+        add_generation_prompt=body.add_generation_prompt is not False,
+        # Unasked, the reply may use whatever the context window leaves, as vLLM's.
+        fit_context=asked is None,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+    )
+    read.log_ignored(work.request_id)
+    accepted = accept(client, work, client.config.request_timeout_s, metrics, ENDPOINT)
+    chat = Envelope(f"chatcmpl-{work.request_id}", read.model)
+    if body.stream:
+        stream = _ChatStream(chat, body)
+        return await stream_response(request, client, accepted, stream, read.headers)
+    try:
+        result = await final_result(request, client, accepted)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    logprobs = None
+    if body.logprobs:
+        _, parts = accepted.entry.all_logprobs(result)
+        logprobs = chat_logprobs([score for part in parts for score in unpack(part)])
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": result.text},
+        "logprobs": logprobs,
+        "finish_reason": result.finish_reason,
+    }
+    answer = chat.wrap("chat.completion", [choice], result_usage(result))
+    return JSONResponse(answer, headers=read.headers)
+
+
+def conversation(messages: list[ChatMessage]) -> tuple[list[str], list[str]]:
+    """Each message's role and its content as text (text parts joined by lines,
+    as vLLM joins them); 400 for content that is not text."""
+    roles, contents = [], []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                text = part.get("text")
+                if part.get("type") != "text" or not isinstance(text, str):
+                    raise ApiError(
+                        400,
+                        f"messages.{i}.content: only text parts ({{'type': 'text', "
+                        f"'text': ...}}) are supported, got type {part.get('type')!r}",
+                        "unsupported",
+                        f"messages.{i}.content",
+                    )
+                texts.append(text)
+            content = "\n".join(texts)
+        roles.append(message.role)
+        contents.append(content or "")
+    return roles, contents
+
+
+class _ChatStream:
+    def __init__(self, chat: Envelope, body: ChatBody) -> None:
+        self.chat = chat
+        self.usage = UsageStream(body)
+        self.wants_logprobs = bool(body.logprobs)
+        self.is_started = False
+
+    def delta(self, delta: TokenDelta) -> str | None:
+        self.usage.count(delta.prompt_tokens, len(delta.token_ids))
+        logprobs = chat_logprobs(unpack(delta.logprobs)) if self.wants_logprobs else None
+        if not delta.text and not logprobs:
+            return None  # tokens whose text is held back: nothing to show yet
+        return self._chunk({"content": delta.text}, logprobs, None)
+
+    def final(self, result: GenerateResult) -> list[str]:
+        logprobs = chat_logprobs(unpack(result.logprobs)) if self.wants_logprobs else None
+        frames = [self._chunk({}, logprobs, result.finish_reason)]
+        if self.usage.is_final:
+            frames.append(sse_frame(self.chat.wrap(_CHUNK, [], result_usage(result))))
+        return [*frames, sse_frame("[DONE]")]
+
+    def error(self, error: ApiError) -> list[str]:
+        return [sse_frame(error_body(error)), sse_frame("[DONE]")]
+
+    def _chunk(
+        self, delta: dict[str, str], logprobs: dict[str, Any] | None, finish_reason: str | None
+    ) -> str:
+        if not self.is_started:
+            # The first chunk names the speaker, as OpenAI's does.
+            delta = {"role": "assistant", **delta}
+            self.is_started = True
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return sse_frame(self.chat.wrap(_CHUNK, [choice], self.usage.so_far()))
+
+
+_CHUNK = "chat.completion.chunk"

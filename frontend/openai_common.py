@@ -1,0 +1,181 @@
+"""What the OpenAI endpoints share: reading a body the way vLLM does (unknown
+fields ignored and named), the model check, the sampling fields of a request,
+and usage."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from starlette.requests import Request
+
+from frontend.errors import ApiError
+from frontend.generation import new_request_id
+from frontend.openai_schemas import OpenAIBody
+from frontend.schemas import check_max_new_tokens, name_fields, parse_body, stop_strings
+from frontend.worker_client import WorkerClient
+from protocol import GenerateRequest, GenerateResult
+
+log = logging.getLogger(__name__)
+
+# Names the request fields that were ignored, so that a client can see a typo.
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+
+Body = TypeVar("Body", bound=OpenAIBody)
+
+
+@dataclass(frozen=True)
+class OpenAIRequest(Generic[Body]):
+    body: Body
+    client: WorkerClient
+    model: str  # as the worker names it, or the request's while none has said hello
+    ignored: list[str]  # unknown fields, ignored
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return ignored_fields_headers(self.ignored)
+
+    def log_ignored(self, request_id: str) -> None:
+        log_ignored_fields(request_id, self.ignored)
+
+
+def ignored_fields_headers(ignored: list[str]) -> dict[str, str]:
+    """The response header that names the ignored fields, if any."""
+    if not ignored:
+        return {}
+    # A header value must be ASCII: escape whatever a field name holds.
+    named = name_fields(ignored).encode("ascii", "backslashreplace").decode()
+    return {IGNORED_FIELDS_HEADER: "".join(c if c.isprintable() else "?" for c in named)}
+
+
+def log_ignored_fields(request_id: str, ignored: list[str]) -> None:
+    if ignored:
+        log.warning(
+            "request %s: ignored %d unknown fields: %s",
+            request_id,
+            len(ignored),
+            name_fields(ignored),
+        )
+
+
+async def read_openai_request(request: Request, schema: type[Body]) -> OpenAIRequest[Body]:
+    """The body, checked: 422 for a bad field (and, with STRICT_REQUEST_FIELDS,
+    an unknown one), 400 for a value this server cannot honour, 404 for a model
+    it does not serve."""
+    client: WorkerClient = request.app.state.client
+    strict = client.config.strict_request_fields
+    body, ignored = await parse_body(request, schema, ignore_unknown=not strict)
+    unsupported = body.unsupported()
+    if unsupported is not None:
+        param, message = unsupported
+        raise ApiError(400, message, "unsupported", param)
+    check_model(client, body.model)
+    return OpenAIRequest(body, client, served_model(client) or body.model, ignored)
+
+
+def served_model(client: WorkerClient) -> str | None:
+    hello = client.liveness.hello
+    return hello.model if hello else None
+
+
+def check_model(client: WorkerClient, name: str) -> None:
+    """404 unless ``name`` is the served model (any name while none is known)."""
+    model = served_model(client)
+    if model is not None and name != model:
+        raise ApiError(
+            404,
+            f"model {name!r} is not served here; this server serves {model!r}",
+            "model_not_found",
+            "model",
+        )
+
+
+def generate_request(
+    body: OpenAIBody,
+    client: WorkerClient,
+    max_tokens: int,
+    max_tokens_param: str,
+    **prompt: Any,
+) -> GenerateRequest:
+    """The request for the worker: ``prompt`` holds the prompt fields (text, ids
+    or a conversation) and what to score."""
+    check_max_new_tokens(max_tokens, client.config.max_new_tokens_limit, max_tokens_param)
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise ApiError(
+            422,
+            f"min_tokens: {min_tokens} is more than {max_tokens_param} ({max_tokens})",
+            "invalid_request",
+            "min_tokens",
+        )
+    return GenerateRequest(
+        request_id=new_request_id(),
+        max_new_tokens=max_tokens,
+        stop=stop_strings(body.stop),
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=bool(body.ignore_eos),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),
+        seed=body.seed,
+        stream=bool(body.stream),
+        min_tokens=min_tokens,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        **prompt,
+    )
+
+
+class Envelope:
+    """What every answer and chunk of one request carries around its choices."""
+
+    def __init__(self, answer_id: str, model: str) -> None:
+        self.id = answer_id
+        self.model = model
+        self.created = int(time.time())
+
+    def wrap(
+        self, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def result_usage(result: GenerateResult) -> dict[str, int]:
+    return usage(result.prompt_tokens, result.completion_tokens)
+
+
+class UsageStream:
+    """Usage for a stream's chunks: after the stream (include_usage) and, with
+    continuous_usage_stats, so far in every chunk, as vLLM sends it."""
+
+    def __init__(self, body: OpenAIBody) -> None:
+        options = body.stream_options
+        self.is_final = bool(options and options.include_usage)
+        self.is_continuous = self.is_final and bool(options and options.continuous_usage_stats)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def count(self, prompt_tokens: int, num_new_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens or self.prompt_tokens
+        self.completion_tokens += num_new_tokens
+
+    def so_far(self) -> dict[str, int] | None:
+        return usage(self.prompt_tokens, self.completion_tokens) if self.is_continuous else None

@@ -1,0 +1,146 @@
+"""Request bodies of the OpenAI-compatible endpoints, with vLLM's extensions.
+
+What the completions and chat bodies share is `OpenAIBody`. A parameter this
+server cannot honour is accepted at its neutral value only (`unsupported` says
+why otherwise: 400); a field no body defines is ignored and named
+(`frontend.openai_common`), unless STRICT_REQUEST_FIELDS is set.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from frontend.schemas import MAX_SEED, MAX_TOKEN_ID, STRICT, StopStrings, TokenIds
+
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+MAX_CHAT_MESSAGES = 256
+MAX_REPETITION_PENALTY = 10.0
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+
+    include_usage: bool | None = Field(False, description="a last chunk with usage")
+    continuous_usage_stats: bool | None = Field(
+        False, description="with include_usage, usage so far in every chunk (vLLM)"
+    )
+
+
+class OpenAIBody(BaseModel):
+    """Fields both OpenAI endpoints take."""
+
+    model_config = STRICT
+
+    model: str = Field(min_length=1, description="the served model, as GET /v1/models names it")
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_ID, description="-1 or 0: off")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: StopStrings = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(
+        0, ge=0, description="no EOS, stop id or stop string ends the output before this"
+    )
+    repetition_penalty: float | None = Field(
+        1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="1 is off; over prompt and output"
+    )
+    presence_penalty: Penalty | None = Field(0.0, description="0 is off; over the output")
+    frequency_penalty: Penalty | None = Field(0.0, description="0 is off; over the output")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(1, description="only 1")
+    logit_bias: dict[str, Any] | None = Field(None, description="only empty")
+    user: str | None = Field(None, description="accepted and ignored")
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first parameter set to a value this server cannot honour, with why."""
+        for param, is_ok, message in self._checks():
+            if not is_ok:
+                return param, f"{param}: {message}"
+        return None
+
+    def _checks(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("n", self.n in (None, 1), "only n=1 is supported; send one request per completion"),
+            ("logit_bias", not self.logit_bias, "logit_bias is not supported"),
+        ]
+
+
+class CompletionBody(OpenAIBody):
+    """POST /v1/completions, as OpenAI defines it, with vLLM's extensions."""
+
+    prompt: (
+        str
+        | TokenIds
+        | Annotated[list[str], Field(fail_fast=True)]
+        | Annotated[list[TokenIds], Field(fail_fast=True)]
+    ) = Field(description="text, or token ids; one prompt per request")
+    max_tokens: int | None = Field(
+        16, ge=0, description="0 to MAX_NEW_TOKENS_LIMIT; 0 only with echo"
+    )
+    echo: bool | None = Field(False, description="the prompt before the completion")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="the likeliest tokens to list per token"
+    )
+    best_of: int | None = Field(None, description="only 1")
+    suffix: str | None = Field(None, description="not supported: only null")
+
+    def _checks(self) -> list[tuple[str, bool, str]]:
+        return [
+            *super()._checks(),
+            ("best_of", self.best_of in (None, 1), "only best_of=1 is supported"),
+            ("suffix", self.suffix is None, "suffix is not supported"),
+        ]
+
+
+class ChatMessage(BaseModel):
+    """One message; fields besides role and content (name, tool_call_id, ...)
+    are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: str = Field(min_length=1, max_length=64)
+    content: str | list[dict[str, Any]] | None = Field(
+        None, description="text, or a list of {type: text, text} parts"
+    )
+
+
+class ChatBody(OpenAIBody):
+    """POST /v1/chat/completions, as OpenAI defines it, with vLLM's extensions."""
+
+    messages: list[ChatMessage] = Field(
+        min_length=1, max_length=MAX_CHAT_MESSAGES, description="the conversation so far"
+    )
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="1 to MAX_NEW_TOKENS_LIMIT; by default as many as fit"
+    )
+    max_tokens: int | None = Field(None, ge=1, description="the older name of the above")
+    logprobs: bool | None = Field(False, description="each output token's logprob")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="with logprobs, the likeliest tokens to list"
+    )
+    add_generation_prompt: bool | None = Field(
+        True, description="end the prompt with the assistant's turn (vLLM)"
+    )
+    tools: list[Any] | None = Field(None, description="not supported: only empty")
+    tool_choice: Any = Field(None, description="only none")
+    response_format: dict[str, Any] | None = Field(None, description="only {type: text}")
+
+    def _checks(self) -> list[tuple[str, bool, str]]:
+        text_format = self.response_format in (None, {"type": "text"})
+        return [
+            *super()._checks(),
+            ("tools", not self.tools, "tool calling is not supported"),
+            ("tool_choice", self.tool_choice in (None, "none"), "tool calling is not supported"),
+            ("response_format", text_format, "only {'type': 'text'} is supported"),
+            (
+                "top_logprobs",
+                self.top_logprobs is None or bool(self.logprobs),
+                "top_logprobs needs logprobs: true",
+            ),
+        ]

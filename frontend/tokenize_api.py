@@ -1,0 +1,135 @@
+"""POST /tokenize, POST /detokenize and GET /version, shaped like vLLM's.
+
+The tokenizer lives in the worker, so each call is a request that asks for no
+tokens (``max_new_tokens`` 0). It queues like any request; once admitted, the
+worker tokenizes (or decodes) it and answers at the next step, without running
+the model.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from frontend.chat_api import conversation
+from frontend.errors import ApiError
+from frontend.generation import (
+    CLIENT_CLOSED_REQUEST,
+    ClientGone,
+    accept,
+    final_result,
+    new_request_id,
+)
+from frontend.metrics import Metrics
+from frontend.openai_common import check_model, ignored_fields_headers, log_ignored_fields
+from frontend.openai_schemas import MAX_CHAT_MESSAGES, ChatMessage
+from frontend.schemas import STRICT, TokenIds, parse_body
+from frontend.worker_client import WorkerClient
+from protocol import GenerateRequest, GenerateResult
+
+PACKAGE = "minibatch-llm"
+
+
+class TokenizeBody(BaseModel):
+    """POST /tokenize: a prompt, or a conversation as the chat endpoint renders it."""
+
+    model_config = STRICT
+
+    model: str | None = Field(None, description="the served model, if given")
+    prompt: str | None = Field(None, min_length=1, description="text to tokenize")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, max_length=MAX_CHAT_MESSAGES, description="or a conversation"
+    )
+    add_generation_prompt: bool = Field(
+        True, description="with messages: end with the reply's turn"
+    )
+    add_special_tokens: bool = Field(
+        True, description="accepted; tokens are as generation reads them (no special tokens added)"
+    )
+
+
+class DetokenizeBody(BaseModel):
+    """POST /detokenize."""
+
+    model_config = STRICT
+
+    model: str | None = Field(None, description="the served model, if given")
+    tokens: TokenIds = Field(description="token ids to turn into text")
+
+
+async def tokenize(request: Request) -> Response:
+    """``{count, max_model_len, tokens, token_strs}`` for a prompt or a conversation."""
+    client: WorkerClient = request.app.state.client
+    body, ignored = await _read(request, client, TokenizeBody)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(422, "body: send a prompt or messages, one of them", "invalid_request")
+    fields: dict[str, Any] = {"prompt": body.prompt or ""}
+    if body.messages is not None:
+        roles, contents = conversation(body.messages)
+        fields.update(chat_roles=roles, chat_contents=contents)
+        fields["add_generation_prompt"] = body.add_generation_prompt
+    result = await _ask(request, client, "/tokenize", ignored, **fields)
+    if result is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    token_ids = result.prompt_token_ids or []
+    hello = client.liveness.hello
+    return JSONResponse(
+        {
+            "count": len(token_ids),
+            "max_model_len": hello.context_window if hello else None,
+            "tokens": token_ids,
+            "token_strs": None,
+        },
+        headers=ignored_fields_headers(ignored),
+    )
+
+
+async def detokenize(request: Request) -> Response:
+    """``{prompt}``: the text of ``tokens``."""
+    client: WorkerClient = request.app.state.client
+    body, ignored = await _read(request, client, DetokenizeBody)
+    headers = ignored_fields_headers(ignored)
+    if not body.tokens:
+        return JSONResponse({"prompt": ""}, headers=headers)
+    result = await _ask(
+        request, client, "/detokenize", ignored, prompt="", prompt_token_ids=body.tokens
+    )
+    if result is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse({"prompt": result.prompt_text or ""}, headers=headers)
+
+
+async def version(request: Request) -> Response:
+    """``{version}``: this server's version."""
+    return JSONResponse({"version": importlib.metadata.version(PACKAGE)})
+
+
+Body = TypeVar("Body", TokenizeBody, DetokenizeBody)
+
+
+async def _read(
+    request: Request, client: WorkerClient, schema: type[Body]
+) -> tuple[Body, list[str]]:
+    strict = client.config.strict_request_fields
+    body, ignored = await parse_body(request, schema, ignore_unknown=not strict)
+    if body.model is not None:
+        check_model(client, body.model)
+    return body, ignored
+
+
+async def _ask(
+    request: Request, client: WorkerClient, endpoint: str, ignored: list[str], **fields: Any
+) -> GenerateResult | None:
+    """The worker's answer to a request for no tokens; None if the client left."""
+    metrics: Metrics = request.app.state.metrics
+    work = GenerateRequest(new_request_id(), max_new_tokens=0, echo=True, **fields)
+    log_ignored_fields(work.request_id, ignored)
+    accepted = accept(client, work, client.config.request_timeout_s, metrics, endpoint)
+    try:
+        return await final_result(request, client, accepted)
+    except ClientGone:
+        return None

@@ -1,0 +1,153 @@
+"""/v1/chat/completions, /tokenize, /detokenize and /version through real processes,
+with the official `openai` client where it speaks them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.stack import Stack, live_stack, openai_client
+from worker.fake_engine import expected_text
+
+CHAT_PROMPT = "System: Be brief.\n\nUser: Hi\n\nAssistant:"  # the default template's
+MESSAGES: list[dict[str, str]] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with live_stack(
+        tmp_path_factory.mktemp("stack"),
+        {"FAKE_STEP_DELAY_S": "0.005", "MAX_NEW_TOKENS_LIMIT": "40"},
+    ) as stack:
+        yield stack
+
+
+@pytest.fixture
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    with openai_client(stack) as client:
+        yield client
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model="fake",
+        messages=MESSAGES,
+        max_completion_tokens=6,
+        seed=3,  # type: ignore[arg-type]
+    )
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    (choice,) = chat.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected_text(CHAT_PROMPT, 6)
+    assert choice.finish_reason == "length"
+    assert chat.usage is not None
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(CHAT_PROMPT), 6)
+
+
+def test_chat_streams_role_then_content_then_finish_and_usage(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model="fake",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    with_choices = [chunk for chunk in chunks if chunk.choices]
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in with_choices)
+    assert text == expected_text(CHAT_PROMPT, 5)
+    assert [c.choices[0].finish_reason for c in with_choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_chat_stop_string_and_text_parts(client: openai.OpenAI) -> None:
+    full = expected_text("User: Hi\n\nAssistant:", 12)
+    stop = full[4:6]
+    chat = client.chat.completions.create(
+        model="fake",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        max_tokens=12,
+        stop=stop,
+    )
+    assert chat.choices[0].message.content == full[: full.index(stop)]
+    assert chat.choices[0].finish_reason == "stop"
+
+
+def test_chat_without_max_tokens_fills_what_the_limit_allows(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(model="fake", messages=MESSAGES)  # type: ignore[arg-type]
+    assert chat.usage is not None and chat.usage.completion_tokens == 40  # MAX_NEW_TOKENS_LIMIT
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model="fake",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    logprobs = chat.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    text = expected_text(CHAT_PROMPT, 3)
+    assert [entry.token for entry in logprobs.content] == list(text)
+    first = logprobs.content[0]
+    assert first.logprob == -0.25 and first.bytes == list(text[0].encode())
+    assert [(top.token, top.logprob) for top in first.top_logprobs] == [
+        (text[0], -0.25),
+        (chr(ord(text[0]) + 1), -0.5),
+    ]
+
+
+def test_chat_continuous_usage_counts_every_chunk(stack: Stack) -> None:
+    body = {
+        "model": "fake",
+        "messages": MESSAGES,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=10) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+    usages = [httpx.Response(200, content=line[6:]).json()["usage"] for line in lines]
+    assert [u["completion_tokens"] for u in usages] == [1, 2, 3, 4, 4, 4]
+    assert {u["prompt_tokens"] for u in usages} == {len(CHAT_PROMPT)}
+
+
+def test_images_are_refused_by_name(client: openai.OpenAI) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="fake",
+            messages=[{"role": "user", "content": [image]}],  # type: ignore[list-item]
+        )
+    assert isinstance(raised.value.body, dict)
+    assert raised.value.body["param"] == "messages.0.content"
+
+
+def test_tokenize_and_detokenize_as_vllm_shapes_them(stack: Stack) -> None:
+    response = httpx.post(f"{stack.url}/tokenize", json={"prompt": "hey", "x": 1}, timeout=10)
+    assert response.headers["X-Ignored-Fields"] == "x"
+    assert response.json() == {
+        "count": 3,
+        "max_model_len": 1024,
+        "tokens": [ord(c) for c in "hey"],
+        "token_strs": None,
+    }
+    chat = httpx.post(f"{stack.url}/tokenize", json={"messages": MESSAGES}, timeout=10).json()
+    assert chat["tokens"] == [ord(c) for c in CHAT_PROMPT]
+    text = httpx.post(f"{stack.url}/detokenize", json={"tokens": [104, 105]}, timeout=10)
+    assert text.json() == {"prompt": "hi"}
+    wrong = httpx.post(f"{stack.url}/detokenize", json={"model": "x", "tokens": [1]}, timeout=10)
+    assert wrong.status_code == 404
+    version = httpx.get(f"{stack.url}/version", timeout=10).json()
+    assert set(version) == {"version"}

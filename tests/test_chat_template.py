@@ -1,0 +1,62 @@
+"""Conversations into prompts: the default template, a CHAT_TEMPLATE file, and a
+template that refuses a conversation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from protocol import ErrorCode, GenerateRequest
+from worker.chat_template import ChatTemplateError, choose_chat_template, jinja_template
+from worker.engine import RequestRejected
+from worker.fake_engine import FakeEngine
+
+TOKENS = {"bos_token": "<s>", "eos_token": "</s>"}
+
+
+def test_the_default_template_writes_role_lines_and_the_reply_turn() -> None:
+    template = choose_chat_template("", None, TOKENS)
+    prompt = template.render(["system", "user"], ["Be brief.", "Hi"], add_generation_prompt=True)
+    assert prompt == "System: Be brief.\n\nUser: Hi\n\nAssistant:"
+    assert not template.render(["user"], ["Hi"], add_generation_prompt=False).endswith("Assistant:")
+
+
+def test_a_chat_template_file_is_rendered_as_hugging_face_renders_it(tmp_path: Path) -> None:
+    path = tmp_path / "chatml.jinja"
+    # trim_blocks and lstrip_blocks (HF's settings) drop the newlines after tags.
+    path.write_text(
+        "{{ bos_token }}{% for m in messages %}\n"
+        "<|{{ m.role }}|>{{ m.content | trim }}\n"
+        "{% endfor %}\n"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    template = choose_chat_template(str(path), None, TOKENS)
+    rendered = template.render(["user"], ["  Hi  "], add_generation_prompt=True)
+    assert rendered == "<s><|user|>Hi\n<|assistant|>"
+
+
+def test_a_template_that_raises_refuses_the_request_by_name() -> None:
+    template = jinja_template(
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}",
+        "strict",
+    )
+    with pytest.raises(ChatTemplateError, match="first must be user"):
+        template.render(["assistant"], ["x"], add_generation_prompt=True)
+    engine = FakeEngine(capacity=1)
+    engine.chat_template = template
+    chat = GenerateRequest("r", "", 4, chat_roles=["assistant"], chat_contents=["x"])
+    with pytest.raises(RequestRejected) as rejected:
+        engine.admit([chat])
+    assert rejected.value.code == ErrorCode.INVALID_REQUEST
+    assert rejected.value.message.startswith("messages: ")
+    assert engine.num_active() == 0
+
+
+def test_a_conversation_is_the_prompt_the_template_renders() -> None:
+    engine = FakeEngine(capacity=1)
+    chat = GenerateRequest("r", "", 2, chat_roles=["user"], chat_contents=["Hi"], echo=True)
+    engine.admit([chat])
+    [finished] = engine.step().finished + engine.step().finished
+    assert finished.prompt_text == "User: Hi\n\nAssistant:"
+    assert finished.num_prompt_tokens == len("User: Hi\n\nAssistant:")
