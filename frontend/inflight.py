@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
-from protocol import ErrorResult, GenerateRequest, GenerateResult, TokenDelta
+from protocol import ErrorResult, GenerateRequest, GenerateResult, Logprobs, TokenDelta
 
 Final = GenerateResult | ErrorResult
 Event = TokenDelta | GenerateResult | ErrorResult
@@ -31,6 +31,9 @@ class InFlight:
     made_progress: bool = False  # replayed as a suspect, it ran a step on the new worker
     streamed_token_ids: list[int] = field(default_factory=list)
     streamed_text: str = ""
+    # Logprobs ride on deltas once each; a replay never sends them again.
+    streamed_logprobs: list[Logprobs] = field(default_factory=list)
+    streamed_prompt_logprobs: Logprobs | None = None
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
     @property
@@ -46,16 +49,30 @@ class InFlight:
         them and the text they showed, so the client sees one continuous answer,
         the one an uninterrupted run gives; its budget still counts them.
         ``stream`` asks for deltas even if the client did not (the result still
-        carries the whole text), to see that the attempt is making progress."""
+        carries the whole text), to see that the attempt is making progress. An
+        attempt that resumes streamed tokens streams too: a worker resumes only
+        text it tracks for streaming."""
         self.attempt += 1
         return dataclasses.replace(
             self.request,
             request_id=self.wire_id,
             resume_token_ids=list(self.streamed_token_ids),
             resume_text_len=len(self.streamed_text),
-            stream=self.request.stream or stream,
+            stream=self.request.stream or stream or bool(self.streamed_token_ids),
         )
 
     def record(self, delta: TokenDelta) -> None:
         self.streamed_token_ids.extend(delta.token_ids)
         self.streamed_text += delta.text
+        if delta.logprobs is not None:
+            self.streamed_logprobs.append(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.streamed_prompt_logprobs = delta.prompt_logprobs
+
+    def all_logprobs(self, result: GenerateResult) -> tuple[Logprobs | None, list[Logprobs]]:
+        """The prompt's logprobs and the output's, from every attempt's deltas and
+        the result: each token's arrived exactly once, in one or the other."""
+        output = [*self.streamed_logprobs]
+        if result.logprobs is not None:
+            output.append(result.logprobs)
+        return self.streamed_prompt_logprobs or result.prompt_logprobs, output
