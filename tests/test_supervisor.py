@@ -146,11 +146,13 @@ def test_a_worker_killed_by_signal_37_is_restarted_and_the_supervisor_lives_on(
 def _send_poison(endpoint: str, request_id: str) -> None:
     """Hand the worker at ``endpoint`` a request with the crash prompt. Straight over
     ZMQ, so that no frontend replays it on the next worker the instant that worker
-    says hello, before the supervisor has heard the hello too."""
+    says hello, before the supervisor has heard the hello too. It stays until the
+    worker greets it: a worker drops the requests of a peer that has left."""
     with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
         socket.setsockopt(zmq.LINGER, 1000)
         socket.connect(endpoint)
         socket.send(encode(GenerateRequest(request_id, "poison", max_new_tokens=1)))
+        assert socket.poll(10_000), "the worker never greeted the poison's sender"
 
 
 def test_workers_that_die_taking_their_first_request_after_hello_are_a_crash_loop(
