@@ -3,12 +3,16 @@
 shape. Everything here is cheap and runs before pydantic sees the body.
 
 A refusal here is sent with ``Connection: close``: the rest of the body is
-unread, and closing is the only way not to read (or wait for) it.
+unread, and closing is the only way not to read (or wait for) it. A body at most
+`DRAIN_FACTOR` times over the limit is first read to its end and dropped, as
+nginx's lingering close does: closing with unread bytes makes the kernel reset
+the connection, and a client still sending would see the reset, not the 413.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic_core
@@ -21,6 +25,8 @@ from protocol.config import FrontendConfig
 JSON_MEDIA_TYPE = "application/json"
 SEND_JSON = f"send a JSON object with the header 'Content-Type: {JSON_MEDIA_TYPE}'"
 CLOSE = {"Connection": "close"}
+DRAIN_FACTOR = 4
+DRAIN_TIMEOUT_S = 1.0
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:
@@ -30,7 +36,10 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     _check_media_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and int(declared) > config.max_request_bytes:
-        raise _too_large(config, f"the body's Content-Length, {int(declared):,} bytes,")
+        refusal = _too_large(config, f"the body's Content-Length, {int(declared):,} bytes,")
+        if int(declared) <= DRAIN_FACTOR * config.max_request_bytes:
+            await _drain(request.stream(), config)
+        raise refusal
     body = await _read(request, config)
     try:
         value = pydantic_core.from_json(body, allow_inf_nan=False)
@@ -72,12 +81,13 @@ async def _read(request: Request, config: FrontendConfig) -> bytes:
     declare no length) or the time to send it runs out."""
     chunks: list[bytes] = []
     num_bytes = 0
+    stream = request.stream()
     try:
         async with asyncio.timeout(config.body_timeout_s):
-            async for chunk in request.stream():
+            async for chunk in stream:
                 num_bytes += len(chunk)
                 if num_bytes > config.max_request_bytes:
-                    raise _too_large(config, "the body")
+                    break
                 chunks.append(chunk)
     except TimeoutError:
         raise ApiError(
@@ -94,7 +104,24 @@ async def _read(request: Request, config: FrontendConfig) -> bytes:
             "the client closed the connection before sending the whole body",
             "client_gone",
         ) from None
+    if num_bytes > config.max_request_bytes:
+        await _drain(stream, config)
+        raise _too_large(config, "the body")
     return b"".join(chunks)
+
+
+async def _drain(stream: AsyncIterator[bytes], config: FrontendConfig) -> None:
+    """Read and drop the rest of a refused body, while it stays within
+    `DRAIN_FACTOR` times the limit and `DRAIN_TIMEOUT_S`."""
+    num_bytes = 0
+    try:
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            async for chunk in stream:
+                num_bytes += len(chunk)
+                if num_bytes > DRAIN_FACTOR * config.max_request_bytes:
+                    return
+    except (TimeoutError, ClientDisconnect):
+        return
 
 
 def _too_large(config: FrontendConfig, what: str) -> ApiError:

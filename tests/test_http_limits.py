@@ -95,6 +95,29 @@ def test_a_declared_100_mb_body_is_refused_at_once_without_reaching_the_worker(
     assert (health["inflight"], health["active"], health["queued"]) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("framing", ["Content-Length", "chunked"])
+def test_a_client_still_sending_a_body_somewhat_over_the_limit_reads_its_413(
+    stack: Stack, framing: str
+) -> None:
+    # The whole body is sent, slowly enough that the answer comes first. A server
+    # that closed with the rest unread would make the kernel reset the connection,
+    # and the client would read the reset, not the 413.
+    body = b'{"prompt": "' + b"a" * (2 * MAX_REQUEST_BYTES) + b'"}'
+    pieces = [body[i : i + 256 * 1024] for i in range(0, len(body), 256 * 1024)]
+    with connect(stack) as sock:
+        if framing == "chunked":
+            sock.sendall(head("/generate", f"Content-Type: {JSON}", "Transfer-Encoding: chunked"))
+            pieces = [b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces] + [b"0\r\n\r\n"]
+        else:
+            sock.sendall(head("/generate", f"Content-Type: {JSON}", f"Content-Length: {len(body)}"))
+        for data in pieces:
+            sock.sendall(data)
+            time.sleep(0.005)
+        status, _, answer = read_response(sock)
+    assert status == 413
+    assert json.loads(answer)["error"]["code"] == "request_too_large"
+
+
 def test_a_chunked_body_is_refused_once_it_passes_the_limit(stack: Stack) -> None:
     with connect(stack) as sock:
         sock.sendall(head("/generate", f"Content-Type: {JSON}", "Transfer-Encoding: chunked"))
