@@ -93,7 +93,7 @@ async def models(request: Request) -> Response:
 
 
 def _served_model(client: WorkerClient) -> str | None:
-    hello = client.liveness.hello
+    hello = client.hello
     return hello.model if hello else None
 
 

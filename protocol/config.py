@@ -185,7 +185,21 @@ class FrontendConfig:
     host: str = _setting("HOST", "127.0.0.1", "HTTP listen address")
     port: int = _setting("PORT", 8000, "HTTP listen port")
     worker_endpoint: str = _setting(
-        "WORKER_ENDPOINT", "tcp://127.0.0.1:5555", "the worker's ZMQ endpoint"
+        "WORKER_ENDPOINT",
+        "tcp://127.0.0.1:5555",
+        "the worker's ZMQ endpoint; a host name is re-resolved every "
+        "WORKER_RESOLVE_INTERVAL_S and every address it resolves to is a worker",
+    )
+    worker_endpoints: str = _setting(
+        "WORKER_ENDPOINTS",
+        "",
+        "comma-separated ZMQ endpoints of several workers; when set, WORKER_ENDPOINT is unused",
+    )
+    worker_resolve_interval_s: float = _setting(
+        "WORKER_RESOLVE_INTERVAL_S",
+        2.0,
+        "seconds between look-ups of a host name in WORKER_ENDPOINT(S), to find workers "
+        "added or gone (compose --scale, a Kubernetes headless Service)",
     )
     max_new_tokens_limit: int = _setting(
         "MAX_NEW_TOKENS_LIMIT", 512, "largest max_new_tokens a request may ask for"
@@ -247,11 +261,23 @@ class FrontendConfig:
         _positive(self, "port", "max_new_tokens_limit", "max_queue_depth", "ping_interval_s")
         _positive(self, "heartbeat_timeout_s", "step_timeout_s", "request_timeout_s")
         _positive(self, "max_request_bytes", "body_timeout_s", "header_timeout_s")
-        _positive(self, "keep_alive_timeout_s", "max_connections")
+        _positive(self, "keep_alive_timeout_s", "max_connections", "worker_resolve_interval_s")
         _check_endpoint(self, "worker_endpoint")
+        for endpoint in self.endpoints:
+            if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(
+                    "WORKER_ENDPOINTS must be comma-separated ZMQ endpoints such as "
+                    f"tcp://10.0.0.5:5555,tcp://10.0.0.6:5555, got {endpoint!r}"
+                )
         if self.port > 65535:
             raise ConfigError(f"PORT must be at most 65535, got {self.port}")
         _ = self.curve  # a bad key stops the process at start, not at its first connect
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Where the workers are: WORKER_ENDPOINTS, else WORKER_ENDPOINT."""
+        given = [e.strip() for e in self.worker_endpoints.split(",") if e.strip()]
+        return given or [self.worker_endpoint]
 
     @cached_property
     def curve(self) -> ClientKeys | None:
