@@ -113,6 +113,12 @@ class WorkerConfig:
         "restart policy (the supervisor, Docker) replaces a wedged worker",
     )
     device: str = _setting("DEVICE", "", "cpu or cuda (default: cuda when available)")
+    torch_threads: int = _setting(
+        "TORCH_THREADS",
+        0,
+        "threads torch computes with; 0 uses every core this process may run on "
+        "(minibatch-serve splits the cores evenly between its workers)",
+    )
     dtype: str = _setting("DTYPE", "float32", "float32, bfloat16 or float16")
     fake_step_delay_s: float = _setting(
         "FAKE_STEP_DELAY_S", 0.0, "seconds each step of the fake engine sleeps"
@@ -155,6 +161,8 @@ class WorkerConfig:
             raise ConfigError(f"DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.fake_step_delay_s < 0:
             raise ConfigError(f"FAKE_STEP_DELAY_S must be >= 0, got {self.fake_step_delay_s}")
+        if self.torch_threads < 0:
+            raise ConfigError(f"TORCH_THREADS must be >= 0, got {self.torch_threads}")
         if self.fake_start_delay_s < 0:
             raise ConfigError(f"FAKE_START_DELAY_S must be >= 0, got {self.fake_start_delay_s}")
         _ = self.curve  # a bad key stops the worker at start, not at its first bind
@@ -292,8 +300,25 @@ class FrontendConfig:
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """The local launcher: how it restarts a worker that died or hung."""
+    """The local launcher: how many processes it runs, and how it restarts a worker
+    that died or hung."""
 
+    num_workers: int = _setting(
+        "NUM_WORKERS",
+        1,
+        "workers to run, on WORKER_ENDPOINT's port and the ones after it; each gets "
+        "an even share of the cores unless TORCH_THREADS is set",
+    )
+    torch_threads: int = _setting(
+        "TORCH_THREADS",
+        0,
+        "threads each worker computes with; 0 splits the cores evenly between the workers",
+    )
+    num_frontends: int = _setting(
+        "NUM_FRONTENDS",
+        1,
+        "frontends to run, on PORT and the ports after it; each serves every worker",
+    )
     restart_backoff_s: float = _setting(
         "RESTART_BACKOFF_S", 0.5, "wait before the first restart; doubles after each crash"
     )
@@ -312,7 +337,9 @@ class SupervisorConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "restart_backoff_s", "restart_backoff_max_s", "crash_loop_limit")
-        _positive(self, "worker_start_timeout_s")
+        _positive(self, "worker_start_timeout_s", "num_workers", "num_frontends")
+        if self.torch_threads < 0:
+            raise ConfigError(f"TORCH_THREADS must be >= 0, got {self.torch_threads}")
 
 
 C = TypeVar("C")
