@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,16 @@ def start_task(coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[
     task = asyncio.create_task(coroutine, name=name)
     task.add_done_callback(_exit_if_failed)
     return task
+
+
+async def stop_tasks(tasks: Iterable[asyncio.Task[None]]) -> None:
+    """Cancel ``tasks`` and wait until each has ended."""
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def _exit_if_failed(task: asyncio.Task[None]) -> None:

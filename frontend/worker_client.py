@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import logging
 import uuid
 
@@ -38,7 +37,7 @@ import zmq.asyncio
 from frontend.discovery import Discovery
 from frontend.inflight import Event, InFlight
 from frontend.router import pick
-from frontend.tasks import start_task
+from frontend.tasks import start_task, stop_tasks
 from frontend.worker_link import WorkerLink
 from protocol import (
     AbortRequest,
@@ -90,11 +89,7 @@ class WorkerClient:
             self._tasks.append(start_task(self._discovery_loop(), "worker-discovery"))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(self._tasks)
         for link in self._links.values():
             await link.close()
         self._context.term()

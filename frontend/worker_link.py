@@ -10,7 +10,6 @@ or hung process, or a network partition.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import typing
 from typing import Protocol
@@ -20,7 +19,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from frontend.inflight import Event, InFlight
-from frontend.tasks import start_task
+from frontend.tasks import start_task, stop_tasks
 from protocol import Heartbeat, Hello, ProtocolError, ToWorker, decode_to_frontend, encode
 from protocol.config import FrontendConfig
 from protocol.curve import secure_client
@@ -80,11 +79,7 @@ class WorkerLink:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(self._tasks)
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
         self._socket.close(linger=0)
@@ -92,6 +87,11 @@ class WorkerLink:
     @property
     def hello(self) -> Hello | None:
         return self.liveness.hello
+
+    @property
+    def instance_id(self) -> str | None:
+        hello = self.liveness.hello
+        return None if hello is None else hello.instance_id
 
     def verdict(self) -> Verdict:
         return self.liveness.verdict()
@@ -131,21 +131,16 @@ class WorkerLink:
                 log.error("dropped a malformed frame from worker %s: %s", self.endpoint, exc)
                 continue
             if isinstance(message, Hello):
-                if self.liveness.hello is None or message.instance_id != self.hello_id:
-                    self._num_sent = self._num_done = 0
+                if message.instance_id != self.instance_id:
+                    self._num_sent = self._num_done = 0  # a new worker: no heartbeat yet
                 self._events.on_hello(self, message)
             elif isinstance(message, Heartbeat):
-                if message.instance_id == self.hello_id:
+                if message.instance_id == self.instance_id:
                     self._num_sent = self._num_done = 0
                 self.liveness.on_heartbeat(message)
                 self._events.on_heartbeat(self)
             else:
                 self._events.on_event(self, message)
-
-    @property
-    def hello_id(self) -> str | None:
-        hello = self.liveness.hello
-        return None if hello is None else hello.instance_id
 
     async def _monitor_loop(self) -> None:
         while True:
