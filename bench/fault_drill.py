@@ -8,9 +8,11 @@ It sends a seeded workload twice at steady concurrency: once without faults (the
 reference answers and latencies), then again while it SIGKILLs a worker
 ``--kills`` times and SIGSTOPs one ``--stops`` times for longer than the liveness
 timeouts, each at a random point of progress. Every answer of the second run
-must equal the first (greedy decoding is deterministic). For each fault it
-reports the latency it added to the requests in flight at that moment (their
-latency minus the same request's in the reference run). Each fault waits until
+must equal the first (greedy decoding is deterministic). Requests are streamed.
+For each fault it reports what it cost the requests in flight at that moment:
+the longest pause in one's token stream across the fault, and their latency
+minus the same request's in the reference run (which also carries the
+run-to-run noise, shown beside for the requests no fault caught). Each fault waits until
 every request the one before it caught has been answered and every worker is
 live again. With several frontends, requests go to each in turn. Exit status 1
 if any request was lost, duplicated, failed or wrong.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -66,7 +69,10 @@ class Fault:
     live_again_at: float = 0.0  # every worker live again (a new instance, after a kill)
     recovery_s: float | None = None  # injection -> first request completed once live again
     caught: list[str] = field(default_factory=list)  # the requests in flight at the fault
-    worst_added_s: float | None = None  # the most latency it added to one of them
+    # The longest pause in the token stream of one of them, across the fault.
+    worst_stall_s: float | None = None
+    # Their latency minus the same request's in the fault-free run: the most, the median.
+    worst_added_s: float | None = None
     median_added_s: float | None = None
 
 
@@ -80,6 +86,8 @@ class Outcome:
     wrong: int = 0
     texts: dict[str, str] = field(default_factory=dict)
     latency_s: dict[str, float] = field(default_factory=dict)  # of each success
+    # When each success was sent, then when each of its tokens arrived.
+    token_times: dict[str, list[float]] = field(default_factory=dict)
     completed_at: list[float] = field(default_factory=list)
 
 
@@ -188,7 +196,9 @@ class LoadRun:
             self.in_flight.add(request_id)
             sent_at = time.monotonic()
             try:
-                response = await client.post("/generate", json=body, timeout=self.timeout_s)
+                status, answer, text, token_times = await _post_streamed(
+                    client, body, self.timeout_s
+                )
             except httpx.TimeoutException:
                 outcome.lost += 1
                 continue
@@ -199,16 +209,55 @@ class LoadRun:
                 self.in_flight.discard(request_id)
                 self._progress.set()
             outcome.completed_at.append(time.monotonic())
-            if response.status_code != 200:
-                outcome.failed_by_status[response.status_code] += 1
+            if answer is None:
+                outcome.failed_by_status[status] += 1
                 continue
-            answer = response.json()
             if answer["request_id"] != request_id or request_id in outcome.texts:
                 outcome.duplicated += 1
                 continue
             outcome.succeeded += 1
-            outcome.texts[request_id] = str(answer["text"])
+            outcome.texts[request_id] = text
+            outcome.token_times[request_id] = [sent_at, *token_times]
             outcome.latency_s[request_id] = time.monotonic() - sent_at
+
+
+async def _post_streamed(
+    client: httpx.AsyncClient, body: dict[str, object], timeout_s: float
+) -> tuple[int, dict[str, object] | None, str, list[float]]:
+    """POST ``body`` as a stream: the HTTP status, the final answer (None if the
+    request failed: the status, or 500 for an error event), the text, and when
+    each token arrived."""
+    text, token_times = "", list[float]()
+    streamed = {**body, "stream": True}
+    async with client.stream("POST", "/generate", json=streamed, timeout=timeout_s) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response.status_code, None, text, token_times
+        event = ""
+        async for line in response.aiter_lines():
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                payload = json.loads(line[5:])
+                if event == "token":
+                    text += payload["text"]
+                    if payload["token_ids"]:
+                        token_times.append(time.monotonic())
+                elif event == "done":
+                    return 200, payload, text, token_times
+                else:
+                    break
+    return 500, None, text, token_times
+
+
+def stall_across(times: list[float], at: float) -> float | None:
+    """How long the token stream ``times`` (its send time first) paused across
+    ``at``: from the last token before it (or the send) to the first after."""
+    before = [t for t in times if t <= at]
+    after = [t for t in times if t > at]
+    if not before or not after:
+        return None
+    return after[0] - before[-1]
 
 
 async def inject_faults(
@@ -350,6 +399,12 @@ def kill_drill(
         if caught:
             fault.worst_added_s = max(caught)
             fault.median_added_s = statistics.median(caught)
+        stalls = [
+            stall
+            for rid in fault.caught
+            if (stall := stall_across(drill.token_times.get(rid, []), fault.injected_at))
+        ]
+        fault.worst_stall_s = max(stalls, default=None)
     num_injected = sum(1 for fault in faults if fault.injected_at)
     print(
         f"\nfault drill: {num_injected} faults in {wall_s:.1f} s, {args.workers} workers, "
@@ -357,8 +412,8 @@ def kill_drill(
     )
     summary, num_bad = check_answers(reference, drill)
     print(
-        "\n  fault  planned after  injected after  in flight  added latency: worst / median"
-        "  all workers live after"
+        "\n  fault  planned after  injected after  in flight  longest pause  "
+        "e2e added: worst / median  all workers live after"
     )
     for fault in faults:
         planned = f"  {fault.kind:<5}  {fault.after_completed:>13}"
@@ -366,17 +421,23 @@ def kill_drill(
             print(f"{planned}  not injected: the workload ended first")
             continue
         worst, median = _seconds(fault.worst_added_s), _seconds(fault.median_added_s)
+        pause = _seconds(fault.worst_stall_s).lstrip("+")
         whole = fault.live_again_at - fault.injected_at
         print(
-            f"{planned}  {fault.num_completed:>14}  {fault.num_in_flight:>9}  "
-            f"{worst:>14} / {median:<8}  {whole:.2f} s"
+            f"{planned}  {fault.num_completed:>14}  {fault.num_in_flight:>9}  {pause:>13}  "
+            f"{worst:>10} / {median:<13}  {whole:.2f} s"
         )
     all_caught = {rid for fault in faults for rid in fault.caught}
     spared = [value for rid, value in added.items() if rid not in all_caught]
+    spared_pauses = [
+        max(b - a for a, b in itertools.pairwise(times))
+        for rid, times in drill.token_times.items()
+        if rid not in all_caught and len(times) > 1
+    ]
     if spared:
         print(
-            f"  requests no fault caught: added latency worst {max(spared):.2f} s, "
-            f"median {statistics.median(spared):.2f} s (the run-to-run noise)"
+            f"  requests no fault caught (the noise): longest pause {max(spared_pauses):.2f} s, "
+            f"e2e added worst {max(spared):+.2f} s, median {statistics.median(spared):+.2f} s"
         )
     if num_injected < len(faults):
         print("  some faults came too late for the workload: give more --requests")
@@ -384,6 +445,7 @@ def kill_drill(
         "workers": args.workers,
         "frontends": len(urls),
         "faults": [asdict(f) for f in faults],
+        "spared_longest_pause_s": max(spared_pauses, default=None),
         "spared_worst_added_s": max(spared, default=None),
         "spared_median_added_s": statistics.median(spared) if spared else None,
         "wall_s": wall_s,

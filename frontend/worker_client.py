@@ -204,9 +204,10 @@ class WorkerClient:
             if entry.link.trial is entry:
                 entry.link.trial = None
             entry.link = None
-        for line in (self._waiting, self._suspects):
-            if entry in line:
-                line.remove(entry)
+        else:
+            for line in (self._waiting, self._suspects):
+                if entry in line:
+                    line.remove(entry)
         return is_known
 
     def _resolve(self, entry: InFlight, final: GenerateResult | ErrorResult) -> None:

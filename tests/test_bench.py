@@ -193,4 +193,4 @@ def test_fault_drill_kills_one_of_two_workers_and_loses_nothing(
     assert exited.value.code == 0, summary
     assert (summary["succeeded"], summary["lost"], summary["wrong"]) == (40, 0, 0)
     assert (summary["workers"], summary["frontends"]) == (2, 2)
-    assert summary["faults"][0]["worst_added_s"] is not None
+    assert summary["faults"][0]["worst_stall_s"] is not None
