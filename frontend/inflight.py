@@ -32,6 +32,7 @@ class InFlight:
     attempt: int = 0
     link: WorkerLink | None = None  # the worker holding the current attempt
     num_worker_deaths: int = 0  # workers that died while this request was in flight on them
+    num_deaths_without_progress: int = 0  # of those, the ones it made no progress on
     made_progress: bool = False  # it ran a step since it was sent, or since the last death
     streamed_token_ids: list[int] = field(default_factory=list)
     streamed_text: str = ""

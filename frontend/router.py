@@ -10,19 +10,17 @@ from frontend.worker_link import WorkerLink
 def pick(links: Iterable[WorkerLink], is_trial: bool = False) -> WorkerLink | None:
     """The live worker with the most free slots, or None while none has one.
 
-    A worker that runs a suspect on trial takes nothing else until the suspect
-    has made progress: if it is what kills workers, it takes nothing innocent
-    down with it. For the same reason a trial goes only to a worker whose
-    requests have all made progress there (a death costs those a third try, not
-    their second)."""
+    A suspect's trial goes only to a worker that runs no other: two suspects
+    side by side could be one poison request and an innocent one, and the
+    innocent one would die a second time before making progress. Other requests
+    prefer a worker with no trial, the fewer to replay if its suspect is poison."""
     best: WorkerLink | None = None
-    most_free = 0
+    best_key = (False, 0)
     for link in links:
-        if link.trial is not None:
-            continue
-        if is_trial and not all(entry.made_progress for entry in link.held):
+        if is_trial and link.trial is not None:
             continue
         num_free = link.free_slots()
-        if num_free > most_free and link.verdict().is_live:
-            best, most_free = link, num_free
+        key = (link.trial is None, num_free)
+        if num_free > 0 and key > best_key and link.verdict().is_live:
+            best, best_key = link, key
     return best

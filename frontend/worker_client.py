@@ -14,10 +14,12 @@ another worker is live), the requests it held are replayed on the others:
   it, and waiting would cost them the failover;
 - one at a time, those that had not (suspects: one may be what killed it), each
   once the one before has made progress, on a worker that runs no other suspect,
-  and never on every live worker at once. A poison request kills one worker at
-  a time and no innocent request with it.
-A request in flight on two workers that died without progress there (three, if
-it made progress) is answered with an error and not replayed again.
+  and never on every live worker at once when two or more are live. A poison
+  request kills one worker at a time and no innocent suspect with it.
+A request in flight on two workers that died before it made progress there, or
+on three workers that died, is answered with an error and not replayed again.
+So an innocent request beside a poison one (it made progress, or it is new) is
+never failed for it: it can die without progress only once before it runs.
 
 A lone worker that was only late, live again as the same instance, keeps its
 requests. A worker that greets this frontend again (it timed this frontend out
@@ -56,10 +58,10 @@ from protocol.liveness import Verdict, WorkerState
 log = logging.getLogger(__name__)
 
 # Workers that died while a request was in flight on them, after which the request
-# is failed rather than replayed again: two if it made no progress after the
-# first, three in all.
-MAX_WORKER_DEATHS = 2
-MAX_WORKER_DEATHS_AFTER_PROGRESS = 3
+# is failed rather than replayed again: two that died before it made progress
+# there, or three in all.
+MAX_DEATHS_WITHOUT_PROGRESS = 2
+MAX_WORKER_DEATHS = 3
 
 
 class Overloaded(Exception):
@@ -162,14 +164,11 @@ class WorkerClient:
         then every other request in the order it was accepted."""
         num_live = sum(link.verdict().is_live for link in self._links.values())
         num_trials = sum(link.trial is not None for link in self._links.values())
-        max_trials = max(1, num_live - 1)
-        while self._suspects and num_trials < max_trials:
+        while self._suspects and num_trials < max(1, num_live - 1):
             link = pick(self._links.values(), is_trial=True)
             if link is None or not self._send_attempt(self._suspects, link, is_trial=True):
                 break
             num_trials += 1
-        if self._suspects and num_trials < max_trials and num_live:
-            return  # the next trial waits for a worker: newer requests must not take it
         while self._waiting:
             link = pick(self._links.values())
             if link is None or not self._send_attempt(self._waiting, link):
@@ -225,13 +224,10 @@ class WorkerClient:
             if entry.request.stream:
                 entry.events.put_nowait(message)
             if message.token_ids:
-                is_first = not entry.made_progress
                 entry.made_progress = True  # it ran a step: likely not what kills workers
                 if link.trial is entry:
                     link.trial = None
                     self._dispatch()
-                elif is_first and self._suspects:
-                    self._dispatch()  # its worker may be ready for a trial now
         else:
             link.on_done()
             self._resolve(entry, message)
@@ -290,8 +286,12 @@ class WorkerClient:
                 continue
             entry.num_worker_deaths += 1
             made_progress, entry.made_progress = entry.made_progress, False
-            limit = MAX_WORKER_DEATHS_AFTER_PROGRESS if made_progress else MAX_WORKER_DEATHS
-            if entry.num_worker_deaths >= limit:
+            if not made_progress:
+                entry.num_deaths_without_progress += 1
+            if (
+                entry.num_deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS
+                or entry.num_worker_deaths >= MAX_WORKER_DEATHS
+            ):
                 log.error(
                     "request %s was in flight on %d workers that died; failing it",
                     entry.request_id,
