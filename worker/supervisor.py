@@ -208,7 +208,7 @@ class Supervisor:
             env = _worker_env(endpoint, config) if len(endpoints) > 1 else None
             child = Child(name, "worker.main", config, _WORKER_SERVED_AFTER_S, env=env)
             self.workers.append((child, WorkerWatch(frontend, endpoint)))
-        self.frontends = []
+        self.frontends: list[Child] = []
         for i in range(config.num_frontends):
             name = "frontend" if config.num_frontends == 1 else f"frontend-{i}"
             env = {**os.environ, "PORT": str(frontend.port + i)}
