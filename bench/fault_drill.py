@@ -1,14 +1,21 @@
-"""Fault drill: kill and freeze the worker under load, and prove nothing was lost.
+"""Fault drill: kill and freeze workers under load, and prove nothing was lost.
 
     python -m bench.fault_drill                       # starts its own stack (synthetic model)
+    python -m bench.fault_drill --workers 2 --frontends 2 --stops 0   # kill one of two
     python -m bench.fault_drill --url http://127.0.0.1:8000   # a stack that is running
 
 It sends a seeded workload twice at steady concurrency: once without faults (the
-reference answers), then again while it SIGKILLs the worker ``--kills`` times and
-SIGSTOPs it once for longer than the liveness timeouts, each at a random point of
-progress. Every answer of the second run must equal the first (greedy decoding is
-deterministic). Each fault waits until every request the one before it caught has
-been answered. Exit status 1 if any request was lost, duplicated, failed or wrong.
+reference answers and latencies), then again while it SIGKILLs a worker
+``--kills`` times and SIGSTOPs one ``--stops`` times for longer than the liveness
+timeouts, each at a random point of progress. Every answer of the second run
+must equal the first (greedy decoding is deterministic). Requests are streamed.
+For each fault it reports what it cost the requests in flight at that moment:
+the longest pause in one's token stream across the fault, and their latency
+minus the same request's in the reference run (which also carries the
+run-to-run noise, shown beside for the requests no fault caught). Each fault waits until
+every request the one before it caught has been answered and every worker is
+live again. With several frontends, requests go to each in turn. Exit status 1
+if any request was lost, duplicated, failed or wrong.
 
     python -m bench.fault_drill --poison              # poison requests instead of faults
 
@@ -26,10 +33,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
 import signal
+import statistics
 import sys
 import time
 from collections import Counter, deque
@@ -57,8 +66,14 @@ class Fault:
     injected_at: float = 0.0  # 0: never injected, the workload ended first
     num_completed: int = 0  # at injection: later than planned while the last one's catch ran
     num_in_flight: int = 0  # requests sent and not yet answered at the fault
-    live_again_at: float = 0.0  # /health is 200 again (a new instance, after a kill)
+    live_again_at: float = 0.0  # every worker live again (a new instance, after a kill)
     recovery_s: float | None = None  # injection -> first request completed once live again
+    caught: list[str] = field(default_factory=list)  # the requests in flight at the fault
+    # The longest pause in the token stream of one of them, across the fault.
+    worst_stall_s: float | None = None
+    # Their latency minus the same request's in the fault-free run: the most, the median.
+    worst_added_s: float | None = None
+    median_added_s: float | None = None
 
 
 @dataclass
@@ -70,6 +85,9 @@ class Outcome:
     duplicated: int = 0
     wrong: int = 0
     texts: dict[str, str] = field(default_factory=dict)
+    latency_s: dict[str, float] = field(default_factory=dict)  # of each success
+    # When each success was sent, then when each of its tokens arrived.
+    token_times: dict[str, list[float]] = field(default_factory=dict)
     completed_at: list[float] = field(default_factory=list)
 
 
@@ -81,17 +99,22 @@ class FaultInjector:
     def __init__(self, args: argparse.Namespace, supervisor_pid: int | None) -> None:
         self.args = args
         self.supervisor_pid = supervisor_pid
+        self.rng = random.Random(args.seed)
 
     def _worker(self) -> psutil.Process:
+        """One of the local workers, at random."""
         if self.supervisor_pid is None:
             processes = list(psutil.process_iter())
         else:
             processes = psutil.Process(self.supervisor_pid).children(recursive=True)
+        workers = []
         for process in processes:
             with contextlib.suppress(psutil.Error):  # gone, a zombie, or not ours to read
                 if any(module in " ".join(process.cmdline()) for module in WORKER_MODULES):
-                    return process
-        raise RuntimeError("no local worker process found; pass --kill-cmd/--stop-cmd")
+                    workers.append(process)
+        if not workers:
+            raise RuntimeError("no local worker process found; pass --kill-cmd/--stop-cmd")
+        return self.rng.choice(sorted(workers, key=lambda process: process.pid))
 
     async def kill(self) -> None:
         if self.args.kill_cmd:
@@ -125,9 +148,10 @@ class LoadRun:
     pace themselves on its progress."""
 
     def __init__(
-        self, url: str, bodies: list[dict[str, object]], concurrency: int, timeout_s: float
+        self, urls: list[str], bodies: list[dict[str, object]], concurrency: int, timeout_s: float
     ) -> None:
-        self.url = url
+        self.urls = urls
+        self.url = urls[0]
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.outcome = Outcome()
@@ -136,10 +160,13 @@ class LoadRun:
         self._progress = asyncio.Event()  # set whenever a request ends
 
     async def run(self, *alongside: Callable[[LoadRun], Awaitable[object]]) -> Outcome:
-        async with httpx.AsyncClient(base_url=self.url) as client:
-            tasks = [
-                asyncio.create_task(self._client_loop(client)) for _ in range(self.concurrency)
-            ]
+        async with contextlib.AsyncExitStack() as clients:
+            # Each user talks to one frontend, the frontends in turn.
+            tasks = []
+            for i in range(self.concurrency):
+                url = self.urls[i % len(self.urls)]
+                client = await clients.enter_async_context(httpx.AsyncClient(base_url=url))
+                tasks.append(asyncio.create_task(self._client_loop(client)))
             await asyncio.gather(*tasks, *(side(self) for side in alongside))
         return self.outcome
 
@@ -167,8 +194,11 @@ class LoadRun:
             request_id = str(body["request_id"])
             outcome.sent += 1
             self.in_flight.add(request_id)
+            sent_at = time.monotonic()
             try:
-                response = await client.post("/generate", json=body, timeout=self.timeout_s)
+                status, answer, text, token_times = await _post_streamed(
+                    client, body, self.timeout_s
+                )
             except httpx.TimeoutException:
                 outcome.lost += 1
                 continue
@@ -179,35 +209,76 @@ class LoadRun:
                 self.in_flight.discard(request_id)
                 self._progress.set()
             outcome.completed_at.append(time.monotonic())
-            if response.status_code != 200:
-                outcome.failed_by_status[response.status_code] += 1
+            if answer is None:
+                outcome.failed_by_status[status] += 1
                 continue
-            answer = response.json()
             if answer["request_id"] != request_id or request_id in outcome.texts:
                 outcome.duplicated += 1
                 continue
             outcome.succeeded += 1
-            outcome.texts[request_id] = str(answer["text"])
+            outcome.texts[request_id] = text
+            outcome.token_times[request_id] = [sent_at, *token_times]
+            outcome.latency_s[request_id] = time.monotonic() - sent_at
+
+
+async def _post_streamed(
+    client: httpx.AsyncClient, body: dict[str, object], timeout_s: float
+) -> tuple[int, dict[str, object] | None, str, list[float]]:
+    """POST ``body`` as a stream: the HTTP status, the final answer (None if the
+    request failed: the status, or 500 for an error event), the text, and when
+    each token arrived."""
+    text, token_times = "", list[float]()
+    streamed = {**body, "stream": True}
+    async with client.stream("POST", "/generate", json=streamed, timeout=timeout_s) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response.status_code, None, text, token_times
+        event = ""
+        async for line in response.aiter_lines():
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                payload = json.loads(line[5:])
+                if event == "token":
+                    text += payload["text"]
+                    if payload["token_ids"]:
+                        token_times.append(time.monotonic())
+                elif event == "done":
+                    return 200, payload, text, token_times
+                else:
+                    break
+    return 500, None, text, token_times
+
+
+def stall_across(times: list[float], at: float) -> float | None:
+    """How long the token stream ``times`` (its send time first) paused across
+    ``at``: from the last token before it (or the send) to the first after."""
+    before = [t for t in times if t <= at]
+    after = [t for t in times if t > at]
+    if not before or not after:
+        return None
+    return after[0] - before[-1]
 
 
 async def inject_faults(
-    run: LoadRun, faults: list[Fault], injector: FaultInjector, stop_s: float
+    run: LoadRun, faults: list[Fault], injector: FaultInjector, stop_s: float, num_workers: int
 ) -> None:
     for fault in faults:
         if not await run.wait_for_num_completed(fault.after_completed):
             return  # the workload ended first: the fault stays not injected
-        before = await _instance(run.url)
+        before = await _live_instances(run.url)
         caught = set(run.in_flight)
+        fault.caught = sorted(caught)
         fault.num_completed = len(run.outcome.completed_at)
         fault.num_in_flight = len(caught)
         fault.injected_at = time.monotonic()
         print(f"  fault: {fault.kind} after {fault.after_completed} completed", flush=True)
         if fault.kind == "kill":
             await injector.kill()
-            await _wait_live(run.url, run.timeout_s, instance_not=before)
+            await _wait_whole(run.url, num_workers, run.timeout_s, replacing=before)
         else:
             await injector.stop(stop_s)
-            await _wait_live(run.url, run.timeout_s)
+            await _wait_whole(run.url, num_workers, run.timeout_s)
         fault.live_again_at = time.monotonic()
         # The next fault waits until every request this one caught has its answer:
         # a request in flight on two workers that died is failed, not replayed again.
@@ -219,31 +290,31 @@ async def _health(url: str) -> dict[str, object]:
         return dict((await client.get("/health")).json())
 
 
-async def _instance(url: str) -> str | None:
-    instance_id = (await _health(url)).get("instance_id")
-    return None if instance_id is None else str(instance_id)
+async def _live_instances(url: str) -> set[str]:
+    workers = (await _health(url)).get("workers") or []
+    return {str(w["instance_id"]) for w in workers if w["state"] == "live"}  # type: ignore[attr-defined]
 
 
-async def _wait_live(url: str, timeout_s: float, instance_not: str | None = None) -> None:
-    """Until /health is 200, from a worker other than ``instance_not``."""
+async def _wait_whole(
+    url: str, num_workers: int, timeout_s: float, replacing: set[str] | None = None
+) -> None:
+    """Until /health counts ``num_workers`` live workers, not all of ``replacing``."""
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.TransportError):
-                response = await client.get("/health")
-                is_other = response.json().get("instance_id") != instance_not
-                if response.status_code == 200 and (instance_not is None or is_other):
-                    return
-            await asyncio.sleep(0.05)
-    raise RuntimeError(f"the stack at {url} did not become healthy within {timeout_s} s")
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            live = await _live_instances(url)
+            if len(live) >= num_workers and (replacing is None or live != replacing):
+                return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"{num_workers} workers at {url} were not live within {timeout_s} s")
 
 
-def plan_faults(num_kills: int, num_requests: int, seed: int) -> list[Fault]:
-    """Kills and one stop at random, distinct points between 5% and 85% of progress."""
+def plan_faults(num_kills: int, num_stops: int, num_requests: int, seed: int) -> list[Fault]:
+    """Kills and stops at random, distinct points between 5% and 85% of progress."""
     rng = random.Random(seed)
     low, high = max(1, num_requests // 20), max(2, num_requests * 85 // 100)
-    points = sorted(rng.sample(range(low, high), num_kills + 1))
-    kinds = ["kill"] * num_kills + ["stop"]
+    points = sorted(rng.sample(range(low, high), num_kills + num_stops))
+    kinds = ["kill"] * num_kills + ["stop"] * num_stops
     rng.shuffle(kinds)
     return [Fault(kind, point) for kind, point in zip(kinds, points, strict=True)]
 
@@ -254,8 +325,11 @@ def local_stack(args: argparse.Namespace) -> Iterator[LocalStack]:
     env = stack_env(
         {
             "MODEL_ID": args.model_id,
+            "NUM_WORKERS": str(args.workers),
+            "NUM_FRONTENDS": str(args.frontends),
+            # Frontends listen on the port and the ones after it; workers above them.
             "PORT": str(args.port),
-            "WORKER_ENDPOINT": f"tcp://127.0.0.1:{args.port + 1}",
+            "WORKER_ENDPOINT": f"tcp://127.0.0.1:{args.port + 10}",
             "HEARTBEAT_TIMEOUT_S": os.environ.get("HEARTBEAT_TIMEOUT_S", "2"),
             "STEP_TIMEOUT_S": os.environ.get("STEP_TIMEOUT_S", "10"),
             "FRONTEND_TIMEOUT_S": os.environ.get("FRONTEND_TIMEOUT_S", "5"),
@@ -298,38 +372,89 @@ def check_answers(reference: Outcome, drill: Outcome) -> tuple[dict[str, object]
 
 
 def kill_drill(
-    url: str,
+    urls: list[str],
     bodies: list[dict[str, object]],
     reference: Outcome,
     args: argparse.Namespace,
     supervisor_pid: int | None,
 ) -> tuple[dict[str, object], bool]:
     """The second run with faults; its summary, and whether anything went wrong."""
-    faults = plan_faults(args.kills, len(bodies), args.seed)
+    faults = plan_faults(args.kills, args.stops, len(bodies), args.seed)
     print("drill run, with faults:", flush=True)
     started = time.monotonic()
-    run = LoadRun(url, bodies, args.concurrency, args.timeout_s)
+    run = LoadRun(urls, bodies, args.concurrency, args.timeout_s)
     injector = FaultInjector(args, supervisor_pid)
-    drill = asyncio.run(run.run(lambda run: inject_faults(run, faults, injector, args.stop_s)))
+    drill = asyncio.run(
+        run.run(lambda run: inject_faults(run, faults, injector, args.stop_s, args.workers))
+    )
     wall_s = time.monotonic() - started
+    added = {
+        rid: drill.latency_s[rid] - reference.latency_s[rid]
+        for rid in drill.latency_s.keys() & reference.latency_s.keys()
+    }
     for fault in faults:
         after = [t for t in drill.completed_at if t >= fault.live_again_at > 0]
         fault.recovery_s = min(after) - fault.injected_at if after else None
+        caught = [added[rid] for rid in fault.caught if rid in added]
+        if caught:
+            fault.worst_added_s = max(caught)
+            fault.median_added_s = statistics.median(caught)
+        stalls = [
+            stall
+            for rid in fault.caught
+            if (stall := stall_across(drill.token_times.get(rid, []), fault.injected_at))
+        ]
+        fault.worst_stall_s = max(stalls, default=None)
     num_injected = sum(1 for fault in faults if fault.injected_at)
-    print(f"\nfault drill: {num_injected} faults in {wall_s:.1f} s")
+    print(
+        f"\nfault drill: {num_injected} faults in {wall_s:.1f} s, {args.workers} workers, "
+        f"{len(urls)} frontends"
+    )
     summary, num_bad = check_answers(reference, drill)
-    print("\n  fault  planned after  injected after  in flight  recovery (to first answer)")
+    print(
+        "\n  fault  planned after  injected after  in flight  longest pause  "
+        "e2e added: worst / median  all workers live after"
+    )
     for fault in faults:
         planned = f"  {fault.kind:<5}  {fault.after_completed:>13}"
         if not fault.injected_at:
             print(f"{planned}  not injected: the workload ended first")
             continue
-        recovery = f"{fault.recovery_s:.2f} s" if fault.recovery_s is not None else "never"
-        print(f"{planned}  {fault.num_completed:>14}  {fault.num_in_flight:>9}  {recovery}")
+        worst, median = _seconds(fault.worst_added_s), _seconds(fault.median_added_s)
+        pause = _seconds(fault.worst_stall_s).lstrip("+")
+        whole = fault.live_again_at - fault.injected_at
+        print(
+            f"{planned}  {fault.num_completed:>14}  {fault.num_in_flight:>9}  {pause:>13}  "
+            f"{worst:>10} / {median:<13}  {whole:.2f} s"
+        )
+    all_caught = {rid for fault in faults for rid in fault.caught}
+    spared = [value for rid, value in added.items() if rid not in all_caught]
+    spared_pauses = [
+        max(b - a for a, b in itertools.pairwise(times))
+        for rid, times in drill.token_times.items()
+        if rid not in all_caught and len(times) > 1
+    ]
+    if spared:
+        print(
+            f"  requests no fault caught (the noise): longest pause {max(spared_pauses):.2f} s, "
+            f"e2e added worst {max(spared):+.2f} s, median {statistics.median(spared):+.2f} s"
+        )
     if num_injected < len(faults):
         print("  some faults came too late for the workload: give more --requests")
-    summary |= {"faults": [asdict(f) for f in faults], "wall_s": wall_s}
+    summary |= {
+        "workers": args.workers,
+        "frontends": len(urls),
+        "faults": [asdict(f) for f in faults],
+        "spared_longest_pause_s": max(spared_pauses, default=None),
+        "spared_worst_added_s": max(spared, default=None),
+        "spared_median_added_s": statistics.median(spared) if spared else None,
+        "wall_s": wall_s,
+    }
     return summary, num_bad > 0 or num_injected < len(faults)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.2f} s"
 
 
 def poison_drill(
@@ -358,7 +483,7 @@ def poison_drill(
         tallies.update(await send_mixed_in(url, probes, args.timeout_s, wait_turn))
 
     started = time.monotonic()
-    drill = asyncio.run(LoadRun(url, bodies, args.concurrency, args.timeout_s).run(mix_in))
+    drill = asyncio.run(LoadRun([url], bodies, args.concurrency, args.timeout_s).run(mix_in))
     wall_s = time.monotonic() - started
     after = asyncio.run(_health(url))
     num_restarts = int(str(after["worker_restarts"])) - int(str(before["worker_restarts"]))
@@ -387,7 +512,9 @@ def poison_drill(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="a running stack; default: start one here")
+    parser.add_argument(
+        "--url", nargs="+", help="a running stack's frontends; default: start a stack here"
+    )
     parser.add_argument("--model-id", default="synthetic", help="for the stack it starts")
     parser.add_argument("--port", type=int, default=8400, help="for the stack it starts")
     parser.add_argument(
@@ -396,7 +523,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--out", help="the results file (default: bench/results/fault_drill[_poison].json)"
     )
-    parser.add_argument("--kills", type=int, default=5, help="SIGKILLs of the worker")
+    parser.add_argument("--kills", type=int, default=5, help="SIGKILLs of a worker")
+    parser.add_argument("--stops", type=int, default=1, help="SIGSTOPs of a worker")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="workers in the stack (NUM_WORKERS of one it starts)"
+    )
+    parser.add_argument(
+        "--frontends", type=int, default=1, help="NUM_FRONTENDS of the stack it starts"
+    )
     parser.add_argument("--stop-s", type=float, default=4.0, help="how long SIGSTOP lasts")
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -428,17 +562,18 @@ def main(argv: list[str] | None = None) -> None:
     ]
     with contextlib.ExitStack() as exits:
         local = None if args.url else exits.enter_context(local_stack(args))
-        url = local.url if local else args.url
-        asyncio.run(_wait_live(url, 300))
+        urls = args.url or [f"http://127.0.0.1:{args.port + i}" for i in range(args.frontends)]
+        for url in urls:
+            asyncio.run(_wait_whole(url, args.workers, 300))
         print(f"reference run: {len(bodies)} requests, concurrency {args.concurrency}", flush=True)
-        reference = asyncio.run(LoadRun(url, bodies, args.concurrency, args.timeout_s).run())
+        reference = asyncio.run(LoadRun(urls, bodies, args.concurrency, args.timeout_s).run())
         if reference.succeeded != len(bodies):
             sys.exit(f"the reference run itself failed: {reference.failed_by_status}")
         if args.poison:
-            summary, is_bad = poison_drill(url, bodies, reference, args)
+            summary, is_bad = poison_drill(urls[0], bodies, reference, args)
         else:
             supervisor_pid = local.supervisor.pid if local else None
-            summary, is_bad = kill_drill(url, bodies, reference, args, supervisor_pid)
+            summary, is_bad = kill_drill(urls, bodies, reference, args, supervisor_pid)
     name = "fault_drill_poison.json" if args.poison else "fault_drill.json"
     out = Path(args.out) if args.out else RESULTS / name
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,9 @@ from frontend.openai_api import completions, models
 from frontend.openapi import openapi_schema
 from frontend.tokenize_api import detokenize, tokenize, version
 from frontend.worker_client import WorkerClient
+from frontend.worker_link import WorkerLink
 from protocol.config import FrontendConfig
+from protocol.liveness import WorkerState
 
 
 def create_app(config: FrontendConfig) -> Starlette:
@@ -84,21 +86,48 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 def _status(client: WorkerClient) -> dict[str, Any]:
     verdict = client.verdict()
-    hello = client.liveness.hello
-    heartbeat = client.liveness.last_heartbeat
+    hello = client.hello
+    workers = [_worker_status(link) for link in client.workers()]
+    live = [worker for worker in workers if worker["state"] == WorkerState.LIVE.value]
+
+    def total(key: str) -> int | None:
+        values = [worker[key] for worker in live if worker[key] is not None]
+        return sum(values) if values else None
+
+    active, queued_in_workers = total("active"), total("queued")
     return {
         "status": "ok" if verdict.is_live else "unavailable",
         "worker": verdict.state.value,
         "reason": verdict.reason,
         "model": hello.model if hello else None,
         "random_weights": hello.is_random_weights if hello else None,
-        "instance_id": hello.instance_id if hello else None,
-        "capacity": hello.capacity if hello else None,
+        "instance_id": workers[0]["instance_id"] if len(workers) == 1 else None,
+        "capacity": total("capacity"),
         "context_window": hello.context_window if hello else None,
-        "queued": heartbeat.num_queued if heartbeat else None,
-        "active": heartbeat.num_active if heartbeat else None,
+        # Waiting for a slot: in the workers' queues, and in this frontend for a free one.
+        "queued": None if queued_in_workers is None else queued_in_workers + client.num_waiting,
+        "active": active,
         "inflight": client.num_inflight,
         "worker_restarts": client.num_worker_restarts,
+        "workers_live": len(live),
+        "workers": workers,
+    }
+
+
+def _worker_status(link: WorkerLink) -> dict[str, Any]:
+    verdict = link.verdict()
+    hello = link.hello
+    heartbeat = link.liveness.last_heartbeat
+    return {
+        "endpoint": link.endpoint,
+        "state": verdict.state.value,
+        "reason": verdict.reason,
+        "instance_id": hello.instance_id if hello else None,
+        "capacity": hello.capacity if hello else None,
+        "active": heartbeat.num_active if heartbeat else None,
+        "queued": heartbeat.num_queued if heartbeat else None,
+        "finished": heartbeat.num_finished if heartbeat else None,
+        "held": len(link.held),  # this frontend's requests it runs or queues
     }
 
 

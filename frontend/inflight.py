@@ -11,8 +11,12 @@ import asyncio
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from protocol import ErrorResult, GenerateRequest, GenerateResult, Logprobs, TokenDelta
+
+if TYPE_CHECKING:
+    from frontend.worker_link import WorkerLink
 
 Final = GenerateResult | ErrorResult
 Event = TokenDelta | GenerateResult | ErrorResult
@@ -26,9 +30,10 @@ class InFlight:
     deadline: float  # event-loop time after which the client gets 504
     order: int = field(default_factory=lambda: next(_order))
     attempt: int = 0
-    sent_to: str | None = None  # worker instance holding the current attempt
+    link: WorkerLink | None = None  # the worker holding the current attempt
     num_worker_deaths: int = 0  # workers that died while this request was in flight on them
-    made_progress: bool = False  # replayed as a suspect, it ran a step on the new worker
+    num_deaths_without_progress: int = 0  # of those, the ones it made no progress on
+    made_progress: bool = False  # it ran a step since it was sent, or since the last death
     streamed_token_ids: list[int] = field(default_factory=list)
     streamed_text: str = ""
     # Logprobs ride on deltas once each; a replay never sends them again.
@@ -44,21 +49,20 @@ class InFlight:
     def wire_id(self) -> str:
         return f"{self.request_id}.{self.attempt}"
 
-    def next_attempt(self, stream: bool = False) -> GenerateRequest:
-        """The request to send now. A stream that already sent tokens resumes after
-        them and the text they showed, so the client sees one continuous answer,
-        the one an uninterrupted run gives; its budget still counts them.
-        ``stream`` asks for deltas even if the client did not (the result still
-        carries the whole text), to see that the attempt is making progress. An
-        attempt that resumes streamed tokens streams too: a worker resumes only
-        text it tracks for streaming."""
+    def next_attempt(self) -> GenerateRequest:
+        """The request to send now. An attempt that follows one which already
+        streamed tokens resumes after them and the text they showed, so the client
+        sees one continuous answer, the one an uninterrupted run gives; its budget
+        still counts them. Every attempt streams, even if the client did not ask
+        (the result still carries the whole text): the frontend sees which requests
+        make progress, and where a replay must resume."""
         self.attempt += 1
         return dataclasses.replace(
             self.request,
             request_id=self.wire_id,
             resume_token_ids=list(self.streamed_token_ids),
             resume_text_len=len(self.streamed_text),
-            stream=self.request.stream or stream or bool(self.streamed_token_ids),
+            stream=True,
         )
 
     def record(self, delta: TokenDelta) -> None:

@@ -97,14 +97,13 @@ class _WorkerCollector(Collector):
         self.client = client
 
     def collect(self) -> Iterator[Metric]:
-        liveness = self.client.liveness
-        is_live = self.client.verdict().is_live
+        live = [link for link in self.client.workers() if link.verdict().is_live]
         yield GaugeMetricFamily(
-            "minibatch_worker_up", "1 while a worker is live (judged from heartbeats)", int(is_live)
+            "minibatch_worker_up", "Workers live, judged from connections and heartbeats", len(live)
         )
         yield CounterMetricFamily(
             "minibatch_worker_restarts",
-            "Times a new worker instance replaced the previous one",
+            "Times a new worker instance replaced the previous one at its address",
             self.client.num_worker_restarts,
         )
         yield GaugeMetricFamily(
@@ -112,19 +111,23 @@ class _WorkerCollector(Collector):
             "Requests accepted by the frontend and not yet answered",
             self.client.num_inflight,
         )
-        heartbeat = liveness.last_heartbeat
-        if not is_live or heartbeat is None or liveness.hello is None:
-            return  # a dead worker's last numbers would be stale: leave them out
+        # A dead worker's last numbers would be stale: only live ones count.
+        seen = [(link.liveness.hello, link.liveness.last_heartbeat) for link in live]
+        loads = [(hello, heartbeat) for hello, heartbeat in seen if hello and heartbeat]
+        if not loads:
+            return
         yield GaugeMetricFamily(
-            "minibatch_num_requests_running", "Sequences in the batch", heartbeat.num_active
+            "minibatch_num_requests_running",
+            "Sequences in the live workers' batches",
+            sum(heartbeat.num_active for _, heartbeat in loads),
         )
         yield GaugeMetricFamily(
             "minibatch_num_requests_waiting",
-            "Requests queued in the worker for a slot",
-            heartbeat.num_queued,
+            "Requests waiting for a slot: in the live workers' queues and in this frontend",
+            sum(heartbeat.num_queued for _, heartbeat in loads) + self.client.num_waiting,
         )
         yield GaugeMetricFamily(
             "minibatch_free_slots",
-            "Batch slots free for new sequences",
-            liveness.hello.capacity - heartbeat.num_active,
+            "Batch slots free for new sequences in the live workers",
+            sum(hello.capacity - heartbeat.num_active for hello, heartbeat in loads),
         )

@@ -72,7 +72,7 @@ async def generate(request: Request) -> Response:
 def _answer(
     client: WorkerClient, request_id: str, accepted: Accepted, result: GenerateResult
 ) -> dict[str, Any]:
-    hello = client.liveness.hello
+    hello = client.hello
     return {
         "request_id": request_id,
         "model": hello.model if hello else None,

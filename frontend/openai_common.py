@@ -76,7 +76,7 @@ async def read_openai_request(request: Request, schema: type[Body]) -> OpenAIReq
 
 
 def served_model(client: WorkerClient) -> str | None:
-    hello = client.liveness.hello
+    hello = client.hello
     return hello.model if hello else None
 
 

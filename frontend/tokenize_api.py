@@ -76,7 +76,7 @@ async def tokenize(request: Request) -> Response:
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     token_ids = result.prompt_token_ids or []
-    hello = client.liveness.hello
+    hello = client.hello
     return JSONResponse(
         {
             "count": len(token_ids),

@@ -119,6 +119,12 @@ class WorkerConfig:
         "(or, for a model without one, the built-in default)",
     )
     device: str = _setting("DEVICE", "", "cpu or cuda (default: cuda when available)")
+    torch_threads: int = _setting(
+        "TORCH_THREADS",
+        0,
+        "threads torch computes with; 0 uses every core this process may run on "
+        "(minibatch-serve splits the cores evenly between its workers)",
+    )
     dtype: str = _setting("DTYPE", "float32", "float32, bfloat16 or float16")
     fake_step_delay_s: float = _setting(
         "FAKE_STEP_DELAY_S", 0.0, "seconds each step of the fake engine sleeps"
@@ -161,6 +167,8 @@ class WorkerConfig:
             raise ConfigError(f"DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.fake_step_delay_s < 0:
             raise ConfigError(f"FAKE_STEP_DELAY_S must be >= 0, got {self.fake_step_delay_s}")
+        if self.torch_threads < 0:
+            raise ConfigError(f"TORCH_THREADS must be >= 0, got {self.torch_threads}")
         if self.fake_start_delay_s < 0:
             raise ConfigError(f"FAKE_START_DELAY_S must be >= 0, got {self.fake_start_delay_s}")
         if self.chat_template and not os.path.isfile(self.chat_template):
@@ -196,7 +204,21 @@ class FrontendConfig:
     host: str = _setting("HOST", "127.0.0.1", "HTTP listen address")
     port: int = _setting("PORT", 8000, "HTTP listen port")
     worker_endpoint: str = _setting(
-        "WORKER_ENDPOINT", "tcp://127.0.0.1:5555", "the worker's ZMQ endpoint"
+        "WORKER_ENDPOINT",
+        "tcp://127.0.0.1:5555",
+        "the worker's ZMQ endpoint; a host name is re-resolved every "
+        "WORKER_RESOLVE_INTERVAL_S and every address it resolves to is a worker",
+    )
+    worker_endpoints: str = _setting(
+        "WORKER_ENDPOINTS",
+        "",
+        "comma-separated ZMQ endpoints of several workers; when set, WORKER_ENDPOINT is unused",
+    )
+    worker_resolve_interval_s: float = _setting(
+        "WORKER_RESOLVE_INTERVAL_S",
+        2.0,
+        "seconds between look-ups of a host name in WORKER_ENDPOINT(S), to find workers "
+        "added or gone (compose --scale, a Kubernetes headless Service)",
     )
     max_new_tokens_limit: int = _setting(
         "MAX_NEW_TOKENS_LIMIT", 512, "largest max_new_tokens a request may ask for"
@@ -264,11 +286,23 @@ class FrontendConfig:
         _positive(self, "port", "max_new_tokens_limit", "max_queue_depth", "ping_interval_s")
         _positive(self, "heartbeat_timeout_s", "step_timeout_s", "request_timeout_s")
         _positive(self, "max_request_bytes", "body_timeout_s", "header_timeout_s")
-        _positive(self, "keep_alive_timeout_s", "max_connections")
+        _positive(self, "keep_alive_timeout_s", "max_connections", "worker_resolve_interval_s")
         _check_endpoint(self, "worker_endpoint")
+        for endpoint in self.endpoints:
+            if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(
+                    "WORKER_ENDPOINTS must be comma-separated ZMQ endpoints such as "
+                    f"tcp://10.0.0.5:5555,tcp://10.0.0.6:5555, got {endpoint!r}"
+                )
         if self.port > 65535:
             raise ConfigError(f"PORT must be at most 65535, got {self.port}")
         _ = self.curve  # a bad key stops the process at start, not at its first connect
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Where the workers are: WORKER_ENDPOINTS, else WORKER_ENDPOINT."""
+        given = [e.strip() for e in self.worker_endpoints.split(",") if e.strip()]
+        return given or [self.worker_endpoint]
 
     @cached_property
     def curve(self) -> ClientKeys | None:
@@ -283,8 +317,25 @@ class FrontendConfig:
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """The local launcher: how it restarts a worker that died or hung."""
+    """The local launcher: how many processes it runs, and how it restarts a worker
+    that died or hung."""
 
+    num_workers: int = _setting(
+        "NUM_WORKERS",
+        1,
+        "workers to run, on WORKER_ENDPOINT's port and the ones after it; each gets "
+        "an even share of the cores unless TORCH_THREADS is set",
+    )
+    torch_threads: int = _setting(
+        "TORCH_THREADS",
+        0,
+        "threads each worker computes with; 0 splits the cores evenly between the workers",
+    )
+    num_frontends: int = _setting(
+        "NUM_FRONTENDS",
+        1,
+        "frontends to run, on PORT and the ports after it; each serves every worker",
+    )
     restart_backoff_s: float = _setting(
         "RESTART_BACKOFF_S", 0.5, "wait before the first restart; doubles after each crash"
     )
@@ -303,7 +354,9 @@ class SupervisorConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "restart_backoff_s", "restart_backoff_max_s", "crash_loop_limit")
-        _positive(self, "worker_start_timeout_s")
+        _positive(self, "worker_start_timeout_s", "num_workers", "num_frontends")
+        if self.torch_threads < 0:
+            raise ConfigError(f"TORCH_THREADS must be >= 0, got {self.torch_threads}")
 
 
 C = TypeVar("C")

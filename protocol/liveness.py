@@ -3,7 +3,8 @@
 Shared by the frontend (to decide when to replay) and the local supervisor (to
 decide when to replace the worker).
 
-- dead: no heartbeat for HEARTBEAT_TIMEOUT_S (crashed, killed, or stopped);
+- dead: its connection closed (the process is gone: its kernel closed the
+  socket), or no heartbeat for HEARTBEAT_TIMEOUT_S (frozen, hung, partitioned);
 - hung: heartbeats arrive, work is pending, but the step counter has not moved
   for STEP_TIMEOUT_S (a step that never returns);
 - live: otherwise, once a hello has named the instance.
@@ -50,6 +51,7 @@ class Liveness:
         self._clock = clock
         self._last_seen_at = 0.0
         self._last_progress_at = 0.0
+        self._is_disconnected = False
 
     def on_hello(self, hello: Hello) -> bool:
         """Record a hello; return True if it comes from a new worker instance."""
@@ -59,7 +61,12 @@ class Liveness:
             self.last_heartbeat = None
             self._last_progress_at = self._clock()
         self._last_seen_at = self._clock()
+        self._is_disconnected = False
         return is_new
+
+    def on_disconnected(self) -> None:
+        """The connection closed: dead at once, until a hello on a new connection."""
+        self._is_disconnected = True
 
     def on_heartbeat(self, heartbeat: Heartbeat) -> None:
         if self.hello is None or heartbeat.instance_id != self.hello.instance_id:
@@ -75,6 +82,10 @@ class Liveness:
     def verdict(self) -> Verdict:
         if self.hello is None:
             return Verdict(WorkerState.CONNECTING, "no worker has said hello yet")
+        if self._is_disconnected:
+            return Verdict(
+                WorkerState.DEAD, f"the connection to worker {self.hello.instance_id[:8]} closed"
+            )
         now = self._clock()
         silent_s = now - self._last_seen_at
         if silent_s > self.heartbeat_timeout_s:

@@ -3,6 +3,7 @@ alone or under the supervisor, always killed afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -74,6 +75,10 @@ class Stack:
                 pass
         process.wait(timeout=10)
 
+    def kill_pid(self, pid: int) -> None:
+        """SIGKILL one process of the stack, such as one of a supervisor's workers."""
+        os.kill(pid, signal.SIGKILL)
+
     def log(self, name: str) -> str:
         assert self.log_dir is not None
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
@@ -124,6 +129,18 @@ class Stack:
     def worker_pids(self) -> list[int]:
         """Every live worker process started by this stack (under a supervisor too)."""
         return self._pids_running("worker.main")
+
+    def worker_pid(self, endpoint: str) -> int:
+        """The live worker process serving ``endpoint`` (several may run)."""
+        for pid in self.worker_pids():
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(pid).environ().get("WORKER_ENDPOINT") == endpoint:
+                    return pid
+        raise AssertionError(f"no worker serves {endpoint}\n{self.logs()}")
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        """/health's view of each worker, by endpoint."""
+        return {worker["endpoint"]: worker for worker in self.health().json()["workers"]}
 
     def frontend_pid(self) -> int:
         (pid,) = self._pids_running("frontend.main")

@@ -177,3 +177,20 @@ def test_poison_drill_on_a_fake_stack_restarts_nothing_and_fails_no_innocent(
     assert {
         kind: tally["unexpected"] for kind, tally in poison.items() if tally["unexpected"]
     } == {}
+
+
+def test_fault_drill_kills_one_of_two_workers_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_STEP_DELAY_S", "0.03")  # slow enough to outlast a restart
+    out = tmp_path / "drill.json"
+    argv = ["--model-id", "fake", "--workers", "2", "--frontends", "2", "--kills", "2"]
+    argv += ["--stops", "0", "--requests", "40", "--concurrency", "6", "--port", str(free_port())]
+    argv += ["--log", str(tmp_path / "stack.log"), "--out", str(out)]
+    with pytest.raises(SystemExit) as exited:
+        fault_drill.main(argv)
+    summary = json.loads(out.read_text())
+    assert exited.value.code == 0, summary
+    assert (summary["succeeded"], summary["lost"], summary["wrong"]) == (40, 0, 0)
+    assert (summary["workers"], summary["frontends"]) == (2, 2)
+    assert summary["faults"][0]["worst_stall_s"] is not None

@@ -16,6 +16,7 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -145,6 +146,19 @@ def test_frontend_reaches_the_worker_by_service_name_over_zmq() -> None:
     assert "ports" not in worker, "the worker must not be published outside the network"
     assert frontend["ports"] == ["8000:8000"]
     assert frontend["environment"]["HOST"] == "0.0.0.0"
+
+
+def test_the_worker_service_scales_with_compose_scale() -> None:
+    # `docker compose up --scale worker=N`: replicas get compose's own names, and
+    # none publishes a host port that the next one would collide with.
+    worker = services()["worker"]
+    assert "container_name" not in worker
+    assert "ports" not in worker
+    # The frontend reaches them by the service's name, which compose's DNS
+    # resolves to every replica, and connects to each.
+    endpoint = services()["frontend"]["environment"]["WORKER_ENDPOINT"]
+    assert urlsplit(endpoint).hostname == "worker"
+    assert "WORKER_ENDPOINTS" not in services()["frontend"]["environment"]
 
 
 def test_worker_restarts_on_failure_and_frontend_waits_for_its_health() -> None:

@@ -20,12 +20,12 @@ def test_a_replayed_stream_resumes_after_what_the_client_saw_with_its_whole_budg
     assert second.max_new_tokens == 20
 
 
-def test_a_request_that_streamed_only_to_show_progress_keeps_streaming_when_it_resumes() -> None:
+def test_every_attempt_streams_so_that_a_non_streaming_request_resumes_too() -> None:
     # A worker tracks the text of streaming requests only, and refuses to resume
-    # shown text it does not track: the resumed attempt must stream as the first did.
+    # shown text it does not track: a client's non-streaming request streams from
+    # the worker, and its replay resumes after what it streamed.
     entry = InFlight(GenerateRequest("r", "prompt", 20), deadline=0.0)
-    assert entry.next_attempt(stream=True).stream  # a suspect, watched for progress
+    assert entry.next_attempt().stream
     entry.record(TokenDelta("r.1", [1, 2], "Hi"))
     resumed = entry.next_attempt()
     assert (resumed.stream, resumed.resume_token_ids, resumed.resume_text_len) == (True, [1, 2], 2)
-    assert not InFlight(GenerateRequest("q", "prompt", 20), deadline=0.0).next_attempt().stream

@@ -58,7 +58,8 @@ def test_kill_9_with_twice_capacity_in_flight_loses_nothing(tmp_path: Path) -> N
         health = stack.wait_live(instance_not=str(first["instance_id"]))
         assert health["worker_restarts"] == 1
         assert health["inflight"] == 0
-        assert f"replaying {len(bodies)} requests" in stack.log("supervisor")
+        # The worker held about what it ran; the rest waited in the frontend for a slot.
+        assert "closed its connection: replaying" in stack.log("supervisor")
 
 
 def test_a_stopped_worker_is_declared_dead_and_replaced(tmp_path: Path) -> None:
@@ -76,14 +77,24 @@ def test_a_stopped_worker_is_declared_dead_and_replaced(tmp_path: Path) -> None:
         assert "killing worker" in stack.log("supervisor")
 
 
-def test_a_worker_without_progress_is_declared_hung_and_replaced(tmp_path: Path) -> None:
+def test_a_worker_without_progress_is_declared_hung(tmp_path: Path) -> None:
     # Each step takes longer than STEP_TIMEOUT_S, but the worker's heartbeats go on.
+    overrides = {"FAKE_STEP_DELAY_S": "4", "STEP_TIMEOUT_S": "1.5", "HEARTBEAT_TIMEOUT_S": "3"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        pool, futures = _in_background(stack, _bodies(1, max_new_tokens=5))
+        stack.wait_for_health("hung verdict", lambda h: h["worker"] == "hung")
+        assert "made no progress" in stack.health().json()["reason"]
+        for future in futures:
+            future.cancel()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def test_a_hung_worker_is_replaced(tmp_path: Path) -> None:
     overrides = {"FAKE_STEP_DELAY_S": "4", "STEP_TIMEOUT_S": "1.5", "HEARTBEAT_TIMEOUT_S": "3"}
     with running_stack(tmp_path, overrides) as stack:
         first = stack.wait_live()
         pool, futures = _in_background(stack, _bodies(1, max_new_tokens=5))
-        stack.wait_for_health("hung verdict", lambda h: h["worker"] == "hung")
-        assert "made no progress" in stack.health().json()["reason"]
         stack.wait_for_health(
             "a replacement worker",
             lambda h: h["instance_id"] not in (None, first["instance_id"]),

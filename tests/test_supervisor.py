@@ -36,7 +36,7 @@ class _FakeProcess:
 
     pid = 4242
 
-    def __init__(self, *_: object) -> None:
+    def __init__(self, *_: object, **__: object) -> None:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:

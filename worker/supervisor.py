@@ -1,6 +1,9 @@
-"""`minibatch-serve`: run a worker and a frontend, and keep them running.
+"""`minibatch-serve`: run workers and frontends, and keep them running.
 
-The local twin of the compose file. A child that exits is restarted after a
+The local twin of the compose file. NUM_WORKERS workers listen on
+WORKER_ENDPOINT's port and the ones after it, each with an even share of the
+cores (TORCH_THREADS), and NUM_FRONTENDS frontends on PORT and the ones after
+it, each connected to every worker. A child that exits is restarted after a
 backoff that doubles with each crash in a row (capped). A worker that stops
 sending heartbeats, or sends them without making progress on pending work, is
 killed and replaced: the supervisor watches it over ZMQ exactly as the frontend
@@ -21,7 +24,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from urllib.parse import urlsplit
 
 import zmq
 
@@ -55,9 +59,11 @@ class Child:
         config: SupervisorConfig,
         served_after_s: float,
         clock: Callable[[], float] = time.monotonic,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
         self.argv = [sys.executable, "-m", module]
+        self.env = None if env is None else dict(env)
         self.config = config
         self.served_after_s = served_after_s
         self.process: subprocess.Popen[bytes] | None = None
@@ -71,7 +77,7 @@ class Child:
         self._clock = clock
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.argv)
+        self.process = subprocess.Popen(self.argv, env=self.env)
         self.has_served = False
         self.started_at = self._clock()
         self.up_since = None
@@ -141,10 +147,11 @@ def _signal_name(number: int) -> str:
 
 
 class WorkerWatch:
-    """Hears the worker's hellos and heartbeats, as a frontend would."""
+    """Hears one worker's hellos and heartbeats, as a frontend would."""
 
-    def __init__(self, frontend: FrontendConfig) -> None:
+    def __init__(self, frontend: FrontendConfig, endpoint: str) -> None:
         self.frontend = frontend
+        self.endpoint = endpoint
         self.liveness = self._new_liveness()
         self._context = zmq.Context()
         self._socket = self._connect()
@@ -159,7 +166,7 @@ class WorkerWatch:
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 0)
         secure_client(socket, self.frontend.curve)
-        socket.connect(self.frontend.worker_endpoint)
+        socket.connect(self.endpoint)
         return socket
 
     def forget_worker(self) -> None:
@@ -194,9 +201,20 @@ class WorkerWatch:
 class Supervisor:
     def __init__(self, config: SupervisorConfig, frontend: FrontendConfig) -> None:
         self.config = config
-        self.worker = Child("worker", "worker.main", config, _WORKER_SERVED_AFTER_S)
-        self.frontend = Child("frontend", "frontend.main", config, _FRONTEND_SERVED_AFTER_S)
-        self.watch = WorkerWatch(frontend)
+        endpoints = worker_endpoints(frontend.worker_endpoint, config.num_workers)
+        self.workers: list[tuple[Child, WorkerWatch]] = []
+        for i, endpoint in enumerate(endpoints):
+            name = "worker" if len(endpoints) == 1 else f"worker-{i}"
+            env = _worker_env(endpoint, config) if len(endpoints) > 1 else None
+            child = Child(name, "worker.main", config, _WORKER_SERVED_AFTER_S, env=env)
+            self.workers.append((child, WorkerWatch(frontend, endpoint)))
+        self.frontends: list[Child] = []
+        for i in range(config.num_frontends):
+            name = "frontend" if config.num_frontends == 1 else f"frontend-{i}"
+            env = {**os.environ, "PORT": str(frontend.port + i)}
+            env["WORKER_ENDPOINTS"] = ",".join(endpoints)
+            child = Child(name, "frontend.main", config, _FRONTEND_SERVED_AFTER_S, env=env)
+            self.frontends.append(child)
         self._stopping = False
 
     def stop(self) -> None:
@@ -205,46 +223,75 @@ class Supervisor:
     def run(self) -> None:
         try:
             while not self._stopping:
-                self.watch.poll(_TICK_S)
-                self._tend(self.frontend)
-                self._tend(self.worker)
-                self._judge_worker()
-                if self.frontend.process is not None:
-                    self.frontend.on_up()
+                for _, watch in self.workers:
+                    watch.poll(_TICK_S / len(self.workers))
+                for child in self.frontends:
+                    self._tend(child)
+                    if child.process is not None:
+                        child.on_up()
+                for child, watch in self.workers:
+                    self._tend(child, watch)
+                    self._judge(child, watch)
         finally:
-            self.frontend.stop()
-            self.worker.stop()
-            self.watch.close()
+            for child in self.frontends:
+                child.stop()
+            for child, watch in self.workers:
+                child.stop()
+                watch.close()
 
-    def _tend(self, child: Child) -> None:
+    def _tend(self, child: Child, watch: WorkerWatch | None = None) -> None:
         if child.process is None:
             if time.monotonic() >= child.start_at:
                 child.start()
             return
         cause = child.exit_cause()
         if cause is not None:
-            if child is self.worker:
-                self.watch.forget_worker()
+            if watch is not None:
+                watch.forget_worker()
             child.schedule_restart(cause)
 
-    def _judge_worker(self) -> None:
-        if self.worker.process is None:
+    def _judge(self, worker: Child, watch: WorkerWatch) -> None:
+        if worker.process is None:
             return
-        liveness = self.watch.liveness
+        liveness = watch.liveness
         verdict = liveness.verdict()
         if verdict.is_live:
             heartbeat = liveness.last_heartbeat
-            self.worker.on_up(0 if heartbeat is None else heartbeat.num_finished)
+            worker.on_up(0 if heartbeat is None else heartbeat.num_finished)
         elif verdict.state in (WorkerState.DEAD, WorkerState.HUNG):
-            self.worker.kill(verdict.reason)
-        elif time.monotonic() - self.worker.started_at > self.config.worker_start_timeout_s:
+            worker.kill(verdict.reason)
+        elif time.monotonic() - worker.started_at > self.config.worker_start_timeout_s:
             # Still connecting: a model that never finishes loading, a deadlock at
             # start, or a worker this supervisor's keys cannot talk to.
-            self.worker.kill(
+            worker.kill(
                 f"no hello within WORKER_START_TIMEOUT_S={self.config.worker_start_timeout_s:g} "
                 "s of its start; raise it if loading the model takes longer, or check "
                 "WORKER_ENDPOINT and the CURVE keys if the worker log says it is serving"
             )
+
+
+def worker_endpoints(first: str, num_workers: int) -> list[str]:
+    """``first`` and the endpoints after it: the next ports, or numbered ipc paths."""
+    if num_workers == 1:
+        return [first]
+    if first.startswith("ipc://"):
+        return [first] + [f"{first}-{i}" for i in range(1, num_workers)]
+    parts = urlsplit(first)
+    if parts.scheme != "tcp" or parts.port is None:
+        raise ConfigError(
+            f"NUM_WORKERS={num_workers} needs WORKER_ENDPOINT as tcp://host:port (the workers "
+            f"take that port and the ones after it) or ipc://path, got {first!r}"
+        )
+    host = parts.netloc.rsplit(":", 1)[0]
+    return [f"tcp://{host}:{parts.port + i}" for i in range(num_workers)]
+
+
+def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:
+    """One of several workers: its own endpoint, and its share of the cores."""
+    threads = config.torch_threads or max(1, len(os.sched_getaffinity(0)) // config.num_workers)
+    env = {**os.environ, "WORKER_ENDPOINT": endpoint, "TORCH_THREADS": str(threads)}
+    env["WORKER_BIND"] = ""  # each binds its own endpoint
+    return env
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -254,9 +301,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         config = load(SupervisorConfig, argv, description=__doc__.splitlines()[0])
         frontend = load(FrontendConfig, [], os.environ)
+        supervisor = Supervisor(config, frontend)
     except ConfigError as exc:
         sys.exit(f"supervisor: configuration error: {exc}")
-    supervisor = Supervisor(config, frontend)
     signal.signal(signal.SIGTERM, lambda *_: supervisor.stop())
     signal.signal(signal.SIGINT, lambda *_: supervisor.stop())
     try:

@@ -34,7 +34,7 @@ _PROMPT_SCORE_CHUNK = 256
 def load_engine(config: WorkerConfig) -> TorchEngine:
     """The worker's engine for any MODEL_ID other than 'fake'. Raises ConfigError
     (ModelLoadError) when the model or device cannot be used."""
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
     device = resolve_device(config.device)
     loaded = load_model(
         config.model_to_load,

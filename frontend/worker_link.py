@@ -1,0 +1,150 @@
+"""One worker as the frontend sees it: a DEALER on its endpoint, a socket monitor
+that sees the connection close, its liveness, and how busy it is.
+
+A worker process that dies has its TCP connection closed by its kernel at once;
+the monitor reports that, and the link is dead without waiting for heartbeats to
+stop. Heartbeat timeouts remain for what a closed socket cannot show: a frozen
+or hung process, or a network partition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import typing
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from frontend.inflight import Event, InFlight
+from frontend.tasks import start_task, stop_tasks
+from protocol import Heartbeat, Hello, ProtocolError, ToWorker, decode_to_frontend, encode
+from protocol.config import FrontendConfig
+from protocol.curve import secure_client
+from protocol.liveness import Liveness, Verdict
+
+log = logging.getLogger(__name__)
+
+
+class LinkEvents(Protocol):
+    """What a link reports, in the order its worker sent it."""
+
+    def on_hello(self, link: WorkerLink, hello: Hello) -> None: ...
+
+    def on_heartbeat(self, link: WorkerLink) -> None: ...
+
+    def on_event(self, link: WorkerLink, message: Event) -> None: ...
+
+    def on_disconnected(self, link: WorkerLink) -> None: ...
+
+
+class WorkerLink:
+    def __init__(
+        self,
+        endpoint: str,
+        config: FrontendConfig,
+        context: zmq.asyncio.Context,
+        events: LinkEvents,
+    ) -> None:
+        self.endpoint = endpoint
+        self.liveness = Liveness(config.heartbeat_timeout_s, config.step_timeout_s)
+        self.held: set[InFlight] = set()  # requests whose current attempt this worker holds
+        self.trial: InFlight | None = None  # a suspect replayed here, no progress seen yet
+        self.was_live = False
+        self._events = events
+        # Requests sent and answers received since the last heartbeat, which counted
+        # the worker's load from every frontend as it was then.
+        self._num_sent = 0
+        self._num_done = 0
+        self._socket = context.socket(zmq.DEALER)
+        # Queue nothing for a worker that is not connected: what it misses goes to
+        # another worker instead of being delivered late, or twice.
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        if endpoint.startswith("tcp://["):
+            self._socket.setsockopt(zmq.IPV6, 1)
+        secure_client(self._socket, config.curve)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._socket.connect(self.endpoint)
+        self._tasks = [
+            start_task(self._receive_loop(), "worker-receive"),
+            start_task(self._monitor_loop(), "worker-monitor"),
+        ]
+
+    async def close(self) -> None:
+        await stop_tasks(self._tasks)
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
+
+    @property
+    def hello(self) -> Hello | None:
+        return self.liveness.hello
+
+    @property
+    def instance_id(self) -> str | None:
+        hello = self.liveness.hello
+        return None if hello is None else hello.instance_id
+
+    def verdict(self) -> Verdict:
+        return self.liveness.verdict()
+
+    def send(self, message: ToWorker) -> bool:
+        return self.send_frame(encode(message))
+
+    def send_frame(self, frame: bytes) -> bool:
+        # A non-blocking send on an asyncio socket completes (or fails) at once.
+        sent = typing.cast("asyncio.Future[object]", self._socket.send(frame, zmq.NOBLOCK))
+        return sent.exception() is None
+
+    def on_sent(self) -> None:
+        self._num_sent += 1
+
+    def on_done(self) -> None:
+        """A request this frontend sent here was answered or aborted: a slot freed."""
+        self._num_done += 1
+
+    def free_slots(self) -> int:
+        """Slots free for another request, as far as this frontend can tell: the
+        worker's last heartbeat, plus what was sent here and answered since. Below
+        zero when requests wait in the worker's queue."""
+        hello = self.liveness.hello
+        if hello is None:
+            return 0
+        heartbeat = self.liveness.last_heartbeat
+        busy = heartbeat.num_active + heartbeat.num_queued if heartbeat else 0
+        return hello.capacity - max(0, busy + self._num_sent - self._num_done)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self._socket.recv()
+            try:
+                message = decode_to_frontend(frame)
+            except ProtocolError as exc:
+                log.error("dropped a malformed frame from worker %s: %s", self.endpoint, exc)
+                continue
+            if isinstance(message, Hello):
+                if message.instance_id != self.instance_id:
+                    self._num_sent = self._num_done = 0  # a new worker: no heartbeat yet
+                self._events.on_hello(self, message)
+            elif isinstance(message, Heartbeat):
+                if message.instance_id == self.instance_id:
+                    self._num_sent = self._num_done = 0
+                self.liveness.on_heartbeat(message)
+                self._events.on_heartbeat(self)
+            else:
+                self._events.on_event(self, message)
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.liveness.on_disconnected()
+                self._events.on_disconnected(self)
