@@ -94,7 +94,9 @@ def test_a_killed_workers_requests_are_replayed_on_the_survivor_at_once(
     overrides = {
         "NUM_WORKERS": "2",
         "MAX_BATCH_SIZE": str(CAPACITY),
-        "FAKE_STEP_DELAY_S": "0.02",
+        # 4 s a request: all are surely in flight at once, however slowly a busy
+        # machine delivers them.
+        "FAKE_STEP_DELAY_S": "0.05",
         # A replacement too slow to take the replay: it must land on the survivor.
         "FAKE_START_DELAY_S": "4",
     }
