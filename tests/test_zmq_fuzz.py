@@ -3,9 +3,11 @@ peer that keeps reconnecting must not take the worker down or hurt anyone else."
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -98,37 +100,44 @@ def test_random_frames_from_a_reconnecting_peer_leave_the_worker_serving(
         assert "Traceback" not in stack.log("worker")
 
 
+@contextlib.contextmanager
+def _peer(stack: Stack, **options: int) -> Iterator[zmq.Socket[bytes]]:
+    """A DEALER connected to the worker's socket, with these socket options."""
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        peer.setsockopt(getattr(zmq, name), value)
+    peer.connect(stack.env["WORKER_ENDPOINT"])
+    try:
+        yield peer
+    finally:
+        peer.close(linger=0)
+        context.term()
+
+
+def _worker_rss_mb(stack: Stack) -> float:
+    (pid,) = stack.worker_pids()
+    return float(psutil.Process(pid).memory_info().rss) / 1e6
+
+
 def test_a_peer_that_never_reads_cannot_stall_the_worker(tmp_path: Path) -> None:
     with running_stack(tmp_path, {"FAKE_STEP_DELAY_S": "0.005"}, supervised=False) as stack:
         stack.wait_live()
-        context = zmq.Context()
-        silent = context.socket(zmq.DEALER)
-        silent.setsockopt(zmq.LINGER, 0)
-        silent.setsockopt(zmq.RCVHWM, 1)
-        silent.connect(stack.env["WORKER_ENDPOINT"])
-        silent.send(encode(Ping("silent")))
-        for i in range(200):  # streams whose outputs nobody reads
-            silent.send(encode(GenerateRequest(f"s{i}", "z", 50, stream=True)))
-        try:
+        with _peer(stack, RCVHWM=1) as silent:
+            silent.send(encode(Ping("silent")))
+            for i in range(200):  # streams whose outputs nobody reads
+                silent.send(encode(GenerateRequest(f"s{i}", "z", 50, stream=True)))
             assert _generate(stack, "still here", 8) == expected_text("still here", 8)
-        finally:
-            silent.close(linger=0)
-            context.term()
 
 
 def test_a_flooding_peer_is_pushed_back_and_the_worker_stays_small(tmp_path: Path) -> None:
     with running_stack(tmp_path, supervised=False) as stack:
         first = stack.wait_live()
-        (pid,) = stack.worker_pids()
-        worker = psutil.Process(pid)
-        rss_before = worker.memory_info().rss
-        context = zmq.Context()
-        flood = context.socket(zmq.DEALER)
-        flood.setsockopt(zmq.LINGER, 0)
-        flood.connect(stack.env["WORKER_ENDPOINT"])
+        rss_before = _worker_rss_mb(stack)
         garbage = b"\xc1" * 200
         num_sent = 0
-        try:
+        with _peer(stack) as flood:
             ends_at = time.monotonic() + 3
             while time.monotonic() < ends_at:
                 try:
@@ -137,10 +146,7 @@ def test_a_flooding_peer_is_pushed_back_and_the_worker_stays_small(tmp_path: Pat
                 except zmq.Again:
                     time.sleep(0.001)  # pushed back: the worker reads no faster than it decodes
             assert _generate(stack, "during a flood", 6) == expected_text("during a flood", 6)
-            growth_mb = (worker.memory_info().rss - rss_before) / 1e6
-        finally:
-            flood.close(linger=0)
-            context.term()
+            growth_mb = _worker_rss_mb(stack) - rss_before
         assert num_sent > 10_000  # a real flood
         assert growth_mb < 100, f"worker grew {growth_mb:.0f} MB under {num_sent} frames"
         assert stack.wait_live()["instance_id"] == first["instance_id"]
@@ -151,17 +157,9 @@ def test_refusals_that_are_never_read_cost_the_worker_little(tmp_path: Path) -> 
     # one-megabyte ids left 300 MB queued in the worker for a peer that never reads.
     with running_stack(tmp_path, supervised=False) as stack:
         first = stack.wait_live()
-        (pid,) = stack.worker_pids()
-        worker = psutil.Process(pid)
-        rss_before = worker.memory_info().rss
-        context = zmq.Context()
-        silent = context.socket(zmq.DEALER)
-        silent.setsockopt(zmq.LINGER, 0)
-        silent.setsockopt(zmq.RCVHWM, 1)
-        silent.setsockopt(zmq.RCVBUF, 4096)
-        silent.connect(stack.env["WORKER_ENDPOINT"])
-        silent.send(encode(Ping("silent")))
-        try:
+        rss_before = _worker_rss_mb(stack)
+        with _peer(stack, RCVHWM=1, RCVBUF=4096) as silent:
+            silent.send(encode(Ping("silent")))
             for i in range(300):
                 silent.send(encode(GenerateRequest(f"{i}-" + "x" * 1_000_000, "p", 0)))
             for i in range(40_000):  # answerable: the longest id allowed, and a bad field
@@ -171,9 +169,6 @@ def test_refusals_that_are_never_read_cost_the_worker_little(tmp_path: Path) -> 
                 time.sleep(0.1)
             assert "stopped reading" in stack.log("worker")  # forgotten, its queue dropped
             assert _generate(stack, "after", 6) == expected_text("after", 6)
-            growth_mb = (worker.memory_info().rss - rss_before) / 1e6
-        finally:
-            silent.close(linger=0)
-            context.term()
+            growth_mb = _worker_rss_mb(stack) - rss_before
         assert growth_mb < 50, f"worker grew {growth_mb:.0f} MB"
         assert stack.wait_live()["instance_id"] == first["instance_id"]
