@@ -15,9 +15,12 @@ from protocol import ErrorCode, GenerateRequest
 from tests.model_fixtures import (
     CONTEXT_WINDOW,
     EOS,
-    VOCAB_SIZE,
+    Schedule,
     disable_kernels,
+    random_prompt,
+    random_schedule,
     reference_ids,
+    request,
     run_schedule,
     tiny_engine,
     tiny_model,
@@ -28,23 +31,6 @@ from worker.static_baseline import StaticBatchRunner
 from worker.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.model
-
-
-def request(
-    request_id: str, prompt_ids: list[int], max_new_tokens: int, **kwargs: object
-) -> GenerateRequest:
-    return GenerateRequest(
-        request_id,
-        "",
-        max_new_tokens,
-        prompt_token_ids=prompt_ids,
-        **kwargs,  # type: ignore[arg-type]
-    )
-
-
-def random_prompt(rng: random.Random, low: int = 1, high: int = 24) -> list[int]:
-    # EOS is left out of prompts so that a prompt never looks finished.
-    return [rng.randrange(VOCAB_SIZE - 1) for _ in range(rng.randint(low, high))]
 
 
 def assert_parity(engine: TorchEngine, requests: list[GenerateRequest], finished: dict) -> None:
@@ -127,28 +113,14 @@ def test_short_sequence_joins_late_and_leaves_first() -> None:
 
 
 @pytest.fixture(scope="module")
-def schedule() -> tuple[list[GenerateRequest], dict[int, list[GenerateRequest]], dict]:
-    rng = random.Random(5)
-    requests = [
-        request(
-            f"r{i}", random_prompt(rng, 1, 40), rng.randint(1, 25), ignore_eos=rng.random() < 0.5
-        )
-        for i in range(56)
-    ]
-    arrivals: dict[int, list[GenerateRequest]] = {}
-    aborts: dict[int, list[str]] = {}
-    for r in requests:
-        arrival = rng.randrange(60)
-        arrivals.setdefault(arrival, []).append(r)
-        if rng.random() < 0.15:
-            aborts.setdefault(arrival + rng.randint(0, 6), []).append(r.request_id)
-    return requests, arrivals, aborts
+def schedule() -> Schedule:
+    return random_schedule()
 
 
 @pytest.fixture(scope="module")
-def schedule_references(schedule: tuple) -> dict[str, list[int]]:
+def schedule_references(schedule: Schedule) -> dict[str, list[int]]:
     model = tiny_model(eos_scale=1.5).model
-    return {r.request_id: reference_ids(model, r) for r in schedule[0]}
+    return {r.request_id: reference_ids(model, r) for r in schedule.requests}
 
 
 @pytest.mark.parametrize(
@@ -157,7 +129,7 @@ def schedule_references(schedule: tuple) -> dict[str, list[int]]:
 def test_random_schedule_with_aborts(
     capacity: int,
     may_use_kernels: bool,
-    schedule: tuple,
+    schedule: Schedule,
     schedule_references: dict[str, list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -165,8 +137,8 @@ def test_random_schedule_with_aborts(
         disable_kernels(monkeypatch)
     engine = tiny_engine(capacity, eos_scale=1.5)
     assert may_use_kernels or engine.gpt2.decode_attention is None
-    requests, arrivals, aborts = schedule
-    finished = run_schedule(engine, arrivals, aborts)
+    requests = schedule.requests
+    finished = run_schedule(engine, schedule.arrivals, schedule.aborts)
     assert set(finished) == {r.request_id for r in requests}
     reasons = {seq.finish_reason for seq in finished.values()}
     assert {"stop", "length", "abort"} <= reasons
@@ -229,8 +201,9 @@ def test_unequal_prompts_in_one_prefill_do_not_leak_into_each_other() -> None:
     assert_parity(engine, requests, run_schedule(engine, {0: requests}))
 
 
-def test_bfloat16_matches_generate_in_bfloat16() -> None:
-    """DTYPE=bfloat16 on CPU: oneDNN's bfloat16 products and SDPA, no kernels."""
+def test_computing_in_bfloat16_matches_generate_in_bfloat16() -> None:
+    """A model computing in its own dtype, as DTYPE does on CUDA (on CPU, DTYPE
+    chooses storage only): oneDNN's bfloat16 products and SDPA, no kernels."""
     loaded = tiny_model()
     loaded.model.to(torch.bfloat16)
     engine = TorchEngine(loaded, capacity=4)

@@ -17,6 +17,7 @@ from protocol.config import ConfigError, WorkerConfig
 from worker.engine import ModelInfo
 from worker.gpt2 import GPT2
 from worker.model_loader import LoadedModel, load_model
+from worker.precision import Precision
 from worker.sampler import Sampler, check_sampling
 from worker.sequence import Sequence
 from worker.slot_engine import SlotEngine
@@ -29,13 +30,14 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     (ModelLoadError) when the model or device cannot be used."""
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     device = resolve_device(config.device)
+    precision = Precision.for_device(device, config.dtype, config.weights)
     loaded = load_model(
         config.model_to_load,
         device,
-        getattr(torch, config.dtype),
+        precision.compute,
         may_fall_back=not config.model_id,
     )
-    return TorchEngine(loaded, config.max_batch_size)
+    return TorchEngine(loaded, config.max_batch_size, precision)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,7 +49,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 class TorchEngine(SlotEngine):
-    def __init__(self, loaded: LoadedModel, capacity: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, capacity: int, precision: Precision | None = None
+    ) -> None:
+        """``precision`` defaults to the loaded model's own dtype throughout."""
         config = loaded.model.config
         info = ModelInfo(
             loaded.name,
@@ -58,15 +63,17 @@ class TorchEngine(SlotEngine):
         )
         super().__init__(info, loaded.tokenizer, capacity)
         self.model = loaded.model
-        self.gpt2 = GPT2(loaded.model)
+        self.precision = precision or Precision.uniform(loaded.model.dtype)
+        self.gpt2 = GPT2(loaded.model, self.precision)
         self.device = self.gpt2.device
         self.cache = self.gpt2.new_cache(capacity)
         self.sampler = Sampler(self.device)
         self._seeds: list[int | None] = [None] * capacity  # by slot; None: greedy
         logger.info(
-            "serving %s%s; %s",
+            "serving %s%s; %s; %s",
             loaded.name,
             " (random weights)" if loaded.is_random_weights else "",
+            self.precision.describe(),
             self.cache.describe(),
         )
 
