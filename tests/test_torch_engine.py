@@ -225,3 +225,16 @@ def test_a_resumed_stream_continues_as_the_uninterrupted_run(sampling: dict) -> 
     result = assert_every_resume_is_exact(lambda: tiny_engine(capacity=1), stream)
     greedy = reference_ids(tiny_model().model, request("g", prompt, 14, ignore_eos=True))
     assert (result.token_ids == greedy) == (not sampling)  # the seeded run really sampled
+
+
+def test_more_slots_than_context_positions() -> None:
+    """Decode's row indices are cut from a preallocated range as long as the context
+    window; more slots than that must still index every row."""
+    capacity = CONTEXT_WINDOW + 2
+    engine = tiny_engine(capacity)
+    rng = random.Random(11)
+    requests = [
+        request(f"r{i}", random_prompt(rng, 1, 3), 3, ignore_eos=True) for i in range(capacity)
+    ]
+    finished = run_schedule(engine, {0: requests})
+    assert_parity(engine, requests[-3:], finished)

@@ -86,13 +86,15 @@ class GPT2:
         )
         self.decode_attention = None if kernels is None else kernels.decode_attention
         # Made once: every step's row and position indices are slices of it.
-        self.counting = torch.arange(max(self.context_window, 1), device=self.device)
+        self.counting = torch.arange(self.context_window, device=self.device)
 
     @property
     def device(self) -> torch.device:
         return self.wte.device
 
     def new_cache(self, num_slots: int) -> SlotKVCache:
+        if num_slots > len(self.counting):  # decode's row indices come from it too
+            self.counting = torch.arange(num_slots, device=self.device)
         return SlotKVCache(
             self.num_layers,
             num_slots,
