@@ -1,5 +1,5 @@
 """The decode step's CPU kernels (``csrc/``): ``skinny_linear``, the matrix
-product for 1 to 16 rows, and ``decode_attention``, one new token per row against
+product for 1 to 8 rows, and ``decode_attention``, one new token per row against
 that row's cached keys and values. Both read weights or cache stored in float32,
 float16 or bfloat16 (and ``skinny_linear`` int8) and compute in float32. They
 are compiled by torch's extension builder on first use and kept under
@@ -34,7 +34,7 @@ SOURCES = [
     for name in ("skinny_linear.cpp", "decode_attention.cpp")
 ]
 # The kernels' limits; the C++ checks them too.
-MAX_ROWS = 16  # skinny_linear's rows
+MAX_ROWS = 8  # skinny_linear's rows
 LANES = 16  # skinny_linear's in_features must be a multiple of this
 HEAD_DIMS = (16, 32, 64, 128)  # decode_attention's head_dim
 

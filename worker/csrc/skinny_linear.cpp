@@ -1,4 +1,4 @@
-// y = (x @ w.T) * scale + bias for the few rows of a decode step (1 to 16 of them),
+// y = (x @ w.T) * scale + bias for the few rows of a decode step (1 to 8 of them),
 // with w stored as float32, float16, bfloat16 or int8 and x, y, scale, bias float32.
 //
 // At that size a product is bound by streaming w from memory, and oneDNN and MKL
@@ -13,11 +13,7 @@
 // Stored in fewer bytes, w is widened to float32 in registers (vec.h), so a step
 // reads half (16-bit) or a quarter (int8) of the bytes. int8 rows carry one scale
 // per output channel, applied once to each finished dot product.
-//
-// More than 8 input rows would need more accumulators than there are registers, so
-// rows go in blocks of at most 8, all against the same few weight rows: the first
-// block streams them from memory, the next finds them in L1 (4 rows of 768 floats
-// are 12 KB), so w is still read from memory once however many rows there are.
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,8 +22,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 16;
-constexpr int64_t kRowsPerBlock = 8;
+constexpr int64_t kMaxRows = 8;
 // Prefetching past the end of w is harmless: prefetches never fault.
 constexpr int64_t kPrefetchRows = 8;
 constexpr int64_t kMinColumnsPerThread = 256;
@@ -61,11 +56,12 @@ __attribute__((always_inline)) inline void dot_rows(const float* x, const W* row
       y[m * N + n + r] = sum(acc[r][m]) * (scale ? scale[n + r] : 1.f) + (bias ? bias[n + r] : 0.f);
 }
 
-// All M input rows (M <= kRowsPerBlock) against weight rows [n, n + R).
+// All M input rows against weight rows [n, n + R).
 template <typename W, int64_t R>
-__attribute__((always_inline)) inline void dot_block(int64_t M, const float* x, const W* rows,
-                                                     const float* scale, const float* bias,
-                                                     float* y, int64_t K, int64_t N, int64_t n) {
+__attribute__((always_inline)) inline void dot_any_rows(int64_t M, const float* x, const W* w,
+                                                        const float* scale, const float* bias,
+                                                        float* y, int64_t K, int64_t N, int64_t n) {
+  const W* rows = w + n * K;
   switch (M) {
     case 1: return dot_rows<W, 1, R>(x, rows, scale, bias, y, K, N, n);
     case 2: return dot_rows<W, 2, R>(x, rows, scale, bias, y, K, N, n);
@@ -78,28 +74,18 @@ __attribute__((always_inline)) inline void dot_block(int64_t M, const float* x, 
   }
 }
 
-// Output columns [n, n + R) for every input row, kRowsPerBlock rows at a time.
-template <typename W, int64_t R>
-__attribute__((always_inline)) inline void dot_all_rows(int64_t M, const float* x, const W* w,
-                                                        const float* scale, const float* bias,
-                                                        float* y, int64_t K, int64_t N, int64_t n) {
-  for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock)
-    dot_block<W, R>(std::min(kRowsPerBlock, M - m0), x + m0 * K, w + n * K, scale, bias,
-                    y + m0 * N, K, N, n);
-}
-
 template <typename W>
 __attribute__((always_inline)) inline void columns(int64_t M, const float* x, const W* w, const float* scale, const float* bias,
                      float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (M == 1) {
     for (; n + RowsFor(1) <= n1; n += RowsFor(1))
-      dot_all_rows<W, RowsFor(1)>(M, x, w, scale, bias, y, K, N, n);
+      dot_any_rows<W, RowsFor(1)>(M, x, w, scale, bias, y, K, N, n);
   } else {
     for (; n + RowsFor(2) <= n1; n += RowsFor(2))
-      dot_all_rows<W, RowsFor(2)>(M, x, w, scale, bias, y, K, N, n);
+      dot_any_rows<W, RowsFor(2)>(M, x, w, scale, bias, y, K, N, n);
   }
-  for (; n < n1; ++n) dot_all_rows<W, 1>(M, x, w, scale, bias, y, K, N, n);  // the last < R
+  for (; n < n1; ++n) dot_any_rows<W, 1>(M, x, w, scale, bias, y, K, N, n);  // the last < R
 }
 
 // target_clones does not take templates: one overload, and clone set, per storage
