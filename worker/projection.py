@@ -9,6 +9,8 @@ through ``F.linear`` (MKL sgemm), 15 ms as the mathematically equal ``W @ x.T``,
 this project's own kernel (``worker/csrc/skinny_linear.cpp``), which reads the weight
 once at close to the machine's bandwidth, in float32, float16, bfloat16 or int8.
 Above ``MAX_ROWS`` rows oneDNN wins, and it stays ahead of MKL at prefill sizes.
+Which wins is the machine's: on a shared 2-vCPU Intel Xeon VM (AVX-512) oneDNN
+won at 8 rows too, in every storage format (README, "Precision and 16 rows").
 
 So on CPU a projection keeps the stored weight for the kernel (up to ``MAX_ROWS``
 rows) and a oneDNN-packed float32 copy of that same stored weight, widened back,
