@@ -2,14 +2,16 @@
 
     python -m bench.ceiling                        # CPU, batches 1 4 8 16 32 64
     python -m bench.ceiling --device cuda          # the same on a GPU
+    python -m bench.ceiling --mode int8            # weights stored as int8
 
 It measures the machine's fp32 matrix-multiply rate (a large square ``torch.mm``)
 and its memory read bandwidth (``sum`` over a tensor far larger than any cache);
 computes the model's FLOPs and bytes per decode step at each batch size B (every
-weight read once, each row's KV cache read once; 2 FLOPs per weight per row plus
-attention); and prints the roofline ceiling, B / max(FLOPs / rate, bytes /
+weight read once as --mode stores it, each row's KV cache read once; 2 FLOPs per
+weight per row plus attention); and prints the roofline ceiling, B / max(FLOPs / rate, bytes /
 bandwidth) tokens/s, beside the engine's measured decode tokens/s (decode steps
-only, every row at the same context length) and the fraction reached. At the
+only, every row at the same context length), the bandwidth that reaches and the
+fraction of the ceiling. At the
 largest batch it profiles a step (bench/step_profile.py). Writes
 bench/results/ceiling.json and ceiling.png.
 """
@@ -29,6 +31,7 @@ from bench.engines import engines_by_capacity, sync
 from bench.report import RESULTS, save_figure, write_json
 from bench.step_profile import median_step_s, profile_steps
 from protocol import GenerateRequest
+from worker.precision import MODES
 from worker.torch_engine import TorchEngine
 
 WARMUP_STEPS = 2
@@ -66,21 +69,32 @@ class StepCost:
     bytes: float
 
 
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
 def decode_cost(engine: TorchEngine, batch: int, context: int) -> StepCost:
-    """One decode step of ``batch`` rows, each attending to ``context`` positions."""
-    model = engine.model
-    config = model.config
-    element = next(model.parameters()).element_size()
-    # Every transformer weight and the LM head is read once per step and used in
-    # one multiply-add per row; the embeddings are gathered a row at a time.
-    weights = sum(p.numel() for p in model.transformer.h.parameters())
-    weights += sum(p.numel() for p in model.transformer.ln_f.parameters())
-    weights += model.lm_head.weight.numel()
+    """One decode step of ``batch`` rows, each attending to ``context`` positions,
+    with the weights and KV cache as the engine's precision stores them."""
+    gpt2 = engine.gpt2
+    config = engine.model.config
+    # Every projection weight and the LM head is read once per step, as stored, and
+    # used in one multiply-add per row; biases, norms and int8 scales are read once
+    # too; the embeddings are gathered a row at a time.
+    projections = [gpt2.lm_head]
+    norms = [*gpt2.ln_f]
+    for layer in gpt2.layers:
+        projections += [layer.attn, layer.proj, layer.fc, layer.out]
+        norms += [*layer.ln_1, *layer.ln_2]
+    weights = sum(p.stored_weight.numel() for p in projections)
+    weight_bytes = sum(
+        _nbytes(p.stored_weight) + _nbytes(p.scale) + _nbytes(p.bias) for p in projections
+    ) + sum(_nbytes(norm) for norm in norms)
     kv_per_row = 2 * config.n_layer * context * config.n_embd  # keys and values read
     attention_flops = 2 * kv_per_row  # q.k and p.v: one multiply-add per element
     return StepCost(
         flops=batch * (2 * weights + attention_flops),
-        bytes=element * (weights + batch * kv_per_row),
+        bytes=weight_bytes + batch * kv_per_row * engine.cache.kv.element_size(),
     )
 
 
@@ -120,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps per batch")
     parser.add_argument("--profile-steps", type=int, default=4, help="0: no profile")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--mode", default="float32", choices=MODES, help="weights and KV cache")
     parser.add_argument("--out", type=Path, default=RESULTS / "ceiling.json")
     args = parser.parse_args(argv)
 
@@ -127,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     is_gpu = device.type == "cuda"
     rows: list[dict[str, Any]] = []
     profile: dict[str, float] = {}
-    for batch, engine in engines_by_capacity(args.batches, args.device):
+    for batch, engine in engines_by_capacity(args.batches, args.device, args.mode):
         if not rows:  # the engine set the thread count; measure the machine with it
             peak_flops = matmul_flops(device, 8192 if is_gpu else 2048, repeats=5)
             bandwidth = read_bandwidth(device, (2**30 if is_gpu else 2**28), repeats=5)
@@ -151,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 **asdict(cost),
                 "bound": "compute" if compute_s >= memory_s else "memory",
                 "ceiling_tokens_per_s": ceiling,
+                "measured_bytes_per_s": cost.bytes * measured / batch,
                 "compute_ceiling_tokens_per_s": batch / compute_s,
                 "measured_tokens_per_s": measured,
                 "fraction_of_ceiling": measured / ceiling,
@@ -164,26 +180,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for section, ms in profile.items():
             print(f"  {section:<30} {ms:8.2f}")
     report = {
-        "settings": {"device": str(device), "context": args.context, "steps": args.steps},
+        "settings": {
+            "device": str(device),
+            "mode": args.mode,
+            "context": args.context,
+            "steps": args.steps,
+        },
         "peak_fp32_flops": peak_flops,
         "read_bandwidth_bytes_per_s": bandwidth,
         "rows": rows,
         "profile_ms_per_step": {"batch": args.batches[-1], **profile},
     }
     write_json(args.out, report)
-    _plot(rows, args.out.with_suffix(".png"), str(device))
+    _plot(rows, args.out.with_suffix(".png"), f"{device}, {args.mode}")
     return report
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"{'batch':>5} {'GFLOP':>7} {'MB':>7} {'bound':>8} {'ceiling tok/s':>14} "
-        f"{'measured tok/s':>15} {'of ceiling':>11} {'of compute':>11}"
+        f"{'measured tok/s':>15} {'GB/s':>6} {'of ceiling':>11} {'of compute':>11}"
     ]
     for r in rows:
         lines.append(
             f"{r['batch']:>5} {r['flops'] / 1e9:>7.2f} {r['bytes'] / 1e6:>7.0f} {r['bound']:>8} "
             f"{r['ceiling_tokens_per_s']:>14,.0f} {r['measured_tokens_per_s']:>15,.0f} "
+            f"{r['measured_bytes_per_s'] / 1e9:>6.1f} "
             f"{r['fraction_of_ceiling']:>11.0%} {r['fraction_of_compute_ceiling']:>11.0%}"
         )
     return "\n".join(lines)
@@ -204,7 +226,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, device: str) -> None:
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("batch size (sequences per step)")
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"decode vs the roofline ceiling ({device}, fp32)")
+    ax.set_title(f"decode vs the roofline ceiling ({device})")
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     save_figure(fig, path)

@@ -21,6 +21,7 @@ from bench.engine_bench import Summary, median_of_runs, run_continuous, run_stat
 from bench.engines import engines_by_capacity
 from bench.report import RESULTS, save_figure, write_json
 from bench.workload import make_workload
+from worker.precision import MODES as PRECISION_MODES
 from worker.static_baseline import StaticBatchRunner
 
 MODES = ("static", "continuous")
@@ -35,13 +36,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--short", action="store_true", help="1 run, 2 requests per slot, min 8")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--mode", default="float32", choices=PRECISION_MODES, help="weights and KV cache"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "engine_sweep.json")
     args = parser.parse_args(argv)
     if args.short:
         args.runs, args.requests_per_slot, args.min_requests = 1, 2, 8
 
     rows: list[dict[str, Any]] = []
-    for capacity, engine in engines_by_capacity(args.capacities, args.device):
+    for capacity, engine in engines_by_capacity(args.capacities, args.device, args.mode):
         num_requests = max(args.min_requests, args.requests_per_slot * capacity)
         requests = make_workload(num_requests, seed=args.seed)
         runner = StaticBatchRunner(engine.model, engine.tokenizer, capacity)
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         {
             "settings": {
                 "seed": args.seed,
+                "mode": args.mode,
                 "runs": args.runs,
                 "requests": f"max({args.min_requests}, {args.requests_per_slot} x capacity)",
                 "arrival": "all at t0",

@@ -8,26 +8,36 @@ import torch
 
 from protocol.config import WorkerConfig
 from worker.model_loader import LoadedModel, TextTokenizer
+from worker.precision import MODES
 from worker.torch_engine import TorchEngine, load_engine
 
 MODEL_ID = "synthetic"
 
 
 def engines_by_capacity(
-    capacities: Sequence[int], device: str = "cpu"
+    capacities: Sequence[int], device: str = "cpu", mode: str = "float32"
 ) -> Iterator[tuple[int, TorchEngine]]:
-    """``(capacity, engine)`` for each capacity in turn; each engine has its own slot
-    cache, and the caller drops it before asking for the next."""
-    first = load_engine(
-        WorkerConfig(model_id=MODEL_ID, max_batch_size=capacities[0], device=device)
-    )
+    """``(capacity, engine)`` for each capacity in turn, in one of worker.precision's
+    MODES; each engine has its own slot cache, and the caller drops it before
+    asking for the next."""
+    first = mode_engine(mode, capacities[0], device)
     info = first.info
     assert isinstance(first.tokenizer, TextTokenizer)  # what load_engine gives a real model
     loaded = LoadedModel(info.name, first.model, first.tokenizer, info.is_random_weights)
+    first_precision = first.precision
     yield capacities[0], first
     del first
     for capacity in capacities[1:]:
-        yield capacity, TorchEngine(loaded, capacity)
+        yield capacity, TorchEngine(loaded, capacity, precision=first_precision)
+
+
+def mode_engine(mode: str, capacity: int, device: str = "cpu") -> TorchEngine:
+    """The synthetic-model engine in one of worker.precision's MODES."""
+    dtype, weights = MODES[mode]
+    config = WorkerConfig(
+        model_id=MODEL_ID, max_batch_size=capacity, device=device, dtype=dtype, weights=weights
+    )
+    return load_engine(config)
 
 
 def sync(device: torch.device) -> None:

@@ -125,7 +125,18 @@ class WorkerConfig:
         "threads torch computes with; 0 uses every core this process may run on "
         "(minibatch-serve splits the cores evenly between its workers)",
     )
-    dtype: str = _setting("DTYPE", "float32", "float32, bfloat16 or float16")
+    dtype: str = _setting(
+        "DTYPE",
+        "float32",
+        "float32, bfloat16 or float16: how weights and the KV cache are stored (on CPU, "
+        "arithmetic stays float32; on CUDA it runs in this type)",
+    )
+    weights: str = _setting(
+        "WEIGHTS",
+        "",
+        "int8: the projections and LM head stored as int8 with a scale per output "
+        "channel (CPU only); unset: stored in DTYPE",
+    )
     fake_step_delay_s: float = _setting(
         "FAKE_STEP_DELAY_S", 0.0, "seconds each step of the fake engine sleeps"
     )
@@ -165,6 +176,10 @@ class WorkerConfig:
             raise ConfigError(f"DEVICE must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.weights not in ("", "int8"):
+            raise ConfigError(
+                f"WEIGHTS must be int8, or unset to store weights in DTYPE, got {self.weights!r}"
+            )
         if self.fake_step_delay_s < 0:
             raise ConfigError(f"FAKE_STEP_DELAY_S must be >= 0, got {self.fake_step_delay_s}")
         if self.torch_threads < 0:

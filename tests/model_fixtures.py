@@ -9,6 +9,9 @@ own input token, and a run of one repeated token would prove little.
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass
+
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
@@ -17,12 +20,61 @@ from protocol import GenerateRequest
 from worker import gpt2, projection
 from worker.engine import FinishedSequence
 from worker.model_loader import LoadedModel, synthetic_config, synthetic_model
+from worker.precision import MODES, Precision
 from worker.torch_engine import TorchEngine
 
 VOCAB_SIZE = 256
 EOS = VOCAB_SIZE - 1
 CONTEXT_WINDOW = 128
 LOGIT_SCALE = 20.0
+
+
+def request(
+    request_id: str, prompt_ids: list[int], max_new_tokens: int, **kwargs: object
+) -> GenerateRequest:
+    """A request whose prompt is token ids."""
+    return GenerateRequest(
+        request_id,
+        "",
+        max_new_tokens,
+        prompt_token_ids=prompt_ids,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def random_prompt(rng: random.Random, low: int = 1, high: int = 24) -> list[int]:
+    # EOS is left out of prompts so that a prompt never looks finished.
+    return [rng.randrange(VOCAB_SIZE - 1) for _ in range(rng.randint(low, high))]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The parity workload: requests, when each arrives and when some are aborted
+    (in steps), for ``run_schedule``."""
+
+    requests: list[GenerateRequest]
+    arrivals: dict[int, list[GenerateRequest]]
+    aborts: dict[int, list[str]]
+
+
+def random_schedule(seed: int = 5) -> Schedule:
+    """56 requests of up to 40 prompt tokens and 25 new ones, half ignoring EOS,
+    arriving over 60 steps; about 15% are aborted a few steps after arriving."""
+    rng = random.Random(seed)
+    requests = [
+        request(
+            f"r{i}", random_prompt(rng, 1, 40), rng.randint(1, 25), ignore_eos=rng.random() < 0.5
+        )
+        for i in range(56)
+    ]
+    arrivals: dict[int, list[GenerateRequest]] = {}
+    aborts: dict[int, list[str]] = {}
+    for r in requests:
+        arrival = rng.randrange(60)
+        arrivals.setdefault(arrival, []).append(r)
+        if rng.random() < 0.15:
+            aborts.setdefault(arrival + rng.randint(0, 6), []).append(r.request_id)
+    return Schedule(requests, arrivals, aborts)
 
 
 def tiny_model(seed: int = 0, eos_scale: float = 1.0) -> LoadedModel:
@@ -44,8 +96,12 @@ def tiny_model(seed: int = 0, eos_scale: float = 1.0) -> LoadedModel:
     return loaded
 
 
-def tiny_engine(capacity: int, seed: int = 0, eos_scale: float = 1.0) -> TorchEngine:
-    return TorchEngine(tiny_model(seed, eos_scale), capacity)
+def tiny_engine(
+    capacity: int, seed: int = 0, eos_scale: float = 1.0, mode: str = "float32"
+) -> TorchEngine:
+    """On the CPU, in one of worker.precision's MODES."""
+    precision = Precision.for_device(torch.device("cpu"), *MODES[mode])
+    return TorchEngine(tiny_model(seed, eos_scale), capacity, precision=precision)
 
 
 def disable_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,19 +109,6 @@ def disable_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     that cannot build the decode kernels."""
     for module in (gpt2, projection):
         monkeypatch.setattr(module, "load_kernels", lambda: None)
-
-
-def request(
-    request_id: str, prompt_ids: list[int], max_new_tokens: int, **fields: object
-) -> GenerateRequest:
-    """A request whose prompt is token ids."""
-    return GenerateRequest(
-        request_id,
-        "",
-        max_new_tokens,
-        prompt_token_ids=prompt_ids,
-        **fields,  # type: ignore[arg-type]
-    )
 
 
 def reference_ids(model: GPT2LMHeadModel, request: GenerateRequest) -> list[int]:

@@ -14,7 +14,8 @@ F = torch.nn.functional
 from tests.model_fixtures import tiny_engine  # noqa: E402
 from worker import projection as projection_module  # noqa: E402
 from worker.kernels import MAX_ROWS, Kernels, build_directory, load_kernels  # noqa: E402
-from worker.projection import Projection  # noqa: E402
+from worker.precision import MODES, WEIGHT_FORMATS  # noqa: E402
+from worker.projection import Projection, quantize_int8  # noqa: E402
 
 if shutil.which("c++") is None:
     pytest.skip("no C++ compiler to build the decode kernels with", allow_module_level=True)
@@ -54,6 +55,18 @@ def operands(
     return x, weight, bias
 
 
+def stored(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``weight`` as the kernel reads it in ``format``, and its scale (int8 only)."""
+    if format == "int8":
+        return quantize_int8(weight)
+    return weight.to(getattr(torch, format)), None
+
+
+def widened(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """What a stored weight stands for, in float64."""
+    return weight.double() * (1 if scale is None else scale.double()[:, None])
+
+
 @pytest.mark.parametrize("num_rows", range(1, MAX_ROWS + 1))
 # Out features that leave every remainder of the kernel's row blocks (4 and 8),
 # and a width of one vector.
@@ -67,40 +80,61 @@ def test_skinny_linear_matches_f_linear(
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     # float32 rounding over up to 3072 products, against a float64 reference.
     torch.testing.assert_close(
-        kernels.skinny_linear(x, weight, bias), expected.float(), rtol=1e-5, atol=1e-4
+        kernels.skinny_linear(x, weight, None, bias), expected.float(), rtol=1e-5, atol=1e-4
     )
+
+
+@pytest.mark.parametrize("format", WEIGHT_FORMATS)
+@pytest.mark.parametrize("num_rows", [1, 5, MAX_ROWS])
+@pytest.mark.parametrize("shape", [(64, 37), (768, 2305)])
+def test_skinny_linear_reads_each_stored_format(
+    kernels: Kernels, format: str, num_rows: int, shape: tuple[int, int]
+) -> None:
+    """The kernel widens the stored weight exactly and sums in float32: the result
+    is the float64 product with the stored weight, to float32 rounding."""
+    x, weight, bias = operands(num_rows, *shape)
+    weight, scale = stored(weight, format)
+    expected = F.linear(x.double(), widened(weight, scale), bias.double())
+    got = kernels.skinny_linear(x, weight, scale, bias)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(
     ("x", "weight", "message"),
     [
-        (torch.zeros(MAX_ROWS + 1, 16), torch.zeros(4, 16), "1 to 8 rows"),
+        (torch.zeros(MAX_ROWS + 1, 16), torch.zeros(4, 16), f"1 to {MAX_ROWS} rows"),
         (torch.zeros(2, 20), torch.zeros(4, 20), "multiple of 16"),
         (torch.zeros(2, 16), torch.zeros(4, 32), "in_features must match"),
         (torch.zeros(16, 2).t(), torch.zeros(4, 16), "contiguous"),
-        (torch.zeros(2, 16, dtype=torch.float64), torch.zeros(4, 16), "float32"),
+        (torch.zeros(2, 16, dtype=torch.float64), torch.zeros(4, 16), "float32 x"),
+        (torch.zeros(2, 16), torch.zeros(4, 16, dtype=torch.float64), "int8 weight"),
+        (torch.zeros(2, 16), torch.zeros(4, 16, dtype=torch.int8), "needs its scale"),
     ],
 )
 def test_skinny_linear_rejects_what_it_cannot_compute(
     kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, message: str
 ) -> None:
     with pytest.raises(RuntimeError, match=message):
-        kernels.skinny_linear(x, weight, None)
+        kernels.skinny_linear(x, weight, None, None)
 
 
 @pytest.mark.parametrize("num_rows", [1, MAX_ROWS, MAX_ROWS + 1, 40])
 def test_projection_takes_the_kernel_up_to_its_rows_and_onednn_above(num_rows: int) -> None:
     x, weight, bias = operands(num_rows, 64, 96)
-    projection = Projection(weight, bias)
+    projection = Projection(weight, bias, "float32")
     kernel = projection.skinny_linear
     assert kernel is not None
     kernel_rows: list[int] = []
 
     def counting_kernel(
-        rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
     ) -> torch.Tensor:
         kernel_rows.append(rows.shape[0])
-        return kernel(rows, weight, bias)
+        return kernel(rows, weight, scale, bias)
 
     projection.skinny_linear = counting_kernel
     y = projection(x.view(num_rows, 1, 64))  # leading dims are kept
@@ -112,9 +146,33 @@ def test_projection_takes_the_kernel_up_to_its_rows_and_onednn_above(num_rows: i
 def test_projection_without_the_kernel_uses_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(projection_module, "load_kernels", lambda: None)
     x, weight, bias = operands(3, 64, 96)
-    projection = Projection(weight, bias)
+    projection = Projection(weight, bias, "float32")
     assert projection.skinny_linear is None and projection.is_packed
     torch.testing.assert_close(projection(x), F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("format", WEIGHT_FORMATS)
+@pytest.mark.parametrize("num_rows", [MAX_ROWS, 40])
+def test_a_stored_projection_multiplies_by_the_same_weight_on_every_path(
+    format: str, num_rows: int
+) -> None:
+    """Decode (the kernel) and prefill (oneDNN) must agree on the rounded weight, or
+    a token's keys would depend on whether it was prefilled or decoded."""
+    x, weight, bias = operands(num_rows, 64, 96)
+    projection = Projection(weight, bias, format)
+    assert projection.stored_weight.dtype == getattr(torch, format)
+    expected = F.linear(
+        x.double(), widened(projection.stored_weight, projection.scale), bias.double()
+    )
+    torch.testing.assert_close(projection(x), expected.float(), rtol=1e-5, atol=1e-4)
+
+
+def test_int8_keeps_each_output_channels_range() -> None:
+    weight = torch.randn(6, 32) * torch.tensor([1e-3, 1e-1, 1, 10, 100, 1e4])[:, None]
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and int(q.abs().max(dim=1).values.min()) == 127
+    # Rounding to the nearest step: within half a step of each channel's own scale.
+    assert bool(((widened(q, scale) - weight.double()).abs() <= scale.double()[:, None] / 2).all())
 
 
 # --- decode_attention ---------------------------------------------------------------
@@ -133,12 +191,20 @@ def cache_views(
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
-def test_decode_attention_matches_masked_sdpa(kernels: Kernels, head_dim: int) -> None:
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16"])
+def test_decode_attention_matches_masked_sdpa(
+    kernels: Kernels, head_dim: int, cache_dtype: str
+) -> None:
+    """Against SDPA in float32 over the same stored keys and values, widened."""
     q, keys, values = cache_views(num_rows=5, num_heads=3, length=40, head_dim=head_dim)
+    keys, values = keys.to(getattr(torch, cache_dtype)), values.to(getattr(torch, cache_dtype))
     lengths = torch.tensor([40, 1, 17, 39, 2])
     visible = (torch.arange(40)[None, :] < lengths[:, None])[:, None, None, :]  # (R, 1, 1, L)
-    expected = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible)
+    expected = F.scaled_dot_product_attention(
+        q[:, :, None], keys.float(), values.float(), attn_mask=visible
+    )
     got = kernels.decode_attention(q, keys, values, lengths)
+    assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected[:, :, 0], rtol=1e-5, atol=1e-5)
 
 
@@ -168,10 +234,12 @@ def test_decode_attention_rejects_what_it_cannot_compute(
 
 
 @pytest.mark.model
-def test_a_float32_cpu_engine_decodes_through_both_kernels() -> None:
-    gpt2 = tiny_engine(capacity=2).gpt2
+@pytest.mark.parametrize("mode", MODES)
+def test_a_cpu_engine_decodes_through_both_kernels_in_every_mode(mode: str) -> None:
+    gpt2 = tiny_engine(capacity=2, mode=mode).gpt2
     assert gpt2.decode_attention is not None
     projections = [gpt2.lm_head]
     for layer in gpt2.layers:
         projections += [layer.attn, layer.proj, layer.fc, layer.out]
     assert all(projection.skinny_linear is not None for projection in projections)
+    assert {projection.stored_weight.dtype for projection in projections} == {getattr(torch, mode)}

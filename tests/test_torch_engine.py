@@ -15,8 +15,10 @@ from protocol import ErrorCode, GenerateRequest
 from tests.model_fixtures import (
     CONTEXT_WINDOW,
     EOS,
-    VOCAB_SIZE,
+    Schedule,
     disable_kernels,
+    random_prompt,
+    random_schedule,
     reference_ids,
     request,
     run_schedule,
@@ -29,11 +31,6 @@ from worker.static_baseline import StaticBatchRunner
 from worker.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.model
-
-
-def random_prompt(rng: random.Random, low: int = 1, high: int = 24) -> list[int]:
-    # EOS is left out of prompts so that a prompt never looks finished.
-    return [rng.randrange(VOCAB_SIZE - 1) for _ in range(rng.randint(low, high))]
 
 
 def assert_parity(engine: TorchEngine, requests: list[GenerateRequest], finished: dict) -> None:
@@ -116,28 +113,14 @@ def test_short_sequence_joins_late_and_leaves_first() -> None:
 
 
 @pytest.fixture(scope="module")
-def schedule() -> tuple[list[GenerateRequest], dict[int, list[GenerateRequest]], dict]:
-    rng = random.Random(5)
-    requests = [
-        request(
-            f"r{i}", random_prompt(rng, 1, 40), rng.randint(1, 25), ignore_eos=rng.random() < 0.5
-        )
-        for i in range(56)
-    ]
-    arrivals: dict[int, list[GenerateRequest]] = {}
-    aborts: dict[int, list[str]] = {}
-    for r in requests:
-        arrival = rng.randrange(60)
-        arrivals.setdefault(arrival, []).append(r)
-        if rng.random() < 0.15:
-            aborts.setdefault(arrival + rng.randint(0, 6), []).append(r.request_id)
-    return requests, arrivals, aborts
+def schedule() -> Schedule:
+    return random_schedule()
 
 
 @pytest.fixture(scope="module")
-def schedule_references(schedule: tuple) -> dict[str, list[int]]:
+def schedule_references(schedule: Schedule) -> dict[str, list[int]]:
     model = tiny_model(eos_scale=1.5).model
-    return {r.request_id: reference_ids(model, r) for r in schedule[0]}
+    return {r.request_id: reference_ids(model, r) for r in schedule.requests}
 
 
 @pytest.mark.parametrize(
@@ -146,7 +129,7 @@ def schedule_references(schedule: tuple) -> dict[str, list[int]]:
 def test_random_schedule_with_aborts(
     capacity: int,
     may_use_kernels: bool,
-    schedule: tuple,
+    schedule: Schedule,
     schedule_references: dict[str, list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -154,8 +137,8 @@ def test_random_schedule_with_aborts(
         disable_kernels(monkeypatch)
     engine = tiny_engine(capacity, eos_scale=1.5)
     assert may_use_kernels or engine.gpt2.decode_attention is None
-    requests, arrivals, aborts = schedule
-    finished = run_schedule(engine, arrivals, aborts)
+    requests = schedule.requests
+    finished = run_schedule(engine, schedule.arrivals, schedule.aborts)
     assert set(finished) == {r.request_id for r in requests}
     reasons = {seq.finish_reason for seq in finished.values()}
     assert {"stop", "length", "abort"} <= reasons
@@ -218,8 +201,9 @@ def test_unequal_prompts_in_one_prefill_do_not_leak_into_each_other() -> None:
     assert_parity(engine, requests, run_schedule(engine, {0: requests}))
 
 
-def test_bfloat16_matches_generate_in_bfloat16() -> None:
-    """DTYPE=bfloat16 on CPU: oneDNN's bfloat16 products and SDPA, no kernels."""
+def test_computing_in_bfloat16_matches_generate_in_bfloat16() -> None:
+    """A model computing in its own dtype, as DTYPE does on CUDA (on CPU, DTYPE
+    chooses storage only): oneDNN's bfloat16 products and SDPA, no kernels."""
     loaded = tiny_model()
     loaded.model.to(torch.bfloat16)
     engine = TorchEngine(loaded, capacity=4)
@@ -241,3 +225,16 @@ def test_a_resumed_stream_continues_as_the_uninterrupted_run(sampling: dict) -> 
     result = assert_every_resume_is_exact(lambda: tiny_engine(capacity=1), stream)
     greedy = reference_ids(tiny_model().model, request("g", prompt, 14, ignore_eos=True))
     assert (result.token_ids == greedy) == (not sampling)  # the seeded run really sampled
+
+
+def test_more_slots_than_context_positions() -> None:
+    """Decode's row indices are cut from a preallocated range as long as the context
+    window; more slots than that must still index every row."""
+    capacity = CONTEXT_WINDOW + 2
+    engine = tiny_engine(capacity)
+    rng = random.Random(11)
+    requests = [
+        request(f"r{i}", random_prompt(rng, 1, 3), 3, ignore_eos=True) for i in range(capacity)
+    ]
+    finished = run_schedule(engine, {0: requests})
+    assert_parity(engine, requests[-3:], finished)

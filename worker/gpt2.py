@@ -5,8 +5,9 @@ returns logits at each prompt's last position only; `decode` feeds one token per
 slot at that slot's own position and attends to that row's cached positions only.
 
 Every matrix product goes through `Projection`, which picks the kernel that
-profiling found fastest for the number of rows; on CPU in float32, decode's
-attention runs in this project's own kernel (`worker/kernels.py`).
+profiling found fastest for the number of rows; on CPU, decode's attention runs in
+this project's own kernel (`worker/kernels.py`). Weights, embeddings and the KV
+cache are stored as `Precision` says, and activations are in its compute dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers import GPT2LMHeadModel
 
 from worker.kernels import HEAD_DIMS, load_kernels
 from worker.kv_cache import SlotKVCache
+from worker.precision import Precision
 from worker.projection import Projection
 
 TokenAttention = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -38,26 +40,28 @@ class _Layer:
     out: Projection  # 4C -> C
 
 
-def _conv1d(conv: Any) -> Projection:
+def _conv1d(conv: Any, stored: str) -> Projection:
     # HF's Conv1D stores its weight (in, out); a projection takes (out, in).
-    return Projection(conv.weight.detach().t(), conv.bias)
+    return Projection(conv.weight.detach().t(), conv.bias, stored)
 
 
-def _layer(block: Any) -> _Layer:
-    """The weights of one HF ``GPT2Block``."""
+def _layer(block: Any, stored: str) -> _Layer:
+    """The weights of one HF ``GPT2Block``, its projections stored as ``stored``."""
     return _Layer(
         ln_1=(block.ln_1.weight.detach(), block.ln_1.bias.detach()),
-        attn=_conv1d(block.attn.c_attn),
-        proj=_conv1d(block.attn.c_proj),
+        attn=_conv1d(block.attn.c_attn, stored),
+        proj=_conv1d(block.attn.c_proj, stored),
         ln_2=(block.ln_2.weight.detach(), block.ln_2.bias.detach()),
-        fc=_conv1d(block.mlp.c_fc),
-        out=_conv1d(block.mlp.c_proj),
+        fc=_conv1d(block.mlp.c_fc, stored),
+        out=_conv1d(block.mlp.c_proj, stored),
     )
 
 
 class GPT2:
-    def __init__(self, model: GPT2LMHeadModel) -> None:
+    def __init__(self, model: GPT2LMHeadModel, precision: Precision) -> None:
+        """``model``'s parameters must be in ``precision.compute``."""
         config = model.config
+        self.precision = precision
         self.num_layers: int = config.n_layer
         self.num_heads: int = config.n_head
         self.width: int = config.n_embd
@@ -67,37 +71,37 @@ class GPT2:
         if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported GPT-2 activation {config.activation_function!r}")
         body = model.transformer
-        self.wte = body.wte.weight.detach()  # (V, C)
-        self.wpe = body.wpe.weight.detach()  # (context, C)
+        self.wte = body.wte.weight.detach().to(precision.storage)  # (V, C)
+        self.wpe = body.wpe.weight.detach().to(precision.storage)  # (context, C)
         self.ln_f = (body.ln_f.weight.detach(), body.ln_f.bias.detach())
         self.vocab_size = int(model.lm_head.weight.shape[0])
-        self.lm_head = Projection(model.lm_head.weight, None)  # C -> V
-        self.layers = [_layer(block) for block in body.h]
+        self.lm_head = Projection(model.lm_head.weight, None, precision.weights)  # C -> V
+        self.layers = [_layer(block, precision.weights) for block in body.h]
         kernels = (
             load_kernels()
             if self.device.type == "cpu"
-            and self.dtype == torch.float32
+            and precision.compute == torch.float32
             and self.head_dim in HEAD_DIMS
             else None
         )
         self.decode_attention = None if kernels is None else kernels.decode_attention
+        # Made once: every step's row and position indices are slices of it.
+        self.counting = torch.arange(self.context_window, device=self.device)
 
     @property
     def device(self) -> torch.device:
         return self.wte.device
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.wte.dtype
-
     def new_cache(self, num_slots: int) -> SlotKVCache:
+        if num_slots > len(self.counting):  # decode's row indices come from it too
+            self.counting = torch.arange(num_slots, device=self.device)
         return SlotKVCache(
             self.num_layers,
             num_slots,
             self.num_heads,
             self.context_window,
             self.head_dim,
-            self.dtype,
+            self.precision.storage,
             self.device,
         )
 
@@ -127,8 +131,8 @@ class GPT2:
             (start, end) if i in keep_all else (end - 1, end)
             for i, (start, end) in enumerate(spans)
         ]
-        positions = torch.cat([torch.arange(length, device=token_ids.device) for length in lengths])
-        x = self.wte[token_ids] + self.wpe[positions]  # (S, C)
+        positions = torch.cat([self.counting[:length] for length in lengths])
+        x = self._embed(token_ids, positions)  # (S, C)
         for index, layer in enumerate(self.layers):
             is_last_layer = index == self.num_layers - 1
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
@@ -179,8 +183,8 @@ class GPT2:
         """One token per slot 0..R-1 (``token_ids``, ``positions``: (R,)); returns (R, V)
         logits. Row r attends to its own cache positions 0..positions[r] only."""
         num_rows = token_ids.shape[0]
-        rows = torch.arange(num_rows, device=token_ids.device)
-        x = (self.wte[token_ids] + self.wpe[positions]).unsqueeze(1)  # (R, 1, C)
+        rows = self.counting[:num_rows]
+        x = self._embed(token_ids, positions).unsqueeze(1)  # (R, 1, C)
         attend = self._token_attention(positions, attend_len)
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
@@ -204,17 +208,23 @@ class GPT2:
                 return kernel(q[:, :, 0], keys, values, lengths).view(-1, 1, self.width)
 
             return attend_with_kernel
-        key_positions = torch.arange(attend_len, device=positions.device)
+        key_positions = self.counting[:attend_len]
         # (R, 1, 1, L): True where the key is at or before the row's own position.
         visible = (key_positions[None, :] <= positions[:, None])[:, None, None, :]
 
         def attend_with_sdpa(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+            # SDPA takes one dtype: a cache stored narrower is widened (a copy).
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
             return self._merge_heads(attn)
 
         return attend_with_sdpa
 
     # --- pieces -------------------------------------------------------------------
+
+    def _embed(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        compute = self.precision.compute
+        return self.wte[token_ids].to(compute) + self.wpe[positions].to(compute)  # (N, C)
 
     def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, length, _ = qkv.shape

@@ -1,8 +1,10 @@
 """The decode step's CPU kernels (``csrc/``): ``skinny_linear``, the matrix
 product for 1 to 8 rows, and ``decode_attention``, one new token per row against
-that row's cached keys and values. They are compiled by torch's extension
-builder on first use and kept under ``TORCH_EXTENSIONS_DIR`` (by default
-``~/.cache/torch_extensions``), one build per torch version.
+that row's cached keys and values. Both read weights or cache stored in float32,
+float16 or bfloat16 (and ``skinny_linear`` int8) and compute in float32. They
+are compiled by torch's extension builder on first use and kept under
+``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``), one build per
+torch version and version of the sources.
 
 ``make install`` builds them ahead (``python -m worker.kernels``), so a worker does
 not spend its first start compiling (about 15 s on 2 cores); later starts load
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import subprocess
@@ -38,8 +41,11 @@ HEAD_DIMS = (16, 32, 64, 128)  # decode_attention's head_dim
 
 @dataclass(frozen=True)
 class Kernels:
-    # (x (M, in), weight (out, in), bias (out,) | None) -> (M, out)
-    skinny_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    # (x (M, in), weight (out, in), scale (out,) | None, bias (out,) | None) -> (M, out);
+    # y = (x @ weight.T) * scale + bias, with x, scale, bias and y float32.
+    skinny_linear: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor
+    ]
     # (q (R, H, D), keys (R, H, L, D), values (R, H, L, D), lengths (R,)) -> (R, H, D)
     decode_attention: Callable[
         [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
@@ -47,13 +53,19 @@ class Kernels:
 
 
 def build_directory() -> Path:
+    """One directory per torch version and version of the sources, so that checkouts
+    of different versions on one machine never rebuild over each other's library."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions"))
-    return root.expanduser() / f"minibatch_kernels-torch{torch.__version__}"
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).with_name("csrc").iterdir()):
+        digest.update(source.read_bytes())
+    version = f"torch{torch.__version__}-{digest.hexdigest()[:12]}"
+    return root.expanduser() / f"minibatch_kernels-{version}"
 
 
 @functools.cache
 def load_kernels() -> Kernels | None:
-    """The kernels, for float32 tensors on the CPU; None where they cannot be built."""
+    """The kernels, for tensors on the CPU; None where they cannot be built."""
     from torch.utils.cpp_extension import load
 
     started = time.monotonic()

@@ -4,7 +4,8 @@ A sequence owns slot ``s`` from admit to evict. Its key and value for the token 
 position ``p`` of layer ``l`` live at ``kv[l, 0 or 1, s, :, p]`` and are written
 exactly once; nothing is copied, moved or re-padded afterwards. Positions past a
 sequence's length may hold stale data from an earlier owner; attention reads
-each row only up to its own length, so it is never used.
+each row only up to its own length, so it is never used. The cache may be stored
+in fewer bytes than the model computes in; writes round into it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class SlotKVCache:
     def write_prompt(self, layer: int, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store one prompt's keys/values (heads, T, head_dim) at positions 0..T-1."""
         length = keys.shape[1]
-        self.kv[layer, 0, slot, :, :length] = keys
+        self.kv[layer, 0, slot, :, :length] = keys  # copy_ rounds to the cache's dtype
         self.kv[layer, 1, slot, :, :length] = values
 
     def write_tokens(
@@ -63,8 +64,9 @@ class SlotKVCache:
     ) -> None:
         """Store one token for each slot in ``rows`` at that row's position in
         ``positions`` (both (R,)); keys and values are (R, heads, head_dim)."""
-        self.kv[layer, 0, rows, :, positions] = keys
-        self.kv[layer, 1, rows, :, positions] = values
+        # index_put_ does not convert: round to the cache's dtype first.
+        self.kv[layer, 0, rows, :, positions] = keys.to(self.kv.dtype)
+        self.kv[layer, 1, rows, :, positions] = values.to(self.kv.dtype)
 
     def read(self, layer: int, num_rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (no copy) of slots 0..num_rows-1, positions 0..length-1:

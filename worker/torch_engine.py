@@ -20,6 +20,7 @@ from worker.gpt2 import GPT2
 from worker.logprobs import UNSCORED, TokenLogprob
 from worker.model_loader import LoadedModel, load_model
 from worker.penalties import apply_penalties, suppress_early_stops
+from worker.precision import Precision
 from worker.sampler import Sampler, check_sampling
 from worker.sequence import Sequence
 from worker.slot_engine import SlotEngine
@@ -36,16 +37,17 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     (ModelLoadError) when the model or device cannot be used."""
     torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
     device = resolve_device(config.device)
+    precision = Precision.for_device(device, config.dtype, config.weights)
     loaded = load_model(
         config.model_to_load,
         device,
-        getattr(torch, config.dtype),
+        precision.compute,
         may_fall_back=not config.model_id,
     )
     chat_template = choose_chat_template(
         config.chat_template, loaded.hf_tokenizer, loaded.special_tokens
     )
-    return TorchEngine(loaded, config.max_batch_size, chat_template)
+    return TorchEngine(loaded, config.max_batch_size, chat_template, precision)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,8 +60,13 @@ def resolve_device(name: str) -> torch.device:
 
 class TorchEngine(SlotEngine):
     def __init__(
-        self, loaded: LoadedModel, capacity: int, chat_template: ChatTemplate | None = None
+        self,
+        loaded: LoadedModel,
+        capacity: int,
+        chat_template: ChatTemplate | None = None,
+        precision: Precision | None = None,
     ) -> None:
+        """``precision`` defaults to the loaded model's own dtype throughout."""
         config = loaded.model.config
         info = ModelInfo(
             loaded.name,
@@ -70,15 +77,17 @@ class TorchEngine(SlotEngine):
         )
         super().__init__(info, loaded.tokenizer, capacity, chat_template)
         self.model = loaded.model
-        self.gpt2 = GPT2(loaded.model)
+        self.precision = precision or Precision.uniform(loaded.model.dtype)
+        self.gpt2 = GPT2(loaded.model, self.precision)
         self.device = self.gpt2.device
         self.cache = self.gpt2.new_cache(capacity)
         self.sampler = Sampler(self.device)
         self._seeds: list[int | None] = [None] * capacity  # by slot; None: greedy
         logger.info(
-            "serving %s%s; %s",
+            "serving %s%s; %s; %s",
             loaded.name,
             " (random weights)" if loaded.is_random_weights else "",
+            self.precision.describe(),
             self.cache.describe(),
         )
 
