@@ -332,6 +332,7 @@ class _Peers:
         self._orphans: list[str] = []
         self._malformed = _Throttled(log, "malformed frames")
         self._refused = _Throttled(log, "refused requests")
+        self._stalled = _Throttled(log, "peers that stopped reading")
 
     def receive(self, frames: list[bytes]) -> list[ToWorker]:
         """Check one multipart message; return what the engine thread must act on."""
@@ -394,7 +395,9 @@ class _Peers:
         try:
             self.router.send_multipart([peer, frame], zmq.NOBLOCK)
         except zmq.Again:
-            self._forget({peer}, f"stopped reading ({_MAX_QUEUED_PER_PEER} unread)", loud=True)
+            # Throttled: such a peer may go on sending, and be greeted in vain each time.
+            self._stalled.warn(f"peer {peer.hex()} stopped reading ({_MAX_QUEUED_PER_PEER} unread)")
+            self._forget({peer}, "stopped reading")
             return False
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
@@ -428,7 +431,7 @@ class _Peers:
         self._forget({idle[-1]}, "too many peers")
         return True
 
-    def _forget(self, gone: set[bytes], why: str, loud: bool = False) -> None:
+    def _forget(self, gone: set[bytes], why: str) -> None:
         if not gone:
             return
         orphans = [route for route, peer in self.routes.items() if peer in gone]
@@ -436,7 +439,7 @@ class _Peers:
             num_orphans = sum(1 for route in orphans if self.routes[route] == peer)
             # Probes come and go all the time; a peer that takes work with it does not.
             log.log(
-                logging.WARNING if num_orphans or loud else logging.DEBUG,
+                logging.WARNING if num_orphans else logging.DEBUG,
                 "peer %s %s; aborting its %d requests",
                 peer.hex(),
                 why,
