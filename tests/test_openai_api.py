@@ -197,16 +197,25 @@ def test_streamed_echo_sends_the_prompt_first(stack: Stack) -> None:
     assert "".join(texts) == "hi" + expected_text("hi", 2)
 
 
-def test_vllm_extensions_are_honoured(client: openai.OpenAI) -> None:
-    completion = client.completions.create(
-        model="fake",
-        prompt="hi",
-        max_tokens=6,
-        presence_penalty=0.5,
-        frequency_penalty=0.5,
-        extra_body={"min_tokens": 6, "repetition_penalty": 1.2},
-    )
-    assert completion.usage is not None and completion.usage.completion_tokens == 6
+def test_min_tokens_holds_off_a_stop_and_the_penalties_are_taken(client: openai.OpenAI) -> None:
+    # The fake engine writes "tiuoew" after "hi": the stop string "u" ends it at
+    # three tokens, unless min_tokens holds stops off. (The penalties' effect on
+    # logits is tested against HF in tests/test_scoring.py.)
+    def complete(**extra: object) -> openai.types.Completion:
+        return client.completions.create(
+            model="fake",
+            prompt="hi",
+            max_tokens=6,
+            stop=["u"],
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            extra_body={"repetition_penalty": 1.2, **extra},
+        )
+
+    stopped = complete()
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == ("ti", "stop")
+    held_off = complete(min_tokens=6)
+    assert (held_off.choices[0].text, held_off.choices[0].finish_reason) == ("tiuoew", "length")
 
 
 def test_min_tokens_above_max_tokens_is_a_422(client: openai.OpenAI) -> None:
