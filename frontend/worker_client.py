@@ -72,6 +72,7 @@ class WorkerClient:
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
         self.frontend_id = uuid.uuid4().hex
+        self._ping = encode(Ping(self.frontend_id))
         self.num_worker_restarts = 0
         self._inflight: dict[str, InFlight] = {}  # by request_id
         self._by_wire_id: dict[str, InFlight] = {}
@@ -259,6 +260,11 @@ class WorkerClient:
         self._check_liveness(link)
         self._dispatch()  # it may show slots freed by another frontend
 
+    def on_connected(self, link: WorkerLink) -> None:
+        # A worker greets a peer once it hears from it: ping now, not at the next
+        # tick, so that a replacement takes work the moment it is up.
+        link.send_frame(self._ping)
+
     def on_disconnected(self, link: WorkerLink) -> None:
         log.error("worker at %s declared dead: its connection closed", link.endpoint)
         link.was_live = False
@@ -334,10 +340,9 @@ class WorkerClient:
     # --- background ---------------------------------------------------------------------------
 
     async def _tick_loop(self) -> None:
-        ping = encode(Ping(self.frontend_id))
         while True:
             for link in list(self._links.values()):
-                link.send_frame(ping)
+                link.send_frame(self._ping)
                 self._check_liveness(link)
             self._dispatch()
             await asyncio.sleep(self.config.ping_interval_s)

@@ -37,6 +37,8 @@ class LinkEvents(Protocol):
 
     def on_event(self, link: WorkerLink, message: Event) -> None: ...
 
+    def on_connected(self, link: WorkerLink) -> None: ...
+
     def on_disconnected(self, link: WorkerLink) -> None: ...
 
 
@@ -68,7 +70,9 @@ class WorkerLink:
         if endpoint.startswith("tcp://["):
             self._socket.setsockopt(zmq.IPV6, 1)
         secure_client(self._socket, config.curve)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -145,6 +149,8 @@ class WorkerLink:
     async def _monitor_loop(self) -> None:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._events.on_connected(self)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.liveness.on_disconnected()
                 self._events.on_disconnected(self)
