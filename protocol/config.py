@@ -351,8 +351,18 @@ class SupervisorConfig:
         1,
         "frontends to run, on PORT and the ports after it; each serves every worker",
     )
+    warm_start: bool = _setting(
+        "WARM_START",
+        True,
+        "fork each worker from a process that has loaded the model already, so that a "
+        "replacement serves within a second; 0 starts each from scratch (a CPU model "
+        "saving the memory of the model copy the fork server holds)",
+    )
     restart_backoff_s: float = _setting(
-        "RESTART_BACKOFF_S", 0.5, "wait before the first restart; doubles after each crash"
+        "RESTART_BACKOFF_S",
+        0.5,
+        "wait before restarting a child that died before serving; doubles with each such "
+        "death in a row (one that had served restarts at once)",
     )
     restart_backoff_max_s: float = _setting(
         "RESTART_BACKOFF_MAX_S", 10.0, "the longest wait between restarts"

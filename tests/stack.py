@@ -20,6 +20,8 @@ import httpx
 import openai
 import psutil
 
+from worker.warm_start import WORKER_TITLE
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Liveness tuned so that restart tests run in seconds, not minutes.
@@ -127,14 +129,18 @@ class Stack:
         raise AssertionError(f"{what} did not happen within {timeout_s} s\n{self.logs()}")
 
     def worker_pids(self) -> list[int]:
-        """Every live worker process started by this stack (under a supervisor too)."""
-        return self._pids_running("worker.main")
+        """Every live worker process started by this stack: from scratch, or under a
+        supervisor forked from its fork server and named for its endpoint."""
+        return self._pids_running("worker.main") + self._pids_running(f"{WORKER_TITLE} ")
 
     def worker_pid(self, endpoint: str) -> int:
         """The live worker process serving ``endpoint`` (several may run)."""
         for pid in self.worker_pids():
             with contextlib.suppress(psutil.Error):
-                if psutil.Process(pid).environ().get("WORKER_ENDPOINT") == endpoint:
+                process = psutil.Process(pid)
+                if " ".join(process.cmdline()).split() == [WORKER_TITLE, endpoint]:
+                    return pid  # forked: its environment is the fork server's
+                if process.environ().get("WORKER_ENDPOINT") == endpoint:
                     return pid
         raise AssertionError(f"no worker serves {endpoint}\n{self.logs()}")
 

@@ -87,6 +87,18 @@ def test_a_worker_killed_after_answering_a_request_is_not_a_failed_start(
     assert (child.num_failed_starts, child.num_restarts) == (0, 3)
 
 
+def test_a_worker_that_served_restarts_at_once_and_failed_starts_back_off(
+    clock: _Clock,
+) -> None:
+    child = _worker(clock, crash_loop_limit=10)
+    _run_and_die(child, clock, 0, 2)
+    assert child.restart_delay_s() == 0.0
+    backoff = child.config.restart_backoff_s
+    for num_failed in range(1, 4):
+        _run_and_die(child, clock, 0)
+        assert child.restart_delay_s() == backoff * 2 ** (num_failed - 1)
+
+
 def test_a_worker_live_for_a_while_has_served_even_without_requests(clock: _Clock) -> None:
     child = _worker(clock, crash_loop_limit=1)
     child.start()

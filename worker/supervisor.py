@@ -4,7 +4,9 @@ The local twin of the compose file. NUM_WORKERS workers listen on
 WORKER_ENDPOINT's port and the ones after it, each with an even share of the
 cores (TORCH_THREADS), and NUM_FRONTENDS frontends on PORT and the ones after
 it, each connected to every worker. A child that exits is restarted after a
-backoff that doubles with each crash in a row (capped). A worker that stops
+backoff that doubles with each crash in a row (capped); one that had served, at
+once. Workers fork from a process that has loaded the model (`worker.warm_start`),
+so a replacement serves within a second. A worker that stops
 sending heartbeats, or sends them without making progress on pending work, is
 killed and replaced: the supervisor watches it over ZMQ exactly as the frontend
 does, and so is a worker that has not said hello within WORKER_START_TIMEOUT_S.
@@ -33,6 +35,7 @@ from protocol import Heartbeat, Hello, Ping, ProtocolError, decode_to_frontend, 
 from protocol.config import ConfigError, FrontendConfig, SupervisorConfig, load
 from protocol.curve import secure_client
 from protocol.liveness import Liveness, WorkerState
+from worker.warm_start import ForkedWorker
 
 log = logging.getLogger("supervisor")
 
@@ -60,13 +63,17 @@ class Child:
         served_after_s: float,
         clock: Callable[[], float] = time.monotonic,
         env: Mapping[str, str] | None = None,
+        is_forked: bool = False,
     ) -> None:
+        """``is_forked``: a worker forked from the warm fork server
+        (`worker.warm_start`) rather than started from scratch as ``module``."""
         self.name = name
         self.argv = [sys.executable, "-m", module]
         self.env = None if env is None else dict(env)
+        self.is_forked = is_forked
         self.config = config
         self.served_after_s = served_after_s
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: subprocess.Popen[bytes] | ForkedWorker | None = None
         self.num_restarts = 0
         self.num_failed_starts = 0  # in a row, died before serving
         self.has_served = False
@@ -77,7 +84,10 @@ class Child:
         self._clock = clock
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.argv, env=self.env)
+        if self.is_forked:
+            self.process = ForkedWorker(os.environ if self.env is None else self.env)
+        else:
+            self.process = subprocess.Popen(self.argv, env=self.env)
         self.has_served = False
         self.started_at = self._clock()
         self.up_since = None
@@ -111,14 +121,22 @@ class Child:
                 "MODEL_ID, WORKER_ENDPOINT, a request that crashes it, or a start slower "
                 "than WORKER_START_TIMEOUT_S) and start again"
             )
-        delay = min(
-            self.config.restart_backoff_max_s,
-            self.config.restart_backoff_s * 2 ** max(0, self.num_failed_starts - 1),
-        )
+        delay = self.restart_delay_s()
         self.num_restarts += 1
         self.start_at = time.monotonic() + delay
         log.warning(
             "%s stopped (%s); restart #%d in %.1f s", self.name, cause, self.num_restarts, delay
+        )
+
+    def restart_delay_s(self) -> float:
+        """None after a child that had served: its death says nothing of the next
+        start, and its share of the work waits meanwhile. RESTART_BACKOFF_S after
+        one that died before serving, doubling with each such death in a row."""
+        if self.num_failed_starts == 0:
+            return 0.0
+        return min(
+            self.config.restart_backoff_max_s,
+            self.config.restart_backoff_s * 2.0 ** (self.num_failed_starts - 1),
         )
 
     def kill(self, reason: str) -> None:
@@ -206,7 +224,14 @@ class Supervisor:
         for i, endpoint in enumerate(endpoints):
             name = "worker" if len(endpoints) == 1 else f"worker-{i}"
             env = _worker_env(endpoint, config) if len(endpoints) > 1 else None
-            child = Child(name, "worker.main", config, _WORKER_SERVED_AFTER_S, env=env)
+            child = Child(
+                name,
+                "worker.main",
+                config,
+                _WORKER_SERVED_AFTER_S,
+                env=env,
+                is_forked=config.warm_start,
+            )
             self.workers.append((child, WorkerWatch(frontend, endpoint)))
         self.frontends: list[Child] = []
         for i in range(config.num_frontends):

@@ -38,16 +38,56 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
     device = resolve_device(config.device)
     precision = Precision.for_device(device, config.dtype, config.weights)
-    loaded = load_model(
-        config.model_to_load,
-        device,
-        precision.compute,
-        may_fall_back=not config.model_id,
-    )
+    preloaded = _take_preloaded(config, device, precision)
+    loaded, gpt2 = preloaded or (_load(config, device, precision), None)
     chat_template = choose_chat_template(
         config.chat_template, loaded.hf_tokenizer, loaded.special_tokens
     )
-    return TorchEngine(loaded, config.max_batch_size, chat_template, precision)
+    return TorchEngine(loaded, config.max_batch_size, chat_template, precision, gpt2)
+
+
+def preload(config: WorkerConfig) -> None:
+    """Load the model a worker of ``config`` will serve, in a process that workers
+    then fork from (`worker.preload`): each starts with it loaded. CPU models only,
+    and on one thread: a process that has initialised CUDA, or started an OpenMP
+    thread pool, cannot fork a child that uses them."""
+    global _preloaded
+    has_gpu_build = torch.version.cuda is not None or torch.version.hip is not None
+    is_cpu = config.device == "cpu" or (not config.device and not has_gpu_build)
+    if not is_cpu:
+        return
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    precision = Precision.for_device(device, config.dtype, config.weights)
+    loaded = _load(config, device, precision)
+    # The engine's own copies of the weights too (transposed, packed, narrowed):
+    # built here, they are shared by every worker rather than made by each.
+    _preloaded = _preload_key(config, device, precision), (loaded, GPT2(loaded.model, precision))
+
+
+# What `preload` loaded before this process forked, and how it was loaded.
+_preloaded: tuple[tuple[object, ...], tuple[LoadedModel, GPT2]] | None = None
+
+
+def _preload_key(
+    config: WorkerConfig, device: torch.device, precision: Precision
+) -> tuple[object, ...]:
+    return config.model_to_load, not config.model_id, str(device), precision
+
+
+def _take_preloaded(
+    config: WorkerConfig, device: torch.device, precision: Precision
+) -> tuple[LoadedModel, GPT2] | None:
+    if _preloaded is None or _preloaded[0] != _preload_key(config, device, precision):
+        return None
+    logger.info("%s was loaded before this worker forked", _preloaded[1][0].name)
+    return _preloaded[1]
+
+
+def _load(config: WorkerConfig, device: torch.device, precision: Precision) -> LoadedModel:
+    return load_model(
+        config.model_to_load, device, precision.compute, may_fall_back=not config.model_id
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,8 +105,10 @@ class TorchEngine(SlotEngine):
         capacity: int,
         chat_template: ChatTemplate | None = None,
         precision: Precision | None = None,
+        gpt2: GPT2 | None = None,
     ) -> None:
-        """``precision`` defaults to the loaded model's own dtype throughout."""
+        """``precision`` defaults to the loaded model's own dtype throughout;
+        ``gpt2``, the model's weights already made into the engine's, to ``loaded``."""
         config = loaded.model.config
         info = ModelInfo(
             loaded.name,
@@ -78,7 +120,7 @@ class TorchEngine(SlotEngine):
         super().__init__(info, loaded.tokenizer, capacity, chat_template)
         self.model = loaded.model
         self.precision = precision or Precision.uniform(loaded.model.dtype)
-        self.gpt2 = GPT2(loaded.model, self.precision)
+        self.gpt2 = gpt2 or GPT2(loaded.model, self.precision)
         self.device = self.gpt2.device
         self.cache = self.gpt2.new_cache(capacity)
         self.sampler = Sampler(self.device)

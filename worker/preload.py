@@ -1,0 +1,44 @@
+"""Imported once, by the fork server that the supervisor forks workers from
+(`worker.warm_start`), never by a worker itself: it imports torch and
+transformers and loads the model, so that each worker forked afterwards starts
+with all of it in memory, shared copy-on-write.
+
+Whatever goes wrong here is only logged: a worker then loads the model itself,
+and reports the same problem where the supervisor's restart policy sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from setproctitle import setproctitle
+
+from protocol.config import ConfigError, WorkerConfig, load
+from worker.fake_engine import FAKE_MODEL_NAME
+from worker.warm_start import FORK_SERVER_TITLE
+
+log = logging.getLogger(__name__)
+
+
+def _preload() -> None:
+    setproctitle(FORK_SERVER_TITLE)
+    try:
+        config = load(WorkerConfig, [], os.environ)
+    except ConfigError:
+        return  # each worker says what is wrong, and exits
+    if config.model_id == FAKE_MODEL_NAME:
+        return  # the fake engine needs neither torch nor a model
+    import worker.main  # noqa: F401 - the modules every worker imports
+    from worker import torch_engine
+
+    try:
+        torch_engine.preload(config)
+    except Exception:  # any failure only means a cold start
+        log.warning(
+            "the fork server could not preload the model; each worker loads it itself",
+            exc_info=True,
+        )
+
+
+_preload()
