@@ -355,8 +355,8 @@ class SupervisorConfig:
         "WARM_START",
         True,
         "fork each worker from a process that has loaded the model already, so that a "
-        "replacement serves within a second; 0 starts each from scratch (a CPU model "
-        "saving the memory of the model copy the fork server holds)",
+        "replacement serves within a second and the workers share the weights; 0 "
+        "starts each from scratch",
     )
     restart_backoff_s: float = _setting(
         "RESTART_BACKOFF_S",

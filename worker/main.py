@@ -30,7 +30,9 @@ def build_engine(config: WorkerConfig) -> InferenceEngine:
 
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s worker %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO,
+        format="%(asctime)s worker %(levelname)s %(name)s: %(message)s",
+        force=True,  # a worker forked from the fork server inherits its set-up
     )
     try:
         config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")

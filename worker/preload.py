@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 def _preload() -> None:
     setproctitle(FORK_SERVER_TITLE)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s fork-server %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = load(WorkerConfig, [], os.environ)
     except ConfigError:
@@ -34,7 +37,9 @@ def _preload() -> None:
 
     try:
         torch_engine.preload(config)
-    except Exception:  # any failure only means a cold start
+    except ConfigError as exc:  # a model that cannot load: each worker says so, and exits
+        log.warning("the model was not preloaded: %s", str(exc).splitlines()[0][:300])
+    except Exception:  # any other failure only means a cold start
         log.warning(
             "the fork server could not preload the model; each worker loads it itself",
             exc_info=True,

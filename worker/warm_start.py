@@ -8,20 +8,25 @@ wait. multiprocessing's fork server imports `worker.preload` once, at the first
 start; each worker forked from it shares what that loaded, copy-on-write, and is
 serving within a second of its predecessor's death.
 
-Should the fork server die, the workers it forked are killed with it, and the
-next start brings up a new one (a cold start, once).
+Should the fork server die, the workers it forked serve on, and the next start
+brings up a new one (a cold start, once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
+import time
 from collections.abc import Mapping
 
 from setproctitle import setproctitle
+
+log = logging.getLogger("supervisor")
 
 _FORK_SERVER = multiprocessing.get_context("forkserver")
 _FORK_SERVER.set_forkserver_preload(["worker.preload"])
@@ -37,7 +42,9 @@ _LOST_BY_FORK_SERVER = 255
 
 class ForkedWorker:
     """A worker forked from the fork server, behind the part of `subprocess.Popen`
-    the supervisor uses."""
+    the supervisor uses. The fork server reports its exit; should the fork server
+    die first, the worker serves on and is watched directly (a pidfd), though its
+    exit status is then lost."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         # Daemonic: a supervisor that exits takes its workers with it.
@@ -45,29 +52,52 @@ class ForkedWorker:
         self._process.start()
         assert self._process.pid is not None
         self.pid: int = self._process.pid
+        self._pidfd: int | None = None  # watches the worker once its fork server is gone
+        self._code: int | None = None
 
     def poll(self) -> int | None:
         """The exit code (minus the signal that killed it), or None while it runs."""
-        code = self._process.exitcode
-        if code == _LOST_BY_FORK_SERVER:
-            # Either the worker exited with 255, or the fork server died and can
-            # no longer say: then the worker may still run, holding its endpoint.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-        return code
+        if self._code is None and self._pidfd is None:
+            code = self._process.exitcode
+            if code != _LOST_BY_FORK_SERVER or not _is_running(self.pid):
+                self._code = code
+                return code
+            log.error(
+                "the fork server died; worker pid %d serves on, watched directly "
+                "(its exit status will be unknown, reported as %d)",
+                self.pid,
+                _LOST_BY_FORK_SERVER,
+            )
+            self._pidfd = os.pidfd_open(self.pid)
+        if self._pidfd is not None and select.select([self._pidfd], [], [], 0)[0]:
+            os.close(self._pidfd)
+            self._pidfd = None
+            self._code = _LOST_BY_FORK_SERVER
+        return self._code
 
     def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        code = self.poll()
-        if code is None:
-            raise subprocess.TimeoutExpired(f"worker (pid {self.pid})", timeout or 0.0)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"worker (pid {self.pid})", timeout or 0.0)
+            time.sleep(0.02)
         return code
 
     def kill(self) -> None:
-        self._process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
 
     def terminate(self) -> None:
-        self._process.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _serve(env: dict[str, str]) -> None:
