@@ -99,6 +99,24 @@ def test_a_worker_that_served_restarts_at_once_and_failed_starts_back_off(
         assert child.restart_delay_s() == backoff * 2 ** (num_failed - 1)
 
 
+def test_a_fork_server_that_never_comes_up_is_given_up_on_for_a_start_from_scratch(
+    clock: _Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Preloading hangs (a stalled download, say): the supervisor's loop goes on,
+    # and after WORKER_START_TIMEOUT_S the worker starts the old way.
+    monkeypatch.setattr(supervisor.FORK_SERVER, "warm_up", lambda: None)
+    config = SupervisorConfig(worker_start_timeout_s=30)
+    child = Child("worker", "worker.main", config, 10.0, clock=clock, is_forked=True)
+    for _ in range(4):
+        child.start()
+        assert child.process is None
+        clock.now += 10
+    child.start()
+    assert not child.is_forked
+    child.start()
+    assert isinstance(child.process, _FakeProcess)
+
+
 def test_a_worker_live_for_a_while_has_served_even_without_requests(clock: _Clock) -> None:
     child = _worker(clock, crash_loop_limit=1)
     child.start()

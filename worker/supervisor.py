@@ -35,7 +35,7 @@ from protocol import Heartbeat, Hello, Ping, ProtocolError, decode_to_frontend, 
 from protocol.config import ConfigError, FrontendConfig, SupervisorConfig, load
 from protocol.curve import secure_client
 from protocol.liveness import Liveness, WorkerState
-from worker.warm_start import ForkedWorker
+from worker.warm_start import FORK_SERVER, ForkedWorker
 
 log = logging.getLogger("supervisor")
 
@@ -71,6 +71,7 @@ class Child:
         self.argv = [sys.executable, "-m", module]
         self.env = None if env is None else dict(env)
         self.is_forked = is_forked
+        self.awaiting_fork_server_since: float | None = None
         self.config = config
         self.served_after_s = served_after_s
         self.process: subprocess.Popen[bytes] | ForkedWorker | None = None
@@ -85,7 +86,9 @@ class Child:
 
     def start(self) -> None:
         if self.is_forked:
-            self.process = ForkedWorker(os.environ if self.env is None else self.env)
+            if not self._is_fork_server_ready():
+                return  # not started: the supervisor asks again next tick
+            self.process = FORK_SERVER.fork(os.environ if self.env is None else self.env)
         else:
             self.process = subprocess.Popen(self.argv, env=self.env)
         self.has_served = False
@@ -93,6 +96,26 @@ class Child:
         self.up_since = None
         self.kill_reason = None
         log.info("started %s (pid %d)", self.name, self.process.pid)
+
+    def _is_fork_server_ready(self) -> bool:
+        """True once the fork server can fork this worker. One that is not up within
+        WORKER_START_TIMEOUT_S is given up on: this worker starts from scratch."""
+        if FORK_SERVER.is_ready:
+            self.awaiting_fork_server_since = None
+            return True
+        FORK_SERVER.warm_up()
+        now = self._clock()
+        if self.awaiting_fork_server_since is None:
+            self.awaiting_fork_server_since = now
+        elif now - self.awaiting_fork_server_since > self.config.worker_start_timeout_s:
+            log.error(
+                "the fork server is not up %g s after it started (WORKER_START_TIMEOUT_S): is "
+                "preloading the model stuck? %s starts from scratch from now on",
+                self.config.worker_start_timeout_s,
+                self.name,
+            )
+            self.is_forked = False
+        return False
 
     def on_up(self, num_finished: int = 0) -> None:
         """The child is seen working and has answered ``num_finished`` requests."""

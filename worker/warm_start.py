@@ -21,8 +21,9 @@ import os
 import select
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from setproctitle import setproctitle
 
@@ -40,13 +41,54 @@ FORK_SERVER_TITLE = "minibatch-fork-server"
 _LOST_BY_FORK_SERVER = 255
 
 
+class ForkServer:
+    """Brings the fork server up on a thread of its own. Preloading takes seconds
+    (minutes for a first download, or forever if it hangs), and the supervisor
+    must go on tending its other children and its signals meanwhile: it starts a
+    forked worker only once the server is ready."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._warming: threading.Thread | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    def warm_up(self) -> None:
+        """Bring the fork server up, unless that is under way or done."""
+        if self.is_ready or (self._warming is not None and self._warming.is_alive()):
+            return
+        self._warming = threading.Thread(target=self._bring_up, name="warm-up", daemon=True)
+        self._warming.start()
+
+    def on_lost(self) -> None:
+        """The fork server died: bring up another before the next fork."""
+        self._ready.clear()
+        self.warm_up()
+
+    def fork(self, env: Mapping[str, str]) -> ForkedWorker:
+        return ForkedWorker(env, on_fork_server_lost=self.on_lost)
+
+    def _bring_up(self) -> None:
+        # The first fork returns once the server has preloaded.
+        probe = _FORK_SERVER.Process(target=_exit_at_once, daemon=True)
+        probe.start()
+        probe.join()
+        self._ready.set()
+
+
+def _exit_at_once() -> None:
+    pass
+
+
 class ForkedWorker:
     """A worker forked from the fork server, behind the part of `subprocess.Popen`
     the supervisor uses. The fork server reports its exit; should the fork server
     die first, the worker serves on and is watched directly (a pidfd), though its
     exit status is then lost."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], on_fork_server_lost: Callable[[], None]) -> None:
         # Daemonic: a supervisor that exits takes its workers with it.
         self._process = _FORK_SERVER.Process(target=_serve, args=(dict(env),), daemon=True)
         self._process.start()
@@ -54,6 +96,7 @@ class ForkedWorker:
         self.pid: int = self._process.pid
         self._pidfd: int | None = None  # watches the worker once its fork server is gone
         self._code: int | None = None
+        self._on_fork_server_lost = on_fork_server_lost
 
     def poll(self) -> int | None:
         """The exit code (minus the signal that killed it), or None while it runs."""
@@ -69,6 +112,7 @@ class ForkedWorker:
                 _LOST_BY_FORK_SERVER,
             )
             self._pidfd = os.pidfd_open(self.pid)
+            self._on_fork_server_lost()
         if self._pidfd is not None and select.select([self._pidfd], [], [], 0)[0]:
             os.close(self._pidfd)
             self._pidfd = None
@@ -109,3 +153,7 @@ def _serve(env: dict[str, str]) -> None:
     from worker.main import main
 
     main([])
+
+
+# The one fork server of this process: multiprocessing keeps one per process.
+FORK_SERVER = ForkServer()
