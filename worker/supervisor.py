@@ -107,14 +107,17 @@ class Child:
         now = self._clock()
         if self.awaiting_fork_server_since is None:
             self.awaiting_fork_server_since = now
+        if FORK_SERVER.failure is not None:
+            why = f"it could not start ({FORK_SERVER.failure})"
         elif now - self.awaiting_fork_server_since > self.config.worker_start_timeout_s:
-            log.error(
-                "the fork server is not up %g s after it started (WORKER_START_TIMEOUT_S): is "
-                "preloading the model stuck? %s starts from scratch from now on",
-                self.config.worker_start_timeout_s,
-                self.name,
+            why = (
+                f"it is not up {self.config.worker_start_timeout_s:g} s after it started "
+                "(WORKER_START_TIMEOUT_S): is preloading the model stuck?"
             )
-            self.is_forked = False
+        else:
+            return False
+        log.error("no warm starts: %s; %s starts from scratch from now on", why, self.name)
+        self.is_forked = False
         return False
 
     def on_up(self, num_finished: int = 0) -> None:
@@ -152,7 +155,7 @@ class Child:
         )
 
     def restart_delay_s(self) -> float:
-        """None after a child that had served: its death says nothing of the next
+        """No wait after a child that had served: its death says nothing of the next
         start, and its share of the work waits meanwhile. RESTART_BACKOFF_S after
         one that died before serving, doubling with each such death in a row."""
         if self.num_failed_starts == 0:

@@ -50,6 +50,7 @@ class ForkServer:
     def __init__(self) -> None:
         self._ready = threading.Event()
         self._warming: threading.Thread | None = None
+        self.failure: str | None = None  # why it could not be brought up
 
     @property
     def is_ready(self) -> bool:
@@ -73,7 +74,11 @@ class ForkServer:
     def _bring_up(self) -> None:
         # The first fork returns once the server has preloaded.
         probe = _FORK_SERVER.Process(target=_exit_at_once, daemon=True)
-        probe.start()
+        try:
+            probe.start()
+        except OSError as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            return
         probe.join()
         self._ready.set()
 
