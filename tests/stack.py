@@ -40,6 +40,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports: a stack of several workers or
+    frontends takes the port it is given and the ones after it."""
+    while True:
+        first = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # one after it is taken: try another
+        return first
+
+
 @dataclass
 class Stack:
     url: str
@@ -191,13 +206,13 @@ def _family(pid: int) -> list[psutil.Process]:
 
 
 def stack_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
-    port = free_port()
+    # Room for NUM_FRONTENDS and NUM_WORKERS of up to 4 each.
     env = {
         **os.environ,
         "MODEL_ID": "fake",
         "HOST": "127.0.0.1",
-        "PORT": str(port),
-        "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+        "PORT": str(free_ports(4)),
+        "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_ports(4)}",
         "PYTHONUNBUFFERED": "1",
         **FAST_LIVENESS,
     }
