@@ -156,6 +156,24 @@ def test_heartbeats_keep_coming_during_a_long_step(connect: Connect) -> None:
         assert any(b.num_active == 1 for b in beats)
 
 
+def test_heartbeats_count_a_request_that_arrived_during_a_step(connect: Connect) -> None:
+    # The engine thread takes new requests only between steps; until then they
+    # wait in the inbox, and a frontend routing by heartbeats must see them.
+    with serving(FakeEngine(2, step_delay_s=1.0)) as server:
+        frontend = connect(server)
+        frontend.send(encode(GenerateRequest("first", "x", 2)))
+        frontend.receive_until(Hello)
+        frontend.receive_until(Heartbeat)  # its step has begun
+        time.sleep(0.2)
+        frontend.send(encode(GenerateRequest("second", "x", 2)))
+        time.sleep(0.2)  # received, and still waiting for the step to end
+        while frontend.socket.poll(0):
+            frontend.socket.recv()  # heartbeats sent before it arrived
+        (beat,) = frontend.receive_until(Heartbeat)
+        assert isinstance(beat, Heartbeat)
+        assert (beat.num_steps, beat.num_queued + beat.num_active) == (0, 2), beat
+
+
 def test_the_requests_of_a_silent_frontend_are_aborted(connect: Connect) -> None:
     engine = FakeEngine(2, step_delay_s=0.01)
     with serving(engine, frontend_timeout_s=0.5) as server:

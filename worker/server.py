@@ -228,7 +228,11 @@ class WorkerServer:
                         Heartbeat(
                             instance_id=self.instance_id,
                             num_steps=self.scheduler.num_steps,
-                            num_queued=self.scheduler.num_queued,
+                            # Requests wait in the inbox while a step runs: a frontend
+                            # that counted only the scheduler's would think a slot
+                            # free that one of them takes. Read in the order requests
+                            # move (inbox, queue, batch), so none is missed.
+                            num_queued=self._inbox.qsize() + self.scheduler.num_queued,
                             num_active=self.scheduler.engine.num_active(),
                             num_finished=self.scheduler.num_finished,
                         )
