@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,23 +36,27 @@ FAST_LIVENESS = {
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)
 
 
 def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive free ports: a stack of several workers or
-    frontends takes the port it is given and the ones after it."""
+    """The first of ``count`` consecutive free ports (a stack of several workers or
+    frontends takes the port it is given and the ones after it), below the
+    kernel's ephemeral range: a client that connects to a port in that range
+    before anything listens there, as a frontend does to a worker still starting,
+    can be given that very port as its own (a TCP self-connect), and the worker
+    then cannot bind it."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    ephemeral_low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
     while True:
-        first = free_port()
+        first = random.randrange(10_000, ephemeral_low - count)
         with contextlib.ExitStack() as held:
             try:
                 for port in range(first, first + count):
                     sock = held.enter_context(socket.socket())
                     sock.bind(("127.0.0.1", port))
             except OSError:
-                continue  # one after it is taken: try another
+                continue  # taken: try another
         return first
 
 
