@@ -86,9 +86,12 @@ class Child:
 
     def start(self) -> None:
         if self.is_forked:
-            if not self._is_fork_server_ready():
+            forked = self._is_fork_server_ready() and FORK_SERVER.fork(
+                os.environ if self.env is None else self.env
+            )
+            if not forked:
                 return  # not started: the supervisor asks again next tick
-            self.process = FORK_SERVER.fork(os.environ if self.env is None else self.env)
+            self.process = forked
         else:
             self.process = subprocess.Popen(self.argv, env=self.env)
         self.has_served = False

@@ -68,15 +68,22 @@ class ForkServer:
         self._ready.clear()
         self.warm_up()
 
-    def fork(self, env: Mapping[str, str]) -> ForkedWorker:
-        return ForkedWorker(env, on_fork_server_lost=self.on_lost)
+    def fork(self, env: Mapping[str, str]) -> ForkedWorker | None:
+        """A worker forked with ``env``; None if the fork server died meanwhile (it
+        is being brought up again: ask later)."""
+        try:
+            return ForkedWorker(env, on_fork_server_lost=self.on_lost)
+        except (OSError, EOFError) as exc:
+            log.error("the fork server failed to fork a worker (%s); bringing up another", exc)
+            self.on_lost()
+            return None
 
     def _bring_up(self) -> None:
         # The first fork returns once the server has preloaded.
         probe = _FORK_SERVER.Process(target=_exit_at_once, daemon=True)
         try:
             probe.start()
-        except OSError as exc:
+        except (OSError, EOFError) as exc:  # it could not start, or died preloading
             self.failure = f"{type(exc).__name__}: {exc}"
             return
         probe.join()
