@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from tests.stack import Stack, running_stack
+from worker import warm_start
 from worker.fake_engine import expected_text
 from worker.warm_start import FORK_SERVER_TITLE, WORKER_TITLE
 
@@ -93,3 +94,19 @@ def test_a_worker_outlives_its_fork_server_and_its_replacement_brings_a_new_one(
         stack.wait_live(instance_not=str(first["instance_id"]))
         assert _fork_server(stack).pid != server.pid
         assert _generate(stack, "hi") == expected_text("hi", 3)
+
+
+def test_a_fork_server_that_dies_while_forking_is_brought_up_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def dies_mid_fork(*_: object, **__: object) -> None:
+        raise EOFError("unexpected EOF")
+
+    server = warm_start.ForkServer()
+    server._ready.set()
+    warm_ups: list[bool] = []
+    monkeypatch.setattr(warm_start, "ForkedWorker", dies_mid_fork)
+    monkeypatch.setattr(server, "warm_up", lambda: warm_ups.append(True))
+    assert server.fork({}) is None
+    assert not server.is_ready
+    assert warm_ups == [True]
