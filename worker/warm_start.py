@@ -83,7 +83,8 @@ class ForkServer:
         probe = _FORK_SERVER.Process(target=_exit_at_once, daemon=True)
         try:
             probe.start()
-        except (OSError, EOFError) as exc:  # it could not start, or died preloading
+        except Exception as exc:  # it could not start, or died preloading: go cold
+            log.exception("the fork server could not be brought up")
             self.failure = f"{type(exc).__name__}: {exc}"
             return
         probe.join()
