@@ -78,18 +78,17 @@ def decode_cost(engine: TorchEngine, batch: int, context: int) -> StepCost:
     with the weights and KV cache as the engine's precision stores them."""
     gpt2 = engine.gpt2
     config = engine.model.config
-    # Every projection weight and the LM head is read once per step, as stored, and
-    # used in one multiply-add per row; biases, norms and int8 scales are read once
-    # too; the embeddings are gathered a row at a time.
+    # Every projection weight and the LM head is read once per step, in the copy its
+    # decode path reads (worker/projection.py), and used in one multiply-add per row;
+    # biases, norms and int8 scales are read once too; the embeddings are gathered
+    # a row at a time.
     projections = [gpt2.lm_head]
     norms = [*gpt2.ln_f]
     for layer in gpt2.layers:
         projections += [layer.attn, layer.proj, layer.fc, layer.out]
         norms += [*layer.ln_1, *layer.ln_2]
     weights = sum(p.stored_weight.numel() for p in projections)
-    weight_bytes = sum(
-        _nbytes(p.stored_weight) + _nbytes(p.scale) + _nbytes(p.bias) for p in projections
-    ) + sum(_nbytes(norm) for norm in norms)
+    weight_bytes = sum(p.decode_bytes for p in projections) + sum(_nbytes(norm) for norm in norms)
     kv_per_row = 2 * config.n_layer * context * config.n_embd  # keys and values read
     attention_flops = 2 * kv_per_row  # q.k and p.v: one multiply-add per element
     return StepCost(

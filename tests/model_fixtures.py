@@ -104,6 +104,12 @@ def tiny_engine(
     return TorchEngine(tiny_model(seed, eos_scale), capacity, precision=precision)
 
 
+def force_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines built from now on decode every projection through the skinny kernel,
+    whether or not it is the faster path on this machine, so that tests cover it."""
+    monkeypatch.setattr(projection, "decode_path", lambda _: "kernel")
+
+
 def disable_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Engines built from now on decode through oneDNN and SDPA, as on a machine
     that cannot build the decode kernels."""

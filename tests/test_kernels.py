@@ -5,16 +5,18 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 import pytest
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from tests.model_fixtures import tiny_engine  # noqa: E402
+from tests.model_fixtures import force_kernels, tiny_engine  # noqa: E402
 from worker import projection as projection_module  # noqa: E402
 from worker.kernels import MAX_ROWS, Kernels, build_directory, load_kernels  # noqa: E402
-from worker.precision import MODES, WEIGHT_FORMATS  # noqa: E402
+from worker.precision import MODES, WEIGHT_FORMATS, Precision  # noqa: E402
 from worker.projection import Projection, quantize_int8  # noqa: E402
 
 if shutil.which("c++") is None:
@@ -120,9 +122,12 @@ def test_skinny_linear_rejects_what_it_cannot_compute(
 
 
 @pytest.mark.parametrize("num_rows", [1, MAX_ROWS, MAX_ROWS + 1, 40])
-def test_projection_takes_the_kernel_up_to_its_rows_and_onednn_above(num_rows: int) -> None:
+def test_projection_on_the_kernel_path_takes_it_up_to_its_rows_and_onednn_above(
+    num_rows: int,
+) -> None:
     x, weight, bias = operands(num_rows, 64, 96)
     projection = Projection(weight, bias, "float32")
+    projection.decode_path = "kernel"
     kernel = projection.skinny_linear
     assert kernel is not None
     kernel_rows: list[int] = []
@@ -141,6 +146,38 @@ def test_projection_takes_the_kernel_up_to_its_rows_and_onednn_above(num_rows: i
     assert y.shape == (num_rows, 1, 96)
     torch.testing.assert_close(y[:, 0], F.linear(x, weight, bias))
     assert kernel_rows == ([num_rows] if num_rows <= MAX_ROWS else [])
+
+
+def slowed(multiply: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def slow_multiply(*args: torch.Tensor | None) -> torch.Tensor:
+        time.sleep(0.002)
+        return multiply(*args)
+
+    return slow_multiply
+
+
+@pytest.mark.parametrize("slower", ["kernel", "onednn"])
+def test_decode_takes_whichever_path_is_faster_here_and_times_each_shape_once(
+    slower: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(projection_module, "_decode_paths", {})
+    if slower == "onednn":
+        monkeypatch.setattr(
+            torch.ops.mkldnn, "_linear_pointwise", slowed(torch.ops.mkldnn._linear_pointwise)
+        )
+    else:
+        kernels = load_kernels()
+        assert kernels is not None
+        slow = Kernels(slowed(kernels.skinny_linear), kernels.decode_attention)
+        monkeypatch.setattr(projection_module, "load_kernels", lambda: slow)
+    faster = "onednn" if slower == "kernel" else "kernel"
+    x, weight, bias = operands(3, 64, 96)
+    assert Projection(weight, bias, "float32").decode_path == faster
+    # The same shape and format again is not timed: the first one's answer holds.
+    monkeypatch.setattr(projection_module, "_seconds_for", lambda *_: pytest.fail("timed twice"))
+    projection = Projection(weight * 2, bias, "float32")
+    assert projection.decode_path == faster
+    torch.testing.assert_close(projection(x), F.linear(x, weight * 2, bias))
 
 
 def test_projection_without_the_kernel_uses_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,13 +270,35 @@ def test_decode_attention_rejects_what_it_cannot_compute(
         kernels.decode_attention(q, keys, values, torch.tensor(lengths))
 
 
+@pytest.mark.skipif(
+    not Precision(torch.float32, torch.bfloat16, "bfloat16").bfloat16_products,
+    reason="this CPU's oneDNN has no bfloat16 dot products",
+)
+@pytest.mark.parametrize("num_rows", [MAX_ROWS, 40])
+def test_bfloat16_products_round_the_activations_and_sum_in_float32(num_rows: int) -> None:
+    x, weight, bias = operands(num_rows, 64, 96)
+    projection = Projection(weight, bias, "bfloat16", bfloat16_products=True)
+    projection.decode_path = "onednn"
+    assert projection.dense_weight.dtype == torch.bfloat16
+    expected = (
+        F.linear(x.bfloat16().double(), projection.stored_weight.double(), None).bfloat16().float()
+        + bias
+    )  # the product's sum is rounded once, to bfloat16
+    y = projection(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, expected, rtol=0, atol=float(expected.abs().max()) * 2**-8)
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("mode", MODES)
-def test_a_cpu_engine_decodes_through_both_kernels_in_every_mode(mode: str) -> None:
+def test_a_cpu_engine_decodes_through_both_kernels_in_every_mode(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    force_kernels(monkeypatch)
     gpt2 = tiny_engine(capacity=2, mode=mode).gpt2
     assert gpt2.decode_attention is not None
     projections = [gpt2.lm_head]
     for layer in gpt2.layers:
         projections += [layer.attn, layer.proj, layer.fc, layer.out]
-    assert all(projection.skinny_linear is not None for projection in projections)
+    assert all(projection.decode_path == "kernel" for projection in projections)
     assert {projection.stored_weight.dtype for projection in projections} == {getattr(torch, mode)}

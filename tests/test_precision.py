@@ -13,6 +13,7 @@ import torch
 from protocol.config import ConfigError
 from tests.model_fixtures import (
     disable_kernels,
+    force_kernels,
     random_schedule,
     reference_ids,
     run_schedule,
@@ -42,16 +43,18 @@ def workload() -> tuple[list, dict[str, list[int]], torch.Tensor]:
     return schedule.requests, references, reference_logits
 
 
-@pytest.mark.parametrize("may_use_kernels", [True, False])
+@pytest.mark.parametrize("uses_kernels", [True, False])
 @pytest.mark.parametrize("mode", list(RELATIVE_ERROR))
 def test_each_mode_stays_within_its_stated_cost(
-    mode: str, may_use_kernels: bool, workload: tuple, monkeypatch: pytest.MonkeyPatch
+    mode: str, uses_kernels: bool, workload: tuple, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not may_use_kernels:
+    if uses_kernels:
+        force_kernels(monkeypatch)
+    else:
         disable_kernels(monkeypatch)
     requests, references, reference_logits = workload
     engine = tiny_engine(8, eos_scale=1.5, mode=mode)
-    assert (engine.gpt2.decode_attention is not None) == may_use_kernels
+    assert (engine.gpt2.decode_attention is not None) == uses_kernels
     quality = Quality.of(forced_logits(engine, requests, references), reference_logits)
     assert quality.agreement >= MIN_AGREEMENT, quality
     assert quality.max_tied_gap <= MAX_TIED_GAP, quality

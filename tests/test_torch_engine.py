@@ -17,6 +17,7 @@ from tests.model_fixtures import (
     EOS,
     Schedule,
     disable_kernels,
+    force_kernels,
     random_prompt,
     random_schedule,
     reference_ids,
@@ -124,19 +125,21 @@ def schedule_references(schedule: Schedule) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("capacity", "may_use_kernels"), [(1, True), (3, True), (8, True), (8, False)]
+    ("capacity", "uses_kernels"), [(1, True), (3, True), (8, True), (8, False)]
 )
 def test_random_schedule_with_aborts(
     capacity: int,
-    may_use_kernels: bool,
+    uses_kernels: bool,
     schedule: Schedule,
     schedule_references: dict[str, list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if not may_use_kernels:
+    if uses_kernels:
+        force_kernels(monkeypatch)
+    else:
         disable_kernels(monkeypatch)
     engine = tiny_engine(capacity, eos_scale=1.5)
-    assert may_use_kernels or engine.gpt2.decode_attention is None
+    assert uses_kernels or engine.gpt2.decode_attention is None
     requests = schedule.requests
     finished = run_schedule(engine, schedule.arrivals, schedule.aborts)
     assert set(finished) == {r.request_id for r in requests}

@@ -4,8 +4,8 @@ Two entry points: `prefill` runs newcomers' whole prompts into their slots and
 returns logits at each prompt's last position only; `decode` feeds one token per
 slot at that slot's own position and attends to that row's cached positions only.
 
-Every matrix product goes through `Projection`, which picks the kernel that
-profiling found fastest for the number of rows; on CPU, decode's attention runs in
+Every matrix product goes through `Projection`, which picks the kernel that is
+fastest on this machine for the number of rows; on CPU, decode's attention runs in
 this project's own kernel (`worker/kernels.py`). Weights, embeddings and the KV
 cache are stored as `Precision` says, and activations are in its compute dtype.
 """
@@ -40,20 +40,24 @@ class _Layer:
     out: Projection  # 4C -> C
 
 
-def _conv1d(conv: Any, stored: str) -> Projection:
+def _projection(weight: torch.Tensor, bias: Any, precision: Precision) -> Projection:
+    return Projection(weight, bias, precision.weights, precision.bfloat16_products)
+
+
+def _conv1d(conv: Any, precision: Precision) -> Projection:
     # HF's Conv1D stores its weight (in, out); a projection takes (out, in).
-    return Projection(conv.weight.detach().t(), conv.bias, stored)
+    return _projection(conv.weight.detach().t(), conv.bias, precision)
 
 
-def _layer(block: Any, stored: str) -> _Layer:
-    """The weights of one HF ``GPT2Block``, its projections stored as ``stored``."""
+def _layer(block: Any, precision: Precision) -> _Layer:
+    """The weights of one HF ``GPT2Block``, its projections as ``precision`` says."""
     return _Layer(
         ln_1=(block.ln_1.weight.detach(), block.ln_1.bias.detach()),
-        attn=_conv1d(block.attn.c_attn, stored),
-        proj=_conv1d(block.attn.c_proj, stored),
+        attn=_conv1d(block.attn.c_attn, precision),
+        proj=_conv1d(block.attn.c_proj, precision),
         ln_2=(block.ln_2.weight.detach(), block.ln_2.bias.detach()),
-        fc=_conv1d(block.mlp.c_fc, stored),
-        out=_conv1d(block.mlp.c_proj, stored),
+        fc=_conv1d(block.mlp.c_fc, precision),
+        out=_conv1d(block.mlp.c_proj, precision),
     )
 
 
@@ -75,8 +79,8 @@ class GPT2:
         self.wpe = body.wpe.weight.detach().to(precision.storage)  # (context, C)
         self.ln_f = (body.ln_f.weight.detach(), body.ln_f.bias.detach())
         self.vocab_size = int(model.lm_head.weight.shape[0])
-        self.lm_head = Projection(model.lm_head.weight, None, precision.weights)  # C -> V
-        self.layers = [_layer(block, precision.weights) for block in body.h]
+        self.lm_head = _projection(model.lm_head.weight, None, precision)  # C -> V
+        self.layers = [_layer(block, precision) for block in body.h]
         kernels = (
             load_kernels()
             if self.device.type == "cpu"

@@ -52,9 +52,24 @@ class Precision:
             return cls.uniform(storage)
         return cls(torch.float32, storage, weights or dtype)
 
+    @property
+    def bfloat16_products(self) -> bool:
+        """Whether projections multiply in bfloat16, summing in float32: bfloat16
+        weights on a CPU whose oneDNN has bfloat16 dot products (AVX512-BF16 or
+        AMX), which do several times the multiply-adds of float32 ones. Activations
+        are rounded to bfloat16 for the product only; everything else stays float32."""
+        return (
+            self.weights == "bfloat16"
+            and self.compute == torch.float32
+            and torch._C._has_mkldnn
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+
     def describe(self) -> str:
+        arithmetic = str(self.compute).removeprefix("torch.")
+        if self.bfloat16_products:
+            arithmetic += " (projections multiply in bfloat16)"
         return (
             f"weights {self.weights}, embeddings and KV cache "
-            f"{str(self.storage).removeprefix('torch.')}, "
-            f"arithmetic {str(self.compute).removeprefix('torch.')}"
+            f"{str(self.storage).removeprefix('torch.')}, arithmetic {arithmetic}"
         )

@@ -3,29 +3,57 @@
 
 On CPU, decode's products are tall and skinny (a few rows against a wide weight)
 and bound by reading the weights; prefill's are ordinary GEMMs, bound by compute.
-Profiled on a 2-core AMD EPYC at 8 rows, the LM head (50257 x 768) took 25 ms
-through ``F.linear`` (MKL sgemm), 15 ms as the mathematically equal ``W @ x.T``,
-9-11 ms through oneDNN's inner product with the weight pre-packed, and 7-8 ms in
-this project's own kernel (``worker/csrc/skinny_linear.cpp``), which reads the weight
-once at close to the machine's bandwidth, in float32, float16, bfloat16 or int8.
-Above ``MAX_ROWS`` rows oneDNN wins, and it stays ahead of MKL at prefill sizes.
-Which wins is the machine's: on a shared 2-vCPU Intel Xeon VM (AVX-512) oneDNN
-won at 8 rows too, in every storage format (README, "Precision and 16 rows").
+Two implementations compete for decode's rows (up to ``MAX_ROWS``): this project's
+own kernel (``worker/csrc/skinny_linear.cpp``), which reads the weight once in its
+stored format (float32, float16, bfloat16 or int8) and widens it in registers, and
+oneDNN's inner product on a float32 copy pre-packed for it
+(``torch.ops.mkldnn._reorder_linear_weight``, as torch's own compiler packs CPU
+weights). Which is faster is the machine's:
 
-So on CPU a projection keeps the stored weight for the kernel (up to ``MAX_ROWS``
-rows) and a oneDNN-packed float32 copy of that same stored weight, widened back,
-for everything larger, so that prefill and decode multiply by the same numbers.
-Elsewhere ``F.linear`` in the model's dtype is already right.
+- on a 2-core AMD EPYC, the LM head (50257 x 768) at 8 rows took 7-8 ms in the
+  kernel against 9-11 ms in oneDNN;
+- on a 2-vCPU Intel Xeon with AVX-512 and AMX, 26 ms in the kernel against
+  10.6 ms in oneDNN with the packing above (16.3 ms with ``to_mkldnn``'s).
+
+So each projection times both on its own weight when it is built, once per
+weight shape and format in a process (``decode_path``), and keeps the winner.
+Above ``MAX_ROWS`` rows oneDNN always runs: it is ahead at prefill sizes.
+Both paths multiply by the same stored weight (the oneDNN copy is it, widened),
+so a token's keys do not depend on whether it was prefilled or decoded.
+
+bfloat16 weights on a CPU with bfloat16 dot products (AVX512-BF16, AMX) are the
+exception: oneDNN's copy stays in bfloat16 and multiplies activations rounded to
+bfloat16, summing in float32 (`Precision.bfloat16_products`). On a 2-vCPU Xeon
+with AMX that made a decode step 1.5x faster than float32 through oneDNN, and
+prefill 3x; what the rounding costs in output is measured in tests/test_precision.py.
+Elsewhere than the CPU, ``F.linear`` in the model's dtype is already right.
 """
 
 from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from worker.kernels import LANES, MAX_ROWS, load_kernels
 
+logger = logging.getLogger(__name__)
+
 INT8_MAX = 127
+# The rows a decode path is timed at: a full batch of the kernel's.
+TIMED_ROWS = MAX_ROWS
+# Timed calls per path, taking turns; the fastest call of each counts, because a
+# call can only be slowed (by a neighbour taking the core), never sped up.
+TIMED_ROUNDS = 5
+
+DecodePath = Literal["kernel", "onednn"]
+# The winner for each (out_features, in_features, stored format, bfloat16
+# products), in this process.
+_decode_paths: dict[tuple[int, int, str, bool], DecodePath] = {}
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,11 +65,27 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8).contiguous(), scale
 
 
+def _seconds_for(multiply: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> float:
+    """How long one ``multiply(rows)`` took."""
+    started = time.perf_counter()
+    multiply(rows)
+    return time.perf_counter() - started
+
+
 class Projection:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, stored: str) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        stored: str,
+        bfloat16_products: bool = False,
+    ) -> None:
         """``weight`` is (out, in), as ``F.linear`` takes it, in the compute dtype;
-        ``stored`` is the format the kernel reads it in (a WEIGHT_FORMATS entry)."""
+        ``stored`` is the format the kernel reads it in (a WEIGHT_FORMATS entry);
+        ``bfloat16_products``: oneDNN multiplies in bfloat16 (bfloat16 ``stored``
+        on a CPU whose oneDNN has bfloat16 dot products only)."""
         weight = weight.detach()
+        self.stored = stored
         self.bias = None if bias is None else bias.detach().contiguous()
         self.out_features, self.in_features = (int(n) for n in weight.shape)
         self.scale: torch.Tensor | None = None
@@ -56,23 +100,96 @@ class Projection:
         self.is_packed = (
             is_cpu and weight.dtype in (torch.float32, torch.bfloat16) and torch._C._has_mkldnn
         )
-        # Packed for oneDNN on CPU, else as F.linear takes it; only one copy is kept.
-        self.dense_weight = widened.contiguous().to_mkldnn() if self.is_packed else widened
-        self.dense_bias = (
-            self.bias.to_mkldnn() if self.is_packed and self.bias is not None else self.bias
+        self.bfloat16_products = bfloat16_products and self.is_packed
+        if self.bfloat16_products:
+            assert self.stored_weight.dtype == torch.bfloat16, (
+                "bfloat16 products need bfloat16 weights"
+            )
+            widened = self.stored_weight
+        # Packed for oneDNN on CPU (for a decode-sized batch; it takes any), else
+        # as F.linear takes it; only one copy is kept.
+        self.dense_weight = (
+            torch.ops.mkldnn._reorder_linear_weight(widened.contiguous(), TIMED_ROWS)
+            if self.is_packed
+            else widened
         )
         fits_kernel = is_cpu and weight.dtype == torch.float32 and self.in_features % LANES == 0
         kernels = load_kernels() if fits_kernel else None
         self.skinny_linear = None if kernels is None else kernels.skinny_linear
+        if self.skinny_linear is not None and self.is_packed:
+            self.decode_path: DecodePath = decode_path(self)
+        else:
+            self.decode_path = "kernel" if self.skinny_linear is not None else "onednn"
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        """(N, in) -> (N, out) through the skinny kernel, N <= MAX_ROWS."""
+        assert self.skinny_linear is not None
+        return self.skinny_linear(rows.contiguous(), self.stored_weight, self.scale, self.bias)
+
+    def dense(self, rows: torch.Tensor) -> torch.Tensor:
+        """(N, in) -> (N, out) through oneDNN (or F.linear off the CPU), any N."""
+        if self.bfloat16_products:
+            # The bias is added in float32, after the product is widened back.
+            product: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                rows.to(torch.bfloat16), self.dense_weight, None, "none", [], ""
+            )
+            y = product.float()
+            return y if self.bias is None else y + self.bias
+        if self.is_packed:
+            packed: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                rows, self.dense_weight, self.bias, "none", [], ""
+            )
+            return packed
+        return F.linear(rows, self.dense_weight, self.bias)
+
+    @property
+    def decode_bytes(self) -> int:
+        """The bytes a decode step reads of this projection's weight, scale and bias."""
+        if self.decode_path == "kernel":
+            read = [self.stored_weight, self.scale, self.bias]
+        else:  # the packed copy's storage is opaque, but its size is its shape's
+            read = [self.dense_weight, self.bias]
+        return sum(t.numel() * t.element_size() for t in read if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (N, in)
-        if self.skinny_linear is not None and rows.shape[0] <= MAX_ROWS:
-            y = self.skinny_linear(rows.contiguous(), self.stored_weight, self.scale, self.bias)
-        elif self.is_packed:
-            y = torch._C._nn.mkldnn_linear(
-                rows.to_mkldnn(), self.dense_weight, self.dense_bias
-            ).to_dense()
+        if self.decode_path == "kernel" and rows.shape[0] <= MAX_ROWS:
+            y = self.kernel(rows)
         else:
-            y = F.linear(rows, self.dense_weight, self.dense_bias)
+            y = self.dense(rows)
         return y.view(*x.shape[:-1], self.out_features)  # (..., out)
+
+
+def decode_path(projection: Projection) -> DecodePath:
+    """Whichever of the kernel and oneDNN multiplies ``TIMED_ROWS`` rows by this
+    projection's weight faster on this machine, timed once per weight shape and
+    stored format in a process (a model's layers share a few shapes)."""
+    key = (
+        projection.out_features,
+        projection.in_features,
+        projection.stored,
+        projection.bfloat16_products,
+    )
+    if key not in _decode_paths:
+        rows = torch.randn(TIMED_ROWS, projection.in_features)
+        paths: dict[DecodePath, Callable[[torch.Tensor], torch.Tensor]] = {
+            "kernel": projection.kernel,
+            "onednn": projection.dense,
+        }
+        fastest_s = {path: float("inf") for path in paths}
+        with torch.inference_mode():
+            for multiply in paths.values():
+                multiply(rows)  # the first call of each pays for its set-up
+            for _ in range(TIMED_ROUNDS):
+                for path, multiply in paths.items():
+                    fastest_s[path] = min(fastest_s[path], _seconds_for(multiply, rows))
+        _decode_paths[key] = min(fastest_s, key=fastest_s.__getitem__)
+        logger.debug(
+            "decode matmul %s x %s (%s): kernel %.2f ms, oneDNN %.2f ms",
+            key[0],
+            key[1],
+            key[2],
+            fastest_s["kernel"] * 1e3,
+            fastest_s["onednn"] * 1e3,
+        )
+    return _decode_paths[key]
