@@ -23,10 +23,12 @@ OVERHEAD = "Python and dispatch overhead"
 
 def _section(name: str, shapes: list[list[int]], vocab_size: int) -> str:
     op = name.removeprefix("aten::")
-    if op in ("mkldnn_linear", "minibatch::skinny_linear"):
+    if op in ("mkldnn_linear", "mkldnn::_linear_pointwise", "minibatch::skinny_linear"):
         return "LM head" if shapes[1][:1] == [vocab_size] else "layer projections"
     if op in ("to_mkldnn", "_to_dense"):
         return "oneDNN layout conversions"
+    if op in ("_to_copy", "copy_"):
+        return "dtype conversions"
     attention_ops = ("minibatch::decode_attention", "where", "le", "scalar_tensor")
     if "scaled_dot_product" in op or op in attention_ops:
         return "attention"
