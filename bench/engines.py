@@ -33,9 +33,14 @@ def engines_by_capacity(
 
 def mode_engine(mode: str, capacity: int, device: str = "cpu") -> TorchEngine:
     """The synthetic-model engine in one of worker.precision's MODES."""
-    dtype, weights = MODES[mode]
+    dtype, weights, bfloat16_products = MODES[mode]
     config = WorkerConfig(
-        model_id=MODEL_ID, max_batch_size=capacity, device=device, dtype=dtype, weights=weights
+        model_id=MODEL_ID,
+        max_batch_size=capacity,
+        device=device,
+        dtype=dtype,
+        weights=weights,
+        bfloat16_products=bfloat16_products,
     )
     return load_engine(config)
 

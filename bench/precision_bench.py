@@ -9,7 +9,9 @@ machine hits each alike: the engine benchmark's workload (bench/engine_bench.py:
 a warm-up), and the median decode step with every slot at 128 tokens of context
 (bench/ceiling.py's method), with the bytes that step reads as each mode stores
 its weights and KV cache, and the bandwidth that makes. Every ratio is against
-float32 in the same run. Writes bench/results/precision.json.
+float32 in the same run. The decode step is also taken at --wide-capacity rows
+(16), for the tokens/s that twice the rows deliver against --capacity's. Writes
+bench/results/precision.json.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--capacity", type=int, default=8)
+    parser.add_argument("--wide-capacity", type=int, default=16)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--out", type=Path, default=RESULTS / "precision.json")
     args = parser.parse_args(argv)
 
     engines = {mode: mode_engine(mode, args.capacity) for mode in args.modes}
+    wide_engines = {mode: mode_engine(mode, args.wide_capacity) for mode in args.modes}
     bandwidth = read_bandwidth(torch.device("cpu"), 2**28, repeats=5)
     requests = make_workload(NUM_REQUESTS, seed=0)
     medians, _ = median_of_runs(
@@ -53,14 +57,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.runs,
     )
     step_s: dict[str, list[float]] = {mode: [] for mode in engines}
+    wide_step_s: dict[str, list[float]] = {mode: [] for mode in engines}
     for _ in range(args.runs):
-        for mode, engine in engines.items():
-            tokens_per_s, _ = measure_decode(engine, CONTEXT, DECODE_STEPS, 0)
-            step_s[mode].append(args.capacity / tokens_per_s)
+        for mode in engines:
+            for engine, steps in ((engines[mode], step_s), (wide_engines[mode], wide_step_s)):
+                tokens_per_s, _ = measure_decode(engine, CONTEXT, DECODE_STEPS, 0)
+                steps[mode].append(engine.capacity / tokens_per_s)
     base = args.modes[0]
     rows = []
     for mode, engine in engines.items():
         step = statistics.median(step_s[mode])
+        wide_step = statistics.median(wide_step_s[mode])
         cost = decode_cost(engine, args.capacity, CONTEXT + 2 + DECODE_STEPS // 2)
         rows.append(
             {
@@ -72,13 +79,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "decode_step_ratio": step / statistics.median(step_s[base]),
                 "bytes_per_step": cost.bytes,
                 "bytes_per_s": cost.bytes / step,
+                "wide_decode_step_ms": wide_step * 1000,
+                "wide_tokens_per_s_ratio": (args.wide_capacity / wide_step)
+                / (args.capacity / step),
             }
         )
     print(f"read bandwidth (a sum over 256 MiB): {bandwidth / 1e9:.1f} GB/s")
-    print(_table(rows, base))
+    print(_table(rows, base, args.capacity, args.wide_capacity))
     report = {
         "settings": {
             "capacity": args.capacity,
+            "wide_capacity": args.wide_capacity,
             "runs": args.runs,
             "num_requests": NUM_REQUESTS,
             "decode_context": CONTEXT,
@@ -87,21 +98,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "continuous": medians,
         "decode_step_s": step_s,
+        "wide_decode_step_s": wide_step_s,
     }
     write_json(args.out, report)
     return report
 
 
-def _table(rows: list[dict[str, Any]], base: str) -> str:
+def _table(rows: list[dict[str, Any]], base: str, capacity: int, wide: int) -> str:
     lines = [
-        f"{'mode':<9} {'tok/s':>7} {'vs ' + base:>11} {'step ms':>8} {'vs ' + base:>11} "
-        f"{'MB/step':>8} {'GB/s':>6}"
+        f"{'mode':<17} {'tok/s':>7} {'vs ' + base:>11} {'step ms':>8} {'vs ' + base:>11} "
+        f"{'MB/step':>8} {'GB/s':>6} {f'{wide}-row ms':>10} {f'{wide} vs {capacity} tok/s':>16}"
     ]
     for r in rows:
         lines.append(
-            f"{r['mode']:<9} {r['tokens_per_s']:>7.1f} {r['tokens_per_s_ratio']:>10.2f}x "
+            f"{r['mode']:<17} {r['tokens_per_s']:>7.1f} {r['tokens_per_s_ratio']:>10.2f}x "
             f"{r['decode_step_ms']:>8.2f} {r['decode_step_ratio']:>10.2f}x "
-            f"{r['bytes_per_step'] / 1e6:>8.0f} {r['bytes_per_s'] / 1e9:>6.1f}"
+            f"{r['bytes_per_step'] / 1e6:>8.0f} {r['bytes_per_s'] / 1e9:>6.1f} "
+            f"{r['wide_decode_step_ms']:>10.2f} {r['wide_tokens_per_s_ratio']:>15.2f}x"
         )
     return "\n".join(lines)
 

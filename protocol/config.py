@@ -137,6 +137,13 @@ class WorkerConfig:
         "int8: the projections and LM head stored as int8 with a scale per output "
         "channel (CPU only); unset: stored in DTYPE",
     )
+    bfloat16_products: bool = _setting(
+        "BFLOAT16_PRODUCTS",
+        False,
+        "with DTYPE=bfloat16 on a CPU with bfloat16 dot products (AVX512-BF16, AMX): "
+        "the projections multiply activations rounded to bfloat16, for faster decode and "
+        "prefill; an output can then change with its batchmates or across a resume",
+    )
     fake_step_delay_s: float = _setting(
         "FAKE_STEP_DELAY_S", 0.0, "seconds each step of the fake engine sleeps"
     )
@@ -179,6 +186,11 @@ class WorkerConfig:
         if self.weights not in ("", "int8"):
             raise ConfigError(
                 f"WEIGHTS must be int8, or unset to store weights in DTYPE, got {self.weights!r}"
+            )
+        if self.bfloat16_products and self.dtype != "bfloat16":
+            raise ConfigError(
+                f"BFLOAT16_PRODUCTS=1 needs DTYPE=bfloat16 (it multiplies bfloat16 weights), "
+                f"got DTYPE={self.dtype}: set DTYPE=bfloat16 or unset BFLOAT16_PRODUCTS"
             )
         if self.fake_step_delay_s < 0:
             raise ConfigError(f"FAKE_STEP_DELAY_S must be >= 0, got {self.fake_step_delay_s}")

@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 
 import torch
 
-from protocol.config import ConfigError
+from protocol.config import ConfigError, WorkerConfig
 from tests.model_fixtures import (
     disable_kernels,
     force_kernels,
@@ -21,13 +21,23 @@ from tests.model_fixtures import (
     tiny_model,
 )
 from tests.quality import Quality, forced_logits
-from worker.precision import Precision
+from worker import precision as precision_module
+from worker.precision import Precision, cpu_modes
 
 pytestmark = pytest.mark.model
 
 # Per mode: the largest logit error, relative to the largest float32 logit (about
-# 4x the measured 0.04%, 0.4% and 0.8%).
-RELATIVE_ERROR = {"float16": 0.002, "bfloat16": 0.015, "int8": 0.03}
+# 4x the measured 0.04%, 0.4%, 0.8% and, with bfloat16 products, 0.5%).
+RELATIVE_ERROR = {
+    mode: error
+    for mode, error in {
+        "float16": 0.002,
+        "bfloat16": 0.015,
+        "int8": 0.03,
+        "bfloat16-products": 0.02,
+    }.items()
+    if mode in cpu_modes()
+}
 MIN_AGREEMENT = 0.98
 # A greedy token may differ only where float32 itself nearly ties: its top two
 # logits within 1% of the model's logit range (about 11 here).
@@ -87,6 +97,19 @@ def test_free_running_outputs_part_from_float32_only_at_near_ties(
 def test_int8_weights_on_a_gpu_fail_at_start_saying_what_to_set() -> None:
     with pytest.raises(ConfigError, match="WEIGHTS=int8 runs on CPU only"):
         Precision.for_device(torch.device("cuda"), "float16", "int8")
+
+
+def test_bfloat16_products_are_refused_where_they_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ConfigError, match="needs DTYPE=bfloat16"):
+        WorkerConfig(dtype="float16", bfloat16_products=True)
+    with pytest.raises(ConfigError, match="on a GPU, DTYPE=bfloat16 already"):
+        Precision.for_device(torch.device("cuda"), "bfloat16", "", bfloat16_products=True)
+    monkeypatch.setattr(precision_module, "has_bfloat16_products", lambda: False)
+    with pytest.raises(ConfigError, match="this one has none: unset BFLOAT16_PRODUCTS"):
+        Precision.for_device(torch.device("cpu"), "bfloat16", "", bfloat16_products=True)
+    assert "bfloat16-products" not in precision_module.cpu_modes()
 
 
 def test_on_cpu_dtype_chooses_storage_and_arithmetic_stays_float32() -> None:

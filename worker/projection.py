@@ -21,11 +21,11 @@ Above ``MAX_ROWS`` rows oneDNN always runs: it is ahead at prefill sizes.
 Both paths multiply by the same stored weight (the oneDNN copy is it, widened),
 so a token's keys do not depend on whether it was prefilled or decoded.
 
-bfloat16 weights on a CPU with bfloat16 dot products (AVX512-BF16, AMX) are the
-exception: oneDNN's copy stays in bfloat16 and multiplies activations rounded to
-bfloat16, summing in float32 (`Precision.bfloat16_products`). On a 2-vCPU Xeon
-with AMX that made a decode step 1.5x faster than float32 through oneDNN, and
-prefill 3x; what the rounding costs in output is measured in tests/test_precision.py.
+With BFLOAT16_PRODUCTS=1 (bfloat16 weights, on a CPU with bfloat16 dot products:
+AVX512-BF16 or AMX), oneDNN's copy stays in bfloat16 and multiplies activations
+rounded to bfloat16, summing in float32 (`Precision.bfloat16_products` says what
+that costs). On a 2-vCPU Xeon with AMX that made a decode step at 8 rows 1.5-1.7x
+faster than float32 through oneDNN, and prefill on one thread 2.4x.
 Elsewhere than the CPU, ``F.linear`` in the model's dtype is already right.
 """
 
@@ -83,7 +83,7 @@ class Projection:
         """``weight`` is (out, in), as ``F.linear`` takes it, in the compute dtype;
         ``stored`` is the format the kernel reads it in (a WEIGHT_FORMATS entry);
         ``bfloat16_products``: oneDNN multiplies in bfloat16 (bfloat16 ``stored``
-        on a CPU whose oneDNN has bfloat16 dot products only)."""
+        on a CPU whose oneDNN has bfloat16 dot products only, as Precision checks)."""
         weight = weight.detach()
         self.stored = stored
         self.bias = None if bias is None else bias.detach().contiguous()

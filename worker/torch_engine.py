@@ -37,7 +37,7 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     (ModelLoadError) when the model or device cannot be used."""
     torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
     device = resolve_device(config.device)
-    precision = Precision.for_device(device, config.dtype, config.weights)
+    precision = Precision.for_device(device, config.dtype, config.weights, config.bfloat16_products)
     preloaded = _take_preloaded(config, device, precision)
     loaded, gpt2 = preloaded or (_load(config, device, precision), None)
     chat_template = choose_chat_template(
@@ -58,7 +58,7 @@ def preload(config: WorkerConfig) -> None:
         return
     torch.set_num_threads(1)
     device = torch.device("cpu")
-    precision = Precision.for_device(device, config.dtype, config.weights)
+    precision = Precision.for_device(device, config.dtype, config.weights, config.bfloat16_products)
     loaded = _load(config, device, precision)
     # The engine's own copies of the weights too (transposed, packed, narrowed):
     # built here, they are shared by every worker rather than made by each.
