@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.compare_paths --capacity 8 --requests 32 --rounds 1
 	$(BIN)/python -m bench.http_load --mode open --rate 4 --requests 32
 	$(BIN)/python -m bench.zmq_load --mode open --rate 4 --requests 32
+	$(BIN)/python -m bench.chunked_prefill --runs 1 --stream-tokens 60
 
 # guidellm and lm-eval-harness against a local stack (bench/clients.py). They need
 # hundreds of MB of their own dependencies, so they get their own virtualenv,

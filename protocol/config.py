@@ -137,6 +137,13 @@ class WorkerConfig:
         "int8: the projections and LM head stored as int8 with a scale per output "
         "channel (CPU only); unset: stored in DTYPE",
     )
+    prefill_chunk_tokens: int = _setting(
+        "PREFILL_CHUNK_TOKENS",
+        256,
+        "a newcomer's prompt is run into the model at most this many tokens per step, "
+        "between decode steps, so that a long prompt does not stall the running streams; "
+        "0: each prompt whole, at once",
+    )
     bfloat16_products: bool = _setting(
         "BFLOAT16_PRODUCTS",
         False,
@@ -194,6 +201,10 @@ class WorkerConfig:
             )
         if self.fake_step_delay_s < 0:
             raise ConfigError(f"FAKE_STEP_DELAY_S must be >= 0, got {self.fake_step_delay_s}")
+        if self.prefill_chunk_tokens < 0:
+            raise ConfigError(
+                f"PREFILL_CHUNK_TOKENS must be >= 0 (0: no chunks), got {self.prefill_chunk_tokens}"
+            )
         if self.torch_threads < 0:
             raise ConfigError(f"TORCH_THREADS must be >= 0, got {self.torch_threads}")
         if self.fake_start_delay_s < 0:

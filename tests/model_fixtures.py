@@ -97,11 +97,20 @@ def tiny_model(seed: int = 0, eos_scale: float = 1.0) -> LoadedModel:
 
 
 def tiny_engine(
-    capacity: int, seed: int = 0, eos_scale: float = 1.0, mode: str = "float32"
+    capacity: int,
+    seed: int = 0,
+    eos_scale: float = 1.0,
+    mode: str = "float32",
+    prefill_chunk_tokens: int = 0,
 ) -> TorchEngine:
     """On the CPU, in one of worker.precision's MODES."""
     precision = Precision.for_device(torch.device("cpu"), *MODES[mode])
-    return TorchEngine(tiny_model(seed, eos_scale), capacity, precision=precision)
+    return TorchEngine(
+        tiny_model(seed, eos_scale),
+        capacity,
+        precision=precision,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+    )
 
 
 def force_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

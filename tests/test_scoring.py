@@ -49,7 +49,12 @@ def synthetic() -> TorchEngine:
     return TorchEngine(synthetic_model(), capacity=3)
 
 
-def test_logprobs_and_echo_match_hf_log_softmax(synthetic: TorchEngine) -> None:
+@pytest.mark.parametrize("prefill_chunk_tokens", [0, 8])
+def test_logprobs_and_echo_match_hf_log_softmax(
+    synthetic: TorchEngine, prefill_chunk_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In chunks too: a prompt to be scored goes in whole, the others in chunks."""
+    monkeypatch.setattr(synthetic, "prefill_chunk_tokens", prefill_chunk_tokens)
     rng = random.Random(1)
     prompts = [[rng.randrange(50000) for _ in range(n)] for n in (5, 23, 11)]
     requests = [

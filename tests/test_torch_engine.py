@@ -125,11 +125,22 @@ def schedule_references(schedule: Schedule) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("capacity", "uses_kernels"), [(1, True), (3, True), (8, True), (8, False)]
+    ("capacity", "uses_kernels", "prefill_chunk_tokens"),
+    [
+        (1, True, 0),
+        (3, True, 0),
+        (8, True, 0),
+        (8, False, 0),
+        # Chunks shorter than most prompts, and one that mostly fits them whole.
+        (3, True, 7),
+        (8, True, 16),
+        (8, False, 64),
+    ],
 )
 def test_random_schedule_with_aborts(
     capacity: int,
     uses_kernels: bool,
+    prefill_chunk_tokens: int,
     schedule: Schedule,
     schedule_references: dict[str, list[int]],
     monkeypatch: pytest.MonkeyPatch,
@@ -138,7 +149,7 @@ def test_random_schedule_with_aborts(
         force_kernels(monkeypatch)
     else:
         disable_kernels(monkeypatch)
-    engine = tiny_engine(capacity, eos_scale=1.5)
+    engine = tiny_engine(capacity, eos_scale=1.5, prefill_chunk_tokens=prefill_chunk_tokens)
     assert uses_kernels or engine.gpt2.decode_attention is None
     requests = schedule.requests
     finished = run_schedule(engine, schedule.arrivals, schedule.aborts)

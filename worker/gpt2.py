@@ -1,8 +1,9 @@
 """A batched GPT-2 forward over a loaded model's weights, on the slot KV cache.
 
-Two entry points: `prefill` runs newcomers' whole prompts into their slots and
-returns logits at each prompt's last position only; `decode` feeds one token per
-slot at that slot's own position and attends to that row's cached positions only.
+Two entry points: `prefill` runs newcomers' prompts (whole, or the next chunk of
+each) into their slots and returns logits at each one's last position only;
+`decode` feeds one token per slot at that slot's own position and attends to that
+row's cached positions only.
 
 Every matrix product goes through `Projection`, which picks the kernel that is
 fastest on this machine for the number of rows; on CPU, decode's attention runs in
@@ -117,11 +118,14 @@ class GPT2:
         slots: list[int],
         cache: SlotKVCache,
         keep_all: Collection[int] = (),
+        starts: list[int] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Newcomers' prompts packed end to end in ``token_ids`` (S,), ``lengths[i]``
-        tokens for cache slot ``slots[i]``; returns (B, V) logits at each prompt's
-        last position, and for each prompt i in ``keep_all`` (in order) the final
-        hidden state (L_i, C) of every position, for `logits` to score the prompt.
+        tokens for cache slot ``slots[i]`` at positions ``starts[i]`` onwards (0 by
+        default: a whole prompt; more: the next chunk of a prompt whose earlier
+        positions are in the cache already); returns (B, V) logits at each one's
+        last position, and for each i in ``keep_all`` (in order) the final hidden
+        state (L_i, C) of every position, for `logits` to score the prompt.
 
         Packing instead of padding to the longest prompt means every projection
         runs on real tokens only; attention runs per prompt, so prompts never see
@@ -129,21 +133,29 @@ class GPT2:
         layer computes keys and values for every position (the cache needs them)
         but attention output and MLP for the last positions alone, except for
         the prompts in ``keep_all``."""
+        starts = starts or [0] * len(lengths)
         ends = itertools.accumulate(lengths)
         spans = [(end - length, end) for end, length in zip(ends, lengths, strict=True)]
         kept = [
             (start, end) if i in keep_all else (end - 1, end)
             for i, (start, end) in enumerate(spans)
         ]
-        positions = torch.cat([self.counting[:length] for length in lengths])
+        positions = torch.cat(
+            [
+                self.counting[start : start + length]
+                for start, length in zip(starts, lengths, strict=True)
+            ]
+        )
         x = self._embed(token_ids, positions)  # (S, C)
         for index, layer in enumerate(self.layers):
             is_last_layer = index == self.num_layers - 1
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
             q, k, v = self._split_heads(layer.attn(h)[None])  # 3 x (1, H, S, D)
-            for slot, (start, end) in zip(slots, spans, strict=True):
-                cache.write_prompt(index, slot, k[0, :, start:end], v[0, :, start:end])
-            attn = self._attend_prompts(q, k, v, spans, kept if is_last_layer else spans)
+            for slot, (begin, end), start in zip(slots, spans, starts, strict=True):
+                cache.write_prompt(index, slot, k[0, :, begin:end], v[0, :, begin:end], start)
+            attn = self._attend_prompts(
+                q, k, v, spans, kept if is_last_layer else spans, (index, slots, starts, cache)
+            )
             if is_last_layer:
                 x = x[[p for start, end in kept for p in range(start, end)]]  # (K, C)
             x = x + layer.proj(attn)
@@ -159,21 +171,35 @@ class GPT2:
         v: torch.Tensor,
         spans: list[tuple[int, int]],
         queries: list[tuple[int, int]],
+        cached: tuple[int, list[int], list[int], SlotKVCache],
     ) -> torch.Tensor:
         """Causal attention within each prompt's span of the packed (1, H, S, D)
         q, k, v, for the query positions ``queries[i]`` (a tail of span i: all of
-        it, or its last position); returns (Q, C)."""
+        it, or its last position); returns (Q, C). A chunk that starts past
+        position 0 attends to its slot's earlier positions too, read from the
+        cache (``cached``: this layer, and each span's slot and start)."""
+        layer, slots, starts, cache = cached
         outputs = []
-        for (start, end), (first, last) in zip(spans, queries, strict=True):
-            keys, values = k[..., start:end, :], v[..., start:end, :]
-            if last - first == 1:
-                outputs.append(F.scaled_dot_product_attention(q[..., first:last, :], keys, values))
-            else:
+        for (begin, end), (first, last), slot, start in zip(
+            spans, queries, slots, starts, strict=True
+        ):
+            query = q[..., first:last, :]
+            if start == 0:
+                keys, values = k[..., begin:end, :], v[..., begin:end, :]
+                causal = last - first > 1
                 outputs.append(
-                    F.scaled_dot_product_attention(
-                        q[..., first:last, :], keys, values, is_causal=True
-                    )
+                    F.scaled_dot_product_attention(query, keys, values, is_causal=causal)
                 )
+                continue
+            # Positions 0..start+end-begin-1 of the slot: earlier chunks', then this one's.
+            length = start + end - begin
+            keys, values = cache.read_slot(layer, slot, length)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # the cache may be narrower
+            # Query at packed index i is at position start + (i - begin): it sees
+            # keys up to and including that position.
+            query_positions = start - begin + self.counting[first:last]
+            visible = self.counting[:length][None, :] <= query_positions[:, None]  # (Q, L)
+            outputs.append(F.scaled_dot_product_attention(query, keys, values, attn_mask=visible))
         return self._merge_heads(torch.cat(outputs, dim=2))[0]
 
     # decode

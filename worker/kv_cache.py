@@ -48,11 +48,20 @@ class SlotKVCache:
             f"x {head_dim} head_dim"
         )
 
-    def write_prompt(self, layer: int, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store one prompt's keys/values (heads, T, head_dim) at positions 0..T-1."""
-        length = keys.shape[1]
-        self.kv[layer, 0, slot, :, :length] = keys  # copy_ rounds to the cache's dtype
-        self.kv[layer, 1, slot, :, :length] = values
+    def write_prompt(
+        self, layer: int, slot: int, keys: torch.Tensor, values: torch.Tensor, start: int = 0
+    ) -> None:
+        """Store a prompt's keys/values (heads, T, head_dim), or a chunk of one, at
+        positions start..start+T-1."""
+        end = start + keys.shape[1]
+        self.kv[layer, 0, slot, :, start:end] = keys  # copy_ rounds to the cache's dtype
+        self.kv[layer, 1, slot, :, start:end] = values
+
+    def read_slot(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of one slot's positions 0..length-1: keys and values,
+        each (1, heads, length, head_dim)."""
+        kv = self.kv[layer, :, slot : slot + 1, :, :length]
+        return kv[0], kv[1]
 
     def write_tokens(
         self,

@@ -1,10 +1,12 @@
 """Slot bookkeeping shared by every engine: admission checks, slot allocation,
-finishing and streaming deltas. A subclass only computes next tokens."""
+chunked prefill, finishing and streaming deltas. A subclass only computes next
+tokens."""
 
 from __future__ import annotations
 
 import dataclasses
 from abc import abstractmethod
+from collections import deque
 from collections.abc import Sequence as Seq
 
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
@@ -32,8 +34,17 @@ class SlotEngine(InferenceEngine):
         tokenizer: Tokenizer,
         capacity: int,
         chat_template: ChatTemplate | None = None,
+        prefill_chunk_tokens: int = 0,
     ) -> None:
+        """``prefill_chunk_tokens`` > 0: newcomers' contexts are run into their
+        slots at most that many tokens per step, between decode steps, so that a
+        long prompt does not hold up the running streams (0: whole, at admit)."""
         self.info = info
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        # Admitted sequences whose context is not yet all in their slot, oldest
+        # first, each with how many of its context tokens are.
+        self._prefilling: deque[Sequence] = deque()
+        self._num_prefilled: dict[str, int] = {}
         self.tokenizer = tokenizer
         self.chat_template = chat_template or jinja_template(DEFAULT_CHAT_TEMPLATE, "default")
         self._slots: list[Sequence | None] = [None] * capacity
@@ -47,6 +58,17 @@ class SlotEngine(InferenceEngine):
         """Run the newcomers' contexts (prompt, then any resumed output) into their
         slots; return each one's next token. Must change nothing a live sequence
         depends on if it raises."""
+
+    def _start_prefill(self, newcomers: list[Sequence]) -> None:
+        """Hook, for chunked prefill: check the newcomers and set up their slots
+        without running them; raise as `_prefill` would."""
+        raise NotImplementedError(f"{type(self).__name__} does not prefill in chunks")
+
+    def _prefill_chunks(self, chunks: list[tuple[Sequence, int, int]]) -> list[int]:
+        """For chunked prefill: run context positions [start, end) of each
+        sequence into its slot, its earlier positions being there already; return
+        the next token of each whose chunk ends its context (in order)."""
+        raise NotImplementedError(f"{type(self).__name__} does not prefill in chunks")
 
     @abstractmethod
     def _decode(self, active: list[Sequence]) -> list[int]:
@@ -67,6 +89,14 @@ class SlotEngine(InferenceEngine):
     def active_sequences(self) -> list[Sequence]:
         return [seq for seq in self._slots if seq is not None]
 
+    def decoding_sequences(self) -> list[Sequence]:
+        """The active sequences whose whole context is in their slots."""
+        return [
+            seq
+            for seq in self._slots
+            if seq is not None and seq.request_id not in self._num_prefilled
+        ]
+
     def admit(self, requests: Seq[GenerateRequest]) -> list[str]:
         free = [i for i, seq in enumerate(self._slots) if seq is None]
         if len(requests) > len(free):
@@ -80,25 +110,62 @@ class SlotEngine(InferenceEngine):
         to_prefill = [
             seq for seq in newcomers if seq.finish_reason is None or seq.wants_prompt_logprobs
         ]
-        first_tokens = self._prefill(to_prefill) if to_prefill else []
+        chunked = self.prefill_chunk_tokens > 0
+        if chunked and to_prefill:
+            self._start_prefill(to_prefill)  # the next steps run them
+        first_tokens = self._prefill(to_prefill) if to_prefill and not chunked else []
         for seq in newcomers:
             self._slots[seq.slot] = seq
             self._by_id[seq.request_id] = seq
-        for seq, token_id in zip(to_prefill, first_tokens, strict=True):
-            if seq.finish_reason is None:
-                seq.append(token_id)
+        if chunked:
+            for seq in to_prefill:
+                self._prefilling.append(seq)
+                self._num_prefilled[seq.request_id] = 0
+        else:
+            for seq, token_id in zip(to_prefill, first_tokens, strict=True):
+                self._take_first_token(seq, token_id)
         return [seq.request_id for seq in newcomers]
 
     def step(self) -> StepOutput:
         output = StepOutput()
+        if self._prefilling:
+            self._prefill_next_chunks()
         # Newcomers whose first token finished them leave before the decode.
         self._collect(output)
-        active = self.active_sequences()
-        if active:
-            for seq, token_id in zip(active, self._decode(active), strict=True):
+        decoding = self.decoding_sequences()
+        if decoding:
+            for seq, token_id in zip(decoding, self._decode(decoding), strict=True):
                 seq.append(token_id)
             self._collect(output)
         return output
+
+    def _prefill_next_chunks(self) -> None:
+        """Up to ``prefill_chunk_tokens`` more context tokens of the sequences
+        still prefilling, oldest first. A prompt to be scored goes in whole (its
+        scores need every position's hidden state at once)."""
+        budget = self.prefill_chunk_tokens
+        chunks: list[tuple[Sequence, int, int]] = []
+        for seq in self._prefilling:
+            done, total = self._num_prefilled[seq.request_id], len(seq.context_token_ids)
+            take = total - done if seq.wants_prompt_logprobs else min(total - done, budget)
+            if take > budget and chunks:
+                break  # a whole scored prompt waits to lead a step of its own
+            chunks.append((seq, done, done + take))
+            budget -= take
+            if budget <= 0:
+                break
+        finished = [seq for seq, _, end in chunks if end == len(seq.context_token_ids)]
+        first_tokens = self._prefill_chunks(chunks)
+        for seq, _, end in chunks:
+            self._num_prefilled[seq.request_id] = end
+        for seq, token_id in zip(finished, first_tokens, strict=True):
+            self._prefilling.remove(seq)
+            del self._num_prefilled[seq.request_id]
+            self._take_first_token(seq, token_id)
+
+    def _take_first_token(self, seq: Sequence, token_id: int) -> None:
+        if seq.finish_reason is None:
+            seq.append(token_id)
 
     def abort(self, request_ids: Seq[str]) -> list[FinishedSequence]:
         aborted = []
@@ -182,8 +249,17 @@ class SlotEngine(InferenceEngine):
                 "shorten the prompt or lower max_new_tokens",
             )
 
+    def _scratch_position(self, slot: int) -> int:
+        """A position of ``slot``'s cache row that a dummy decode row (for a slot
+        not decoding this step) may write: one that nothing reads before its
+        owner writes it. A free slot's 0; a prefilling one's next position."""
+        seq = self._slots[slot]
+        return 0 if seq is None else self._num_prefilled.get(seq.request_id, 0)
+
     def _collect(self, output: StepOutput) -> None:
-        for seq in self.active_sequences():
+        # A sequence still prefilling has nothing to send, and is not done even if
+        # its resumed output finished it: its prompt is being scored.
+        for seq in self.decoding_sequences():
             if seq.request.stream:
                 # A finishing sequence's last delta goes out before its result.
                 token_ids, text = seq.take_delta()
@@ -240,4 +316,6 @@ class SlotEngine(InferenceEngine):
     def _free(self, seq: Sequence) -> None:
         self._slots[seq.slot] = None
         del self._by_id[seq.request_id]
+        if self._num_prefilled.pop(seq.request_id, None) is not None:
+            self._prefilling.remove(seq)  # aborted before its context was all in
         self._release(seq.slot)

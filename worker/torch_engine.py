@@ -43,7 +43,14 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     chat_template = choose_chat_template(
         config.chat_template, loaded.hf_tokenizer, loaded.special_tokens
     )
-    return TorchEngine(loaded, config.max_batch_size, chat_template, precision, gpt2)
+    return TorchEngine(
+        loaded,
+        config.max_batch_size,
+        chat_template,
+        precision,
+        gpt2,
+        config.prefill_chunk_tokens,
+    )
 
 
 def preload(config: WorkerConfig) -> None:
@@ -106,9 +113,11 @@ class TorchEngine(SlotEngine):
         chat_template: ChatTemplate | None = None,
         precision: Precision | None = None,
         gpt2: GPT2 | None = None,
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         """``precision`` defaults to the loaded model's own dtype throughout;
-        ``gpt2``, the model's weights already made into the engine's, to ``loaded``."""
+        ``gpt2``, the model's weights already made into the engine's, to ``loaded``;
+        ``prefill_chunk_tokens``: see `SlotEngine`."""
         config = loaded.model.config
         info = ModelInfo(
             loaded.name,
@@ -117,7 +126,7 @@ class TorchEngine(SlotEngine):
             vocab_size=config.vocab_size,
             max_token_chars=loaded.tokenizer.max_token_chars,
         )
-        super().__init__(info, loaded.tokenizer, capacity, chat_template)
+        super().__init__(info, loaded.tokenizer, capacity, chat_template, prefill_chunk_tokens)
         self.model = loaded.model
         self.precision = precision or Precision.uniform(loaded.model.dtype)
         self.gpt2 = gpt2 or GPT2(loaded.model, self.precision)
@@ -133,36 +142,46 @@ class TorchEngine(SlotEngine):
             self.cache.describe(),
         )
 
-    @torch.inference_mode()
     def _prefill(self, newcomers: list[Sequence]) -> list[int]:
+        self._start_prefill(newcomers)
+        return self._prefill_chunks([(seq, 0, len(seq.context_token_ids)) for seq in newcomers])
+
+    def _start_prefill(self, newcomers: list[Sequence]) -> None:
         for seq in newcomers:
             check_sampling(seq.request)
-        seeds = [self.sampler.seed_for(seq.request) for seq in newcomers]
-        contexts = [seq.context_token_ids for seq in newcomers]
-        scored = [i for i, seq in enumerate(newcomers) if seq.wants_prompt_logprobs]
+        # The newcomers' slots are free: a failure after this leaves nothing wrong.
+        for seq in newcomers:
+            self._seeds[seq.slot] = self.sampler.seed_for(seq.request)
+
+    @torch.inference_mode()
+    def _prefill_chunks(self, chunks: list[tuple[Sequence, int, int]]) -> list[int]:
+        contexts = [seq.context_token_ids[start:end] for seq, start, end in chunks]
+        scored = [i for i, (seq, _, _) in enumerate(chunks) if seq.wants_prompt_logprobs]
         logits, hidden = self.gpt2.prefill(
             self._tensor([token for context in contexts for token in context]),
             [len(context) for context in contexts],
-            [seq.slot for seq in newcomers],
+            [seq.slot for seq, _, _ in chunks],
             self.cache,
             keep_all=scored,
+            starts=[start for _, start, _ in chunks],
         )  # (B, V)
         for i, prompt_hidden in zip(scored, hidden, strict=True):
-            seq = newcomers[i]
+            seq = chunks[i][0]
             num_top = seq.request.prompt_logprobs or 0
             seq.set_prompt_logprobs(self._score_prompt(prompt_hidden, contexts[i], num_top))
-        first_ids = self._choose(logits, newcomers, seeds)
-        for seq, seed in zip(newcomers, seeds, strict=True):
-            self._seeds[seq.slot] = seed
-        return first_ids
+        ending = [i for i, (seq, _, end) in enumerate(chunks) if end == len(seq.context_token_ids)]
+        if len(ending) != len(chunks):
+            logits = logits[self._tensor(ending)]
+        finishing = [chunks[i][0] for i in ending]
+        return self._choose(logits, finishing, [self._seeds[seq.slot] for seq in finishing])
 
     @torch.inference_mode()
     def _decode(self, active: list[Sequence]) -> list[int]:
         num_rows = max(seq.slot for seq in active) + 1
-        # A free slot below the highest live one decodes a dummy token at position
-        # 0 of its own (unowned) cache row.
+        # A slot below the highest live one that is not decoding (free, or still
+        # prefilling) decodes a dummy token where that writes nothing read.
         token_ids = [0] * num_rows
-        positions = [0] * num_rows
+        positions = [self._scratch_position(slot) for slot in range(num_rows)]
         for seq in active:
             token_ids[seq.slot] = seq.last_token_id
             positions[seq.slot] = seq.num_tokens - 1

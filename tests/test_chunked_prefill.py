@@ -1,0 +1,101 @@
+"""Chunked prefill (PREFILL_CHUNK_TOKENS): a long context goes into its slot a chunk
+per step, between decode steps, and nothing about the output changes. Parity with
+Hugging Face over the random schedule in chunks is in test_torch_engine.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.model_fixtures import (
+    CONTEXT_WINDOW,
+    random_prompt,
+    reference_ids,
+    request,
+    run_schedule,
+    tiny_engine,
+    tiny_model,
+)
+from worker.gpt2 import GPT2
+
+pytestmark = pytest.mark.model
+
+CHUNK = 16
+
+
+def test_a_long_prompt_goes_in_a_chunk_a_step_while_the_streams_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK)
+    prefilled_per_call: list[int] = []
+    prefill = GPT2.prefill
+
+    def counting_prefill(self: GPT2, token_ids, lengths, *args, **kwargs):  # type: ignore[no-untyped-def]
+        prefilled_per_call.append(sum(lengths))
+        return prefill(self, token_ids, lengths, *args, **kwargs)
+
+    monkeypatch.setattr(GPT2, "prefill", counting_prefill)
+    rng = random.Random(3)
+    streams = [request(f"s{i}", random_prompt(rng, 4, 8), 30, ignore_eos=True) for i in range(2)]
+    engine.admit(streams)
+    engine.step()  # the streams' prompts, then their first decode
+    long_prompt = random_prompt(rng, 100, 100)
+    engine.admit([request("long", long_prompt, 5, ignore_eos=True)])
+    steps_to_first_token = 0
+    while not engine._by_id["long"].output_token_ids:
+        before = [len(engine._by_id[s.request_id].output_token_ids) for s in streams]
+        prefilled_per_call.clear()
+        engine.step()
+        steps_to_first_token += 1
+        # Every step prefills at most one chunk, and decodes each stream.
+        assert prefilled_per_call and max(prefilled_per_call) <= CHUNK
+        after = [len(engine._by_id[s.request_id].output_token_ids) for s in streams]
+        assert after == [n + 1 for n in before]
+    assert steps_to_first_token == -(-len(long_prompt) // CHUNK)  # ceil(100 / 16) = 7
+
+
+def test_chunked_outputs_match_hugging_face_for_prompts_and_resumes() -> None:
+    model = tiny_model(eos_scale=1.5).model
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, 40, 90) for _ in range(3)]
+    requests = [request(f"r{i}", prompt, 20) for i, prompt in enumerate(prompts)]
+    expected = {r.request_id: reference_ids(model, r) for r in requests}
+    chunked = run_schedule(tiny_engine(3, eos_scale=1.5, prefill_chunk_tokens=CHUNK), {0: requests})
+    assert {rid: seq.token_ids for rid, seq in chunked.items()} == expected
+    # Resumed after some output: the context (prompt and output) goes in chunks too.
+    resumed = [
+        dataclasses.replace(r, resume_token_ids=expected[r.request_id][:7]) for r in requests
+    ]
+    engine = tiny_engine(3, eos_scale=1.5, prefill_chunk_tokens=CHUNK)
+    again = run_schedule(engine, {0: resumed})
+    assert {rid: seq.token_ids for rid, seq in again.items()} == expected
+
+
+def test_an_abort_while_prefilling_frees_the_slot_and_spares_the_others() -> None:
+    model = tiny_model().model
+    engine = tiny_engine(capacity=2, prefill_chunk_tokens=CHUNK)
+    rng = random.Random(7)
+    stream = request("stream", random_prompt(rng, 4, 8), 20, ignore_eos=True)
+    engine.admit([stream, request("long", random_prompt(rng, 90, 90), 5)])
+    engine.step()
+    assert engine.num_active() == 2
+    [aborted] = engine.abort(["long"])
+    assert aborted.finish_reason == "abort" and aborted.token_ids == []
+    assert engine.num_active() == 1
+    # The slot is free for the next newcomer, and the stream is unharmed.
+    newcomer = request("next", random_prompt(rng, 30, 30), 6)
+    engine.admit([newcomer])
+    finished = run_schedule(engine, {})
+    assert finished["stream"].token_ids == reference_ids(model, stream)
+    assert finished["next"].token_ids == reference_ids(model, newcomer)
+
+
+def test_a_chunk_never_runs_past_the_context_window() -> None:
+    engine = tiny_engine(capacity=1, prefill_chunk_tokens=CHUNK)
+    prompt = random_prompt(random.Random(9), CONTEXT_WINDOW - 1, CONTEXT_WINDOW - 1)
+    finished = run_schedule(engine, {0: [request("full", prompt, 1, ignore_eos=True)]})
+    assert len(finished["full"].token_ids) == 1
