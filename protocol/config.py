@@ -139,7 +139,7 @@ class WorkerConfig:
     )
     prefill_chunk_tokens: int = _setting(
         "PREFILL_CHUNK_TOKENS",
-        256,
+        128,
         "a newcomer's prompt is run into the model at most this many tokens per step, "
         "between decode steps, so that a long prompt does not stall the running streams; "
         "0: each prompt whole, at once",

@@ -58,6 +58,14 @@ def test_a_long_prompt_goes_in_a_chunk_a_step_while_the_streams_decode(
     assert steps_to_first_token == -(-len(long_prompt) // CHUNK)  # ceil(100 / 16) = 7
 
 
+def test_with_no_stream_to_hold_up_prompts_go_in_whole() -> None:
+    engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK)
+    rng = random.Random(4)
+    engine.admit([request(f"r{i}", random_prompt(rng, 50, 60), 5) for i in range(3)])
+    engine.step()
+    assert all(seq.output_token_ids for seq in engine.active_sequences())
+
+
 def test_chunked_outputs_match_hugging_face_for_prompts_and_resumes() -> None:
     model = tiny_model(eos_scale=1.5).model
     rng = random.Random(5)
@@ -80,8 +88,10 @@ def test_an_abort_while_prefilling_frees_the_slot_and_spares_the_others() -> Non
     engine = tiny_engine(capacity=2, prefill_chunk_tokens=CHUNK)
     rng = random.Random(7)
     stream = request("stream", random_prompt(rng, 4, 8), 20, ignore_eos=True)
-    engine.admit([stream, request("long", random_prompt(rng, 90, 90), 5)])
+    engine.admit([stream])
     engine.step()
+    engine.admit([request("long", random_prompt(rng, 90, 90), 5)])
+    engine.step()  # the long prompt's first chunk
     assert engine.num_active() == 2
     [aborted] = engine.abort(["long"])
     assert aborted.finish_reason == "abort" and aborted.token_ids == []

@@ -141,9 +141,15 @@ class SlotEngine(InferenceEngine):
 
     def _prefill_next_chunks(self) -> None:
         """Up to ``prefill_chunk_tokens`` more context tokens of the sequences
-        still prefilling, oldest first. A prompt to be scored goes in whole (its
-        scores need every position's hidden state at once)."""
-        budget = self.prefill_chunk_tokens
+        still prefilling, oldest first; all of them when no sequence is decoding,
+        since then there is no stream to hold up and one large prefill is the
+        fastest. A prompt to be scored goes in whole (its scores need every
+        position's hidden state at once)."""
+        budget = (
+            self.prefill_chunk_tokens
+            if self.decoding_sequences()
+            else sum(len(seq.context_token_ids) for seq in self._prefilling)
+        )
         chunks: list[tuple[Sequence, int, int]] = []
         for seq in self._prefilling:
             done, total = self._num_prefilled[seq.request_id], len(seq.context_token_ids)
