@@ -58,6 +58,22 @@ def test_a_long_prompt_goes_in_a_chunk_a_step_while_the_streams_decode(
     assert steps_to_first_token == -(-len(long_prompt) // CHUNK)  # ceil(100 / 16) = 7
 
 
+def test_a_resumed_request_goes_in_whole_beside_running_streams() -> None:
+    """Its client is mid-stream already: chunks would only stretch the stall."""
+    model = tiny_model().model
+    engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK)
+    rng = random.Random(8)
+    engine.admit([request("stream", random_prompt(rng, 4, 8), 30, ignore_eos=True)])
+    engine.step()
+    fresh = request("fresh", random_prompt(rng, 60, 60), 10, ignore_eos=True)
+    earlier = reference_ids(model, fresh)
+    engine.admit([dataclasses.replace(fresh, request_id="resumed", resume_token_ids=earlier[:5])])
+    engine.step()
+    resumed = engine._by_id["resumed"]
+    assert resumed.output_token_ids == earlier[: len(resumed.output_token_ids)]
+    assert len(resumed.output_token_ids) > 5  # its context (65 tokens) went in at once
+
+
 def test_with_no_stream_to_hold_up_prompts_go_in_whole() -> None:
     engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK)
     rng = random.Random(4)

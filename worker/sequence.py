@@ -117,6 +117,11 @@ class Sequence:
         scores, self.prompt_logprobs = self.prompt_logprobs, None
         return scores
 
+    @property
+    def is_resumed(self) -> bool:
+        """Whether it carries output an earlier attempt streamed (see `resume`)."""
+        return self._num_resumed > 0
+
     def resume(self, token_ids: Seq[int], num_chars_shown: int) -> None:
         """Replay output that an earlier attempt already streamed: ``token_ids``, of
         whose text ``num_chars_shown`` characters were shown. The sequence is then in

@@ -140,11 +140,14 @@ class SlotEngine(InferenceEngine):
         return output
 
     def _prefill_next_chunks(self) -> None:
-        """Up to ``prefill_chunk_tokens`` more context tokens of the sequences
+        """Up to ``prefill_chunk_tokens`` more context tokens of the newcomers
         still prefilling, oldest first; all of them when no sequence is decoding,
         since then there is no stream to hold up and one large prefill is the
-        fastest. A prompt to be scored goes in whole (its scores need every
-        position's hidden state at once)."""
+        fastest. Two kinds go in whole whatever the budget: a resumed sequence,
+        whose client is already waiting mid-stream (it is a running stream
+        itself, and the sooner every resumed one is back the shorter the stall
+        its worker's death caused), and a prompt to be scored (its scores need
+        every position's hidden state at once)."""
         budget = (
             self.prefill_chunk_tokens
             if self.decoding_sequences()
@@ -153,13 +156,14 @@ class SlotEngine(InferenceEngine):
         chunks: list[tuple[Sequence, int, int]] = []
         for seq in self._prefilling:
             done, total = self._num_prefilled[seq.request_id], len(seq.context_token_ids)
-            take = total - done if seq.wants_prompt_logprobs else min(total - done, budget)
-            if take > budget and chunks:
-                break  # a whole scored prompt waits to lead a step of its own
+            if seq.is_resumed or seq.wants_prompt_logprobs:
+                take = total - done
+            elif budget > 0:
+                take = min(total - done, budget)
+            else:
+                continue
             chunks.append((seq, done, done + take))
             budget -= take
-            if budget <= 0:
-                break
         finished = [seq for seq, _, end in chunks if end == len(seq.context_token_ids)]
         first_tokens = self._prefill_chunks(chunks)
         for seq, _, end in chunks:
