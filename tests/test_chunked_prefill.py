@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from protocol import ErrorResult, GenerateResult
 from tests.model_fixtures import (
     CONTEXT_WINDOW,
     random_prompt,
@@ -21,6 +22,8 @@ from tests.model_fixtures import (
     tiny_model,
 )
 from worker.gpt2 import GPT2
+from worker.scheduler import Scheduler
+from worker.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.model
 
@@ -125,3 +128,34 @@ def test_a_chunk_never_runs_past_the_context_window() -> None:
     prompt = random_prompt(random.Random(9), CONTEXT_WINDOW - 1, CONTEXT_WINDOW - 1)
     finished = run_schedule(engine, {0: [request("full", prompt, 1, ignore_eos=True)]})
     assert len(finished["full"].token_ids) == 1
+
+
+def test_a_chunk_that_fails_fails_its_own_request_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As at admission without chunks: the engine failing on one newcomer's prefill
+    answers that request with an error, and every other request goes on."""
+    model = tiny_model().model
+    engine = tiny_engine(capacity=4, prefill_chunk_tokens=CHUNK)
+    prefill_chunks = TorchEngine._prefill_chunks
+
+    def failing_on_bad(self: TorchEngine, chunks: list) -> list[int]:  # type: ignore[type-arg]
+        if any(seq.request_id == "bad" for seq, _, _ in chunks):
+            raise RuntimeError("this prompt breaks the model")
+        return prefill_chunks(self, chunks)
+
+    monkeypatch.setattr(TorchEngine, "_prefill_chunks", failing_on_bad)
+    rng = random.Random(11)
+    # Short enough for "bad" and "good" to share a step's chunks.
+    requests = [request(rid, random_prompt(rng, 5, 7), 8) for rid in ("stream", "bad", "good")]
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    scheduler.submit(requests[0])
+    outputs = scheduler.run_once()  # the stream alone: decoding before the others come
+    scheduler.submit(requests[1])
+    scheduler.submit(requests[2])
+    while scheduler.has_work():
+        outputs += scheduler.run_once()
+    errors = {o.request_id: o for o in outputs if isinstance(o, ErrorResult)}
+    results = {o.request_id: o for o in outputs if isinstance(o, GenerateResult)}
+    assert set(errors) == {"bad"} and "this prompt breaks the model" in errors["bad"].message
+    for r in (requests[0], requests[2]):
+        assert results[r.request_id].token_ids == reference_ids(model, r)
+    assert engine.num_active() == 0 and scheduler.num_failures_in_a_row == 0

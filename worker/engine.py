@@ -40,10 +40,14 @@ class FinishedSequence:
 @dataclass(slots=True)
 class StepOutput:
     """What one `step` produced: new output of streaming requests, in step order,
-    and every sequence that finished (their slots are already free)."""
+    every sequence that finished, and any that failed (their slots are already
+    free)."""
 
     deltas: list[TokenDelta] = field(default_factory=list)
     finished: list[FinishedSequence] = field(default_factory=list)
+    # Sequences dropped because the engine failed on them alone (a chunk of
+    # their prefill raised), with why; their slots are free too.
+    failed: list[tuple[str, Exception]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

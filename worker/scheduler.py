@@ -137,7 +137,12 @@ class Scheduler:
                 outputs.append(_internal_error(request_id, exc))
             self.num_failures_in_a_row += 1
             return False
-        self.num_failures_in_a_row = 0
+        for request_id, error in step.failed:  # the engine failed on these alone
+            self._admitted_at.pop(request_id, None)
+            outputs.append(_internal_error(request_id, error))
+        # Failures on single requests count, as at admission: an engine that fails
+        # on every request is broken, whichever request it is.
+        self.num_failures_in_a_row = self.num_failures_in_a_row + 1 if step.failed else 0
         outputs.extend(step.deltas)
         outputs.extend(self._finished_result(finished) for finished in step.finished)
         return True

@@ -5,6 +5,7 @@ tokens."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from abc import abstractmethod
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -25,6 +26,8 @@ from worker.engine import (
 )
 from worker.logprobs import TokenLogprob, pack
 from worker.sequence import Sequence, Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class SlotEngine(InferenceEngine):
@@ -129,7 +132,7 @@ class SlotEngine(InferenceEngine):
     def step(self) -> StepOutput:
         output = StepOutput()
         if self._prefilling:
-            self._prefill_next_chunks()
+            self._run_chunks(self._next_chunks(), output)
         # Newcomers whose first token finished them leave before the decode.
         self._collect(output)
         decoding = self.decoding_sequences()
@@ -139,8 +142,8 @@ class SlotEngine(InferenceEngine):
             self._collect(output)
         return output
 
-    def _prefill_next_chunks(self) -> None:
-        """Up to ``prefill_chunk_tokens`` more context tokens of the newcomers
+    def _next_chunks(self) -> list[tuple[Sequence, int, int]]:
+        """This step's chunks: up to ``prefill_chunk_tokens`` more context tokens of the newcomers
         still prefilling, oldest first; all of them when no sequence is decoding,
         since then there is no stream to hold up and one large prefill is the
         fastest. Two kinds go in whole whatever the budget: a resumed sequence,
@@ -164,10 +167,28 @@ class SlotEngine(InferenceEngine):
                 continue
             chunks.append((seq, done, done + take))
             budget -= take
-        finished = [seq for seq, _, end in chunks if end == len(seq.context_token_ids)]
-        first_tokens = self._prefill_chunks(chunks)
+        return chunks
+
+    def _run_chunks(self, chunks: list[tuple[Sequence, int, int]], output: StepOutput) -> None:
+        """Prefill ``chunks``. If that fails, each is run alone, so that a failure
+        falls only on the sequence that causes it: it is dropped, and reported in
+        ``output.failed``; the others, and every decoding sequence, go on."""
+        try:
+            first_tokens = self._prefill_chunks(chunks)
+        except Exception as exc:
+            if len(chunks) > 1:
+                log.warning("prefill failed for %d sequences; running each alone", len(chunks))
+                for chunk in chunks:
+                    self._run_chunks([chunk], output)
+                return
+            seq = chunks[0][0]
+            log.exception("prefill failed for request %s", seq.request_id)
+            output.failed.append((seq.request_id, exc))
+            self._free(seq)
+            return
         for seq, _, end in chunks:
             self._num_prefilled[seq.request_id] = end
+        finished = [seq for seq, _, end in chunks if end == len(seq.context_token_ids)]
         for seq, token_id in zip(finished, first_tokens, strict=True):
             self._prefilling.remove(seq)
             del self._num_prefilled[seq.request_id]
