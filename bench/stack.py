@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from worker.warm_start import WORKER_TITLE
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -32,9 +34,13 @@ class LocalStack:
     supervisor: subprocess.Popen[bytes]
 
     def child(self, module: str) -> psutil.Process:
-        """The running ``worker.main`` or ``frontend.main`` process."""
+        """The running ``worker.main`` or ``frontend.main`` process. A worker forked
+        from the fork server (warm starts) is its grandchild, and runs under the
+        title ``minibatch-worker <endpoint>`` rather than its module's name."""
+        marks = [module] + ([f"{WORKER_TITLE} "] if module == "worker.main" else [])
         for process in psutil.Process(self.supervisor.pid).children(recursive=True):
-            if module in " ".join(process.cmdline()):
+            command = " ".join(process.cmdline())
+            if any(mark in command for mark in marks):
                 return process
         raise RuntimeError(f"no {module} process under the supervisor")
 

@@ -16,10 +16,11 @@ import pytest
 from bench import fault_drill, load
 from bench.http_client import NATIVE, OPENAI, HttpTarget
 from bench.report import OK, RequestRecord, latency_stats, summarize
-from bench.stack import free_port
+from bench.stack import free_port, local_stack, stack_env, wait_live
 from bench.zmq_client import ZmqTarget
 from protocol import GenerateRequest
 from tests.stack import running_stack
+from worker.warm_start import WORKER_TITLE
 
 
 def test_latency_stats_are_milliseconds_with_interpolated_percentiles() -> None:
@@ -194,3 +195,14 @@ def test_fault_drill_kills_one_of_two_workers_and_loses_nothing(
     assert (summary["succeeded"], summary["lost"], summary["wrong"]) == (40, 0, 0)
     assert (summary["workers"], summary["frontends"]) == (2, 2)
     assert summary["faults"][0]["worst_stall_s"] is not None
+
+
+def test_a_bench_stack_finds_its_worker_forked_from_the_fork_server(tmp_path: Path) -> None:
+    """With warm starts the worker is the fork server's child, under its own title:
+    bench.compare_paths reads its CPU time through `LocalStack.child`."""
+    env = stack_env({"MODEL_ID": "fake"})
+    with local_stack(env, tmp_path / "stack.log") as stack:
+        wait_live(stack.url, timeout_s=60)
+        worker = stack.child("worker.main")
+        assert " ".join(worker.cmdline()).split() == [WORKER_TITLE, env["WORKER_ENDPOINT"]]
+        assert "frontend.main" in " ".join(stack.child("frontend.main").cmdline())
