@@ -26,6 +26,7 @@ AVX512-BF16 or AMX), oneDNN's copy stays in bfloat16 and multiplies activations
 rounded to bfloat16, summing in float32 (`Precision.bfloat16_products` says what
 that costs). On a 2-vCPU Xeon with AMX that made a decode step at 8 rows 1.5-1.7x
 faster than float32 through oneDNN, and prefill on one thread 2.4x.
+
 Elsewhere than the CPU, ``F.linear`` in the model's dtype is already right.
 """
 
@@ -97,8 +98,13 @@ class Projection:
             self.stored_weight = weight.to(getattr(torch, stored)).contiguous()
             widened = self.stored_weight.to(weight.dtype)
         is_cpu = weight.device.type == "cpu"
+        # The packing is a private op of torch's (its compiler's): a build without
+        # it falls back to F.linear rather than failing to load.
         self.is_packed = (
-            is_cpu and weight.dtype in (torch.float32, torch.bfloat16) and torch._C._has_mkldnn
+            is_cpu
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch._C._has_mkldnn
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         )
         self.bfloat16_products = bfloat16_products and self.is_packed
         if self.bfloat16_products:
