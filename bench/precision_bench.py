@@ -2,7 +2,7 @@
 
     python -m bench.precision_bench [--runs 3] [--capacity 8]
 
-For each of worker/precision.py's MODES, an engine on the synthetic model at
+For each of worker/precision.py's MODES that this CPU can run, an engine on the synthetic model at
 --capacity. Two measures, the modes taking turns so that a slow spell of a shared
 machine hits each alike: the engine benchmark's workload (bench/engine_bench.py:
 32 requests at t0, continuous batching; delivered tokens/s, median of --runs after
@@ -29,7 +29,7 @@ from bench.engine_bench import median_of_runs, run_continuous
 from bench.engines import mode_engine
 from bench.report import RESULTS, write_json
 from bench.workload import make_workload
-from worker.precision import MODES
+from worker.precision import MODES, cpu_modes
 
 CONTEXT = 128
 NUM_REQUESTS = 32
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--capacity", type=int, default=8)
     parser.add_argument("--wide-capacity", type=int, default=16)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=cpu_modes(), choices=MODES)
     parser.add_argument("--out", type=Path, default=RESULTS / "precision.json")
     args = parser.parse_args(argv)
 
