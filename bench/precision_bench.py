@@ -1,9 +1,10 @@
-"""Precision benchmark: float32, float16, bfloat16 and int8 weights, in one run.
+"""Precision benchmark: float32, float16, bfloat16 and int8 weights, and bfloat16
+products, in one run.
 
     python -m bench.precision_bench [--runs 3] [--capacity 8]
 
-For each of worker/precision.py's MODES that this CPU can run, an engine on the synthetic model at
---capacity. Two measures, the modes taking turns so that a slow spell of a shared
+For each of worker/precision.py's MODES that this CPU can run, an engine on the
+synthetic model at --capacity. Two measures, the modes taking turns so that a slow spell of a shared
 machine hits each alike: the engine benchmark's workload (bench/engine_bench.py:
 32 requests at t0, continuous batching; delivered tokens/s, median of --runs after
 a warm-up), and the median decode step with every slot at 128 tokens of context
