@@ -124,10 +124,16 @@ def test_an_abort_while_prefilling_frees_the_slot_and_spares_the_others() -> Non
 
 
 def test_a_chunk_never_runs_past_the_context_window() -> None:
-    engine = tiny_engine(capacity=1, prefill_chunk_tokens=CHUNK)
-    prompt = random_prompt(random.Random(9), CONTEXT_WINDOW - 1, CONTEXT_WINDOW - 1)
-    finished = run_schedule(engine, {0: [request("full", prompt, 1, ignore_eos=True)]})
-    assert len(finished["full"].token_ids) == 1
+    """The last chunk of a prompt one short of the window ends at its last position,
+    and a stream running beside it keeps its prompt in chunks all the way."""
+    model = tiny_model().model
+    engine = tiny_engine(capacity=2, prefill_chunk_tokens=CHUNK)
+    rng = random.Random(9)
+    stream = request("stream", random_prompt(rng, 4, 4), 30, ignore_eos=True)
+    full = request("full", random_prompt(rng, CONTEXT_WINDOW - 1, CONTEXT_WINDOW - 1), 1)
+    finished = run_schedule(engine, {0: [stream], 1: [full]})
+    assert finished["full"].token_ids == reference_ids(model, full)
+    assert finished["stream"].token_ids == reference_ids(model, stream)
 
 
 def test_a_chunk_that_fails_fails_its_own_request_only(monkeypatch: pytest.MonkeyPatch) -> None:

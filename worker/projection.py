@@ -24,7 +24,7 @@ so a token's keys do not depend on whether it was prefilled or decoded.
 With BFLOAT16_PRODUCTS=1 (bfloat16 weights, on a CPU with bfloat16 dot products:
 AVX512-BF16 or AMX), oneDNN's copy stays in bfloat16 and multiplies activations
 rounded to bfloat16, summing in float32 (`Precision.bfloat16_products` says what
-that costs). On a 2-vCPU Xeon with AMX that made a decode step at 8 rows 1.5-1.7x
+that costs). On a 2-vCPU Xeon with AMX that made a decode step at 8 rows 1.5-1.8x
 faster than float32 through oneDNN, and prefill on one thread 2.4x.
 
 Elsewhere than the CPU, ``F.linear`` in the model's dtype is already right.

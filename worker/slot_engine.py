@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from abc import abstractmethod
-from collections import deque
 from collections.abc import Sequence as Seq
 
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
@@ -44,9 +43,9 @@ class SlotEngine(InferenceEngine):
         long prompt does not hold up the running streams (0: whole, at admit)."""
         self.info = info
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        # Admitted sequences whose context is not yet all in their slot, oldest
-        # first, each with how many of its context tokens are.
-        self._prefilling: deque[Sequence] = deque()
+        # Admitted sequences whose context is not yet all in their slot, by request
+        # id in admission order (oldest first), each with how many of its context
+        # tokens are.
         self._num_prefilled: dict[str, int] = {}
         self.tokenizer = tokenizer
         self.chat_template = chat_template or jinja_template(DEFAULT_CHAT_TEMPLATE, "default")
@@ -121,9 +120,7 @@ class SlotEngine(InferenceEngine):
             self._slots[seq.slot] = seq
             self._by_id[seq.request_id] = seq
         if chunked:
-            for seq in to_prefill:
-                self._prefilling.append(seq)
-                self._num_prefilled[seq.request_id] = 0
+            self._num_prefilled.update((seq.request_id, 0) for seq in to_prefill)
         else:
             for seq, token_id in zip(to_prefill, first_tokens, strict=True):
                 self._take_first_token(seq, token_id)
@@ -131,7 +128,7 @@ class SlotEngine(InferenceEngine):
 
     def step(self) -> StepOutput:
         output = StepOutput()
-        if self._prefilling:
+        if self._num_prefilled:
             self._run_chunks(self._next_chunks(), output)
         # Newcomers whose first token finished them leave before the decode.
         self._collect(output)
@@ -143,26 +140,24 @@ class SlotEngine(InferenceEngine):
         return output
 
     def _next_chunks(self) -> list[tuple[Sequence, int, int]]:
-        """This step's chunks: up to ``prefill_chunk_tokens`` more context tokens of the newcomers
-        still prefilling, oldest first; all of them when no sequence is decoding,
+        """This step's chunks: up to ``prefill_chunk_tokens`` more context tokens
+        of the newcomers still prefilling, oldest first; all of them when no sequence is decoding,
         since then there is no stream to hold up and one large prefill is the
         fastest. Two kinds go in whole whatever the budget: a resumed sequence,
         whose client is already waiting mid-stream (it is a running stream
         itself, and the sooner every resumed one is back the shorter the stall
         its worker's death caused), and a prompt to be scored (its scores need
         every position's hidden state at once)."""
-        budget = (
-            self.prefill_chunk_tokens
-            if self.decoding_sequences()
-            else sum(len(seq.context_token_ids) for seq in self._prefilling)
-        )
+        holds_up_streams = bool(self.decoding_sequences())
+        budget = self.prefill_chunk_tokens
         chunks: list[tuple[Sequence, int, int]] = []
-        for seq in self._prefilling:
-            done, total = self._num_prefilled[seq.request_id], len(seq.context_token_ids)
-            if seq.is_resumed or seq.wants_prompt_logprobs:
-                take = total - done
+        for request_id, done in self._num_prefilled.items():
+            seq = self._by_id[request_id]
+            remaining = len(seq.context_token_ids) - done
+            if not holds_up_streams or seq.is_resumed or seq.wants_prompt_logprobs:
+                take = remaining
             elif budget > 0:
-                take = min(total - done, budget)
+                take = min(remaining, budget)
             else:
                 continue
             chunks.append((seq, done, done + take))
@@ -190,7 +185,6 @@ class SlotEngine(InferenceEngine):
             self._num_prefilled[seq.request_id] = end
         finished = [seq for seq, _, end in chunks if end == len(seq.context_token_ids)]
         for seq, token_id in zip(finished, first_tokens, strict=True):
-            self._prefilling.remove(seq)
             del self._num_prefilled[seq.request_id]
             self._take_first_token(seq, token_id)
 
@@ -347,6 +341,5 @@ class SlotEngine(InferenceEngine):
     def _free(self, seq: Sequence) -> None:
         self._slots[seq.slot] = None
         del self._by_id[seq.request_id]
-        if self._num_prefilled.pop(seq.request_id, None) is not None:
-            self._prefilling.remove(seq)  # aborted before its context was all in
+        self._num_prefilled.pop(seq.request_id, None)  # aborted before all of it was in
         self._release(seq.slot)
