@@ -151,6 +151,12 @@ class WorkerConfig:
         "the projections multiply activations rounded to bfloat16, for faster decode and "
         "prefill; an output can then change with its batchmates or across a resume",
     )
+    cuda_graphs: bool = _setting(
+        "CUDA_GRAPHS",
+        True,
+        "on CUDA, decode steps replay CUDA graphs captured at start, a few batch sizes by "
+        "a few attended lengths; 0 runs every step eagerly (slower; for debugging)",
+    )
     fake_step_delay_s: float = _setting(
         "FAKE_STEP_DELAY_S", 0.0, "seconds each step of the fake engine sleeps"
     )

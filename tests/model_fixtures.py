@@ -18,6 +18,7 @@ from transformers import GPT2LMHeadModel
 
 from protocol import GenerateRequest
 from worker import gpt2, projection
+from worker.decode_step import Buckets, Capture, DecodeStep, eager
 from worker.engine import FinishedSequence
 from worker.model_loader import LoadedModel, synthetic_config, synthetic_model
 from worker.precision import MODES, Precision
@@ -111,6 +112,16 @@ def tiny_engine(
         precision=precision,
         prefill_chunk_tokens=prefill_chunk_tokens,
     )
+
+
+def with_graph_buckets(engine: TorchEngine, capture: Capture = eager) -> TorchEngine:
+    """``engine``, decoding as on CUDA: each step padded up to a bucket (1, 2, 4 ...
+    rows; 16, 32, 64 or 128 positions) and run by ``capture``'s replay, by default
+    `eager`, the CPU's stand-in for a CUDA graph."""
+    buckets = Buckets.doubling(engine.capacity, CONTEXT_WINDOW, shortest_length=16)
+    graphs = buckets, capture
+    engine.decode_step = DecodeStep(engine.gpt2, engine.cache, engine.capacity, graphs)
+    return engine
 
 
 def force_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

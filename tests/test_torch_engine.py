@@ -25,6 +25,7 @@ from tests.model_fixtures import (
     run_schedule,
     tiny_engine,
     tiny_model,
+    with_graph_buckets,
 )
 from tests.resume import assert_every_resume_is_exact
 from worker.engine import RequestRejected
@@ -125,22 +126,26 @@ def schedule_references(schedule: Schedule) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("capacity", "uses_kernels", "prefill_chunk_tokens"),
+    ("capacity", "uses_kernels", "prefill_chunk_tokens", "graph_buckets"),
     [
-        (1, True, 0),
-        (3, True, 0),
-        (8, True, 0),
-        (8, False, 0),
+        (1, True, 0, False),
+        (3, True, 0, False),
+        (8, True, 0, False),
+        (8, False, 0, False),
         # Chunks shorter than most prompts, and one that mostly fits them whole.
-        (3, True, 7),
-        (8, True, 16),
-        (8, False, 64),
+        (3, True, 7, False),
+        (8, True, 16, False),
+        (8, False, 64, False),
+        # Steps padded to CUDA's graph buckets (run eagerly here).
+        (6, True, 0, True),
+        (8, False, 16, True),
     ],
 )
 def test_random_schedule_with_aborts(
     capacity: int,
     uses_kernels: bool,
     prefill_chunk_tokens: int,
+    graph_buckets: bool,
     schedule: Schedule,
     schedule_references: dict[str, list[int]],
     monkeypatch: pytest.MonkeyPatch,
@@ -150,6 +155,8 @@ def test_random_schedule_with_aborts(
     else:
         disable_kernels(monkeypatch)
     engine = tiny_engine(capacity, eos_scale=1.5, prefill_chunk_tokens=prefill_chunk_tokens)
+    if graph_buckets:
+        with_graph_buckets(engine)
     assert uses_kernels or engine.gpt2.decode_attention is None
     requests = schedule.requests
     finished = run_schedule(engine, schedule.arrivals, schedule.aborts)

@@ -13,6 +13,7 @@ import itertools
 import torch
 
 from protocol import GenerateRequest
+from worker.host_copy import to_device
 from worker.sequence import Sequence
 
 
@@ -38,7 +39,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     vocab_size = logits.shape[-1]
     counts = _counts([seq.output_token_ids for seq in penalised], vocab_size, device)  # (P, V)
     in_prompt = _counts([seq.prompt_token_ids for seq in penalised], vocab_size, device) > 0
-    row_index = torch.tensor(rows, device=device)
+    row_index = to_device(rows, device)
     scores = logits[row_index].float()  # (P, V)
     repetition = _column([seq.request.repetition_penalty for seq in penalised], device)
     seen = in_prompt | (counts > 0)
@@ -62,8 +63,8 @@ def suppress_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             token_ids += stops
     if rows:
         index = (
-            torch.tensor(rows, device=logits.device),
-            torch.tensor(token_ids, device=logits.device),
+            to_device(rows, logits.device),
+            to_device(token_ids, logits.device),
         )
         logits[index] = float("-inf")
 
@@ -73,12 +74,12 @@ def _counts(token_lists: list[list[int]], vocab_size: int, device: torch.device)
     counts = torch.zeros(len(token_lists), vocab_size, device=device)
     flat = list(itertools.chain.from_iterable(token_lists))
     if flat:
-        lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+        lengths = to_device([len(tokens) for tokens in token_lists], device)
         rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
-        ids = torch.tensor(flat, device=device)
+        ids = to_device(flat, device)
         counts.index_put_((rows, ids), torch.ones(len(flat), device=device), accumulate=True)
     return counts
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, device=device)[:, None]  # (P, 1)
+    return to_device(values, device)[:, None]  # (P, 1)

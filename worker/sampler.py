@@ -16,6 +16,7 @@ import torch
 
 from protocol import ErrorCode, GenerateRequest
 from worker.engine import RequestRejected
+from worker.host_copy import to_device
 
 
 def check_sampling(request: GenerateRequest) -> None:
@@ -76,7 +77,7 @@ class Sampler:
         next_ids = logits.argmax(dim=-1)  # (N,)
         sampled = [(i, seed) for i, seed in enumerate(seeds) if seed is not None]
         if sampled:
-            rows = torch.tensor([i for i, _ in sampled], device=logits.device)
+            rows = to_device([i for i, _ in sampled], logits.device)
             chosen = self._draw(
                 logits[rows].float(),
                 [requests[i] for i, _ in sampled],
@@ -93,17 +94,17 @@ class Sampler:
     ) -> torch.Tensor:
         vocab_size = logits.shape[-1]  # logits: (S, V)
         device = logits.device
-        temperature = torch.tensor([r.temperature for r in requests], device=device)
+        temperature = to_device([r.temperature for r in requests], device)
         scaled = logits / temperature[:, None]
         noise = torch.empty_like(scaled)  # (S, V) uniform, each row from its own seed
         for row, seed in enumerate(noise_seeds):
             noise[row].uniform_(generator=self._generator.manual_seed(seed))
         # Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits).
         gumbel = -torch.log(-torch.log(noise.clamp_(min=torch.finfo(noise.dtype).tiny)))
-        top_k = torch.tensor([r.top_k for r in requests], device=device)
-        top_p = torch.tensor([r.top_p for r in requests], device=device)
-        if not bool(((top_k > 0) | (top_p < 1)).any()):
+        if not any(r.top_k > 0 or r.top_p < 1 for r in requests):
             return (scaled + gumbel).argmax(dim=-1)
+        top_k = to_device([r.top_k for r in requests], device)
+        top_p = to_device([r.top_p for r in requests], device)
         # Filter in descending order; the draw happens in that order too, so no
         # scatter back to vocabulary order is needed until the very end.
         ordered, order = scaled.sort(dim=-1, descending=True)  # (S, V)

@@ -15,8 +15,10 @@ import torch
 
 from protocol.config import ConfigError, WorkerConfig
 from worker.chat_template import ChatTemplate, choose_chat_template
+from worker.decode_step import SHORTEST_GRAPH_LENGTH, Buckets, DecodeStep, cuda_graph_capture
 from worker.engine import ModelInfo
 from worker.gpt2 import GPT2
+from worker.host_copy import to_device
 from worker.logprobs import UNSCORED, TokenLogprob
 from worker.model_loader import LoadedModel, load_model
 from worker.penalties import apply_penalties, suppress_early_stops
@@ -50,6 +52,7 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
         precision,
         gpt2,
         config.prefill_chunk_tokens,
+        config.cuda_graphs,
     )
 
 
@@ -114,10 +117,12 @@ class TorchEngine(SlotEngine):
         precision: Precision | None = None,
         gpt2: GPT2 | None = None,
         prefill_chunk_tokens: int = 0,
+        cuda_graphs: bool = True,
     ) -> None:
         """``precision`` defaults to the loaded model's own dtype throughout;
         ``gpt2``, the model's weights already made into the engine's, to ``loaded``;
-        ``prefill_chunk_tokens``: see `SlotEngine`."""
+        ``prefill_chunk_tokens``: see `SlotEngine`; ``cuda_graphs``: on CUDA, decode
+        steps replay graphs captured here (`worker.decode_step`)."""
         config = loaded.model.config
         info = ModelInfo(
             loaded.name,
@@ -132,6 +137,11 @@ class TorchEngine(SlotEngine):
         self.gpt2 = gpt2 or GPT2(loaded.model, self.precision)
         self.device = self.gpt2.device
         self.cache = self.gpt2.new_cache(capacity)
+        graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            buckets = Buckets.doubling(capacity, info.context_window, SHORTEST_GRAPH_LENGTH)
+            graphs = buckets, cuda_graph_capture(self.device)
+        self.decode_step = DecodeStep(self.gpt2, self.cache, capacity, graphs)
         self.sampler = Sampler(self.device)
         self._seeds: list[int | None] = [None] * capacity  # by slot; None: greedy
         logger.info(
@@ -177,19 +187,16 @@ class TorchEngine(SlotEngine):
 
     @torch.inference_mode()
     def _decode(self, active: list[Sequence]) -> list[int]:
-        num_rows = max(seq.slot for seq in active) + 1
-        # A slot below the highest live one that is not decoding (free, or still
-        # prefilling) decodes a dummy token where that writes nothing read.
+        num_rows = self.decode_step.rows_for(max(seq.slot for seq in active) + 1)
+        # A slot that is not decoding (free, or still prefilling) below the highest
+        # live one, or padding a bucket, decodes a dummy token where that writes
+        # nothing read.
         token_ids = [0] * num_rows
         positions = [self._scratch_position(slot) for slot in range(num_rows)]
         for seq in active:
             token_ids[seq.slot] = seq.last_token_id
             positions[seq.slot] = seq.num_tokens - 1
-        logits = self.gpt2.decode(
-            self._tensor(token_ids), self._tensor(positions), max(positions) + 1, self.cache
-        )  # (R, V)
-        if num_rows != len(active):
-            logits = logits[self._tensor([seq.slot for seq in active])]
+        logits = self.decode_step.run(token_ids, positions, [seq.slot for seq in active])
         return self._choose(logits, active, [self._seeds[seq.slot] for seq in active])
 
     def _choose(
@@ -236,8 +243,8 @@ class TorchEngine(SlotEngine):
     def _release(self, slot: int) -> None:
         self._seeds[slot] = None
 
-    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return to_device(values, self.device, torch.long)
 
 
 def _scores(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: int) -> list[TokenLogprob]:
