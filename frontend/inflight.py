@@ -34,6 +34,7 @@ class InFlight:
     num_worker_deaths: int = 0  # workers that died while this request was in flight on them
     num_deaths_without_progress: int = 0  # of those, the ones it made no progress on
     made_progress: bool = False  # it ran a step since it was sent, or since the last death
+    is_running: bool = False  # the current attempt has streamed a token: it holds a slot
     streamed_token_ids: list[int] = field(default_factory=list)
     streamed_text: str = ""
     # Logprobs ride on deltas once each; a replay never sends them again.
@@ -57,6 +58,7 @@ class InFlight:
         (the result still carries the whole text): the frontend sees which requests
         make progress, and where a replay must resume."""
         self.attempt += 1
+        self.is_running = False
         return dataclasses.replace(
             self.request,
             request_id=self.wire_id,
@@ -64,6 +66,12 @@ class InFlight:
             resume_text_len=len(self.streamed_text),
             stream=True,
         )
+
+    @property
+    def ends_this_step(self) -> bool:
+        """Running, one token short of its max_new_tokens: the step under way in
+        its worker ends it, whatever it produces, and frees its slot."""
+        return self.is_running and len(self.streamed_token_ids) + 1 >= self.request.max_new_tokens
 
     def record(self, delta: TokenDelta) -> None:
         self.streamed_token_ids.extend(delta.token_ids)

@@ -226,8 +226,14 @@ class WorkerClient:
                 entry.events.put_nowait(message)
             if message.token_ids:
                 entry.made_progress = True  # it ran a step: likely not what kills workers
-                if link.trial is entry:
+                entry.is_running = True
+                is_trial_passed = link.trial is entry
+                if is_trial_passed:
                     link.trial = None
+                # A passed trial lets the next suspect go. A request that the step
+                # under way ends frees its slot: its successor, sent now, waits in
+                # the worker and starts right after that step, not a step later.
+                if is_trial_passed or entry.ends_this_step:
                     self._dispatch()
         else:
             link.on_done()

@@ -117,14 +117,17 @@ class WorkerLink:
 
     def free_slots(self) -> int:
         """Slots free for another request, as far as this frontend can tell: the
-        worker's last heartbeat, plus what was sent here and answered since. Below
-        zero when requests wait in the worker's queue."""
+        worker's last heartbeat, plus what was sent here and answered since, plus
+        the slots of this frontend's requests that the step under way ends (see
+        `InFlight.ends_this_step`). Below zero when requests wait in the worker's
+        queue."""
         hello = self.liveness.hello
         if hello is None:
             return 0
         heartbeat = self.liveness.last_heartbeat
         busy = heartbeat.num_active + heartbeat.num_queued if heartbeat else 0
-        return hello.capacity - max(0, busy + self._num_sent - self._num_done)
+        num_ending = sum(entry.ends_this_step for entry in self.held)
+        return hello.capacity - max(0, busy + self._num_sent - self._num_done) + num_ending
 
     async def _receive_loop(self) -> None:
         while True:

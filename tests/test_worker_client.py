@@ -1,13 +1,20 @@
-"""The frontend's links to its workers: a background task that dies ends the frontend."""
+"""The frontend's links to its workers: a background task that dies ends the frontend;
+a slot that the step under way frees is refilled before that step ends."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 
 import pytest
+import zmq
+import zmq.asyncio
 
+from frontend.worker_client import WorkerClient
+from protocol import GenerateRequest, Heartbeat, Hello, Ping, TokenDelta, decode_to_worker, encode
+from protocol.config import FrontendConfig, load
 from tests.stack import free_port
 
 
@@ -41,3 +48,69 @@ def test_a_background_task_that_raises_ends_the_frontend_loudly(cls: str, loop: 
     assert done.returncode == 4
     assert "background task worker-" in done.stderr
     assert "RuntimeError: injected" in done.stderr
+
+
+class StandInWorker:
+    """A ROUTER that speaks the worker's side of the protocol as the test says."""
+
+    def __init__(self, context: zmq.asyncio.Context) -> None:
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.peer = b""
+
+    async def greet(self, capacity: int) -> None:
+        """Answer the frontend's first ping with a hello and a heartbeat."""
+        self.peer, frame = await self.socket.recv_multipart()
+        assert isinstance(decode_to_worker(frame), Ping)
+        hello = Hello("stand-in", "fake", False, capacity, 1024, 16, 1 << 20)
+        await self.send(hello)
+        await self.send(Heartbeat("stand-in", num_steps=1, num_queued=0, num_active=0))
+
+    async def send(self, message: Hello | Heartbeat | TokenDelta) -> None:
+        await self.socket.send_multipart([self.peer, encode(message)])
+
+    async def next_request(self, timeout_s: float) -> GenerateRequest | None:
+        """The next request the frontend sends (pings skipped), or None in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (remaining := deadline - loop.time()) > 0:
+            if not await self.socket.poll(remaining * 1000):
+                break
+            _, frame = await self.socket.recv_multipart()
+            message = decode_to_worker(frame)
+            if isinstance(message, GenerateRequest):
+                return message
+        return None
+
+
+def test_the_next_request_goes_out_while_the_running_one_takes_its_last_step() -> None:
+    """One slot: the second request is sent as soon as the first is one token short
+    of its max_new_tokens (the step under way ends it), not after the first's
+    result, so the worker can start it right after that step."""
+
+    async def drill() -> None:
+        context = zmq.asyncio.Context()
+        worker = StandInWorker(context)
+        client = WorkerClient(load(FrontendConfig, [], {"WORKER_ENDPOINT": worker.endpoint}))
+        await client.start()
+        try:
+            await worker.greet(capacity=1)
+            while not client.verdict().is_live:
+                await asyncio.sleep(0.01)
+            deadline = asyncio.get_running_loop().time() + 30
+            for request_id in ("first", "second"):
+                client.submit(GenerateRequest(request_id, "a prompt", max_new_tokens=3), deadline)
+            first = await worker.next_request(timeout_s=5)
+            assert first is not None and first.request_id == "first.1"
+            await worker.send(TokenDelta(first.request_id, [1], "x"))
+            assert await worker.next_request(timeout_s=0.3) is None  # two more steps to go
+            await worker.send(TokenDelta(first.request_id, [2], "y"))
+            second = await worker.next_request(timeout_s=5)
+            assert second is not None and second.request_id == "second.1"
+        finally:
+            await client.close()
+            worker.socket.close()
+            context.term()
+
+    asyncio.run(drill())
