@@ -3,17 +3,20 @@
     python -m bench.compare_paths --capacity 8 --requests 48 --rounds 3
 
 It starts one stack (synthetic model, MAX_BATCH_SIZE=C) and runs one seeded
-closed-loop workload at concurrency C three ways, in turn, --rounds times:
-- http:   streamed POST /generate through the frontend to the worker;
-- zmq:    the same requests straight to that worker's socket (bench/zmq_client.py);
-- engine: an engine of capacity C in this process, with C requests always
+closed-loop workload four ways, in turn, --rounds times:
+- http:       streamed POST /generate through the frontend to the worker, C users;
+- http-queue: the same with 2C users, so that requests wait in the frontend;
+- zmq:        C users straight to that worker's socket (bench/zmq_client.py);
+- engine:     an engine of capacity C in this process, with C requests always
   available (the next arrives the moment one finishes, and is timed from then).
-All three decode the same tokens with the same batch of C, so what differs is
-the path: HTTP/zmq is the frontend's cost, zmq/engine the worker's transport and
-the round trip a new request waits before it fills a freed slot. Reported:
-medians of the rounds, the ratios, and the CPU seconds each process used per run
-(on a machine with few cores the client and frontend take theirs from the
-worker). Writes bench/results/compare_paths.json and .png.
+All decode the same tokens with batches of up to C, so what differs is the path:
+http/zmq is the frontend's cost, zmq/engine the worker's transport and the round
+trip a new request waits before it fills a freed slot, which http-queue's
+waiting requests do not make. Reported: medians of the rounds, the ratios, the
+CPU seconds each process used per run (on a machine with few cores the client
+and frontend take theirs from the worker), and the tokens each step delivered
+(from the worker's step count in /health), which no CPU noise moves: a slot left
+empty for a step shows there. Writes bench/results/compare_paths.json and .png.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 from bench import http_load, zmq_load
@@ -35,14 +40,17 @@ from bench.stack import LocalStack, local_stack, stack_env, wait_live
 from protocol.config import WorkerConfig
 from worker.torch_engine import TorchEngine, load_engine
 
-PATHS = ("engine", "zmq", "http")
+PATHS = ("engine", "zmq", "http", "http-queue")
 Summary = dict[str, Any]
+# Longer than the worker's heartbeat interval: a heartbeat sent after this wait
+# carries the step count of a worker that has gone idle.
+HEARTBEAT_WAIT_S = 0.7
 
 
-def _load_args(args: argparse.Namespace, requests: int) -> list[str]:
+def _load_args(args: argparse.Namespace, requests: int, concurrency: int) -> list[str]:
     return [
         "--mode=closed",
-        f"--concurrency={args.capacity}",
+        f"--concurrency={concurrency}",
         f"--requests={requests}",
         f"--seed={args.seed}",
         "--no-progress",
@@ -58,16 +66,35 @@ class Paths:
         self.args = args
 
     def run(self, path: str, num_requests: int) -> Summary:
-        if path == "http":
-            http_args = http_load.parser().parse_args(_load_args(self.args, num_requests))
+        if path == "engine":
+            engine_args = zmq_load.parser().parse_args(
+                _load_args(self.args, num_requests, self.args.capacity)
+            )
+            requests = workload(engine_args, tag=f"{path}-{uuid.uuid4().hex[:8]}")
+            summary = run_continuous(self.engine, requests, concurrency=self.args.capacity)
+        else:
+            steps_before = self._worker_steps()
+            summary = self._run_served(path, num_requests)
+            summary["steps"] = self._worker_steps() - steps_before
+        summary["tokens_per_step"] = summary["num_tokens"] / max(1, summary["steps"])
+        return summary
+
+    def _run_served(self, path: str, num_requests: int) -> Summary:
+        users = self.args.capacity * (2 if path == "http-queue" else 1)
+        if path.startswith("http"):
+            http_args = http_load.parser().parse_args(_load_args(self.args, num_requests, users))
             requests = workload(http_args, tag=f"http-{uuid.uuid4().hex[:8]}")
             return summarize(asyncio.run(http_load.run_http(self.stack.url, requests, http_args)))
-        zmq_args = zmq_load.parser().parse_args(_load_args(self.args, num_requests))
+        zmq_args = zmq_load.parser().parse_args(_load_args(self.args, num_requests, users))
         requests = workload(zmq_args, tag=f"{path}-{uuid.uuid4().hex[:8]}")
-        if path == "zmq":
-            endpoint = self.stack.worker_endpoint
-            return summarize(asyncio.run(zmq_load.run_zmq(endpoint, requests, zmq_args)))
-        return run_continuous(self.engine, requests, concurrency=self.args.capacity)
+        endpoint = self.stack.worker_endpoint
+        return summarize(asyncio.run(zmq_load.run_zmq(endpoint, requests, zmq_args)))
+
+    def _worker_steps(self) -> int:
+        """The worker's steps so far, once it is idle (it counts only steps that did work)."""
+        time.sleep(HEARTBEAT_WAIT_S)
+        health = httpx.get(f"{self.stack.url}/health", timeout=10).json()
+        return int(health["workers"][0]["steps"])
 
     def run_with_cpu(self, path: str, num_requests: int) -> Summary:
         """The run's summary, with the CPU seconds each process spent during it."""
@@ -114,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for path in PATHS:
         cpu = ", ".join(f"{name} {s:.1f}" for name, s in medians[path]["cpu_s"].items())
         print(f"CPU seconds during a {path} run: {cpu}")
+    for path in PATHS:
+        print(f"tokens per step, {path}: {medians[path]['tokens_per_step']:.3f}")
     for name, value in ratios.items():
         print(f"{name:<44} {value:8.3f}")
     write_json(
@@ -121,7 +150,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         {
             "settings": {
                 "capacity": args.capacity,
-                "concurrency": args.capacity,
+                "users": {
+                    path: args.capacity * (2 if path == "http-queue" else 1) for path in PATHS
+                },
                 "requests": args.requests,
                 "rounds": args.rounds,
                 "seed": args.seed,
@@ -152,8 +183,12 @@ def _ratios(medians: dict[str, Summary]) -> dict[str, float]:
     def p50(path: str, stat: str = "e2e_ms") -> float:
         return float(medians[path][stat]["p50"])
 
+    def per_step(path: str) -> float:
+        return float(medians[path]["tokens_per_step"]) / float(medians["engine"]["tokens_per_step"])
+
     return {
         "http / engine tokens/s (target >= 0.95)": tokens("http") / tokens("engine"),
+        "http-queue / engine tokens/s": tokens("http-queue") / tokens("engine"),
         "zmq / engine tokens/s": tokens("zmq") / tokens("engine"),
         "http / zmq tokens/s": tokens("http") / tokens("zmq"),
         "http - engine median e2e ms (target <= 5)": p50("http") - p50("engine"),
@@ -161,6 +196,9 @@ def _ratios(medians: dict[str, Summary]) -> dict[str, float]:
         "http - zmq median e2e ms": p50("http") - p50("zmq"),
         "http median ms outside the worker (paired)": p50("http", "path_overhead_ms"),
         "zmq median ms outside the worker (paired)": p50("zmq", "path_overhead_ms"),
+        "zmq tokens per step / engine's": per_step("zmq"),
+        "http tokens per step / engine's": per_step("http"),
+        "http-queue tokens per step / engine's": per_step("http-queue"),
     }
 
 

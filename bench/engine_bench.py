@@ -50,7 +50,7 @@ def run_continuous(
     records = {
         r.request_id: RequestRecord(r.request_id, t0) for r in requests[: concurrency or None]
     }
-    num_admitted = 0
+    num_admitted = num_steps = 0
     while num_admitted < len(requests) or engine.num_active():
         num_free = engine.capacity - engine.num_active()
         # Only requests that have arrived (have a record) may be admitted.
@@ -58,6 +58,7 @@ def run_continuous(
         if newcomers:
             engine.admit(newcomers)
             num_admitted += len(newcomers)
+        num_steps += 1
         for seq in engine.step().finished:
             now = time.perf_counter()
             record = records[seq.request_id]
@@ -66,7 +67,7 @@ def run_continuous(
             if len(records) < len(requests):
                 arrival = requests[len(records)]
                 records[arrival.request_id] = RequestRecord(arrival.request_id, now)
-    return summarize(list(records.values()))
+    return {**summarize(list(records.values())), "steps": num_steps}
 
 
 def run_static(runner: StaticBatchRunner, requests: list[GenerateRequest]) -> Summary:

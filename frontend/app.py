@@ -127,6 +127,7 @@ def _worker_status(link: WorkerLink) -> dict[str, Any]:
         "active": heartbeat.num_active if heartbeat else None,
         "queued": heartbeat.num_queued if heartbeat else None,
         "finished": heartbeat.num_finished if heartbeat else None,
+        "steps": heartbeat.num_steps if heartbeat else None,
         "held": len(link.held),  # this frontend's requests it runs or queues
     }
 

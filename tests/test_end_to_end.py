@@ -56,7 +56,7 @@ def test_two_concurrent_requests_with_the_same_id_get_their_own_answers(tmp_path
         assert response.json()["text"] == expected_text(str(body["prompt"]), 12)
 
 
-def test_health_names_the_model_and_is_503_without_a_worker(tmp_path: Path) -> None:
+def test_health_names_the_model_counts_the_work_and_is_503_without_a_worker(tmp_path: Path) -> None:
     with running_stack(tmp_path, supervised=False, start=("frontend",)) as stack:
         stack.wait_until(lambda: _answers(stack), "frontend start")
         response = stack.health()
@@ -65,6 +65,19 @@ def test_health_names_the_model_and_is_503_without_a_worker(tmp_path: Path) -> N
         stack.start("worker", "worker.main")
         health = stack.wait_live()
         assert (health["model"], health["random_weights"]) == ("fake", True)
+        health = stack.wait_for_health(
+            "a heartbeat", lambda h: h["workers"][0]["steps"] is not None
+        )
+        (before,) = health["workers"]
+        generate_all(stack, [{"prompt": "counted", "max_new_tokens": 5}])
+        # The worker's counters as its next heartbeats carry them.
+        stack.wait_for_health(
+            "a heartbeat after the request",
+            lambda h: (
+                h["workers"][0]["finished"] == before["finished"] + 1
+                and h["workers"][0]["steps"] > before["steps"]
+            ),
+        )
 
 
 def _answers(stack: Stack) -> bool:
