@@ -141,10 +141,23 @@ def test_cuda_decode_matches_generate_over_the_random_schedule(cuda_graphs: bool
 
 @needs_cuda
 def test_a_cuda_decode_step_waits_for_the_device_once() -> None:
-    """Greedy streams past their prefill: a step's only wait is reading the ids."""
+    """Streams past their prefill, greedy, sampled with top-k and top-p, penalised,
+    and held off their stop token by min_tokens: a step's only wait is reading
+    the sampled ids."""
     engine = cuda_engine(capacity=4)
     rng = random.Random(4)
-    engine.admit([request(f"r{i}", random_prompt(rng), 30, ignore_eos=True) for i in range(3)])
+    kinds: list[dict[str, object]] = [
+        {},
+        {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 7},
+        {"repetition_penalty": 1.3, "frequency_penalty": 0.5},
+        {"min_tokens": 25},
+    ]
+    engine.admit(
+        [
+            request(f"r{i}", random_prompt(rng), 30, ignore_eos=i != 3, **kind)
+            for i, kind in enumerate(kinds)
+        ]
+    )
     engine.step()  # the prefill, which may wait more
     torch.cuda.synchronize()
     num_steps = 10

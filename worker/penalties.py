@@ -75,7 +75,10 @@ def _counts(token_lists: list[list[int]], vocab_size: int, device: torch.device)
     flat = list(itertools.chain.from_iterable(token_lists))
     if flat:
         lengths = to_device([len(tokens) for tokens in token_lists], device)
-        rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+        # Given the output's size, repeat_interleave need not read the lengths back.
+        rows = torch.repeat_interleave(
+            torch.arange(len(token_lists), device=device), lengths, output_size=len(flat)
+        )
         ids = to_device(flat, device)
         counts.index_put_((rows, ids), torch.ones(len(flat), device=device), accumulate=True)
     return counts
