@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.ceiling --steps 4 --profile-steps 3
 	$(BIN)/python -m bench.engine_sweep --short
 	$(BIN)/python -m bench.compare_paths --capacity 8 --requests 32 --rounds 1
+	$(BIN)/python -m bench.path_latency --requests 10
 	$(BIN)/python -m bench.http_load --mode open --rate 4 --requests 32
 	$(BIN)/python -m bench.zmq_load --mode open --rate 4 --requests 32
 	$(BIN)/python -m bench.chunked_prefill --runs 1 --stream-tokens 60

@@ -120,11 +120,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="for the worker and the in-process engine alike; 0: every core. Fewer "
+        "than the cores leaves the frontend and the client a core of their own",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "compare_paths.json")
     args = parser.parse_args(argv)
 
-    engine = load_engine(WorkerConfig(model_id="synthetic", max_batch_size=args.capacity))
-    env = stack_env({"MODEL_ID": "synthetic", "MAX_BATCH_SIZE": str(args.capacity)})
+    engine = load_engine(
+        WorkerConfig(
+            model_id="synthetic", max_batch_size=args.capacity, torch_threads=args.torch_threads
+        )
+    )
+    env = stack_env(
+        {
+            "MODEL_ID": "synthetic",
+            "MAX_BATCH_SIZE": str(args.capacity),
+            "TORCH_THREADS": str(args.torch_threads),
+        }
+    )
     with local_stack(env, RESULTS / "compare_paths_stack.log") as stack:
         wait_live(stack.url, timeout_s=300)
         paths = Paths(stack, engine, args)
@@ -156,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "requests": args.requests,
                 "rounds": args.rounds,
                 "seed": args.seed,
+                "torch_threads": args.torch_threads,
                 "mode": "closed",
                 "http": "streamed POST /generate",
             },

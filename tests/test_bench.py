@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import zmq
 
-from bench import fault_drill, load
+from bench import fault_drill, load, path_latency
 from bench.http_client import NATIVE, OPENAI, HttpTarget
 from bench.report import OK, RequestRecord, latency_stats, summarize
 from bench.stack import free_port, local_stack, stack_env, wait_live
@@ -206,3 +207,22 @@ def test_a_bench_stack_finds_its_worker_forked_from_the_fork_server(tmp_path: Pa
         worker = stack.child("worker.main")
         assert " ".join(worker.cmdline()).split() == [WORKER_TITLE, env["WORKER_ENDPOINT"]]
         assert "frontend.main" in " ".join(stack.child("frontend.main").cmdline())
+
+
+def test_path_latency_counts_the_path_not_the_worker(tmp_path: Path) -> None:
+    """Five 20 ms steps of the fake worker are the worker's time, not the path's."""
+    with running_stack(tmp_path, {"FAKE_STEP_DELAY_S": "0.02"}, supervised=False) as stack:
+        stack.wait_live()
+        with httpx.Client(timeout=30) as client:
+            started = time.perf_counter()
+            http_ms = path_latency.http_overhead_ms(client, stack.url, max_new_tokens=5)
+            http_total_ms = (time.perf_counter() - started) * 1e3
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        socket = path_latency.connect_worker(context, stack.env["WORKER_ENDPOINT"])
+        started = time.perf_counter()
+        zmq_ms = path_latency.zmq_overhead_ms(socket, max_new_tokens=5)
+        zmq_total_ms = (time.perf_counter() - started) * 1e3
+        socket.close()
+        context.term()
+    assert 0 < http_ms < http_total_ms - 80
+    assert 0 < zmq_ms < zmq_total_ms - 80

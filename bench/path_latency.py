@@ -1,0 +1,111 @@
+"""The latency the serving path adds to one request, with nothing else running.
+
+    python -m bench.path_latency --requests 30
+
+It starts one stack (synthetic model) and sends the same streamed request over
+HTTP (POST /generate) and straight to the worker over ZMQ, one at a time and
+taking turns, each from the simplest blocking client (httpx.Client, a zmq DEALER).
+For each it takes the client's end-to-end time less the worker's own queue wait
+and generate time, which the worker reports in every answer: what the path and
+the client add. HTTP's median less ZMQ's is the frontend's own share, free of
+the queueing and CPU contention that a loaded run (bench.compare_paths) mixes in.
+Writes bench/results/path_latency.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import zmq
+
+from bench.report import RESULTS, write_json
+from bench.stack import local_stack, stack_env, wait_live
+from protocol import GenerateRequest, GenerateResult, Hello, Ping, decode_to_frontend, encode
+
+PROMPT = "The path from a client to the worker and back " * 4
+
+
+def http_overhead_ms(client: httpx.Client, url: str, max_new_tokens: int) -> float:
+    body = {"prompt": PROMPT, "max_new_tokens": max_new_tokens, "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    with client.stream("POST", f"{url}/generate", json=body) as response:
+        response.raise_for_status()
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    ended = time.perf_counter()
+    metrics = json.loads(events[-1].removeprefix("data: "))["metrics"]
+    return (ended - started) * 1e3 - float(metrics["queue_wait_ms"]) - float(metrics["generate_ms"])
+
+
+def zmq_overhead_ms(socket: zmq.Socket[bytes], max_new_tokens: int) -> float:
+    request_id = f"latency-{uuid.uuid4().hex[:12]}"
+    request = GenerateRequest(request_id, PROMPT, max_new_tokens, ignore_eos=True, stream=True)
+    started = time.perf_counter()
+    socket.send(encode(request))
+    while True:
+        message = decode_to_frontend(socket.recv())
+        if isinstance(message, GenerateResult) and message.request_id == request_id:
+            break
+    ended = time.perf_counter()
+    return (ended - started) * 1e3 - message.queue_wait_ms - message.generate_ms
+
+
+def connect_worker(context: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+    """A DEALER to the worker at ``endpoint``, greeted: the worker answers a new
+    peer's first ping with its hello."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    socket.send(encode(Ping(f"bench-{uuid.uuid4().hex[:12]}")))
+    if not isinstance(decode_to_frontend(socket.recv()), Hello):
+        raise RuntimeError(f"the worker at {endpoint} did not answer a ping with its hello")
+    return socket
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=30, help="per path")
+    parser.add_argument("--max-new-tokens", type=int, default=28)
+    parser.add_argument("--out", type=Path, default=RESULTS / "path_latency.json")
+    args = parser.parse_args(argv)
+
+    env = stack_env({"MODEL_ID": "synthetic"})
+    samples: dict[str, list[float]] = {"http": [], "zmq": []}
+    with local_stack(env, RESULTS / "path_latency_stack.log") as stack:
+        wait_live(stack.url, timeout_s=300)
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        socket = connect_worker(context, stack.worker_endpoint)
+        with httpx.Client(timeout=120) as client:
+            # Warm-up: the first request of each path pays for connections and caches.
+            http_overhead_ms(client, stack.url, args.max_new_tokens)
+            zmq_overhead_ms(socket, args.max_new_tokens)
+            for _ in range(args.requests):
+                samples["http"].append(http_overhead_ms(client, stack.url, args.max_new_tokens))
+                samples["zmq"].append(zmq_overhead_ms(socket, args.max_new_tokens))
+        socket.close()
+        context.term()
+    medians = {path: statistics.median(values) for path, values in samples.items()}
+    added = medians["http"] - medians["zmq"]
+    for path, values in samples.items():
+        ordered = sorted(values)
+        p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+        print(f"{path:<5} outside the worker: median {medians[path]:6.2f} ms, p95 {p95:6.2f} ms")
+    print(f"HTTP adds {added:.2f} ms to a request over ZMQ (median; target <= 5)")
+    report = {
+        "settings": {"requests": args.requests, "max_new_tokens": args.max_new_tokens},
+        "median_ms": medians,
+        "http_added_ms": added,
+        "samples_ms": samples,
+    }
+    write_json(args.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
