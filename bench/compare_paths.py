@@ -42,8 +42,9 @@ from worker.torch_engine import TorchEngine, load_engine
 
 PATHS = ("engine", "zmq", "http", "http-queue")
 Summary = dict[str, Any]
-# Longer than the worker's heartbeat interval: a heartbeat sent after this wait
-# carries the step count of a worker that has gone idle.
+# Longer than the worker's heartbeat interval (HEARTBEAT_INTERVAL_S, 0.5 s in the
+# stack this starts): a heartbeat sent after this wait carries the step count of
+# a worker that has gone idle.
 HEARTBEAT_WAIT_S = 0.7
 
 
