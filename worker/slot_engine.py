@@ -141,9 +141,9 @@ class SlotEngine(InferenceEngine):
 
     def _next_chunks(self) -> list[tuple[Sequence, int, int]]:
         """This step's chunks: up to ``prefill_chunk_tokens`` more context tokens
-        of the newcomers still prefilling, oldest first; all of them when no sequence is decoding,
-        since then there is no stream to hold up and one large prefill is the
-        fastest. Two kinds go in whole whatever the budget: a resumed sequence,
+        of the newcomers still prefilling, oldest first; all of them when no
+        sequence is decoding, since then there is no stream to hold up and one
+        large prefill is the fastest. Two kinds go in whole whatever the budget: a resumed sequence,
         whose client is already waiting mid-stream (it is a running stream
         itself, and the sooner every resumed one is back the shorter the stall
         its worker's death caused), and a prompt to be scored (its scores need
