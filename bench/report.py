@@ -148,16 +148,30 @@ def machine() -> dict[str, object]:
         import torch  # the load clients run without torch; only the engine needs it
     except ImportError:
         return described
+    from worker.kernels import chosen_isa, cpu_summary
+
     described["torch"] = torch.__version__
     described["torch_threads"] = torch.get_num_threads()
+    # The model and the ISA flags that matter, and the kernel build that runs, so
+    # that numbers from two machines are never mixed up.
+    described["cpu"] = cpu_summary()
+    described["kernel_isa"] = chosen_isa()
     if torch.cuda.is_available():
         described["gpu"] = torch.cuda.get_device_name()
     return described
 
 
+def describe_machine(described: Mapping[str, object]) -> str:
+    """One line naming the machine, for the top of every printed report."""
+    isa = f", kernels {described['kernel_isa']}" if "kernel_isa" in described else ""
+    return f"machine: {described['cpu']}, {described['cores']} cores{isa}"
+
+
 def write_json(path: Path, report: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"machine": machine(), **report}, indent=2) + "\n")
+    described = machine()
+    path.write_text(json.dumps({"machine": described, **report}, indent=2) + "\n")
+    print(describe_machine(described))
     print(f"saved {path}")
 
 

@@ -124,6 +124,7 @@ def _worker_status(link: WorkerLink) -> dict[str, Any]:
         "reason": verdict.reason,
         "instance_id": hello.instance_id if hello else None,
         "capacity": hello.capacity if hello else None,
+        "compute": hello.compute if hello else None,
         "active": heartbeat.num_active if heartbeat else None,
         "queued": heartbeat.num_queued if heartbeat else None,
         "finished": heartbeat.num_finished if heartbeat else None,

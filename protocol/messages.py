@@ -154,6 +154,9 @@ class Hello:
     max_queue_depth: int
     max_message_bytes: int
     protocol_version: int = PROTOCOL_VERSION
+    # How the engine computes (precision, decode kernels and their ISA), as /health
+    # shows it; empty from a worker that does not say.
+    compute: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import platform
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -14,8 +17,20 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from tests.model_fixtures import force_kernels, tiny_engine  # noqa: E402
+from worker import kernels as kernels_module  # noqa: E402
 from worker import projection as projection_module  # noqa: E402
-from worker.kernels import MAX_ROWS, Kernels, build_directory, load_kernels  # noqa: E402
+from worker.kernels import (  # noqa: E402
+    MAX_ROWS,
+    KernelIsaError,
+    Kernels,
+    build,
+    build_directory,
+    chosen_isa,
+    cpu_flags,
+    library_path,
+    load_kernels,
+    runnable_isas,
+)
 from worker.precision import (  # noqa: E402
     MODES,
     WEIGHT_FORMATS,
@@ -29,25 +44,84 @@ if shutil.which("c++") is None:
     pytest.skip("no C++ compiler to build the decode kernels with", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def kernels() -> Kernels:
-    built = load_kernels()
-    assert built is not None, "the decode kernels did not build: see the warning logged above"
+# Every build this CPU runs, the best first: each must compute the same products.
+@pytest.fixture(scope="module", params=runnable_isas())
+def kernels(request: pytest.FixtureRequest) -> Kernels:
+    built = load_kernels(request.param)
+    assert built is not None, "the decode kernels are not built: run `python -m worker.kernels`"
     return built
 
 
-def test_a_build_killed_midway_does_not_block_later_loads(kernels: Kernels) -> None:
-    """torch's builder leaves its lock file behind when its process is killed; a
-    worker that then waited on it would never start."""
-    (build_directory() / "lock").touch()
-    loaded = subprocess.run(
-        [sys.executable, "-c", "from worker.kernels import load_kernels; assert load_kernels()"],
-        timeout=120,
-        capture_output=True,
-        text=True,
-    )
-    assert loaded.returncode == 0, loaded.stderr
-    assert not (build_directory() / "lock").exists()
+# --- which build runs ---------------------------------------------------------------
+
+AVX2_ONLY = frozenset({"sse2", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"})
+
+
+def test_the_kernels_loaded_are_the_best_build_this_cpu_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KERNEL_ISA", raising=False)
+    loaded = load_kernels()
+    assert loaded is not None
+    flags = cpu_flags()
+    if platform.machine() != "x86_64":
+        assert loaded.isa == "baseline"
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"} <= flags:
+        assert loaded.isa == "avx512_vnni" and loaded.int8_products == "vnni"
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags:
+        assert loaded.isa == "avx512" and loaded.int8_products == "integer"
+    elif AVX2_ONLY - {"sse2"} <= flags:
+        assert loaded.isa == "avx2" and loaded.int8_products == "integer"
+    else:
+        assert loaded.isa == "baseline"
+    lanes = {"avx512_vnni": 16, "avx512": 16, "avx2": 8, "baseline": 4}[loaded.isa]
+    assert getattr(torch.ops, f"minibatch_{loaded.isa}").vector_lanes() == lanes
+
+
+def test_an_avx2_cpu_gets_the_avx2_build_and_is_refused_avx512(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(kernels_module, "cpu_flags", lambda: AVX2_ONLY)
+    monkeypatch.delenv("KERNEL_ISA", raising=False)
+    assert runnable_isas() == ["avx2", "baseline"] and chosen_isa() == "avx2"
+    monkeypatch.setenv("KERNEL_ISA", "avx512")
+    with pytest.raises(KernelIsaError, match=r"lacks \(avx512bw, avx512cd.*set it to one of avx2"):
+        chosen_isa()
+    monkeypatch.setenv("KERNEL_ISA", "sse9")
+    with pytest.raises(KernelIsaError, match="not one of avx512_vnni, avx512, avx2, baseline"):
+        chosen_isa()
+
+
+def test_a_worker_without_built_kernels_serves_without_them_and_never_compiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KERNELS_DIR", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", lambda *_, **__: pytest.fail("compiled"))
+    with caplog.at_level(logging.WARNING):
+        assert load_kernels("baseline") is None
+    assert "python -m worker.kernels" in caplog.text
+    kernels_module._load.cache_clear()  # the next test loads the real build again
+
+
+def test_a_build_that_exists_is_not_compiled_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert library_path(chosen_isa()).exists()
+    monkeypatch.setattr(subprocess, "run", lambda *_, **__: pytest.fail("compiled again"))
+    assert build([chosen_isa()]) == build_directory()
+
+
+def test_the_build_directory_does_not_depend_on_where_the_sources_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second checkout (or a container) with the same sources loads the same
+    build instead of compiling its own."""
+    copy = tmp_path / "csrc"
+    shutil.copytree(kernels_module.SOURCE_DIRECTORY, copy)
+    here = build_directory()
+    monkeypatch.setattr(kernels_module, "SOURCE_DIRECTORY", copy)
+    assert build_directory() == here
+    (copy / "vec.h").write_text((copy / "vec.h").read_text() + "\n// changed\n")
+    assert build_directory() != here
 
 
 # --- skinny_linear ------------------------------------------------------------------
@@ -75,10 +149,19 @@ def widened(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return weight.double() * (1 if scale is None else scale.double()[:, None])
 
 
+def as_the_kernel_multiplies(x: torch.Tensor, kernels: Kernels, format: str) -> torch.Tensor:
+    """x as the kernel multiplies it, in float64: int8 weights with integer products
+    round each row of x to 14 bits with a scale of its own (skinny_linear.cpp)."""
+    if format != "int8" or kernels.int8_products == "float":
+        return x.double()
+    step = x.abs().amax(dim=1, keepdim=True) / 8191
+    return (torch.round(x * (1 / step)) * step).double()
+
+
 @pytest.mark.parametrize("num_rows", range(1, MAX_ROWS + 1))
 # Out features that leave every remainder of the kernel's row blocks (4 and 8),
 # and a width of one vector.
-@pytest.mark.parametrize("shape", [(16, 1), (64, 37), (768, 2305), (3072, 70)])
+@pytest.mark.parametrize("shape", [(32, 1), (64, 37), (768, 2305), (3072, 70)])
 @pytest.mark.parametrize("has_bias", [True, False])
 def test_skinny_linear_matches_f_linear(
     kernels: Kernels, num_rows: int, shape: tuple[int, int], has_bias: bool
@@ -98,11 +181,14 @@ def test_skinny_linear_matches_f_linear(
 def test_skinny_linear_reads_each_stored_format(
     kernels: Kernels, format: str, num_rows: int, shape: tuple[int, int]
 ) -> None:
-    """The kernel widens the stored weight exactly and sums in float32: the result
-    is the float64 product with the stored weight, to float32 rounding."""
+    """The kernel widens the stored weight exactly and sums in float32 (or, for
+    int8, multiplies rows of x rounded to 14 bits in integers): the result is the
+    float64 product with the stored weight, to float32 rounding."""
     x, weight, bias = operands(num_rows, *shape)
     weight, scale = stored(weight, format)
-    expected = F.linear(x.double(), widened(weight, scale), bias.double())
+    expected = F.linear(
+        as_the_kernel_multiplies(x, kernels, format), widened(weight, scale), bias.double()
+    )
     got = kernels.skinny_linear(x, weight, scale, bias)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-4)
@@ -112,7 +198,7 @@ def test_skinny_linear_reads_each_stored_format(
     ("x", "weight", "message"),
     [
         (torch.zeros(MAX_ROWS + 1, 16), torch.zeros(4, 16), f"1 to {MAX_ROWS} rows"),
-        (torch.zeros(2, 20), torch.zeros(4, 20), "multiple of 16"),
+        (torch.zeros(2, 48), torch.zeros(4, 48), "multiple of 32"),
         (torch.zeros(2, 16), torch.zeros(4, 32), "in_features must match"),
         (torch.zeros(16, 2).t(), torch.zeros(4, 16), "contiguous"),
         (torch.zeros(2, 16, dtype=torch.float64), torch.zeros(4, 16), "float32 x"),
@@ -174,7 +260,7 @@ def test_decode_takes_whichever_path_is_faster_here_and_times_each_shape_once(
     else:
         kernels = load_kernels()
         assert kernels is not None
-        slow = Kernels(slowed(kernels.skinny_linear), kernels.decode_attention)
+        slow = dataclasses.replace(kernels, skinny_linear=slowed(kernels.skinny_linear))
         monkeypatch.setattr(projection_module, "load_kernels", lambda: slow)
     faster = "onednn" if slower == "kernel" else "kernel"
     x, weight, bias = operands(3, 64, 96)
@@ -204,9 +290,10 @@ def test_a_stored_projection_multiplies_by_the_same_weight_on_every_path(
     x, weight, bias = operands(num_rows, 64, 96)
     projection = Projection(weight, bias, format)
     assert projection.stored_weight.dtype == getattr(torch, format)
-    expected = F.linear(
-        x.double(), widened(projection.stored_weight, projection.scale), bias.double()
-    )
+    loaded = load_kernels()
+    on_kernel = projection.decode_path == "kernel" and num_rows <= MAX_ROWS
+    rows = as_the_kernel_multiplies(x, loaded, format) if on_kernel and loaded else x.double()
+    expected = F.linear(rows, widened(projection.stored_weight, projection.scale), bias.double())
     torch.testing.assert_close(projection(x), expected.float(), rtol=1e-5, atol=1e-4)
 
 

@@ -57,6 +57,8 @@ class ModelInfo:
     context_window: int
     vocab_size: int  # token ids the model can embed: 0 to vocab_size - 1
     max_token_chars: int  # the longest text one token decodes to, or more
+    # How it computes, for /health and logs: precision, kernels and their ISA.
+    compute: str = ""
 
 
 class InferenceEngine(ABC):

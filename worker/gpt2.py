@@ -13,6 +13,7 @@ cache are stored as `Precision` says, and activations are in its compute dtype.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import GPT2LMHeadModel
 
-from worker.kernels import HEAD_DIMS, load_kernels
+from worker.kernels import HEAD_DIMS, cpu_summary, load_kernels
 from worker.kv_cache import SlotKVCache
 from worker.precision import Precision
 from worker.projection import Projection
@@ -82,16 +83,30 @@ class GPT2:
         self.vocab_size = int(model.lm_head.weight.shape[0])
         self.lm_head = _projection(model.lm_head.weight, None, precision)  # C -> V
         self.layers = [_layer(block, precision) for block in body.h]
-        kernels = (
+        self.kernels = (
             load_kernels()
-            if self.device.type == "cpu"
-            and precision.compute == torch.float32
-            and self.head_dim in HEAD_DIMS
+            if self.device.type == "cpu" and precision.compute == torch.float32
             else None
         )
-        self.decode_attention = None if kernels is None else kernels.decode_attention
+        self.decode_attention = (
+            self.kernels.decode_attention
+            if self.kernels is not None and self.head_dim in HEAD_DIMS
+            else None
+        )
         # Made once: every step's row and position indices are slices of it.
         self.counting = torch.arange(self.context_window, device=self.device)
+
+    def describe_kernels(self) -> str:
+        """Which kernels decode runs on, for logs and /health."""
+        if self.device.type != "cpu":
+            return f"on {self.device}"
+        projections = [self.lm_head]
+        for layer in self.layers:
+            projections += [layer.attn, layer.proj, layer.fc, layer.out]
+        paths = collections.Counter(projection.decode_path for projection in projections)
+        products = ", ".join(f"{count} on {path}" for path, count in sorted(paths.items()))
+        kernels = "no decode kernels" if self.kernels is None else self.kernels.describe()
+        return f"{kernels}; decode products {products}; CPU {cpu_summary()}"
 
     @property
     def device(self) -> torch.device:

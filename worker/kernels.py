@@ -1,25 +1,35 @@
-"""The decode step's CPU kernels (``csrc/``): ``skinny_linear``, the matrix
-product for 1 to 8 rows, and ``decode_attention``, one new token per row against
-that row's cached keys and values. Both read weights or cache stored in float32,
-float16 or bfloat16 (and ``skinny_linear`` int8) and compute in float32. They
-are compiled by torch's extension builder on first use and kept under
-``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``), one build per
-torch version and version of the sources.
+"""The decode step's CPU kernels (``csrc/``), built once per instruction set and
+loaded for the best one this CPU runs.
 
-``make install`` builds them ahead (``python -m worker.kernels``), so a worker does
-not spend its first start compiling (about 15 s on 2 cores); later starts load
-the built library in a tenth of a second. Where they cannot be built (no C++
-compiler), the worker logs why and decode runs on oneDNN and SDPA, slower.
+``skinny_linear`` is the matrix product for 1 to 8 rows and ``decode_attention``
+one new token per row against that row's cached keys and values. Both read
+weights or cache stored in float32, float16 or bfloat16 (and ``skinny_linear``
+int8, multiplied in integers where the ISA has them) and compute in float32.
+
+``python -m worker.kernels`` (run by ``make install`` and the worker image's
+build) compiles one library per ISA in ``ISAS`` that this compiler targets, into
+``KERNELS_DIR`` (default ``~/.cache/minibatch-llm/kernels``), in a directory named
+after the torch version and a digest of the sources and flags: any checkout or
+container with the same sources loads the same build. A worker never compiles.
+It loads the library for ``chosen_isa()``: the best of ``ISAS`` that this CPU
+reports (``/proc/cpuinfo``), or ``KERNEL_ISA`` where that is set (to compare
+builds on one machine; an ISA this CPU cannot run is refused with what to set).
+Where no library was built, the worker says so and decode runs on oneDNN and SDPA,
+slower.
 """
 
 from __future__ import annotations
 
-import fcntl
+import concurrent.futures
 import functools
 import hashlib
 import logging
 import os
+import platform
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,20 +37,35 @@ from pathlib import Path
 
 import torch
 
+from protocol.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
-SOURCES = [
-    Path(__file__).with_name("csrc") / name
-    for name in ("skinny_linear.cpp", "decode_attention.cpp")
-]
+SOURCE_DIRECTORY = Path(__file__).with_name("csrc")
+SOURCES = ("skinny_linear.cpp", "decode_attention.cpp")
 # The kernels' limits; the C++ checks them too.
 MAX_ROWS = 8  # skinny_linear's rows
-LANES = 16  # skinny_linear's in_features must be a multiple of this
+LANES = 32  # skinny_linear's in_features must be a multiple of this
 HEAD_DIMS = (16, 32, 64, 128)  # decode_attention's head_dim
+
+# Best first. Each ISA: the compiler flags it builds with, and the /proc/cpuinfo
+# flags a CPU needs to run that build (x86-64-v3 and -v4, and VNNI on top).
+_X86_64_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"})
+_X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+ISAS: dict[str, tuple[list[str], frozenset[str]]] = {
+    "avx512_vnni": (["-march=x86-64-v4", "-mavx512vnni"], _X86_64_V4 | {"avx512_vnni"}),
+    "avx512": (["-march=x86-64-v4"], _X86_64_V4),
+    "avx2": (["-march=x86-64-v3"], _X86_64_V3),
+    "baseline": (["-march=x86-64"] if platform.machine() == "x86_64" else [], frozenset()),
+}
+# Multiply-adds are fused (ISO C++ mode would keep them apart).
+_COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=fast", "-fPIC", "-fopenmp", "-DNDEBUG"]
 
 
 @dataclass(frozen=True)
 class Kernels:
+    isa: str  # the ISA of the build loaded, a key of ISAS
+    int8_products: str  # "vnni", "integer" (vpmaddwd) or "float" (widened)
     # (x (M, in), weight (out, in), scale (out,) | None, bias (out,) | None) -> (M, out);
     # y = (x @ weight.T) * scale + bias, with x, scale, bias and y float32.
     skinny_linear: Callable[
@@ -51,59 +76,192 @@ class Kernels:
         [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
     ]
 
+    def describe(self) -> str:
+        return f"{self.isa} kernels, int8 products {self.int8_products}"
+
+
+class KernelIsaError(ConfigError):
+    """KERNEL_ISA names an ISA that is unknown or that this CPU cannot run."""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The feature flags the kernel reports for this CPU (x86 Linux), else none."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def runnable_isas() -> list[str]:
+    """The ISAS this CPU runs, best first ("baseline" always)."""
+    if platform.machine() != "x86_64":
+        return ["baseline"]
+    flags = cpu_flags()
+    return [isa for isa, (_, needs) in ISAS.items() if needs <= flags]
+
+
+def chosen_isa() -> str:
+    """KERNEL_ISA if set (and runnable here), else the best ISA this CPU runs."""
+    runnable = runnable_isas()
+    asked = os.environ.get("KERNEL_ISA", "")
+    if not asked:
+        return runnable[0]
+    if asked not in ISAS:
+        raise KernelIsaError(f"KERNEL_ISA={asked} is not one of {', '.join(ISAS)}: unset it")
+    if asked not in runnable:
+        missing = sorted(ISAS[asked][1] - cpu_flags())
+        raise KernelIsaError(
+            f"KERNEL_ISA={asked} needs CPU features this CPU lacks ({', '.join(missing)}): "
+            f"unset KERNEL_ISA, or set it to one of {', '.join(runnable)}"
+        )
+    return asked
+
+
+def cpu_summary() -> str:
+    """The CPU model and the ISA flags that matter here, for logs and bench reports."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    interesting = ["avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16"]
+    interesting += ["amx_bf16", "amx_int8"]
+    flags = cpu_flags()
+    return f"{model} [{' '.join(flag for flag in interesting if flag in flags) or 'no SIMD flags'}]"
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
 
 def build_directory() -> Path:
-    """One directory per torch version and version of the sources, so that checkouts
-    of different versions on one machine never rebuild over each other's library."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions"))
+    """One directory per torch version, compiler and version of the sources and
+    flags, wherever the sources sit, so that any checkout or container with the
+    same sources loads the same build and different versions never mix."""
+    root = Path(os.environ.get("KERNELS_DIR", "~/.cache/minibatch-llm/kernels")).expanduser()
     digest = hashlib.sha256()
-    for source in sorted(Path(__file__).with_name("csrc").iterdir()):
-        digest.update(source.read_bytes())
-    version = f"torch{torch.__version__}-{digest.hexdigest()[:12]}"
-    return root.expanduser() / f"minibatch_kernels-{version}"
+    for source in sorted(SOURCE_DIRECTORY.iterdir()):
+        if source.suffix in (".cpp", ".h"):
+            digest.update(source.name.encode() + source.read_bytes())
+    flags = {isa: isa_flags for isa, (isa_flags, _) in ISAS.items()}
+    digest.update(repr((flags, _COMMON_FLAGS, _compiler())).encode())
+    return root / f"torch{torch.__version__}-{digest.hexdigest()[:16]}"
+
+
+def library_path(isa: str) -> Path:
+    return build_directory() / f"minibatch_kernels_{isa}.so"
+
+
+def _compile_commands(isa: str, out: Path) -> list[list[str]]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    flags, _ = ISAS[isa]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    includes = [f"-isystem{path}" for path in include_paths()]
+    defines = [abi, f"-DMINIBATCH_OPS=minibatch_{isa}"]
+    objects = [out / f"{Path(source).stem}_{isa}.o" for source in SOURCES]
+    compile_flags = [*_COMMON_FLAGS, *flags, *defines, *includes]
+    commands = [
+        [_compiler(), *compile_flags, "-c", str(SOURCE_DIRECTORY / source), "-o", str(obj)]
+        for source, obj in zip(SOURCES, objects, strict=True)
+    ]
+    [torch_lib] = library_paths()
+    link = [_compiler(), "-shared", "-fopenmp", *map(str, objects), f"-L{torch_lib}"]
+    link += ["-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+    return [*commands, [*link, "-o", str(out / library_path(isa).name)]]
+
+
+def build(isas: list[str] | None = None, jobs: int | None = None) -> Path:
+    """Compile the libraries for ``isas`` (default every one of ISAS this machine's
+    architecture has) into
+    ``build_directory()``. The build happens in a scratch directory that is renamed
+    into place whole, so a killed build leaves nothing half-written behind."""
+    if isas is None:
+        isas = list(ISAS) if platform.machine() == "x86_64" else ["baseline"]
+    directory = build_directory()
+    todo = [isa for isa in isas if not library_path(isa).exists()]
+    if not todo:
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory.parent) as scratch:
+        out = Path(scratch)
+        plans = {isa: _compile_commands(isa, out) for isa in todo}
+        with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+            compiled = [
+                pool.submit(subprocess.run, command, check=True, capture_output=True, text=True)
+                for plan in plans.values()
+                for command in plan[:-1]
+            ]
+            for future in compiled:
+                _raise_with_output(future)
+            for plan in plans.values():
+                _raise_with_output(
+                    pool.submit(
+                        subprocess.run, plan[-1], check=True, capture_output=True, text=True
+                    )
+                )
+        for isa in todo:
+            os.replace(out / library_path(isa).name, library_path(isa))
+    return directory
+
+
+def _raise_with_output(future: concurrent.futures.Future[subprocess.CompletedProcess[str]]) -> None:
+    try:
+        future.result()
+    except subprocess.CalledProcessError as error:
+        raise RuntimeError(f"{' '.join(error.cmd[:3])} ... failed:\n{error.stderr}") from error
+
+
+def load_kernels(isa: str | None = None) -> Kernels | None:
+    """The kernels built for ``isa`` (default ``chosen_isa()``), for tensors on the
+    CPU; None, logged once, where that library was never built."""
+    return _load(isa or chosen_isa())
 
 
 @functools.cache
-def load_kernels() -> Kernels | None:
-    """The kernels, for tensors on the CPU; None where they cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    started = time.monotonic()
-    directory = build_directory()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        # torch's builder marks a build in progress with a lock file that stays
-        # behind if its process is killed mid-build, and every later start would
-        # then wait on it forever: a worker can be killed at any time. Builds are
-        # serialised under an flock instead, which the kernel releases when its
-        # holder dies, and whoever holds it clears a leftover lock file first.
-        with open(directory / "build.flock", "w") as build_lock:
-            fcntl.flock(build_lock, fcntl.LOCK_EX)
-            (directory / "lock").unlink(missing_ok=True)
-            load(
-                name="minibatch_kernels",
-                sources=[str(source) for source in SOURCES],
-                extra_cflags=["-O3", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,  # the library registers torch.ops.minibatch
-            )
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+def _load(isa: str) -> Kernels | None:
+    path = library_path(isa)
+    if not path.exists():
         logger.warning(
-            "the decode kernels could not be built, so decode runs on oneDNN and SDPA, its steps "
-            "about 40%% longer; install a C++ compiler (g++) to get them back. Cause: %s",
-            error,
+            "no decode kernels are built for %s at %s, so decode runs on oneDNN and SDPA, "
+            "slower; build them once with `python -m worker.kernels` (make install does)",
+            isa,
+            path.parent,
         )
         return None
-    logger.info("decode kernels ready in %.1f s", time.monotonic() - started)
-    ops = torch.ops.minibatch
-    return Kernels(skinny_linear=ops.skinny_linear, decode_attention=ops.decode_attention)
+    torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
+    ops = getattr(torch.ops, f"minibatch_{isa}")
+    kernels = Kernels(
+        isa=isa,
+        int8_products=ops.int8_products(),
+        skinny_linear=ops.skinny_linear,
+        decode_attention=ops.decode_attention,
+    )
+    logger.info("decode kernels: %s on %s", kernels.describe(), cpu_summary())
+    return kernels
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if load_kernels() is None:
-        raise SystemExit(1)
+    if shutil.which(_compiler()) is None:
+        sys.exit(f"no C++ compiler ({_compiler()}) to build the decode kernels with: install g++")
+    started = time.monotonic()
+    directory = build()
+    logger.info(
+        "decode kernels for %s built in %.1f s in %s; this CPU runs %s",
+        ", ".join(ISAS),
+        time.monotonic() - started,
+        directory,
+        chosen_isa(),
+    )
 
 
 if __name__ == "__main__":

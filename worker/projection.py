@@ -5,15 +5,13 @@ On CPU, decode's products are tall and skinny (a few rows against a wide weight)
 and bound by reading the weights; prefill's are ordinary GEMMs, bound by compute.
 Two implementations compete for decode's rows (up to ``MAX_ROWS``): this project's
 own kernel (``worker/csrc/skinny_linear.cpp``), which reads the weight once in its
-stored format (float32, float16, bfloat16 or int8) and widens it in registers, and
-oneDNN's inner product on a float32 copy pre-packed for it
-(``torch.ops.mkldnn._reorder_linear_weight``, as torch's own compiler packs CPU
-weights). Which is faster is the machine's:
-
-- on a 2-core AMD EPYC, the LM head (50257 x 768) at 8 rows took 7-8 ms in the
-  kernel against 9-11 ms in oneDNN;
-- on a 2-vCPU Intel Xeon with AVX-512 and AMX, 26 ms in the kernel against
-  10.6 ms in oneDNN with the packing above (16.3 ms with ``to_mkldnn``'s).
+stored format (float32, float16, bfloat16 or int8) and widens it in registers
+(int8: multiplies in integers), and oneDNN's inner product on a float32 copy
+pre-packed for it (``torch.ops.mkldnn._reorder_linear_weight``, as torch's own
+compiler packs CPU weights). Which is faster is the machine's: on a 2-vCPU Intel
+Xeon with AVX-512 and AMX, the LM head (50257 x 768) at 8 rows took 7.5 ms in
+oneDNN against 10.5 ms in the kernel in float32, 5.2 ms in float16 and 1.9 ms in
+int8.
 
 So each projection times both on its own weight when it is built, once per
 weight shape and format in a process (``decode_path``), and keeps the winner.
@@ -41,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.kernels import LANES, MAX_ROWS, load_kernels
+from worker.precision import has_bfloat16_products
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +98,15 @@ class Projection:
             widened = self.stored_weight.to(weight.dtype)
         is_cpu = weight.device.type == "cpu"
         # The packing is a private op of torch's (its compiler's): a build without
-        # it falls back to F.linear rather than failing to load.
+        # it falls back to F.linear rather than failing to load. oneDNN packs
+        # bfloat16 only for a CPU with bfloat16 dot products; elsewhere a bfloat16
+        # model multiplies through F.linear.
         self.is_packed = (
             is_cpu
-            and weight.dtype in (torch.float32, torch.bfloat16)
+            and (
+                weight.dtype == torch.float32
+                or (weight.dtype == torch.bfloat16 and has_bfloat16_products())
+            )
             and torch._C._has_mkldnn
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         )

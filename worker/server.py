@@ -80,6 +80,7 @@ class WorkerServer:
             context_window=info.context_window,
             max_queue_depth=scheduler.max_queue_depth,
             max_message_bytes=config.max_message_bytes,
+            compute=info.compute,
         )
         self._context = zmq.Context()
         self._outputs_address = f"inproc://outputs-{self.instance_id}"

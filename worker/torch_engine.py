@@ -124,17 +124,18 @@ class TorchEngine(SlotEngine):
         ``prefill_chunk_tokens``: see `SlotEngine`; ``cuda_graphs``: on CUDA, decode
         steps replay graphs captured here (`worker.decode_step`)."""
         config = loaded.model.config
+        self.precision = precision or Precision.uniform(loaded.model.dtype)
+        self.gpt2 = gpt2 or GPT2(loaded.model, self.precision)
         info = ModelInfo(
             loaded.name,
             loaded.is_random_weights,
             context_window=config.n_positions,
             vocab_size=config.vocab_size,
             max_token_chars=loaded.tokenizer.max_token_chars,
+            compute=f"{self.precision.describe()}; {self.gpt2.describe_kernels()}",
         )
         super().__init__(info, loaded.tokenizer, capacity, chat_template, prefill_chunk_tokens)
         self.model = loaded.model
-        self.precision = precision or Precision.uniform(loaded.model.dtype)
-        self.gpt2 = gpt2 or GPT2(loaded.model, self.precision)
         self.device = self.gpt2.device
         self.cache = self.gpt2.new_cache(capacity)
         graphs = None
@@ -148,7 +149,7 @@ class TorchEngine(SlotEngine):
             "serving %s%s; %s; %s",
             loaded.name,
             " (random weights)" if loaded.is_random_weights else "",
-            self.precision.describe(),
+            info.compute,
             self.cache.describe(),
         )
 

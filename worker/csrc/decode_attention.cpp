@@ -9,7 +9,8 @@
 //
 // The cache may hold float32, float16 or bfloat16; keys and values are widened to
 // float32 in registers (vec.h), and q, the scores and the output are float32.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -59,17 +60,15 @@ __attribute__((always_inline)) inline void attend_any_width(int64_t D, const flo
   }
 }
 
-// target_clones does not take templates: one overload, and clone set, per storage
-// type.
-PER_ISA void attend_stored(int64_t D, const float* q, const float* keys, const float* values,
+void attend_stored(int64_t D, const float* q, const float* keys, const float* values,
                            int64_t length, float* scores, float* out) {
   attend_any_width(D, q, keys, values, length, scores, out);
 }
-PER_ISA void attend_stored(int64_t D, const float* q, const c10::Half* keys,
+void attend_stored(int64_t D, const float* q, const c10::Half* keys,
                            const c10::Half* values, int64_t length, float* scores, float* out) {
   attend_any_width(D, q, keys, values, length, scores, out);
 }
-PER_ISA void attend_stored(int64_t D, const float* q, const c10::BFloat16* keys,
+void attend_stored(int64_t D, const float* q, const c10::BFloat16* keys,
                            const c10::BFloat16* values, int64_t length, float* scores, float* out) {
   attend_any_width(D, q, keys, values, length, scores, out);
 }
@@ -130,8 +129,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 }  // namespace
 
 // A registered op, so that torch's profiler sees it by name and shapes.
-TORCH_LIBRARY_FRAGMENT(minibatch, m) {
+TORCH_LIBRARY_FRAGMENT(MINIBATCH_OPS, m) {
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lengths) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(minibatch, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(MINIBATCH_OPS, CPU, m) { m.impl("decode_attention", &decode_attention); }

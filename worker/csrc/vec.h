@@ -1,13 +1,18 @@
-// 16 floats as one value, with GCC vector extensions: the compiler maps it onto
-// AVX-512, AVX2 or SSE registers, whichever the target has.
+// One vector register of floats as one value, with GCC vector extensions, sized
+// for the instruction set this library is compiled for (worker/kernels.py builds
+// one library per ISA and loads the best one the CPU runs):
 //
-// `load` widens 16 stored values to 16 floats in registers, whatever their storage:
-// float32, float16, bfloat16 (the top half of a float32, so a shift) or int8
-// (sign-extend, then convert). Weights and the KV cache may be stored in fewer
-// bytes; arithmetic is float32 throughout. Each widening is written so that GCC 12
-// keeps it in vector registers: converting a vector of _Float16 or of int8 straight
-// to floats compiled to one scalar conversion per element, slower than the
-// float32 kernel it was meant to beat.
+//   AVX-512: 16 floats a register, 32 registers
+//   AVX2:     8 floats a register, 16 registers
+//   baseline: 4 floats a register (SSE2 or NEON), 16 registers
+//
+// The register count sizes the kernels' tiles: a tile whose accumulators do not
+// fit spills them to memory on every multiply-add (16-float vectors on AVX2 took
+// two registers each, and an 8-row tile ran ten times slower than the bandwidth).
+//
+// `load` widens kLanes stored values to floats in registers, whatever their
+// storage: float32, float16 (F16C's vcvtph2ps where the ISA has it), bfloat16
+// (the top half of a float32, so a shift) or int8 (sign-extend, then convert).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -15,78 +20,115 @@
 
 #include <cstdint>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int64_t kLanes = 16;
+constexpr int64_t kVectorRegisters = 32;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int64_t kLanes = 8;
+constexpr int64_t kVectorRegisters = 16;
+#else
+constexpr int64_t kLanes = 4;
+constexpr int64_t kVectorRegisters = 16;
+#endif
 
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
-typedef uint16_t Shorts __attribute__((vector_size(kLanes * 2), aligned(2)));
-typedef uint32_t Words __attribute__((vector_size(kLanes * 4), aligned(4)));
-typedef int8_t Bytes __attribute__((vector_size(kLanes), aligned(1)));
-typedef int8_t Quads __attribute__((vector_size(kLanes * 4), aligned(1)));
-typedef int32_t Ints __attribute__((vector_size(kLanes * 4), aligned(4)));
+// Naturally aligned, so that locals live in registers; memory is read through
+// unaligned loads.
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t Shorts __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t Words __attribute__((vector_size(kLanes * 4)));
+typedef int32_t Ints __attribute__((vector_size(kLanes * 4)));
 
-inline Vec as_floats(Words bits) {
-  Vec v;
-  __builtin_memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
-inline Words as_words(Vec v) {
-  Words bits;
-  __builtin_memcpy(&bits, &v, sizeof(bits));
-  return bits;
+template <typename To, typename From>
+inline To bit_cast(From from) {
+  static_assert(sizeof(To) == sizeof(From));
+  To to;
+  __builtin_memcpy(&to, &from, sizeof(to));
+  return to;
 }
 
 inline Vec load(const float* p) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return bit_cast<Vec>(_mm512_loadu_ps(p));
+#elif defined(__AVX2__)
+  return bit_cast<Vec>(_mm256_loadu_ps(p));
+#else
   Vec v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
+#endif
 }
 
-// Exponent and mantissa moved into float32's places, then scaled by 2^112 to
-// re-bias the exponent, which also turns float16's subnormals into float32 normals;
-// infinities and NaNs get float32's all-ones exponent; the sign goes back on last.
 inline Vec load(const c10::Half* p) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return bit_cast<Vec>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__) && defined(__AVX2__)
+  return bit_cast<Vec>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  // Exponent and mantissa moved into float32's places, then scaled by 2^112 to
+  // re-bias the exponent, which also turns float16's subnormals into float32
+  // normals; infinities and NaNs get float32's all-ones exponent; the sign last.
   Shorts bits;
   __builtin_memcpy(&bits, p, sizeof(bits));
   const Words h = __builtin_convertvector(bits, Words);
-  Words f = as_words(as_floats((h & 0x7fffu) << 13) * 0x1p112f);
+  Words f = bit_cast<Words>(bit_cast<Vec>((h & 0x7fffu) << 13) * 0x1p112f);
   f |= ((h & 0x7c00u) == 0x7c00u) & 0x7f800000u;
-  return as_floats(f | (h & 0x8000u) << 16);
+  return bit_cast<Vec>(f | (h & 0x8000u) << 16);
+#endif
 }
 
 inline Vec load(const c10::BFloat16* p) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return bit_cast<Vec>(_mm512_slli_epi32(words, 16));
+#elif defined(__AVX2__)
+  const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return bit_cast<Vec>(_mm256_slli_epi32(words, 16));
+#else
   Shorts bits;
   __builtin_memcpy(&bits, p, sizeof(bits));
-  return as_floats(__builtin_convertvector(bits, Words) << 16);
+  return bit_cast<Vec>(__builtin_convertvector(bits, Words) << 16);
+#endif
 }
 
-// Each byte copied into the top of its own 32-bit lane (one shuffle), then an
-// arithmetic shift right sign-extends it.
-#define FOUR(i) i, i, i, i
 inline Vec load(const int8_t* p) {
-  Bytes b;
-  __builtin_memcpy(&b, p, sizeof(b));
-  const Quads spread = __builtin_shufflevector(
-      b, b, FOUR(0), FOUR(1), FOUR(2), FOUR(3), FOUR(4), FOUR(5), FOUR(6), FOUR(7), FOUR(8),
-      FOUR(9), FOUR(10), FOUR(11), FOUR(12), FOUR(13), FOUR(14), FOUR(15));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return bit_cast<Vec>(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return bit_cast<Vec>(
+      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
   Ints lanes;
-  __builtin_memcpy(&lanes, &spread, sizeof(lanes));
-  return __builtin_convertvector(lanes >> 24, Vec);
+  for (int64_t i = 0; i < kLanes; ++i) lanes[i] = p[i];
+  return __builtin_convertvector(lanes, Vec);
+#endif
 }
-#undef FOUR
 
-inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
+inline void store(float* p, Vec v) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  _mm512_storeu_ps(p, bit_cast<__m512>(v));
+#elif defined(__AVX2__)
+  _mm256_storeu_ps(p, bit_cast<__m256>(v));
+#else
+  __builtin_memcpy(p, &v, sizeof(v));
+#endif
+}
 
 inline float sum(Vec v) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return _mm512_reduce_add_ps(bit_cast<__m512>(v));
+#elif defined(__AVX2__)
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(bit_cast<__m256>(v)),
+                        _mm256_extractf128_ps(bit_cast<__m256>(v), 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
   float total = 0.f;
   for (int64_t i = 0; i < kLanes; ++i) total += v[i];
   return total;
-}
-
-// On x86-64, compile a function once per instruction set (AVX-512, AVX2, baseline)
-// and pick one when the library loads, so one build runs on any x86-64 machine.
-#if defined(__x86_64__)
-#define PER_ISA __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define PER_ISA
 #endif
+}
