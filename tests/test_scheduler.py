@@ -1,14 +1,22 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
-from protocol import ErrorCode, ErrorResult, GenerateRequest, GenerateResult, ToFrontend
+from protocol import (
+    ErrorCode,
+    ErrorResult,
+    GenerateRequest,
+    GenerateResult,
+    ToFrontend,
+    TokenDelta,
+)
 from worker.engine import StepOutput
 from worker.fake_engine import FakeEngine, expected_text
 from worker.scheduler import QueueFull, Scheduler
+from worker.sequence import Sequence as Sequence_
 
 
 class RecordingEngine(FakeEngine):
@@ -19,6 +27,7 @@ class RecordingEngine(FakeEngine):
         self.admitted: list[str] = []
         self.active_at_step: list[int] = []
         self.max_active = 0
+        self.num_decodes = 0
 
     def admit(self, requests: Sequence[GenerateRequest]) -> list[str]:
         ids = super().admit(requests)
@@ -26,9 +35,13 @@ class RecordingEngine(FakeEngine):
         self.max_active = max(self.max_active, self.num_active())
         return ids
 
-    def step(self) -> StepOutput:
+    def step(self, on_prefilled: Callable[[StepOutput], None] | None = None) -> StepOutput:
         self.active_at_step.append(self.num_active())
-        return super().step()
+        return super().step(on_prefilled)
+
+    def _decode(self, active: list[Sequence_]) -> list[int]:
+        self.num_decodes += 1
+        return super()._decode(active)
 
 
 def _request(i: int, max_new_tokens: int = 4, **kwargs: object) -> GenerateRequest:
@@ -222,3 +235,30 @@ def test_results_carry_timings_and_token_counts() -> None:
     assert (result.prompt_tokens, result.completion_tokens) == (8, 3)
     assert result.queue_wait_ms == 1000.0
     assert result.generate_ms > 0
+
+
+def test_a_first_token_is_sent_before_the_decode_of_its_step() -> None:
+    """Time to first token is the prefill's, not the prefill's and a decode's."""
+    engine = RecordingEngine(2)
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    scheduler.submit(_request(0, max_new_tokens=3, stream=True))
+    scheduler.submit(_request(1, max_new_tokens=1, stream=True))  # its first token ends it
+    sent: list[list[ToFrontend]] = []
+
+    def send(messages: list[ToFrontend]) -> None:
+        assert engine.num_decodes == 0, "sent after the decode"
+        sent.append(messages)
+
+    rest = scheduler.run_once(send)
+    [early] = sent
+    assert [(type(m).__name__, m.request_id) for m in early] == [
+        ("TokenDelta", "r0"),
+        ("TokenDelta", "r1"),
+        ("GenerateResult", "r1"),
+    ]
+    assert engine.num_decodes == 1
+    assert [(type(m).__name__, m.request_id) for m in rest] == [("TokenDelta", "r0")]
+    assert all(isinstance(m, TokenDelta) and len(m.token_ids) == 1 for m in rest)
+    assert scheduler.num_finished == 1
+    _run(scheduler)
+    assert scheduler.num_finished == 2

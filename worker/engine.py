@@ -7,7 +7,7 @@ The scheduler is written against `InferenceEngine` alone, so it is tested with
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from protocol import GenerateRequest, Logprobs, TokenDelta
@@ -90,12 +90,18 @@ class InferenceEngine(ABC):
         """
 
     @abstractmethod
-    def step(self) -> StepOutput:
+    def step(self, on_prefilled: Callable[[StepOutput], None] | None = None) -> StepOutput:
         """Advance every active sequence by one token.
 
         Newcomers that their first token already finished are drained without a
         decode. Finished sequences leave their slots before this returns. If this
         raises, the state of every active sequence is undefined: call `reset`.
+
+        ``on_prefilled``, if given, is called once between the step's prefill and
+        its decode with what the prefill produced (newcomers' first tokens, the
+        sequences they finished, failed chunks), so that a first token leaves
+        without waiting for the decode; the returned output then holds only the
+        rest.
         """
 
     @abstractmethod

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from protocol import ErrorCode, ErrorResult, GenerateRequest, GenerateResult, ToFrontend
-from worker.engine import FinishedSequence, InferenceEngine, RequestRejected
+from worker.engine import FinishedSequence, InferenceEngine, RequestRejected, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,10 @@ class Scheduler:
         self.num_finished += len(outputs)
         return outputs
 
-    def run_once(self) -> list[ToFrontend]:
-        """One iteration: admit into free slots, one step, report what it produced."""
+    def run_once(self, send: Callable[[list[ToFrontend]], None] | None = None) -> list[ToFrontend]:
+        """One iteration: admit into free slots, one step, report what it produced.
+        With ``send``, what the step's prefill produced (newcomers' first tokens)
+        goes to ``send`` before the decode runs, and the rest is returned."""
         outputs: list[ToFrontend] = []
         if not self.has_work():
             return outputs
@@ -90,10 +92,13 @@ class Scheduler:
             newcomers.append(self._queue.popitem(last=False)[1])
         # Queue time ends when admission starts; the prefill counts as generation.
         self._admit(newcomers, self._clock(), outputs)
-        if self.engine.num_active() > 0 and self._step(outputs):
+        if self.engine.num_active() > 0 and self._step(outputs, send):
             self.num_steps += 1
-        self.num_finished += sum(isinstance(o, (GenerateResult, ErrorResult)) for o in outputs)
+        self._count_finished(outputs)
         return outputs
+
+    def _count_finished(self, outputs: list[ToFrontend]) -> None:
+        self.num_finished += sum(isinstance(o, (GenerateResult, ErrorResult)) for o in outputs)
 
     def _admit(
         self,
@@ -126,10 +131,21 @@ class Scheduler:
                 self._admitted_at[request.request_id] = (arrival, admitted_at)
             return
 
-    def _step(self, outputs: list[ToFrontend]) -> bool:
+    def _step(
+        self, outputs: list[ToFrontend], send: Callable[[list[ToFrontend]], None] | None
+    ) -> bool:
         """One step; return whether it succeeded."""
+
+        def send_prefilled(prefilled: StepOutput) -> None:
+            assert send is not None
+            early = outputs[:]  # admission's rejections, then the first tokens
+            outputs.clear()
+            self._report(prefilled, early)
+            self._count_finished(early)
+            send(early)
+
         try:
-            step = self.engine.step()
+            step = self.engine.step(None if send is None else send_prefilled)
         except Exception as exc:
             log.exception("step failed; failing %d active sequences", self.engine.num_active())
             for request_id in self.engine.reset():
@@ -137,6 +153,10 @@ class Scheduler:
                 outputs.append(_internal_error(request_id, exc))
             self.num_failures_in_a_row += 1
             return False
+        self._report(step, outputs)
+        return True
+
+    def _report(self, step: StepOutput, outputs: list[ToFrontend]) -> None:
         for request_id, error in step.failed:  # the engine failed on these alone
             self._admitted_at.pop(request_id, None)
             outputs.append(_internal_error(request_id, error))
@@ -145,7 +165,6 @@ class Scheduler:
         self.num_failures_in_a_row = self.num_failures_in_a_row + 1 if step.failed else 0
         outputs.extend(step.deltas)
         outputs.extend(self._finished_result(finished) for finished in step.finished)
-        return True
 
     def _finished_result(self, finished: FinishedSequence) -> GenerateResult:
         arrival, admitted = self._admitted_at.pop(finished.request_id)

@@ -114,6 +114,17 @@ class WorkerServer:
     def _engine_loop(self) -> None:
         outputs_socket = self._context.socket(zmq.PUSH)
         outputs_socket.connect(self._outputs_address)
+
+        def send(messages: list[ToFrontend]) -> None:
+            """Each under the id its sender gave it."""
+            for message in messages:
+                route: str = message.request_id  # type: ignore[union-attr]
+                final = isinstance(message, (GenerateResult, ErrorResult))
+                reply = dataclasses.replace(message, request_id=sender_request_id(route))  # type: ignore[arg-type]
+                outputs_socket.send_multipart(
+                    [route.encode(), _FINAL if final else _PARTIAL, encode(reply)]
+                )
+
         log.info(
             "worker %s serving %s on %s (capacity %d)",
             self.instance_id[:8],
@@ -126,16 +137,11 @@ class WorkerServer:
                 outputs: list[ToFrontend] = []
                 # 1. take input; block only while there is nothing to run
                 self._take_input(outputs, block=not self.scheduler.has_work())
-                # 2. admit into free slots, 3. one step
-                outputs.extend(self.scheduler.run_once())
-                # 4. send every output at once, under the id its sender gave it
-                for message in outputs:
-                    route: str = message.request_id  # type: ignore[union-attr]
-                    final = isinstance(message, (GenerateResult, ErrorResult))
-                    reply = dataclasses.replace(message, request_id=sender_request_id(route))  # type: ignore[arg-type]
-                    outputs_socket.send_multipart(
-                        [route.encode(), _FINAL if final else _PARTIAL, encode(reply)]
-                    )
+                # 2. admit into free slots, 3. one step: first tokens are sent as
+                # soon as the prefill made them, before the decode
+                outputs.extend(self.scheduler.run_once(send))
+                # 4. send the rest at once
+                send(outputs)
                 if self.scheduler.num_failures_in_a_row >= _MAX_FAILURES_IN_A_ROW:
                     raise EngineBroken(
                         f"the engine failed {self.scheduler.num_failures_in_a_row} times in a "

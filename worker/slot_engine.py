@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from abc import abstractmethod
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
@@ -126,12 +127,17 @@ class SlotEngine(InferenceEngine):
                 self._take_first_token(seq, token_id)
         return [seq.request_id for seq in newcomers]
 
-    def step(self) -> StepOutput:
+    def step(self, on_prefilled: Callable[[StepOutput], None] | None = None) -> StepOutput:
         output = StepOutput()
+        # prefill
         if self._num_prefilled:
             self._run_chunks(self._next_chunks(), output)
         # Newcomers whose first token finished them leave before the decode.
         self._collect(output)
+        if on_prefilled is not None and (output.deltas or output.finished or output.failed):
+            on_prefilled(output)
+            output = StepOutput()
+        # decode
         decoding = self.decoding_sequences()
         if decoding:
             for seq, token_id in zip(decoding, self._decode(decoding), strict=True):
