@@ -131,3 +131,24 @@ class _WorkerCollector(Collector):
             "Batch slots free for new sequences in the live workers",
             sum(hello.capacity - heartbeat.num_active for hello, heartbeat in loads),
         )
+        # Each worker's memory, so that growth shows (labelled by its address).
+        rss = GaugeMetricFamily(
+            "minibatch_worker_rss_bytes", "The worker process's resident memory", labels=["worker"]
+        )
+        kv_cache = GaugeMetricFamily(
+            "minibatch_worker_kv_cache_bytes",
+            "The worker's preallocated KV cache",
+            labels=["worker"],
+        )
+        shapes = GaugeMetricFamily(
+            "minibatch_worker_matmul_shapes",
+            "Matrix-product shapes the worker's math library keeps kernels for",
+            labels=["worker"],
+        )
+        for link in live:
+            hello, heartbeat = link.liveness.hello, link.liveness.last_heartbeat
+            if hello and heartbeat:
+                rss.add_metric([link.endpoint], heartbeat.rss_bytes)
+                kv_cache.add_metric([link.endpoint], hello.kv_cache_bytes)
+                shapes.add_metric([link.endpoint], heartbeat.num_matmul_shapes)
+        yield from (rss, kv_cache, shapes)

@@ -157,6 +157,7 @@ class Hello:
     # How the engine computes (precision, decode kernels and their ISA), as /health
     # shows it; empty from a worker that does not say.
     compute: str = ""
+    kv_cache_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +172,8 @@ class Heartbeat:
     num_queued: int
     num_active: int
     num_finished: int = 0
+    rss_bytes: int = 0  # the worker process's resident memory; 0 where unknown
+    num_matmul_shapes: int = 0  # see the worker's InferenceEngine.num_matmul_shapes
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,12 @@ from worker.precision import (  # noqa: E402
     cpu_modes,
     has_bfloat16_products,
 )
-from worker.projection import Projection, quantize_int8  # noqa: E402
+from worker.projection import (  # noqa: E402
+    Projection,
+    num_matmul_shapes,
+    padded_rows,
+    quantize_int8,
+)
 
 if shutil.which("c++") is None:
     pytest.skip("no C++ compiler to build the decode kernels with", allow_module_level=True)
@@ -295,6 +300,19 @@ def test_a_stored_projection_multiplies_by_the_same_weight_on_every_path(
     rows = as_the_kernel_multiplies(x, loaded, format) if on_kernel and loaded else x.double()
     expected = F.linear(rows, widened(projection.stored_weight, projection.scale), bias.double())
     torch.testing.assert_close(projection(x), expected.float(), rtol=1e-5, atol=1e-4)
+
+
+def test_prefill_row_counts_are_padded_to_few_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN keeps a primitive per row count: ever new counts grew memory."""
+    sizes = {padded_rows(n) for n in range(MAX_ROWS + 1, 8193)}
+    assert len(sizes) <= 4 * 11  # four sizes per doubling
+    assert all(n <= padded_rows(n) < 1.25 * n + 8 for n in range(MAX_ROWS + 1, 8193))
+    monkeypatch.setattr(projection_module, "_matmul_shapes", set())
+    x, weight, bias = operands(100, 64, 96)
+    projection = Projection(weight, bias, "float32")
+    for num_rows in (97, 100, 112, 9):
+        torch.testing.assert_close(projection(x[:num_rows]), F.linear(x[:num_rows], weight, bias))
+    assert num_matmul_shapes() == 2  # (112, 96, 64) and (16, 96, 64)
 
 
 def test_int8_keeps_each_output_channels_range() -> None:

@@ -85,6 +85,19 @@ def test_worker_gauges_follow_heartbeats(stack: Stack) -> None:
         assert value(samples, "minibatch_frontend_inflight") == 1
 
 
+def test_each_workers_memory_is_reported(stack: Stack) -> None:
+    samples = scrape(stack)
+    [(worker, rss)] = [
+        (dict(labels)["worker"], sample)
+        for (name, labels), sample in samples.items()
+        if name == "minibatch_worker_rss_bytes"
+    ]
+    assert 10 * 2**20 < rss < 4 * 2**30  # a Python process's, from /proc
+    # The fake engine has no KV cache and no math library.
+    assert value(samples, "minibatch_worker_kv_cache_bytes", worker=worker) == 0
+    assert value(samples, "minibatch_worker_matmul_shapes", worker=worker) == 0
+
+
 def test_worker_down_and_restart_are_reported(stack: Stack) -> None:
     assert value(scrape(stack), "minibatch_worker_restarts_total") == 0
     stack.kill("worker")

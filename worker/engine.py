@@ -59,6 +59,7 @@ class ModelInfo:
     max_token_chars: int  # the longest text one token decodes to, or more
     # How it computes, for /health and logs: precision, kernels and their ISA.
     compute: str = ""
+    kv_cache_bytes: int = 0  # preallocated at start, for every slot
 
 
 class InferenceEngine(ABC):
@@ -74,6 +75,12 @@ class InferenceEngine(ABC):
     @abstractmethod
     def num_active(self) -> int:
         """Slots in use now; never more than ``capacity``."""
+
+    def num_matmul_shapes(self) -> int:
+        """Distinct matrix-product shapes the math library has built kernels for
+        in this process, each holding memory of its own; bounded, so that memory
+        levels off. Safe to read from any thread."""
+        return 0
 
     @abstractmethod
     def admit(self, requests: Sequence[GenerateRequest]) -> list[str]:

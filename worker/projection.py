@@ -50,6 +50,25 @@ TIMED_ROWS = MAX_ROWS
 # call can only be slowed (by a neighbour taking the core), never sped up.
 TIMED_ROUNDS = 5
 
+# oneDNN builds (and keeps) a primitive, with buffers of its own, for every row
+# count it is given: prefill's packed token counts, ever new, grew a worker's RSS
+# by about 2 MB a new count without levelling off. Row counts above MAX_ROWS are
+# padded up to one of 4 sizes per doubling (8, 16, 24, 32, 40, 48, 56, 64, 80, ...),
+# so the shapes are bounded and each product does under 25% more rows.
+_matmul_shapes: set[tuple[int, int, int]] = set()  # (rows, out, in) given to oneDNN
+
+
+def padded_rows(num_rows: int) -> int:
+    """``num_rows`` rounded up to the sizes oneDNN is given above MAX_ROWS rows."""
+    step = 8 if num_rows <= 32 else 1 << (num_rows.bit_length() - 3)
+    return -(-num_rows // step) * step
+
+
+def num_matmul_shapes() -> int:
+    """The distinct shapes oneDNN has been given in this process."""
+    return len(_matmul_shapes)
+
+
 DecodePath = Literal["kernel", "onednn"]
 # The winner for each (out_features, in_features, stored format, bfloat16
 # products), in this process.
@@ -163,8 +182,15 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (N, in)
-        if self.decode_path == "kernel" and rows.shape[0] <= MAX_ROWS:
-            y = self.kernel(rows)
+        num_rows = rows.shape[0]
+        if num_rows <= MAX_ROWS:
+            y = self.kernel(rows) if self.decode_path == "kernel" else self.dense(rows)
+        elif self.is_packed:
+            padded = padded_rows(num_rows)
+            _matmul_shapes.add((padded, self.out_features, self.in_features))
+            if padded > num_rows:
+                rows = F.pad(rows, (0, 0, 0, padded - num_rows))  # (padded, in), zeros below
+            y = self.dense(rows)[:num_rows]
         else:
             y = self.dense(rows)
         return y.view(*x.shape[:-1], self.out_features)  # (..., out)

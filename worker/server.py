@@ -81,6 +81,7 @@ class WorkerServer:
             max_queue_depth=scheduler.max_queue_depth,
             max_message_bytes=config.max_message_bytes,
             compute=info.compute,
+            kv_cache_bytes=info.kv_cache_bytes,
         )
         self._context = zmq.Context()
         self._outputs_address = f"inproc://outputs-{self.instance_id}"
@@ -242,6 +243,8 @@ class WorkerServer:
                             num_queued=self._inbox.qsize() + self.scheduler.num_queued,
                             num_active=self.scheduler.engine.num_active(),
                             num_finished=self.scheduler.num_finished,
+                            rss_bytes=_resident_bytes(),
+                            num_matmul_shapes=self.scheduler.engine.num_matmul_shapes(),
                         )
                     )
                     peers.expire()
@@ -252,6 +255,15 @@ class WorkerServer:
             router.close(linger=0)
             outputs.close(linger=0)
             stop_authenticator()
+
+
+def _resident_bytes() -> int:
+    """This process's resident set, from /proc (Linux); 0 elsewhere."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class EngineBroken(RuntimeError):

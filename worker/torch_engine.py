@@ -23,6 +23,7 @@ from worker.logprobs import UNSCORED, TokenLogprob
 from worker.model_loader import LoadedModel, load_model
 from worker.penalties import apply_penalties, suppress_early_stops
 from worker.precision import Precision
+from worker.projection import num_matmul_shapes
 from worker.sampler import Sampler, check_sampling
 from worker.sequence import Sequence
 from worker.slot_engine import SlotEngine
@@ -126,6 +127,7 @@ class TorchEngine(SlotEngine):
         config = loaded.model.config
         self.precision = precision or Precision.uniform(loaded.model.dtype)
         self.gpt2 = gpt2 or GPT2(loaded.model, self.precision)
+        self.cache = self.gpt2.new_cache(capacity)
         info = ModelInfo(
             loaded.name,
             loaded.is_random_weights,
@@ -133,11 +135,11 @@ class TorchEngine(SlotEngine):
             vocab_size=config.vocab_size,
             max_token_chars=loaded.tokenizer.max_token_chars,
             compute=f"{self.precision.describe()}; {self.gpt2.describe_kernels()}",
+            kv_cache_bytes=self.cache.kv.numel() * self.cache.kv.element_size(),
         )
         super().__init__(info, loaded.tokenizer, capacity, chat_template, prefill_chunk_tokens)
         self.model = loaded.model
         self.device = self.gpt2.device
-        self.cache = self.gpt2.new_cache(capacity)
         graphs = None
         if cuda_graphs and self.device.type == "cuda":
             buckets = Buckets.doubling(capacity, info.context_window, SHORTEST_GRAPH_LENGTH)
@@ -152,6 +154,9 @@ class TorchEngine(SlotEngine):
             info.compute,
             self.cache.describe(),
         )
+
+    def num_matmul_shapes(self) -> int:
+        return num_matmul_shapes()
 
     def _prefill(self, newcomers: list[Sequence]) -> list[int]:
         self._start_prefill(newcomers)
