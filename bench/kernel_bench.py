@@ -1,0 +1,104 @@
+"""The decode kernel against the machine's bandwidth and against oneDNN, per ISA.
+
+    python -m bench.kernel_bench [--rows 1 8] [--repeats 7]
+
+The LM head (50257 x 768, the largest product of a decode step) at each of
+--rows, in every stored format, for every kernel build this CPU runs
+(`worker.kernels.runnable_isas`), and through oneDNN on the float32 copy the
+engine packs for it. Each time is the fastest of --repeats calls, taking turns,
+and is set against the time to read that format's weight once at this machine's
+read bandwidth, measured in the same run (``bench.ceiling.read_bandwidth``): a
+ratio of 1.0 is a kernel bound by memory alone. Writes bench/results/kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.ceiling import read_bandwidth
+from bench.report import RESULTS, write_json
+from worker.kernels import load_kernels, runnable_isas
+from worker.precision import WEIGHT_FORMATS
+from worker.projection import TIMED_ROWS, quantize_int8
+
+VOCAB, WIDTH = 50257, 768
+
+
+def fastest_s(multiply: Callable[[], torch.Tensor], repeats: int) -> float:
+    multiply()  # its set-up
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        multiply()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=RESULTS / "kernels.json")
+    args = parser.parse_args(argv)
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(VOCAB, WIDTH, generator=generator)
+    stored: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {
+        "int8": quantize_int8(weight),
+        **{f: (weight.to(getattr(torch, f)), None) for f in WEIGHT_FORMATS if f != "int8"},
+    }
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, TIMED_ROWS)
+    bandwidth = read_bandwidth(torch.device("cpu"), 2**28, repeats=5)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; LM head {VOCAB} x {WIDTH}")
+    rows_out: list[dict[str, Any]] = []
+    with torch.inference_mode():
+        for num_rows in args.rows:
+            x = torch.randn(num_rows, WIDTH, generator=generator)
+            onednn = functools.partial(
+                torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""
+            )
+            onednn_s = fastest_s(onednn, args.repeats)
+            read_s = weight.numel() * 4 / bandwidth
+            rows_out.append(_row("onednn", "float32", num_rows, onednn_s, read_s, onednn_s))
+            for isa in runnable_isas():
+                kernels = load_kernels(isa)
+                if kernels is None:
+                    continue
+                for format, (w, scale) in stored.items():
+                    kernel = functools.partial(kernels.skinny_linear, x, w, scale, None)
+                    seconds = fastest_s(kernel, args.repeats)
+                    read_s = w.numel() * w.element_size() / bandwidth
+                    rows_out.append(_row(isa, format, num_rows, seconds, read_s, onednn_s))
+    print(f"{'path':<12} {'format':<9} {'rows':>4} {'ms':>7} {'x read time':>12} {'x oneDNN':>9}")
+    for row in rows_out:
+        print(
+            f"{row['path']:<12} {row['format']:<9} {row['rows']:>4} {row['ms']:>7.2f} "
+            f"{row['vs_read_time']:>12.2f} {row['vs_onednn_float32']:>9.2f}"
+        )
+    report = {"read_bandwidth_bytes_per_s": bandwidth, "rows": rows_out}
+    write_json(args.out, report)
+    return report
+
+
+def _row(
+    path: str, format: str, num_rows: int, seconds: float, read_s: float, onednn_s: float
+) -> dict[str, Any]:
+    return {
+        "path": path,
+        "format": format,
+        "rows": num_rows,
+        "ms": seconds * 1e3,
+        "vs_read_time": seconds / read_s,
+        "vs_onednn_float32": seconds / onednn_s,
+    }
+
+
+if __name__ == "__main__":
+    main()
