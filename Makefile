@@ -15,13 +15,13 @@ COMPOSE_VALIDATOR := command -v docker-compose >/dev/null 2>&1 \
 	     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; } \
 	|| echo "docker-compose is not installed (needs apt-get as root): compose validation tests will skip"
 
-# The decode kernels (worker/csrc) compile once, here, one library per instruction
+# The decode kernels (worker/model/csrc) compile once, here, one library per instruction
 # set; a worker only loads them, and never compiles. Without a C++ compiler the
 # worker runs without them, slower, and says so.
-BUILD_DECODE_KERNELS := $(BIN)/python -m worker.kernels \
+BUILD_DECODE_KERNELS := $(BIN)/python -m worker.model.kernels \
 	|| echo "the decode kernels were not built (see above): decode will run slower"
 
-$(STAMP): pyproject.toml $(wildcard worker/csrc/*)
+$(STAMP): pyproject.toml $(wildcard worker/model/csrc/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'

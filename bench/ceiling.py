@@ -31,8 +31,8 @@ from bench.engines import engines_by_capacity, sync
 from bench.report import RESULTS, save_figure, write_json
 from bench.step_profile import median_step_s, profile_steps
 from protocol import GenerateRequest
-from worker.precision import MODES
-from worker.torch_engine import TorchEngine
+from worker.engine.torch_engine import TorchEngine
+from worker.model.precision import MODES
 
 WARMUP_STEPS = 2
 
@@ -79,7 +79,7 @@ def decode_cost(engine: TorchEngine, batch: int, context: int) -> StepCost:
     gpt2 = engine.gpt2
     config = engine.model.config
     # Every projection weight and the LM head is read once per step, in the copy its
-    # decode path reads (worker/projection.py), and used in one multiply-add per row;
+    # decode path reads (worker/model/projection.py), and used in one multiply-add per row;
     # biases, norms and int8 scales are read once too; the embeddings are gathered
     # a row at a time.
     projections = [gpt2.lm_head]

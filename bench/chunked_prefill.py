@@ -32,7 +32,7 @@ from bench.report import RESULTS, write_json
 from bench.workload import make_workload
 from protocol import GenerateRequest
 from protocol.config import WorkerConfig
-from worker.torch_engine import TorchEngine, load_engine
+from worker.engine.torch_engine import TorchEngine, load_engine
 
 CAPACITY = 12
 NUM_STREAMS = 8

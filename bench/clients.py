@@ -61,7 +61,7 @@ def save_synthetic(directory: Path) -> None:
     code = (
         "import sys\n"
         "from transformers import PreTrainedTokenizerFast\n"
-        "from worker.model_loader import gpt2_tokenizer, synthetic_model\n"
+        "from worker.model.loader import gpt2_tokenizer, synthetic_model\n"
         "synthetic_model().model.save_pretrained(sys.argv[1])\n"
         "eot = '<|endoftext|>'\n"
         "PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer(), bos_token=eot,\n"

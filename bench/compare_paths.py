@@ -38,7 +38,7 @@ from bench.load import workload
 from bench.report import RESULTS, median_summary, save_figure, summarize, table, write_json
 from bench.stack import LocalStack, local_stack, stack_env, wait_live
 from protocol.config import WorkerConfig
-from worker.torch_engine import TorchEngine, load_engine
+from worker.engine.torch_engine import TorchEngine, load_engine
 
 PATHS = ("engine", "zmq", "http", "http-queue")
 Summary = dict[str, Any]
@@ -100,7 +100,7 @@ class Paths:
     def run_with_cpu(self, path: str, num_requests: int) -> Summary:
         """The run's summary, with the CPU seconds each process spent during it."""
         processes = {
-            "worker": self.stack.child("worker.main"),
+            "worker": self.stack.child("worker.serve.main"),
             "frontend": self.stack.child("frontend.main"),
             "bench (client or engine)": psutil.Process(),
         }

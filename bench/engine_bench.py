@@ -27,11 +27,11 @@ from bench.report import (
     table,
     write_json,
 )
+from bench.static_baseline import StaticBatchRunner
 from bench.workload import make_workload
 from protocol import GenerateRequest
 from protocol.config import WorkerConfig
-from worker.static_baseline import StaticBatchRunner
-from worker.torch_engine import TorchEngine, load_engine
+from worker.engine.torch_engine import TorchEngine, load_engine
 
 CAPACITY = 8
 NUM_REQUESTS = 32

@@ -20,9 +20,9 @@ from typing import Any
 from bench.engine_bench import Summary, median_of_runs, run_continuous, run_static
 from bench.engines import engines_by_capacity
 from bench.report import RESULTS, save_figure, write_json
+from bench.static_baseline import StaticBatchRunner
 from bench.workload import make_workload
-from worker.precision import MODES as PRECISION_MODES
-from worker.static_baseline import StaticBatchRunner
+from worker.model.precision import MODES as PRECISION_MODES
 
 MODES = ("static", "continuous")
 

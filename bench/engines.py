@@ -7,9 +7,9 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from protocol.config import WorkerConfig
-from worker.model_loader import LoadedModel, TextTokenizer
-from worker.precision import MODES
-from worker.torch_engine import TorchEngine, load_engine
+from worker.engine.torch_engine import TorchEngine, load_engine
+from worker.model.loader import LoadedModel, TextTokenizer
+from worker.model.precision import MODES
 
 MODEL_ID = "synthetic"
 
@@ -17,7 +17,7 @@ MODEL_ID = "synthetic"
 def engines_by_capacity(
     capacities: Sequence[int], device: str = "cpu", mode: str = "float32"
 ) -> Iterator[tuple[int, TorchEngine]]:
-    """``(capacity, engine)`` for each capacity in turn, in one of worker.precision's
+    """``(capacity, engine)`` for each capacity in turn, in one of worker.model.precision's
     MODES; each engine has its own slot cache, and the caller drops it before
     asking for the next."""
     first = mode_engine(mode, capacities[0], device)
@@ -32,7 +32,7 @@ def engines_by_capacity(
 
 
 def mode_engine(mode: str, capacity: int, device: str = "cpu") -> TorchEngine:
-    """The synthetic-model engine in one of worker.precision's MODES."""
+    """The synthetic-model engine in one of worker.model.precision's MODES."""
     dtype, weights, bfloat16_products = MODES[mode]
     config = WorkerConfig(
         model_id=MODEL_ID,

@@ -56,7 +56,7 @@ from bench.workload import make_workload
 from protocol.config import FrontendConfig
 
 RESULTS = Path(__file__).parent / "results"
-WORKER_MODULES = ("worker.main", "minibatch-worker")
+WORKER_MODULES = ("worker.serve.main", "minibatch-worker")
 
 
 @dataclass

@@ -37,10 +37,10 @@ from protocol import (
     encode,
 )
 from protocol.config import WorkerConfig
-from worker.engine import InferenceEngine
-from worker.scheduler import Scheduler
-from worker.server import WorkerServer
-from worker.validation import RequestLimits
+from worker.engine.interface import InferenceEngine
+from worker.serve.scheduler import Scheduler
+from worker.serve.server import WorkerServer
+from worker.serve.validation import RequestLimits
 
 RESULTS = Path(__file__).parent / "results"
 _PROSE = "The quick brown fox jumps over the lazy dog, and then it rests. "
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8450)
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.1)
     args = parser.parse_args(argv)
-    from worker.main import build_engine
+    from worker.serve.main import build_engine
 
     config = WorkerConfig(
         model_id=args.model_id,

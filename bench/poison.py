@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from worker.fake_engine import FAKE_VOCAB_SIZE
+from worker.engine.fake_engine import FAKE_VOCAB_SIZE
 
 GPT2_VOCAB_SIZE = 50257  # the synthetic model's and distilgpt2's
 JSON = "application/json"

@@ -3,7 +3,7 @@ products, in one run.
 
     python -m bench.precision_bench [--runs 3] [--capacity 8]
 
-For each of worker/precision.py's MODES that this CPU can run, an engine on the
+For each of worker/model/precision.py's MODES that this CPU can run, an engine on the
 synthetic model at --capacity. Two measures, the modes taking turns so that a slow spell of a shared
 machine hits each alike: the engine benchmark's workload (bench/engine_bench.py:
 32 requests at t0, continuous batching; delivered tokens/s, median of --runs after
@@ -30,7 +30,7 @@ from bench.engine_bench import median_of_runs, run_continuous
 from bench.engines import mode_engine
 from bench.report import RESULTS, write_json
 from bench.workload import make_workload
-from worker.precision import MODES, cpu_modes
+from worker.model.precision import MODES, cpu_modes
 
 CONTEXT = 128
 NUM_REQUESTS = 32

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from worker.warm_start import WORKER_TITLE
+from worker.launch.warm_start import WORKER_TITLE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,10 +34,10 @@ class LocalStack:
     supervisor: subprocess.Popen[bytes]
 
     def child(self, module: str) -> psutil.Process:
-        """The running ``worker.main`` or ``frontend.main`` process. A worker forked
+        """The running ``worker.serve.main`` or ``frontend.main`` process. A worker forked
         from the fork server (warm starts) is its grandchild, and runs under the
         title ``minibatch-worker <endpoint>`` rather than its module's name."""
-        marks = [module] + ([f"{WORKER_TITLE} "] if module == "worker.main" else [])
+        marks = [module] + ([f"{WORKER_TITLE} "] if module == "worker.serve.main" else [])
         for process in psutil.Process(self.supervisor.pid).children(recursive=True):
             command = " ".join(process.cmdline())
             if any(mark in command for mark in marks):
@@ -59,12 +59,12 @@ def stack_env(overrides: Mapping[str, str]) -> dict[str, str]:
 
 @contextlib.contextmanager
 def local_stack(env: Mapping[str, str], log_path: Path) -> Iterator[LocalStack]:
-    """Run ``python -m worker.supervisor`` with ``env`` (see `stack_env`), logging to
+    """Run ``python -m worker.launch.supervisor`` with ``env`` (see `stack_env`), logging to
     ``log_path``; yield once it has started, and stop it on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "worker.supervisor"],
+            [sys.executable, "-m", "worker.launch.supervisor"],
             env=dict(env),
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -16,7 +16,7 @@ from collections import defaultdict
 from torch.profiler import ProfilerActivity, profile
 
 from bench.engines import sync
-from worker.torch_engine import TorchEngine
+from worker.engine.torch_engine import TorchEngine
 
 OVERHEAD = "Python and dispatch overhead"
 

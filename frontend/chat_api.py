@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: a conversation in, the assistant's next message out.
 
 The frontend has no tokenizer: the worker renders the messages through the
-model's chat template (`worker/chat_template.py`) and tokenizes the result.
+model's chat template (`worker/engine/chat_template.py`) and tokenizes the result.
 Streaming follows OpenAI: a first chunk with the assistant's role, content
 deltas, a last chunk with the finish reason, then usage and ``[DONE]``.
 """

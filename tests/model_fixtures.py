@@ -17,12 +17,12 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from protocol import GenerateRequest
-from worker import gpt2, projection
-from worker.decode_step import Buckets, Capture, DecodeStep, eager
-from worker.engine import FinishedSequence
-from worker.model_loader import LoadedModel, synthetic_config, synthetic_model
-from worker.precision import MODES, Precision
-from worker.torch_engine import TorchEngine
+from worker.engine.interface import FinishedSequence
+from worker.engine.torch_engine import TorchEngine
+from worker.model import gpt2, projection
+from worker.model.decode_step import Buckets, Capture, DecodeStep, eager
+from worker.model.loader import LoadedModel, synthetic_config, synthetic_model
+from worker.model.precision import MODES, Precision
 
 VOCAB_SIZE = 256
 EOS = VOCAB_SIZE - 1
@@ -104,7 +104,7 @@ def tiny_engine(
     mode: str = "float32",
     prefill_chunk_tokens: int = 0,
 ) -> TorchEngine:
-    """On the CPU, in one of worker.precision's MODES."""
+    """On the CPU, in one of worker.model.precision's MODES."""
     precision = Precision.for_device(torch.device("cpu"), *MODES[mode])
     return TorchEngine(
         tiny_model(seed, eos_scale),

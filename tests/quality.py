@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from protocol import GenerateRequest
-from worker.torch_engine import TorchEngine
+from worker.engine.torch_engine import TorchEngine
 
 
 @torch.inference_mode()

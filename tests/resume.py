@@ -7,8 +7,8 @@ import dataclasses
 from collections.abc import Callable
 
 from protocol import GenerateRequest
-from worker.engine import FinishedSequence
-from worker.slot_engine import SlotEngine
+from worker.engine.interface import FinishedSequence
+from worker.engine.slot_engine import SlotEngine
 
 
 @dataclasses.dataclass

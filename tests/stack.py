@@ -21,7 +21,7 @@ import httpx
 import openai
 import psutil
 
-from worker.warm_start import WORKER_TITLE
+from worker.launch.warm_start import WORKER_TITLE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,7 +151,7 @@ class Stack:
     def worker_pids(self) -> list[int]:
         """Every live worker process started by this stack: from scratch, or under a
         supervisor forked from its fork server and named for its endpoint."""
-        return self._pids_running("worker.main") + self._pids_running(f"{WORKER_TITLE} ")
+        return self._pids_running("worker.serve.main") + self._pids_running(f"{WORKER_TITLE} ")
 
     def worker_pid(self, endpoint: str) -> int:
         """The live worker process serving ``endpoint`` (several may run)."""
@@ -225,6 +225,9 @@ def stack_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+ENTRY_POINTS = {"worker": "worker.serve.main", "frontend": "frontend.main"}
+
+
 @contextmanager
 def running_stack(
     tmp_path: Path,
@@ -237,10 +240,10 @@ def running_stack(
     stack = Stack(url=f"http://127.0.0.1:{env['PORT']}", env=env, log_dir=tmp_path)
     try:
         if supervised:
-            stack.start("supervisor", "worker.supervisor")
+            stack.start("supervisor", "worker.launch.supervisor")
         else:
             for name in start:
-                stack.start(name, f"{name}.main")
+                stack.start(name, ENTRY_POINTS[name])
         yield stack
     finally:
         stack.stop()

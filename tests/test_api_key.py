@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.stack import Stack, running_stack
-from worker.fake_engine import expected_text
+from worker.engine.fake_engine import expected_text
 
 KEY = "sk-test-0123456789"
 

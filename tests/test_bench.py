@@ -21,7 +21,7 @@ from bench.stack import free_port, local_stack, stack_env, wait_live
 from bench.zmq_client import ZmqTarget
 from protocol import GenerateRequest
 from tests.stack import running_stack
-from worker.warm_start import WORKER_TITLE
+from worker.launch.warm_start import WORKER_TITLE
 
 
 def test_latency_stats_are_milliseconds_with_interpolated_percentiles() -> None:
@@ -204,7 +204,7 @@ def test_a_bench_stack_finds_its_worker_forked_from_the_fork_server(tmp_path: Pa
     env = stack_env({"MODEL_ID": "fake"})
     with local_stack(env, tmp_path / "stack.log") as stack:
         wait_live(stack.url, timeout_s=60)
-        worker = stack.child("worker.main")
+        worker = stack.child("worker.serve.main")
         assert " ".join(worker.cmdline()).split() == [WORKER_TITLE, env["WORKER_ENDPOINT"]]
         assert "frontend.main" in " ".join(stack.child("frontend.main").cmdline())
 

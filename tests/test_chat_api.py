@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.stack import Stack, live_stack, openai_client
-from worker.fake_engine import expected_text
+from worker.engine.fake_engine import expected_text
 
 CHAT_PROMPT = "System: Be brief.\n\nUser: Hi\n\nAssistant:"  # the default template's
 MESSAGES: list[dict[str, str]] = [

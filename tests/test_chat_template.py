@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from protocol import ErrorCode, GenerateRequest
-from worker.chat_template import ChatTemplateError, choose_chat_template, jinja_template
-from worker.engine import RequestRejected
-from worker.fake_engine import FakeEngine
+from worker.engine.chat_template import ChatTemplateError, choose_chat_template, jinja_template
+from worker.engine.fake_engine import FakeEngine
+from worker.engine.interface import RequestRejected
 
 TOKENS = {"bos_token": "<s>", "eos_token": "</s>"}
 

@@ -21,9 +21,9 @@ from tests.model_fixtures import (
     tiny_engine,
     tiny_model,
 )
-from worker.gpt2 import GPT2
-from worker.scheduler import Scheduler
-from worker.torch_engine import TorchEngine
+from worker.engine.torch_engine import TorchEngine
+from worker.model.gpt2 import GPT2
+from worker.serve.scheduler import Scheduler
 
 pytestmark = pytest.mark.model
 

@@ -26,7 +26,7 @@ from packaging.utils import canonicalize_name
 
 from protocol.config import FrontendConfig, WorkerConfig
 from tests.stack import Stack, free_port
-from worker.fake_engine import expected_text
+from worker.engine.fake_engine import expected_text
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
@@ -121,7 +121,7 @@ def test_image_default_command_matches_compose(service: str) -> None:
 def test_worker_healthcheck_is_the_protocol_probe() -> None:
     test = services()["worker"]["healthcheck"]["test"]
     assert test[0] == "CMD"
-    assert CONSOLE_SCRIPTS[test[1]] == "worker.probe:main"
+    assert CONSOLE_SCRIPTS[test[1]] == "worker.launch.probe:main"
     # The probe's own timeout must end before Docker's, so its message is logged.
     probe_timeout_s = float(test[test.index("--timeout-s") + 1])
     assert probe_timeout_s < _seconds(services()["worker"]["healthcheck"]["timeout"])

@@ -16,8 +16,8 @@ from protocol import GenerateRequest, Ping, encode
 from protocol.config import ConfigError, FrontendConfig, WorkerConfig, load
 from protocol.curve import ClientKeys, main, secure_client
 from tests.stack import REPO_ROOT, running_stack, stack_env
-from worker.fake_engine import expected_text
-from worker.probe import ProbeFailed, probe
+from worker.engine.fake_engine import expected_text
+from worker.launch.probe import ProbeFailed, probe
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_a_peer_without_an_allowed_key_gets_nothing_and_the_worker_serves_on(
 @pytest.mark.parametrize(
     ("module", "given", "missing"),
     [
-        ("worker.main", "CURVE_SERVER_SECRET_KEY", "CURVE_CLIENT_KEYS"),
+        ("worker.serve.main", "CURVE_SERVER_SECRET_KEY", "CURVE_CLIENT_KEYS"),
         ("frontend.main", "CURVE_CLIENT_SECRET_KEY", "CURVE_SERVER_PUBLIC_KEY"),
     ],
 )

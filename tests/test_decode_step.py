@@ -1,4 +1,4 @@
-"""The decode hot loop (`worker.decode_step`): staged inputs, buckets, captured
+"""The decode hot loop (`worker.model.decode_step`): staged inputs, buckets, captured
 steps. Parity over the random schedule in buckets is in test_torch_engine.py.
 
 The tests marked ``cuda`` need a GPU and are skipped without one; on the CPU the
@@ -26,9 +26,9 @@ from tests.model_fixtures import (
     tiny_model,
     with_graph_buckets,
 )
-from worker.decode_step import Buckets, Replay
-from worker.gpt2 import GPT2
-from worker.torch_engine import TorchEngine
+from worker.engine.torch_engine import TorchEngine
+from worker.model.decode_step import Buckets, Replay
+from worker.model.gpt2 import GPT2
 
 pytestmark = pytest.mark.model
 

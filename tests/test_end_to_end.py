@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from tests.stack import REPO_ROOT, Stack, running_stack
-from worker.fake_engine import expected_text
+from worker.engine.fake_engine import expected_text
 
 
 async def _generate_all(url: str, bodies: list[dict[str, object]]) -> list[httpx.Response]:
@@ -62,7 +62,7 @@ def test_health_names_the_model_counts_the_work_and_is_503_without_a_worker(tmp_
         response = stack.health()
         assert response.status_code == 503
         assert response.json()["worker"] == "connecting"
-        stack.start("worker", "worker.main")
+        stack.start("worker", "worker.serve.main")
         health = stack.wait_live()
         assert (health["model"], health["random_weights"]) == ("fake", True)
         health = stack.wait_for_health(
@@ -102,7 +102,7 @@ def test_the_launcher_restarts_a_killed_worker_and_serving_resumes(tmp_path: Pat
 def test_the_frontend_never_imports_torch_or_transformers() -> None:
     probe = (
         "import sys, frontend.main, frontend.app, protocol, protocol.config, protocol.liveness\n"
-        "import worker.supervisor, worker.probe\n"
+        "import worker.launch.supervisor, worker.launch.probe\n"
         "leaked = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
         "assert not leaked, leaked\n"
     )

@@ -17,9 +17,9 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from tests.model_fixtures import force_kernels, tiny_engine  # noqa: E402
-from worker import kernels as kernels_module  # noqa: E402
-from worker import projection as projection_module  # noqa: E402
-from worker.kernels import (  # noqa: E402
+from worker.model import kernels as kernels_module  # noqa: E402
+from worker.model import projection as projection_module  # noqa: E402
+from worker.model.kernels import (  # noqa: E402
     MAX_ROWS,
     KernelIsaError,
     Kernels,
@@ -31,14 +31,14 @@ from worker.kernels import (  # noqa: E402
     load_kernels,
     runnable_isas,
 )
-from worker.precision import (  # noqa: E402
+from worker.model.precision import (  # noqa: E402
     MODES,
     WEIGHT_FORMATS,
     Precision,
     cpu_modes,
     has_bfloat16_products,
 )
-from worker.projection import (  # noqa: E402
+from worker.model.projection import (  # noqa: E402
     Projection,
     num_matmul_shapes,
     padded_rows,
@@ -53,7 +53,9 @@ if shutil.which("c++") is None:
 @pytest.fixture(scope="module", params=runnable_isas())
 def kernels(request: pytest.FixtureRequest) -> Kernels:
     built = load_kernels(request.param)
-    assert built is not None, "the decode kernels are not built: run `python -m worker.kernels`"
+    assert built is not None, (
+        "the decode kernels are not built: run `python -m worker.model.kernels`"
+    )
     return built
 
 
@@ -105,7 +107,7 @@ def test_a_worker_without_built_kernels_serves_without_them_and_never_compiles(
     monkeypatch.setattr(subprocess, "run", lambda *_, **__: pytest.fail("compiled"))
     with caplog.at_level(logging.WARNING):
         assert load_kernels("baseline") is None
-    assert "python -m worker.kernels" in caplog.text
+    assert "python -m worker.model.kernels" in caplog.text
     kernels_module._load.cache_clear()  # the next test loads the real build again
 
 

@@ -105,7 +105,7 @@ def test_worker_down_and_restart_are_reported(stack: Stack) -> None:
     samples = scrape(stack)
     assert value(samples, "minibatch_worker_up") == 0
     assert ("minibatch_num_requests_running", ()) not in samples  # stale: left out
-    stack.start("worker", "worker.main")
+    stack.start("worker", "worker.serve.main")
     stack.wait_for_health("back", lambda h: h["status"] == "ok")
     samples = scrape(stack)
     assert value(samples, "minibatch_worker_up") == 1

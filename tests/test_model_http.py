@@ -11,7 +11,7 @@ import torch
 from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from tests.stack import running_stack
-from worker.model_loader import gpt2_tokenizer, synthetic_config, synthetic_model
+from worker.model.loader import gpt2_tokenizer, synthetic_config, synthetic_model
 
 pytestmark = pytest.mark.model
 

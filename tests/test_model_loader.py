@@ -13,13 +13,13 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from protocol.config import WorkerConfig  # noqa: E402
 from tests.model_fixtures import tiny_model  # noqa: E402
-from worker.model_loader import (  # noqa: E402
+from worker.engine.torch_engine import load_engine  # noqa: E402
+from worker.model.loader import (  # noqa: E402
     SYNTHETIC,
     ModelLoadError,
     gpt2_tokenizer,
     load_model,
 )
-from worker.torch_engine import load_engine  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -41,7 +41,7 @@ def test_synthetic_tokenizer_is_the_real_gpt2_bpe() -> None:
 def test_default_model_id_falls_back_to_synthetic_with_a_warning(
     offline: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="worker.model_loader"):
+    with caplog.at_level(logging.WARNING, logger="worker.model.loader"):
         config = WorkerConfig()
         loaded = load_model(config.model_to_load, CPU, torch.float32, may_fall_back=True)
     assert loaded.name == SYNTHETIC and loaded.is_random_weights

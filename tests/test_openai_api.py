@@ -13,7 +13,7 @@ import pytest
 from frontend.openai_common import IGNORED_FIELDS_HEADER
 from tests.sse import sse_events
 from tests.stack import Stack, live_stack, openai_client, running_stack
-from worker.fake_engine import expected_text
+from worker.engine.fake_engine import expected_text
 
 
 @pytest.fixture(scope="module")

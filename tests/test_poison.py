@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 
 from tests.stack import Stack, running_stack
-from worker.fake_engine import FAKE_VOCAB_SIZE, expected_text
+from worker.engine.fake_engine import FAKE_VOCAB_SIZE, expected_text
 
 MAX_REQUEST_BYTES = 1024 * 1024
 

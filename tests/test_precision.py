@@ -21,8 +21,8 @@ from tests.model_fixtures import (
     tiny_model,
 )
 from tests.quality import Quality, forced_logits
-from worker import precision as precision_module
-from worker.precision import Precision, cpu_modes
+from worker.model import precision as precision_module
+from worker.model.precision import Precision, cpu_modes
 
 pytestmark = pytest.mark.model
 

@@ -17,7 +17,7 @@ import zmq
 
 from protocol import Heartbeat, Hello, Ping, decode_to_worker, encode
 from protocol.config import WorkerConfig
-from worker.probe import local_endpoint, main
+from worker.launch.probe import local_endpoint, main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,7 +121,7 @@ def test_no_worker_exits_1_quickly() -> None:
     endpoint = unused_tcp_endpoint()
     started = time.monotonic()
     completed = subprocess.run(
-        [sys.executable, "-m", "worker.probe", "--endpoint", endpoint, "--timeout-s", "1"],
+        [sys.executable, "-m", "worker.launch.probe", "--endpoint", endpoint, "--timeout-s", "1"],
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         capture_output=True,

@@ -14,7 +14,7 @@ import httpx
 
 from tests.sse import sse_events
 from tests.stack import Stack, running_stack
-from worker.fake_engine import expected_text
+from worker.engine.fake_engine import expected_text
 
 CAPACITY = 4
 
@@ -125,7 +125,7 @@ def test_requests_wait_for_a_worker_and_succeed_when_it_arrives(tmp_path: Path) 
         bodies = _bodies(3, max_new_tokens=4)
         pool, futures = _in_background(stack, bodies)
         stack.wait_for_health("requests waiting", lambda h: h["inflight"] == 3)
-        stack.start("worker", "worker.main")
+        stack.start("worker", "worker.serve.main")
         _assert_fault_free_answers(bodies, futures)
         pool.shutdown()
         assert httpx.get(f"{stack.url}/ready", timeout=5).status_code == 200

@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch")
 
 from protocol import ErrorCode, GenerateRequest  # noqa: E402
 from tests.model_fixtures import VOCAB_SIZE, run_schedule, tiny_engine  # noqa: E402
-from worker.engine import RequestRejected  # noqa: E402
-from worker.sampler import Sampler, is_greedy  # noqa: E402
+from worker.engine.interface import RequestRejected  # noqa: E402
+from worker.model.sampler import Sampler, is_greedy  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -18,7 +18,7 @@ import zmq
 
 from protocol import GenerateRequest, Ping, encode
 from tests.stack import Stack, free_port, running_stack, stack_env
-from worker.fake_engine import expected_text
+from worker.engine.fake_engine import expected_text
 
 CAPACITY = 4
 
@@ -60,7 +60,7 @@ def _peer(endpoint: str) -> Iterator[zmq.Socket[bytes]]:
 
 def _start_worker(stack: Stack, name: str, endpoint: str) -> None:
     env = {**stack.env, "WORKER_ENDPOINT": endpoint}
-    stack.start_command(name, [sys.executable, "-m", "worker.main"], env)
+    stack.start_command(name, [sys.executable, "-m", "worker.serve.main"], env)
 
 
 def test_a_new_request_goes_to_the_worker_with_the_most_free_slots(tmp_path: Path) -> None:

@@ -13,10 +13,10 @@ from protocol import (
     ToFrontend,
     TokenDelta,
 )
-from worker.engine import StepOutput
-from worker.fake_engine import FakeEngine, expected_text
-from worker.scheduler import QueueFull, Scheduler
-from worker.sequence import Sequence as Sequence_
+from worker.engine.fake_engine import FakeEngine, expected_text
+from worker.engine.interface import StepOutput
+from worker.engine.sequence import Sequence as Sequence_
+from worker.serve.scheduler import QueueFull, Scheduler
 
 
 class RecordingEngine(FakeEngine):

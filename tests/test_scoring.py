@@ -24,9 +24,9 @@ from tests.model_fixtures import (
     tiny_engine,
 )
 from tests.resume import run
-from worker.engine import FinishedSequence
-from worker.model_loader import synthetic_model
-from worker.torch_engine import TorchEngine
+from worker.engine.interface import FinishedSequence
+from worker.engine.torch_engine import TorchEngine
+from worker.model.loader import synthetic_model
 
 pytestmark = pytest.mark.model
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from protocol import GenerateRequest
-from worker.fake_engine import CharTokenizer
-from worker.sequence import Sequence
+from worker.engine.fake_engine import CharTokenizer
+from worker.engine.sequence import Sequence
 
 EOS = 0
 

@@ -30,10 +30,10 @@ from protocol import (
 )
 from protocol.config import WorkerConfig
 from tests.stack import free_port
-from worker.fake_engine import FAKE_VOCAB_SIZE, FakeEngine, expected_text
-from worker.scheduler import Scheduler
-from worker.sequence import Sequence
-from worker.server import WorkerServer
+from worker.engine.fake_engine import FAKE_VOCAB_SIZE, FakeEngine, expected_text
+from worker.engine.sequence import Sequence
+from worker.serve.scheduler import Scheduler
+from worker.serve.server import WorkerServer
 
 
 @contextmanager
@@ -315,18 +315,18 @@ def test_an_invalid_request_is_answered_alone_and_its_batchmates_run(connect: Co
 @pytest.mark.parametrize(
     ("patch", "thread"),
     [
-        ("worker.server._Peers.heartbeat", "worker-io"),
-        ("worker.scheduler.Scheduler.has_work", "MainThread"),
+        ("worker.serve.server._Peers.heartbeat", "worker-io"),
+        ("worker.serve.scheduler.Scheduler.has_work", "MainThread"),
     ],
 )
 def test_a_thread_that_raises_ends_the_worker_loudly(patch: str, thread: str) -> None:
     module, cls, method = patch.rsplit(".", 2)
     script = (
-        f"import {module}, worker.main\n"
+        f"import {module}, worker.serve.main\n"
         "def broken(*args, **kwargs):\n"
         "    raise RuntimeError('injected')\n"
         f"setattr({module}.{cls}, {method!r}, broken)\n"
-        "worker.main.main([])\n"
+        "worker.serve.main.main([])\n"
     )
     env = {**os.environ, "MODEL_ID": "fake", "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}"}
     done = subprocess.run(

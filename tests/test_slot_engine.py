@@ -10,10 +10,10 @@ import pytest
 from protocol import ErrorCode, GenerateRequest, TokenDelta
 from tests.resume import assert_every_resume_is_exact, run
 from tests.test_sequence import ByteTokenizer
-from worker.engine import FinishedSequence, ModelInfo, RequestRejected
-from worker.fake_engine import FakeEngine
-from worker.sequence import Sequence
-from worker.slot_engine import SlotEngine
+from worker.engine.fake_engine import FakeEngine
+from worker.engine.interface import FinishedSequence, ModelInfo, RequestRejected
+from worker.engine.sequence import Sequence
+from worker.engine.slot_engine import SlotEngine
 
 
 class ScriptedEngine(SlotEngine):

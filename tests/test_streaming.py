@@ -13,7 +13,7 @@ import pytest
 
 from tests.sse import sse_events
 from tests.stack import Stack, running_stack
-from worker.fake_engine import FAKE_CONTEXT_WINDOW, expected_text
+from worker.engine.fake_engine import FAKE_CONTEXT_WINDOW, expected_text
 
 STEP_DELAY_S = 0.02
 REQUEST_TIMEOUT_S = 3.0

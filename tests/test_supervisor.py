@@ -16,9 +16,9 @@ import zmq
 from protocol import GenerateRequest, encode
 from protocol.config import SupervisorConfig
 from tests.stack import Stack, running_stack
-from worker import supervisor
-from worker.fake_engine import CRASH_EXIT_CODE, expected_text
-from worker.supervisor import Child, CrashLoop
+from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
+from worker.launch import supervisor
+from worker.launch.supervisor import Child, CrashLoop
 
 SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it
 
@@ -51,7 +51,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
 
 def _worker(clock: _Clock, crash_loop_limit: int) -> Child:
     config = SupervisorConfig(crash_loop_limit=crash_loop_limit)
-    return Child("worker", "worker.main", config, served_after_s=10.0, clock=clock)
+    return Child("worker", "worker.serve.main", config, served_after_s=10.0, clock=clock)
 
 
 def _run_and_die(child: Child, clock: _Clock, *num_finished: int, code: int = -9) -> None:
@@ -106,7 +106,7 @@ def test_a_fork_server_that_never_comes_up_is_given_up_on_for_a_start_from_scrat
     # and after WORKER_START_TIMEOUT_S the worker starts the old way.
     monkeypatch.setattr(supervisor.FORK_SERVER, "warm_up", lambda: None)
     config = SupervisorConfig(worker_start_timeout_s=30)
-    child = Child("worker", "worker.main", config, 10.0, clock=clock, is_forked=True)
+    child = Child("worker", "worker.serve.main", config, 10.0, clock=clock, is_forked=True)
     for _ in range(4):
         child.start()
         assert child.process is None

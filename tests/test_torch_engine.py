@@ -11,6 +11,7 @@ pytest.importorskip("torch")
 
 import torch
 
+from bench.static_baseline import StaticBatchRunner
 from protocol import ErrorCode, GenerateRequest
 from tests.model_fixtures import (
     CONTEXT_WINDOW,
@@ -28,9 +29,8 @@ from tests.model_fixtures import (
     with_graph_buckets,
 )
 from tests.resume import assert_every_resume_is_exact
-from worker.engine import RequestRejected
-from worker.static_baseline import StaticBatchRunner
-from worker.torch_engine import TorchEngine
+from worker.engine.interface import RequestRejected
+from worker.engine.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.model
 

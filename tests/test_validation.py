@@ -7,8 +7,8 @@ import math
 import pytest
 
 from protocol import AbortRequest, ErrorCode, GenerateRequest
-from worker.engine import RequestRejected
-from worker.validation import (
+from worker.engine.interface import RequestRejected
+from worker.serve.validation import (
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRING_CHARS,
     RequestLimits,

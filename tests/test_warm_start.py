@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from tests.stack import Stack, running_stack
-from worker import warm_start
-from worker.fake_engine import expected_text
-from worker.warm_start import FORK_SERVER_TITLE, WORKER_TITLE
+from worker.engine.fake_engine import expected_text
+from worker.launch import warm_start
+from worker.launch.warm_start import FORK_SERVER_TITLE, WORKER_TITLE
 
 
 def _fork_server(stack: Stack) -> psutil.Process:
@@ -70,7 +70,7 @@ def test_with_warm_start_off_each_worker_starts_from_scratch(tmp_path: Path) -> 
         stack.wait_live()
         (pid,) = stack.worker_pids()
         worker = psutil.Process(pid)
-        assert "worker.main" in " ".join(worker.cmdline())
+        assert "worker.serve.main" in " ".join(worker.cmdline())
         assert worker.ppid() == stack.processes["supervisor"].pid
         assert _generate(stack, "hi") == expected_text("hi", 3)
 

@@ -17,7 +17,7 @@ import zmq
 
 from protocol import PROTOCOL_VERSION, GenerateRequest, Ping, encode
 from tests.stack import Stack, running_stack
-from worker.fake_engine import expected_text
+from worker.engine.fake_engine import expected_text
 
 MAX_MESSAGE_BYTES = 256 * 1024
 NUM_CONNECTIONS = 30

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from protocol import AbortRequest, ErrorCode, GenerateRequest
 from protocol.codec import MAX_REQUEST_ID_CHARS
-from worker.engine import ModelInfo, RequestRejected
+from worker.engine.interface import ModelInfo, RequestRejected
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256

@@ -15,8 +15,8 @@ import secrets
 import torch
 
 from protocol import ErrorCode, GenerateRequest
-from worker.engine import RequestRejected
-from worker.host_copy import to_device
+from worker.engine.interface import RequestRejected
+from worker.model.host_copy import to_device
 
 
 def check_sampling(request: GenerateRequest) -> None:

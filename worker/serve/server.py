@@ -2,7 +2,7 @@
 
 Two threads, each owning its sockets:
 - the I/O thread owns the ROUTER. It takes any frames a peer sends, decodes and
-  checks them (`worker.validation`: a bad request is answered at once and never
+  checks them (`worker.serve.validation`: a bad request is answered at once and never
   queued), greets new peers with `Hello`, remembers which peer sent each request,
   routes outputs back, sends heartbeats on a timer (a long step cannot starve
   them: the engine runs on the other thread and torch releases the GIL), and
@@ -41,9 +41,9 @@ from protocol import (
 )
 from protocol.config import WorkerConfig
 from protocol.curve import secure_server
-from worker.engine import RequestRejected
-from worker.scheduler import QueueFull, Scheduler
-from worker.validation import RequestLimits, check_generate, is_valid_abort
+from worker.engine.interface import RequestRejected
+from worker.serve.scheduler import QueueFull, Scheduler
+from worker.serve.validation import RequestLimits, check_generate, is_valid_abort
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from protocol import GenerateRequest
-from worker.engine import ModelInfo
-from worker.logprobs import UNSCORED, TokenLogprob
-from worker.sequence import Sequence
-from worker.slot_engine import SlotEngine
+from worker.engine.interface import ModelInfo
+from worker.engine.logprobs import UNSCORED, TokenLogprob
+from worker.engine.sequence import Sequence
+from worker.engine.slot_engine import SlotEngine
 
 FAKE_MODEL_NAME = "fake"
 FAKE_CONTEXT_WINDOW = 1024

@@ -4,7 +4,7 @@ imported torch and loaded the model.
 A worker started from scratch spends seconds importing torch and transformers and
 loading the model: about 7 s of one core for the synthetic distilgpt2. While a
 replacement loads, the requests of the worker it replaces crowd the survivors, or
-wait. multiprocessing's fork server imports `worker.preload` once, at the first
+wait. multiprocessing's fork server imports `worker.launch.preload` once, at the first
 start; each worker forked from it shares what that loaded, copy-on-write, and is
 serving within a second of its predecessor's death.
 
@@ -30,7 +30,7 @@ from setproctitle import setproctitle
 log = logging.getLogger("supervisor")
 
 _FORK_SERVER = multiprocessing.get_context("forkserver")
-_FORK_SERVER.set_forkserver_preload(["worker.preload"])
+_FORK_SERVER.set_forkserver_preload(["worker.launch.preload"])
 
 # The command line of a forked worker, then its endpoint; `minibatch-worker` is
 # also the console script that starts one from scratch.
@@ -163,7 +163,7 @@ def _serve(env: dict[str, str]) -> None:
     os.environ.update(env)
     # Its command line is the fork server's until renamed (ps, top, pkill -f).
     setproctitle(f"{WORKER_TITLE} {env.get('WORKER_ENDPOINT', '')}".rstrip())
-    from worker.main import main
+    from worker.serve.main import main
 
     main([])
 

@@ -5,7 +5,7 @@ WORKER_ENDPOINT's port and the ones after it, each with an even share of the
 cores (TORCH_THREADS), and NUM_FRONTENDS frontends on PORT and the ones after
 it, each connected to every worker. A child that exits is restarted after a
 backoff that doubles with each crash in a row (capped); one that had served, at
-once. Workers fork from a process that has loaded the model (`worker.warm_start`),
+once. Workers fork from a process that has loaded the model (`worker.launch.warm_start`),
 so a replacement serves within a second. A worker that stops
 sending heartbeats, or sends them without making progress on pending work, is
 killed and replaced: the supervisor watches it over ZMQ exactly as the frontend
@@ -35,7 +35,7 @@ from protocol import Heartbeat, Hello, Ping, ProtocolError, decode_to_frontend, 
 from protocol.config import ConfigError, FrontendConfig, SupervisorConfig, load
 from protocol.curve import secure_client
 from protocol.liveness import Liveness, WorkerState
-from worker.warm_start import FORK_SERVER, ForkedWorker
+from worker.launch.warm_start import FORK_SERVER, ForkedWorker
 
 log = logging.getLogger("supervisor")
 
@@ -66,7 +66,7 @@ class Child:
         is_forked: bool = False,
     ) -> None:
         """``is_forked``: a worker forked from the warm fork server
-        (`worker.warm_start`) rather than started from scratch as ``module``."""
+        (`worker.launch.warm_start`) rather than started from scratch as ``module``."""
         self.name = name
         self.argv = [sys.executable, "-m", module]
         self.env = None if env is None else dict(env)
@@ -255,7 +255,7 @@ class Supervisor:
             env = _worker_env(endpoint, config) if len(endpoints) > 1 else None
             child = Child(
                 name,
-                "worker.main",
+                "worker.serve.main",
                 config,
                 _WORKER_SERVED_AFTER_S,
                 env=env,

@@ -13,8 +13,8 @@ import itertools
 import torch
 
 from protocol import GenerateRequest
-from worker.host_copy import to_device
-from worker.sequence import Sequence
+from worker.engine.sequence import Sequence
+from worker.model.host_copy import to_device
 
 
 def has_penalties(request: GenerateRequest) -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from protocol.config import ConfigError
 
-# How a projection's weight can be stored (see worker/projection.py).
+# How a projection's weight can be stored (see worker/model/projection.py).
 WEIGHT_FORMATS = ("float32", "float16", "bfloat16", "int8")
 # The CPU modes the benchmarks and quality tests compare, by name:
 # (DTYPE, WEIGHTS, BFLOAT16_PRODUCTS).

@@ -1,10 +1,10 @@
 """``y = x @ W.T + b``, with the kernel that is fastest for the number of rows, and
-``W`` stored as the engine's precision asks (``worker/precision.py``).
+``W`` stored as the engine's precision asks (``worker/model/precision.py``).
 
 On CPU, decode's products are tall and skinny (a few rows against a wide weight)
 and bound by reading the weights; prefill's are ordinary GEMMs, bound by compute.
 Two implementations compete for decode's rows (up to ``MAX_ROWS``): this project's
-own kernel (``worker/csrc/skinny_linear.cpp``), which reads the weight once in its
+own kernel (``worker/model/csrc/skinny_linear.cpp``), which reads the weight once in its
 stored format (float32, float16, bfloat16 or int8) and widens it in registers
 (int8: multiplies in integers), and oneDNN's inner product on a float32 copy
 pre-packed for it (``torch.ops.mkldnn._reorder_linear_weight``, as torch's own
@@ -38,8 +38,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from worker.kernels import LANES, MAX_ROWS, load_kernels
-from worker.precision import has_bfloat16_products
+from worker.model.kernels import LANES, MAX_ROWS, load_kernels
+from worker.model.precision import has_bfloat16_products
 
 logger = logging.getLogger(__name__)
 

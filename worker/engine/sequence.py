@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 from typing import Protocol
 
 from protocol import GenerateRequest
-from worker.logprobs import TokenLogprob
+from worker.engine.logprobs import TokenLogprob
 
 # A byte-level BPE token may end in the middle of a multi-byte character; its text
 # is held back until the character completes, or this many tokens have passed

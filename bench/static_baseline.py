@@ -15,8 +15,8 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from protocol import GenerateRequest
-from worker.engine import FinishedSequence
-from worker.sequence import Sequence, Tokenizer
+from worker.engine.interface import FinishedSequence
+from worker.engine.sequence import Sequence, Tokenizer
 
 # Left padding is masked out, so its id never matters; it is deliberately not EOS.
 PAD_TOKEN_ID = 0

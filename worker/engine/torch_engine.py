@@ -14,19 +14,19 @@ import os
 import torch
 
 from protocol.config import ConfigError, WorkerConfig
-from worker.chat_template import ChatTemplate, choose_chat_template
-from worker.decode_step import SHORTEST_GRAPH_LENGTH, Buckets, DecodeStep, cuda_graph_capture
-from worker.engine import ModelInfo
-from worker.gpt2 import GPT2
-from worker.host_copy import to_device
-from worker.logprobs import UNSCORED, TokenLogprob
-from worker.model_loader import LoadedModel, load_model
-from worker.penalties import apply_penalties, suppress_early_stops
-from worker.precision import Precision
-from worker.projection import num_matmul_shapes
-from worker.sampler import Sampler, check_sampling
-from worker.sequence import Sequence
-from worker.slot_engine import SlotEngine
+from worker.engine.chat_template import ChatTemplate, choose_chat_template
+from worker.engine.interface import ModelInfo
+from worker.engine.logprobs import UNSCORED, TokenLogprob
+from worker.engine.sequence import Sequence
+from worker.engine.slot_engine import SlotEngine
+from worker.model.decode_step import SHORTEST_GRAPH_LENGTH, Buckets, DecodeStep, cuda_graph_capture
+from worker.model.gpt2 import GPT2
+from worker.model.host_copy import to_device
+from worker.model.loader import LoadedModel, load_model
+from worker.model.penalties import apply_penalties, suppress_early_stops
+from worker.model.precision import Precision
+from worker.model.projection import num_matmul_shapes
+from worker.model.sampler import Sampler, check_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
 
 def preload(config: WorkerConfig) -> None:
     """Load the model a worker of ``config`` will serve, in a process that workers
-    then fork from (`worker.preload`): each starts with it loaded. CPU models only,
+    then fork from (`worker.launch.preload`): each starts with it loaded. CPU models only,
     and on one thread: a process that has initialised CUDA, or started an OpenMP
     thread pool, cannot fork a child that uses them."""
     global _preloaded
@@ -123,7 +123,7 @@ class TorchEngine(SlotEngine):
         """``precision`` defaults to the loaded model's own dtype throughout;
         ``gpt2``, the model's weights already made into the engine's, to ``loaded``;
         ``prefill_chunk_tokens``: see `SlotEngine`; ``cuda_graphs``: on CUDA, decode
-        steps replay graphs captured here (`worker.decode_step`)."""
+        steps replay graphs captured here (`worker.model.decode_step`)."""
         config = loaded.model.config
         self.precision = precision or Precision.uniform(loaded.model.dtype)
         self.gpt2 = gpt2 or GPT2(loaded.model, self.precision)

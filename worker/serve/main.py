@@ -9,10 +9,10 @@ import time
 from collections.abc import Sequence
 
 from protocol.config import ConfigError, WorkerConfig, load
-from worker.engine import InferenceEngine
-from worker.fake_engine import FAKE_MODEL_NAME, FakeEngine
-from worker.scheduler import Scheduler
-from worker.server import WorkerServer
+from worker.engine.fake_engine import FAKE_MODEL_NAME, FakeEngine
+from worker.engine.interface import InferenceEngine
+from worker.serve.scheduler import Scheduler
+from worker.serve.server import WorkerServer
 
 
 def build_engine(config: WorkerConfig) -> InferenceEngine:
@@ -23,7 +23,7 @@ def build_engine(config: WorkerConfig) -> InferenceEngine:
             step_delay_s=config.fake_step_delay_s,
             crash_prompt=config.fake_crash_prompt,
         )
-    from worker.torch_engine import load_engine  # torch loads only for a real model
+    from worker.engine.torch_engine import load_engine  # torch loads only for a real model
 
     return load_engine(config)
 

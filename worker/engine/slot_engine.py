@@ -11,21 +11,21 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
-from worker.chat_template import (
+from worker.engine.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     ChatTemplate,
     ChatTemplateError,
     jinja_template,
 )
-from worker.engine import (
+from worker.engine.interface import (
     FinishedSequence,
     InferenceEngine,
     ModelInfo,
     RequestRejected,
     StepOutput,
 )
-from worker.logprobs import TokenLogprob, pack
-from worker.sequence import Sequence, Tokenizer
+from worker.engine.logprobs import TokenLogprob, pack
+from worker.engine.sequence import Sequence, Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Imported once, by the fork server that the supervisor forks workers from
-(`worker.warm_start`), never by a worker itself: it imports torch and
+(`worker.launch.warm_start`), never by a worker itself: it imports torch and
 transformers and loads the model, so that each worker forked afterwards starts
 with all of it in memory, shared copy-on-write.
 
@@ -15,8 +15,8 @@ import os
 from setproctitle import setproctitle
 
 from protocol.config import ConfigError, WorkerConfig, load
-from worker.fake_engine import FAKE_MODEL_NAME
-from worker.warm_start import FORK_SERVER_TITLE
+from worker.engine.fake_engine import FAKE_MODEL_NAME
+from worker.launch.warm_start import FORK_SERVER_TITLE
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ def _preload() -> None:
         return  # each worker says what is wrong, and exits
     if config.model_id == FAKE_MODEL_NAME:
         return  # the fake engine needs neither torch nor a model
-    import worker.main  # noqa: F401 - the modules every worker imports
-    from worker import torch_engine
+    import worker.serve.main  # noqa: F401 - the modules every worker imports
+    from worker.engine import torch_engine
 
     try:
         torch_engine.preload(config)

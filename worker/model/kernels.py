@@ -6,7 +6,7 @@ one new token per row against that row's cached keys and values. Both read
 weights or cache stored in float32, float16 or bfloat16 (and ``skinny_linear``
 int8, multiplied in integers where the ISA has them) and compute in float32.
 
-``python -m worker.kernels`` (run by ``make install`` and the worker image's
+``python -m worker.model.kernels`` (run by ``make install`` and the worker image's
 build) compiles one library per ISA in ``ISAS`` that this compiler targets, into
 ``KERNELS_DIR`` (default ``~/.cache/minibatch-llm/kernels``), in a directory named
 after the torch version and a digest of the sources and flags: any checkout or
@@ -232,7 +232,7 @@ def _load(isa: str) -> Kernels | None:
     if not path.exists():
         logger.warning(
             "no decode kernels are built for %s at %s, so decode runs on oneDNN and SDPA, "
-            "slower; build them once with `python -m worker.kernels` (make install does)",
+            "slower; build them once with `python -m worker.model.kernels` (make install does)",
             isa,
             path.parent,
         )

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.gpt2 import GPT2
-from worker.kv_cache import SlotKVCache
+from worker.model.gpt2 import GPT2
+from worker.model.kv_cache import SlotKVCache
 
 # A step, ready to run on what is staged: returns (rows, V) logits.
 Replay = Callable[[], torch.Tensor]

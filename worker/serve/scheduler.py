@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from protocol import ErrorCode, ErrorResult, GenerateRequest, GenerateResult, ToFrontend
-from worker.engine import FinishedSequence, InferenceEngine, RequestRejected, StepOutput
+from worker.engine.interface import FinishedSequence, InferenceEngine, RequestRejected, StepOutput
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ row's cached positions only.
 
 Every matrix product goes through `Projection`, which picks the kernel that is
 fastest on this machine for the number of rows; on CPU, decode's attention runs in
-this project's own kernel (`worker/kernels.py`). Weights, embeddings and the KV
+this project's own kernel (`worker/model/kernels.py`). Weights, embeddings and the KV
 cache are stored as `Precision` says, and activations are in its compute dtype.
 """
 
@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import GPT2LMHeadModel
 
-from worker.kernels import HEAD_DIMS, cpu_summary, load_kernels
-from worker.kv_cache import SlotKVCache
-from worker.precision import Precision
-from worker.projection import Projection
+from worker.model.kernels import HEAD_DIMS, cpu_summary, load_kernels
+from worker.model.kv_cache import SlotKVCache
+from worker.model.precision import Precision
+from worker.model.projection import Projection
 
 TokenAttention = Callable[[Tensor, Tensor, Tensor], Tensor]
 
