@@ -31,8 +31,8 @@ from bench.engine_bench import median_of_runs, run_continuous
 from bench.report import RESULTS, write_json
 from bench.workload import make_workload
 from protocol import GenerateRequest
-from protocol.config import WorkerConfig
 from worker.engine.torch_engine import TorchEngine, load_engine
+from worker.serve.config import WorkerConfig
 
 CAPACITY = 12
 NUM_STREAMS = 8

@@ -30,8 +30,8 @@ from bench.report import (
 from bench.static_baseline import StaticBatchRunner
 from bench.workload import make_workload
 from protocol import GenerateRequest
-from protocol.config import WorkerConfig
 from worker.engine.torch_engine import TorchEngine, load_engine
+from worker.serve.config import WorkerConfig
 
 CAPACITY = 8
 NUM_REQUESTS = 32

@@ -6,10 +6,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from protocol.config import WorkerConfig
 from worker.engine.torch_engine import TorchEngine, load_engine
 from worker.model.loader import LoadedModel, TextTokenizer
 from worker.model.precision import MODES
+from worker.serve.config import WorkerConfig
 
 MODEL_ID = "synthetic"
 

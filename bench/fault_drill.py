@@ -53,7 +53,7 @@ from bench.poison import KindTally, make_probes, print_tallies, send_mixed_in, v
 from bench.stack import LocalStack, stack_env
 from bench.stack import local_stack as supervised_stack
 from bench.workload import make_workload
-from protocol.config import FrontendConfig
+from frontend.config import FrontendConfig
 
 RESULTS = Path(__file__).parent / "results"
 WORKER_MODULES = ("worker.serve.main", "minibatch-worker")

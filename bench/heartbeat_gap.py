@@ -36,8 +36,8 @@ from protocol import (
     decode_to_frontend,
     encode,
 )
-from protocol.config import WorkerConfig
 from worker.engine.interface import InferenceEngine
+from worker.serve.config import WorkerConfig
 from worker.serve.scheduler import Scheduler
 from worker.serve.server import WorkerServer
 from worker.serve.validation import RequestLimits

@@ -22,15 +22,16 @@ from bench import load
 from bench.report import RESULTS, RequestRecord, report_run
 from bench.stack import local_stack, stack_env, wait_live
 from bench.zmq_client import ZmqTarget
-from protocol import GenerateRequest, config
-from protocol.config import FrontendConfig
+from protocol import GenerateRequest
+from protocol.client_config import WorkerClientConfig
+from protocol.settings import load as load_config
 
 
 async def run_zmq(
     endpoint: str, requests: list[GenerateRequest], args: argparse.Namespace
 ) -> list[RequestRecord]:
-    # The frontend's CURVE settings, for a worker with CURVE on.
-    curve = config.load(FrontendConfig, []).curve
+    # A client's CURVE settings, for a worker with CURVE on.
+    curve = load_config(WorkerClientConfig, []).curve
     async with ZmqTarget(endpoint, stream=not args.no_stream, curve=curve) as target:
         return await load.drive(target.send, requests, args)
 

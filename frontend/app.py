@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from frontend.auth import ApiKeyMiddleware
 from frontend.chat_api import chat_completions
+from frontend.config import FrontendConfig
 from frontend.errors import ApiError, handle_api_error
 from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, Metrics
 from frontend.native_api import generate
@@ -24,7 +25,6 @@ from frontend.openapi import openapi_schema
 from frontend.tokenize_api import detokenize, tokenize, version
 from frontend.worker_client import WorkerClient
 from frontend.worker_link import WorkerLink
-from protocol.config import FrontendConfig
 from protocol.liveness import WorkerState
 
 
@@ -144,10 +144,12 @@ async def ready(request: Request) -> Response:
     more requests; 503 (hold off) otherwise."""
     client = _client(request)
     status = _status(client)
-    has_room = client.num_inflight < client.config.max_queue_depth
+    has_room = client.num_inflight < client.config.max_inflight_requests
     is_ready = status["status"] == "ok" and has_room
     if status["status"] == "ok" and not has_room:
-        status["reason"] = f"MAX_QUEUE_DEPTH={client.config.max_queue_depth} requests in flight"
+        status["reason"] = (
+            f"MAX_INFLIGHT_REQUESTS={client.config.max_inflight_requests} requests in flight"
+        )
     status["ready"] = is_ready
     return JSONResponse(status, status_code=200 if is_ready else 503)
 

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 import uvicorn
 
 from frontend.app import create_app
+from frontend.config import FrontendConfig
 from frontend.http_protocol import with_header_timeout
-from protocol.config import ConfigError, FrontendConfig, load
+from protocol.settings import ConfigError, load
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -12,11 +12,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.schemas import MAX_SEED, MAX_TOKEN_ID, STRICT, StopStrings, TokenIds
-
-MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
-MAX_CHAT_MESSAGES = 256
-MAX_REPETITION_PENALTY = 10.0
+from frontend.schemas import STRICT, StopStrings, TokenIds
+from protocol.limits import (
+    MAX_CHAT_MESSAGES,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TOKEN_ID,
+)
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 

@@ -19,10 +19,8 @@ from starlette.requests import Request
 
 from frontend.body import read_json_object
 from frontend.errors import ApiError
+from protocol.limits import MAX_SEED, MAX_STOP_STRINGS, MAX_TOKEN_ID
 
-MAX_STOP_STRINGS = 4
-MAX_TOKEN_ID = 2**31 - 1
-MAX_SEED = 2**63 - 1
 MAX_REPORTED_ERRORS = 5
 MAX_NAME_CHARS = 40  # of a field name quoted back: an unknown one may be any length
 

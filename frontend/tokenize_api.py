@@ -26,10 +26,11 @@ from frontend.generation import (
 )
 from frontend.metrics import Metrics
 from frontend.openai_common import check_model, ignored_fields_headers, log_ignored_fields
-from frontend.openai_schemas import MAX_CHAT_MESSAGES, ChatMessage
+from frontend.openai_schemas import ChatMessage
 from frontend.schemas import STRICT, TokenIds, parse_body
 from frontend.worker_client import WorkerClient
 from protocol import GenerateRequest, GenerateResult
+from protocol.limits import MAX_CHAT_MESSAGES
 
 PACKAGE = "minibatch-llm"
 

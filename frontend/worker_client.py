@@ -36,6 +36,7 @@ import uuid
 import zmq
 import zmq.asyncio
 
+from frontend.config import FrontendConfig
 from frontend.discovery import Discovery
 from frontend.inflight import Event, InFlight
 from frontend.router import pick
@@ -52,7 +53,6 @@ from protocol import (
     TokenDelta,
     encode,
 )
-from protocol.config import FrontendConfig
 from protocol.liveness import Verdict, WorkerState
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ MAX_WORKER_DEATHS = 3
 
 
 class Overloaded(Exception):
-    """MAX_QUEUE_DEPTH requests are already waiting for an answer."""
+    """MAX_INFLIGHT_REQUESTS requests are already waiting for an answer."""
 
 
 class WorkerClient:
@@ -110,10 +110,10 @@ class WorkerClient:
 
     def submit(self, request: GenerateRequest, deadline: float) -> InFlight:
         """Accept a request; it is sent as soon as a live worker has a free slot."""
-        if len(self._inflight) >= self.config.max_queue_depth:
+        if len(self._inflight) >= self.config.max_inflight_requests:
             raise Overloaded(
                 f"{len(self._inflight)} requests are already waiting "
-                f"(MAX_QUEUE_DEPTH={self.config.max_queue_depth}); retry later"
+                f"(MAX_INFLIGHT_REQUESTS={self.config.max_inflight_requests}); retry later"
             )
         if request.request_id in self._inflight:
             raise ValueError(f"request id {request.request_id} is already in flight")

@@ -18,10 +18,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from frontend.config import FrontendConfig
 from frontend.inflight import Event, InFlight
 from frontend.tasks import start_task, stop_tasks
 from protocol import Heartbeat, Hello, ProtocolError, ToWorker, decode_to_frontend, encode
-from protocol.config import FrontendConfig
 from protocol.curve import secure_client
 from protocol.liveness import Liveness, Verdict
 

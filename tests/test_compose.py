@@ -24,9 +24,10 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from protocol.config import FrontendConfig, WorkerConfig
+from frontend.config import FrontendConfig
 from tests.stack import Stack, free_port
 from worker.engine.fake_engine import expected_text
+from worker.serve.config import WorkerConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.config import ConfigError, FrontendConfig, WorkerConfig, load
+from frontend.config import FrontendConfig
+from protocol.settings import ConfigError, load
+from worker.serve.config import WorkerConfig
 
 
 def test_defaults_are_the_documented_ones() -> None:

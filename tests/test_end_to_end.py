@@ -101,7 +101,8 @@ def test_the_launcher_restarts_a_killed_worker_and_serving_resumes(tmp_path: Pat
 
 def test_the_frontend_never_imports_torch_or_transformers() -> None:
     probe = (
-        "import sys, frontend.main, frontend.app, protocol, protocol.config, protocol.liveness\n"
+        "import sys, frontend.main, frontend.app, protocol, protocol.liveness\n"
+        "import protocol.settings, protocol.client_config\n"
         "import worker.launch.supervisor, worker.launch.probe\n"
         "leaked = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
         "assert not leaked, leaked\n"

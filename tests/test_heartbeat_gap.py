@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from bench.heartbeat_gap import measure
-from protocol.config import WorkerConfig
 from tests.model_fixtures import tiny_engine
 from tests.stack import free_port
+from worker.serve.config import WorkerConfig
 
 MAX_GAP_S = 1.0  # well under HEARTBEAT_TIMEOUT_S (3 s): no false "dead"
 

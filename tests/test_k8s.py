@@ -16,8 +16,9 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from protocol.config import FrontendConfig, WorkerConfig
+from frontend.config import FrontendConfig
 from tests.test_compose import CONSOLE_SCRIPTS, dockerfile_instructions
+from worker.serve.config import WorkerConfig
 
 MANIFESTS = sorted((Path(__file__).resolve().parent.parent / "deploy" / "k8s").glob("*.yaml"))
 

@@ -11,7 +11,6 @@ torch = pytest.importorskip("torch")
 
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from protocol.config import WorkerConfig  # noqa: E402
 from tests.model_fixtures import tiny_model  # noqa: E402
 from worker.engine.torch_engine import load_engine  # noqa: E402
 from worker.model.loader import (  # noqa: E402
@@ -20,6 +19,7 @@ from worker.model.loader import (  # noqa: E402
     gpt2_tokenizer,
     load_model,
 )
+from worker.serve.config import WorkerConfig  # noqa: E402
 
 pytestmark = pytest.mark.model
 

@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 
 import torch
 
-from protocol.config import ConfigError, WorkerConfig
+from protocol.settings import ConfigError
 from tests.model_fixtures import (
     disable_kernels,
     force_kernels,
@@ -23,6 +23,7 @@ from tests.model_fixtures import (
 from tests.quality import Quality, forced_logits
 from worker.model import precision as precision_module
 from worker.model.precision import Precision, cpu_modes
+from worker.serve.config import WorkerConfig
 
 pytestmark = pytest.mark.model
 

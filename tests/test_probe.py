@@ -16,8 +16,8 @@ import pytest
 import zmq
 
 from protocol import Heartbeat, Hello, Ping, decode_to_worker, encode
-from protocol.config import WorkerConfig
 from worker.launch.probe import local_endpoint, main
+from worker.serve.config import WorkerConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -28,10 +28,10 @@ from protocol import (
     decode_to_frontend,
     encode,
 )
-from protocol.config import WorkerConfig
 from tests.stack import free_port
 from worker.engine.fake_engine import FAKE_VOCAB_SIZE, FakeEngine, expected_text
 from worker.engine.sequence import Sequence
+from worker.serve.config import WorkerConfig
 from worker.serve.scheduler import Scheduler
 from worker.serve.server import WorkerServer
 

@@ -14,10 +14,10 @@ import pytest
 import zmq
 
 from protocol import GenerateRequest, encode
-from protocol.config import SupervisorConfig
 from tests.stack import Stack, running_stack
 from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
 from worker.launch import supervisor
+from worker.launch.config import SupervisorConfig
 from worker.launch.supervisor import Child, CrashLoop
 
 SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it

@@ -7,14 +7,10 @@ import math
 import pytest
 
 from protocol import AbortRequest, ErrorCode, GenerateRequest
+from protocol.codec import MAX_REQUEST_ID_CHARS
+from protocol.limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from worker.engine.interface import RequestRejected
-from worker.serve.validation import (
-    MAX_REQUEST_ID_CHARS,
-    MAX_STOP_STRING_CHARS,
-    RequestLimits,
-    check_generate,
-    is_valid_abort,
-)
+from worker.serve.validation import RequestLimits, check_generate, is_valid_abort
 
 LIMITS = RequestLimits(vocab_size=1000, context_window=64, max_token_chars=4)
 
@@ -72,6 +68,7 @@ def test_a_sound_request_passes() -> None:
         ({"stop": ["a"] * 17}, ErrorCode.INVALID_REQUEST, "stop: at most"),
         ({"stop": [""]}, ErrorCode.INVALID_REQUEST, "stop: each"),
         ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, ErrorCode.INVALID_REQUEST, "stop: each"),
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, ErrorCode.INVALID_REQUEST, "stop: at most 4"),
         ({"stop_token_ids": [1] * 65}, ErrorCode.INVALID_REQUEST, "stop_token_ids: at most"),
         ({"request_id": ""}, ErrorCode.INVALID_REQUEST, "request_id"),
         ({"request_id": "x" * 257}, ErrorCode.INVALID_REQUEST, "request_id"),

@@ -12,9 +12,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from frontend.config import FrontendConfig
 from frontend.worker_client import WorkerClient
 from protocol import GenerateRequest, Heartbeat, Hello, Ping, TokenDelta, decode_to_worker, encode
-from protocol.config import FrontendConfig, load
+from protocol.settings import load
 from tests.stack import free_port
 
 

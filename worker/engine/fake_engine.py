@@ -13,8 +13,10 @@ import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from protocol import GenerateRequest
+from protocol.settings import ConfigError, setting
 from worker.engine.interface import ModelInfo
 from worker.engine.logprobs import UNSCORED, TokenLogprob
 from worker.engine.sequence import Sequence
@@ -61,6 +63,30 @@ def expected_text(prompt: str, num_tokens: int) -> str:
 
 class InjectedFailure(RuntimeError):
     """Raised by FakeEngine where a test asked for a failure."""
+
+
+@dataclass(frozen=True)
+class FakeEngineConfig:
+    """Test-only settings of a MODEL_ID=fake worker, read beside its WorkerConfig."""
+
+    fake_step_delay_s: float = setting(
+        "FAKE_STEP_DELAY_S", 0.0, "test only: seconds each step of the fake engine sleeps"
+    )
+    fake_start_delay_s: float = setting(
+        "FAKE_START_DELAY_S",
+        0.0,
+        "test only: seconds the fake engine takes to load, to simulate a slow or stuck start",
+    )
+    fake_crash_prompt: str = setting(
+        "FAKE_CRASH_PROMPT",
+        "",
+        "test only: a fake-engine worker that admits a prompt containing this text exits "
+        "at once, to simulate a request that kills every worker that runs it",
+    )
+
+    def __post_init__(self) -> None:
+        if self.fake_step_delay_s < 0 or self.fake_start_delay_s < 0:
+            raise ConfigError("FAKE_STEP_DELAY_S and FAKE_START_DELAY_S must be >= 0")
 
 
 class FakeEngine(SlotEngine):

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from protocol.config import ConfigError, WorkerConfig
+from protocol.settings import ConfigError
 from worker.engine.chat_template import ChatTemplate, choose_chat_template
 from worker.engine.interface import ModelInfo
 from worker.engine.logprobs import UNSCORED, TokenLogprob
@@ -27,6 +27,7 @@ from worker.model.penalties import apply_penalties, suppress_early_stops
 from worker.model.precision import Precision
 from worker.model.projection import num_matmul_shapes
 from worker.model.sampler import Sampler, check_sampling
+from worker.serve.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ import os
 
 from setproctitle import setproctitle
 
-from protocol.config import ConfigError, WorkerConfig, load
+from protocol.settings import ConfigError, load
 from worker.engine.fake_engine import FAKE_MODEL_NAME
 from worker.launch.warm_start import FORK_SERVER_TITLE
+from worker.serve.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 

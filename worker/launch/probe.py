@@ -18,8 +18,10 @@ from collections.abc import Sequence
 import zmq
 
 from protocol import Hello, Ping, ProtocolError, decode_to_frontend, encode
-from protocol.config import ConfigError, FrontendConfig, WorkerConfig, load
+from protocol.client_config import WorkerClientConfig
 from protocol.curve import ClientKeys, secure_client
+from protocol.settings import ConfigError, load
+from worker.serve.config import WorkerConfig
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -100,8 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s:g}")
     try:
         endpoint = args.endpoint or local_endpoint(load(WorkerConfig, argv=[]))
-        # It pings as a frontend would, so with a frontend's CURVE settings.
-        curve = load(FrontendConfig, argv=[]).curve
+        # It pings as a frontend would, so with a client's CURVE settings.
+        curve = load(WorkerClientConfig, argv=[]).curve
     except ConfigError as exc:
         print(f"minibatch-probe: {exc}", file=sys.stderr)
         return 1

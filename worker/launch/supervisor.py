@@ -32,9 +32,11 @@ from urllib.parse import urlsplit
 import zmq
 
 from protocol import Heartbeat, Hello, Ping, ProtocolError, decode_to_frontend, encode
-from protocol.config import ConfigError, FrontendConfig, SupervisorConfig, load
+from protocol.client_config import WorkerClientConfig
 from protocol.curve import secure_client
 from protocol.liveness import Liveness, WorkerState
+from protocol.settings import ConfigError, load
+from worker.launch.config import SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER, ForkedWorker
 
 log = logging.getLogger("supervisor")
@@ -196,8 +198,8 @@ def _signal_name(number: int) -> str:
 class WorkerWatch:
     """Hears one worker's hellos and heartbeats, as a frontend would."""
 
-    def __init__(self, frontend: FrontendConfig, endpoint: str) -> None:
-        self.frontend = frontend
+    def __init__(self, client: WorkerClientConfig, endpoint: str) -> None:
+        self.client = client
         self.endpoint = endpoint
         self.liveness = self._new_liveness()
         self._context = zmq.Context()
@@ -206,13 +208,13 @@ class WorkerWatch:
         self._next_ping = 0.0
 
     def _new_liveness(self) -> Liveness:
-        return Liveness(self.frontend.heartbeat_timeout_s, self.frontend.step_timeout_s)
+        return Liveness(self.client.heartbeat_timeout_s, self.client.step_timeout_s)
 
     def _connect(self) -> zmq.Socket[bytes]:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 0)
-        secure_client(socket, self.frontend.curve)
+        secure_client(socket, self.client.curve)
         socket.connect(self.endpoint)
         return socket
 
@@ -225,7 +227,7 @@ class WorkerWatch:
 
     def poll(self, timeout_s: float) -> None:
         if time.monotonic() >= self._next_ping:
-            self._next_ping = time.monotonic() + self.frontend.ping_interval_s
+            self._next_ping = time.monotonic() + self.client.ping_interval_s
             with contextlib.suppress(zmq.Again):  # no worker connected yet
                 self._socket.send(self._ping, flags=zmq.NOBLOCK)
         while self._socket.poll(int(timeout_s * 1000)):
@@ -246,9 +248,9 @@ class WorkerWatch:
 
 
 class Supervisor:
-    def __init__(self, config: SupervisorConfig, frontend: FrontendConfig) -> None:
+    def __init__(self, config: SupervisorConfig) -> None:
         self.config = config
-        endpoints = worker_endpoints(frontend.worker_endpoint, config.num_workers)
+        endpoints = worker_endpoints(config.worker_endpoint, config.num_workers)
         self.workers: list[tuple[Child, WorkerWatch]] = []
         for i, endpoint in enumerate(endpoints):
             name = "worker" if len(endpoints) == 1 else f"worker-{i}"
@@ -261,11 +263,11 @@ class Supervisor:
                 env=env,
                 is_forked=config.warm_start,
             )
-            self.workers.append((child, WorkerWatch(frontend, endpoint)))
+            self.workers.append((child, WorkerWatch(config, endpoint)))
         self.frontends: list[Child] = []
         for i in range(config.num_frontends):
             name = "frontend" if config.num_frontends == 1 else f"frontend-{i}"
-            env = {**os.environ, "PORT": str(frontend.port + i)}
+            env = {**os.environ, "PORT": str(config.port + i)}
             env["WORKER_ENDPOINTS"] = ",".join(endpoints)
             child = Child(name, "frontend.main", config, _FRONTEND_SERVED_AFTER_S, env=env)
             self.frontends.append(child)
@@ -354,8 +356,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     try:
         config = load(SupervisorConfig, argv, description=__doc__.splitlines()[0])
-        frontend = load(FrontendConfig, [], os.environ)
-        supervisor = Supervisor(config, frontend)
+        supervisor = Supervisor(config)
     except ConfigError as exc:
         sys.exit(f"supervisor: configuration error: {exc}")
     signal.signal(signal.SIGTERM, lambda *_: supervisor.stop())

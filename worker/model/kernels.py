@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from protocol.config import ConfigError
+from protocol.settings import ConfigError
 
 logger = logging.getLogger(__name__)
 

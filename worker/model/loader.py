@@ -25,7 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from protocol.config import ConfigError
+from protocol.settings import ConfigError
 
 logger = logging.getLogger(__name__)
 

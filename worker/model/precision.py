@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.config import ConfigError
+from protocol.settings import ConfigError
 
 # How a projection's weight can be stored (see worker/model/projection.py).
 WEIGHT_FORMATS = ("float32", "float16", "bfloat16", "int8")

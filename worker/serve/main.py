@@ -8,20 +8,22 @@ import sys
 import time
 from collections.abc import Sequence
 
-from protocol.config import ConfigError, WorkerConfig, load
-from worker.engine.fake_engine import FAKE_MODEL_NAME, FakeEngine
+from protocol.settings import ConfigError, load
+from worker.engine.fake_engine import FAKE_MODEL_NAME, FakeEngine, FakeEngineConfig
 from worker.engine.interface import InferenceEngine
+from worker.serve.config import WorkerConfig
 from worker.serve.scheduler import Scheduler
 from worker.serve.server import WorkerServer
 
 
 def build_engine(config: WorkerConfig) -> InferenceEngine:
     if config.model_id == FAKE_MODEL_NAME:
-        time.sleep(config.fake_start_delay_s)  # a model that takes this long to load
+        fake = load(FakeEngineConfig, [])
+        time.sleep(fake.fake_start_delay_s)  # a model that takes this long to load
         return FakeEngine(
             config.max_batch_size,
-            step_delay_s=config.fake_step_delay_s,
-            crash_prompt=config.fake_crash_prompt,
+            step_delay_s=fake.fake_step_delay_s,
+            crash_prompt=fake.fake_crash_prompt,
         )
     from worker.engine.torch_engine import load_engine  # torch loads only for a real model
 

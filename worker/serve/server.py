@@ -39,9 +39,9 @@ from protocol import (
     decode_to_worker,
     encode,
 )
-from protocol.config import WorkerConfig
 from protocol.curve import secure_server
 from worker.engine.interface import RequestRejected
+from worker.serve.config import WorkerConfig
 from worker.serve.scheduler import QueueFull, Scheduler
 from worker.serve.validation import RequestLimits, check_generate, is_valid_abort
 

@@ -15,18 +15,19 @@ from dataclasses import dataclass
 
 from protocol import AbortRequest, ErrorCode, GenerateRequest
 from protocol.codec import MAX_REQUEST_ID_CHARS
+from protocol.limits import (
+    MAX_CHAT_MESSAGES,
+    MAX_LOGPROBS,
+    MAX_PRESENCE_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_ROLE_CHARS,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+)
 from worker.engine.interface import ModelInfo, RequestRejected
-
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
-MAX_TOP_K = 2**31 - 1
-MAX_SEED = 2**63 - 1
-MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
-MAX_CHAT_MESSAGES = 256  # the codec's longest list
-MAX_ROLE_CHARS = 64
-MAX_REPETITION_PENALTY = 10.0
-MAX_PRESENCE_PENALTY = 2.0  # and frequency: OpenAI's range is [-2, 2]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,66 @@
+"""The HTTP frontend's config: where it listens and its request limits, on top of
+what every client of workers takes (`protocol.client_config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.client_config import WorkerClientConfig
+from protocol.settings import ConfigError, require_positive, setting
+
+
+@dataclass(frozen=True)
+class FrontendConfig(WorkerClientConfig):
+    """The HTTP frontend: where it listens, request limits, and worker liveness."""
+
+    host: str = setting("HOST", "127.0.0.1", "HTTP listen address")
+    port: int = setting("PORT", 8000, "HTTP listen port")
+    max_new_tokens_limit: int = setting(
+        "MAX_NEW_TOKENS_LIMIT", 512, "largest max_new_tokens a request may ask for"
+    )
+    max_inflight_requests: int = setting(
+        "MAX_INFLIGHT_REQUESTS", 1024, "requests accepted and not yet answered, at most"
+    )
+    request_timeout_s: float = setting("REQUEST_TIMEOUT_S", 120.0, "answer 504 after this long")
+    max_request_bytes: int = setting(
+        "MAX_REQUEST_BYTES", 1024 * 1024, "largest request body; 413 beyond it"
+    )
+    body_timeout_s: float = setting(
+        "BODY_TIMEOUT_S", 30.0, "408 when a request body has not fully arrived after this long"
+    )
+    header_timeout_s: float = setting(
+        "HEADER_TIMEOUT_S",
+        10.0,
+        "close a connection that has not sent a whole request head this long after it "
+        "opened or after its previous response",
+    )
+    keep_alive_timeout_s: int = setting(
+        "KEEP_ALIVE_TIMEOUT_S", 5, "close an idle keep-alive connection after this many seconds"
+    )
+    max_connections: int = setting(
+        "MAX_CONNECTIONS",
+        2048,
+        "open connections at most; a request beyond them gets 503 "
+        "(the open-file limit, ulimit -n, must be higher)",
+    )
+    api_key: str = setting(
+        "API_KEY",
+        "",
+        "when set, every endpoint but /health, /ready and /metrics needs "
+        "'Authorization: Bearer <key>'",
+        is_secret=True,
+    )
+    strict_request_fields: bool = setting(
+        "STRICT_REQUEST_FIELDS",
+        False,
+        "1: the OpenAI endpoints refuse unknown request fields with 422 instead of "
+        "ignoring them (and naming them in a log line and the X-Ignored-Fields header)",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_positive(self, "port", "max_new_tokens_limit", "max_inflight_requests")
+        require_positive(self, "request_timeout_s", "max_request_bytes", "body_timeout_s")
+        require_positive(self, "header_timeout_s", "keep_alive_timeout_s", "max_connections")
+        if self.port > 65535:
+            raise ConfigError(f"PORT must be at most 65535, got {self.port}")

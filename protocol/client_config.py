@@ -1,0 +1,89 @@
+"""How a client reaches and judges workers: where they are, how often it pings,
+when it declares one dead or hung, and the CURVE keys it connects with. The
+frontend, the supervisor, the probe and the benchmarks' ZMQ clients all take it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from protocol.curve import ClientKeys, read_public_key, read_secret_key
+from protocol.settings import (
+    ConfigError,
+    check_endpoint,
+    read_curve_keys,
+    require_positive,
+    setting,
+)
+
+
+@dataclass(frozen=True)
+class WorkerClientConfig:
+    """A client of workers."""
+
+    worker_endpoint: str = setting(
+        "WORKER_ENDPOINT",
+        "tcp://127.0.0.1:5555",
+        "the worker's ZMQ endpoint; a host name is re-resolved every "
+        "WORKER_RESOLVE_INTERVAL_S and every address it resolves to is a worker",
+    )
+    worker_endpoints: str = setting(
+        "WORKER_ENDPOINTS",
+        "",
+        "comma-separated ZMQ endpoints of several workers; when set, WORKER_ENDPOINT is unused",
+    )
+    worker_resolve_interval_s: float = setting(
+        "WORKER_RESOLVE_INTERVAL_S",
+        2.0,
+        "seconds between look-ups of a host name in WORKER_ENDPOINT(S), to find workers "
+        "added or gone (compose --scale, a Kubernetes headless Service)",
+    )
+    heartbeat_timeout_s: float = setting(
+        "HEARTBEAT_TIMEOUT_S", 3.0, "declare the worker dead after this long without a heartbeat"
+    )
+    step_timeout_s: float = setting(
+        "STEP_TIMEOUT_S", 30.0, "declare the worker hung after this long without progress"
+    )
+    ping_interval_s: float = setting("PING_INTERVAL_S", 0.5, "seconds between frontend pings")
+    curve_server_public_key: str = setting(
+        "CURVE_SERVER_PUBLIC_KEY",
+        "",
+        "for a worker with CURVE on: its public key (Z85, or its .key file); needs "
+        "CURVE_CLIENT_SECRET_KEY",
+    )
+    curve_client_secret_key: str = setting(
+        "CURVE_CLIENT_SECRET_KEY",
+        "",
+        "for a worker with CURVE on: this client's secret key (Z85, or its .key_secret "
+        "file), whose public key the worker's CURVE_CLIENT_KEYS allows",
+        is_secret=True,
+    )
+
+    def __post_init__(self) -> None:
+        require_positive(self, "heartbeat_timeout_s", "step_timeout_s", "ping_interval_s")
+        require_positive(self, "worker_resolve_interval_s")
+        check_endpoint(self, "worker_endpoint")
+        for endpoint in self.endpoints:
+            if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(
+                    "WORKER_ENDPOINTS must be comma-separated ZMQ endpoints such as "
+                    f"tcp://10.0.0.5:5555,tcp://10.0.0.6:5555, got {endpoint!r}"
+                )
+        _ = self.curve  # a bad key stops the process at start, not at its first connect
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Where the workers are: WORKER_ENDPOINTS, else WORKER_ENDPOINT."""
+        given = [e.strip() for e in self.worker_endpoints.split(",") if e.strip()]
+        return given or [self.worker_endpoint]
+
+    @cached_property
+    def curve(self) -> ClientKeys | None:
+        """The keys to connect to a worker with CURVE on; None when CURVE is off."""
+        keys = read_curve_keys(
+            self,
+            ("curve_server_public_key", read_public_key),
+            ("curve_client_secret_key", read_secret_key),
+        )
+        return None if keys is None else ClientKeys(*keys)

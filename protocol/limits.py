@@ -1,0 +1,15 @@
+"""The limits on what a request may ask for, enforced on both sides of the wire:
+by the frontend's schemas (a 422 naming the field) and again by the worker's own
+checks (`worker.serve.validation`), which trust nothing that reaches its socket."""
+
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
+MAX_CHAT_MESSAGES = 256  # the codec's longest list
+MAX_ROLE_CHARS = 64
+MAX_REPETITION_PENALTY = 10.0
+MAX_PRESENCE_PENALTY = 2.0  # and frequency: OpenAI's range is [-2, 2]

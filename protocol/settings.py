@@ -1,0 +1,126 @@
+"""The settings loader every process's config is built on.
+
+Each process has one frozen dataclass, next to the code that reads it
+(`worker.serve.config`, `frontend.config`, `worker.launch.config`; a client of
+workers takes `protocol.client_config`). A field made with `setting` names its
+environment variable; `load` reads the variables, lets command-line flags
+override them (``--max-batch-size 4`` for MAX_BATCH_SIZE) and validates the
+result. A bad value raises `ConfigError` naming the variable, and the entry
+points exit with it. The only module that reads the environment for a config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import field
+from typing import Any, TypeVar
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the variable."""
+
+
+def setting(env: str, default: Any, help: str, is_secret: bool = False) -> Any:
+    """A config field read from ``env``."""
+    # A secret stays out of repr(), so that logging a config cannot leak it.
+    return field(default=default, repr=not is_secret, metadata={"env": env, "help": help})
+
+
+def require_positive(config: object, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) <= 0:
+            env = env_name(type(config), name)
+            raise ConfigError(f"{env} must be > 0, got {getattr(config, name)!r}")
+
+
+def env_name(cls: type[Any], name: str) -> str:
+    return str({f.name: f.metadata["env"] for f in dataclasses.fields(cls)}[name])
+
+
+def read_curve_keys(
+    config: object, *settings: tuple[str, Callable[[str], Any]]
+) -> list[Any] | None:
+    """Read the CURVE settings ``(field name, reader)``: None when all are unset
+    (CURVE off), every key when all are set, and a ConfigError otherwise."""
+    given = {name: getattr(config, name) for name, _ in settings if getattr(config, name)}
+    if not given:
+        return None
+    if len(given) < len(settings):
+        (missing,) = (name for name, _ in settings if name not in given)
+        raise ConfigError(
+            f"{env_name(type(config), missing)} is unset, but "
+            f"{', '.join(env_name(type(config), name) for name in given)} is set: CURVE "
+            "needs both (minibatch-keys writes them), or neither to leave it off"
+        )
+    keys = []
+    for name, read in settings:
+        try:
+            keys.append(read(given[name]))
+        except ValueError as exc:
+            raise ConfigError(f"{env_name(type(config), name)}: {exc}") from None
+    return keys
+
+
+def check_endpoint(config: object, name: str) -> None:
+    endpoint = getattr(config, name)
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(
+            f"{env_name(type(config), name)} must be a ZMQ endpoint such as "
+            f"tcp://127.0.0.1:5555, got {endpoint!r}"
+        )
+
+
+C = TypeVar("C")
+
+
+def load(
+    cls: type[C],
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    description: str | None = None,
+) -> C:
+    """Build ``cls`` from the environment, overridden by command-line flags."""
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        env = f.metadata["env"]
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            default=None,
+            metavar=env,
+            help=f"{f.metadata['help']} (env {env}, default {f.default!r})",
+        )
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        env = f.metadata["env"]
+        raw = getattr(args, f.name)
+        if raw is None:
+            raw = environ.get(env)
+        if raw is None:
+            continue
+        values[f.name] = _parse(env, raw, hints[f.name])
+    return cls(**values)
+
+
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True}
+_BOOLEANS.update({"0": False, "false": False, "no": False, "off": False, "": False})
+
+
+def _parse(env: str, raw: str, kind: Any) -> Any:
+    if kind is str:
+        return raw
+    if kind is bool:
+        if raw.strip().lower() not in _BOOLEANS:
+            raise ConfigError(f"{env} must be 1 or 0 (true or false), got {raw!r}")
+        return _BOOLEANS[raw.strip().lower()]
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{env} must be {kind.__name__}, got {raw!r}") from None

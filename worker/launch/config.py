@@ -1,0 +1,68 @@
+"""The supervisor's config (`minibatch-serve`): how many processes it runs, and
+how it restarts one that died or hung; it judges workers as any client does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.client_config import WorkerClientConfig
+from protocol.settings import ConfigError, require_positive, setting
+
+
+@dataclass(frozen=True)
+class SupervisorConfig(WorkerClientConfig):
+    """The local launcher: how many processes it runs, and how it restarts a worker
+    that died or hung."""
+
+    num_workers: int = setting(
+        "NUM_WORKERS",
+        1,
+        "workers to run, on WORKER_ENDPOINT's port and the ones after it; each gets "
+        "an even share of the cores unless TORCH_THREADS is set",
+    )
+    torch_threads: int = setting(
+        "TORCH_THREADS",
+        0,
+        "threads each worker computes with; 0 splits the cores evenly between the workers",
+    )
+    num_frontends: int = setting(
+        "NUM_FRONTENDS",
+        1,
+        "frontends to run, on PORT and the ports after it; each serves every worker",
+    )
+    warm_start: bool = setting(
+        "WARM_START",
+        True,
+        "fork each worker from a process that has loaded the model already, so that a "
+        "replacement serves within a second and the workers share the weights; 0 "
+        "starts each from scratch",
+    )
+    restart_backoff_s: float = setting(
+        "RESTART_BACKOFF_S",
+        0.5,
+        "wait before restarting a child that died before serving; doubles with each such "
+        "death in a row (one that had served restarts at once)",
+    )
+    restart_backoff_max_s: float = setting(
+        "RESTART_BACKOFF_MAX_S", 10.0, "the longest wait between restarts"
+    )
+    crash_loop_limit: int = setting(
+        "CRASH_LOOP_LIMIT", 5, "give up after this many workers in a row die before serving"
+    )
+    worker_start_timeout_s: float = setting(
+        "WORKER_START_TIMEOUT_S",
+        300.0,
+        "kill and replace a worker that has not said hello this long after it started; "
+        "long enough for a first start to download the model",
+    )
+
+    port: int = setting(
+        "PORT", 8000, "the first frontend's HTTP port; NUM_FRONTENDS take it and the ports after it"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_positive(self, "restart_backoff_s", "restart_backoff_max_s", "crash_loop_limit")
+        require_positive(self, "worker_start_timeout_s", "num_workers", "num_frontends")
+        if self.torch_threads < 0:
+            raise ConfigError(f"TORCH_THREADS must be >= 0, got {self.torch_threads}")

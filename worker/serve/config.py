@@ -1,0 +1,161 @@
+"""The engine worker's config: model, batch slots, queue, its ZMQ endpoint and
+how it computes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+
+from protocol.curve import ServerKeys, read_public_keys, read_secret_key
+from protocol.settings import (
+    ConfigError,
+    check_endpoint,
+    read_curve_keys,
+    require_positive,
+    setting,
+)
+
+DEFAULT_MODEL_ID = "distilgpt2"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """The engine worker: model, batch slots, queue, and its ZMQ endpoint."""
+
+    model_id: str = setting(
+        "MODEL_ID",
+        "",
+        f"hub id, local model directory, 'synthetic' (offline random GPT-2) or 'fake'; "
+        f"unset serves {DEFAULT_MODEL_ID}, or synthetic where that cannot load",
+    )
+    max_batch_size: int = setting("MAX_BATCH_SIZE", 8, "sequences decoded together")
+    max_queue_depth: int = setting("MAX_QUEUE_DEPTH", 1024, "requests waiting for a slot")
+    endpoint: str = setting("WORKER_ENDPOINT", "tcp://127.0.0.1:5555", "ZMQ endpoint")
+    bind_endpoint: str = setting(
+        "WORKER_BIND", "", "where the worker binds, if not WORKER_ENDPOINT (tcp://*:5555)"
+    )
+    heartbeat_interval_s: float = setting("HEARTBEAT_INTERVAL_S", 0.5, "seconds between heartbeats")
+    max_message_bytes: int = setting(
+        "MAX_MESSAGE_BYTES",
+        2 * 1024 * 1024,
+        "largest ZMQ message a peer may send; ZMQ disconnects a peer that sends more",
+    )
+    frontend_timeout_s: float = setting(
+        "FRONTEND_TIMEOUT_S", 10.0, "drop a frontend's requests after this long without a ping"
+    )
+    engine_watchdog_s: float = setting(
+        "ENGINE_WATCHDOG_S",
+        90.0,
+        "exit when the engine makes no progress this long with work pending, so that a "
+        "restart policy (the supervisor, Docker) replaces a wedged worker",
+    )
+    chat_template: str = setting(
+        "CHAT_TEMPLATE",
+        "",
+        "a Jinja chat template file for /v1/chat/completions, instead of the model's own "
+        "(or, for a model without one, the built-in default)",
+    )
+    device: str = setting("DEVICE", "", "cpu or cuda (default: cuda when available)")
+    torch_threads: int = setting(
+        "TORCH_THREADS",
+        0,
+        "threads torch computes with; 0 uses every core this process may run on "
+        "(minibatch-serve splits the cores evenly between its workers)",
+    )
+    dtype: str = setting(
+        "DTYPE",
+        "float32",
+        "float32, bfloat16 or float16: how weights and the KV cache are stored (on CPU, "
+        "arithmetic stays float32; on CUDA it runs in this type)",
+    )
+    weights: str = setting(
+        "WEIGHTS",
+        "",
+        "int8: the projections and LM head stored as int8 with a scale per output "
+        "channel (CPU only); unset: stored in DTYPE",
+    )
+    prefill_chunk_tokens: int = setting(
+        "PREFILL_CHUNK_TOKENS",
+        128,
+        "a newcomer's prompt is run into the model at most this many tokens per step, "
+        "between decode steps, so that a long prompt does not stall the running streams; "
+        "0: each prompt whole, at once",
+    )
+    bfloat16_products: bool = setting(
+        "BFLOAT16_PRODUCTS",
+        False,
+        "with DTYPE=bfloat16 on a CPU with bfloat16 dot products (AVX512-BF16, AMX): "
+        "the projections multiply activations rounded to bfloat16, for faster decode and "
+        "prefill; an output can then change with its batchmates or across a resume",
+    )
+    cuda_graphs: bool = setting(
+        "CUDA_GRAPHS",
+        True,
+        "on CUDA, decode steps replay CUDA graphs captured at start, a few batch sizes by "
+        "a few attended lengths; 0 runs every step eagerly (slower; for debugging)",
+    )
+    curve_server_secret_key: str = setting(
+        "CURVE_SERVER_SECRET_KEY",
+        "",
+        "turns CURVE on: the worker's secret key (Z85, or its .key_secret file from "
+        "minibatch-keys); needs CURVE_CLIENT_KEYS",
+        is_secret=True,
+    )
+    curve_client_keys: str = setting(
+        "CURVE_CLIENT_KEYS",
+        "",
+        "with CURVE on, the only clients the worker talks to: a directory of .key files, "
+        "or comma-separated public keys (each Z85 or a .key file)",
+    )
+
+    def __post_init__(self) -> None:
+        require_positive(self, "max_batch_size", "max_queue_depth", "heartbeat_interval_s")
+        require_positive(self, "max_message_bytes")
+        require_positive(self, "frontend_timeout_s", "engine_watchdog_s")
+        check_endpoint(self, "endpoint")
+        if self.bind_endpoint:
+            check_endpoint(self, "bind_endpoint")
+        if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"DEVICE must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"DTYPE must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.weights not in ("", "int8"):
+            raise ConfigError(
+                f"WEIGHTS must be int8, or unset to store weights in DTYPE, got {self.weights!r}"
+            )
+        if self.bfloat16_products and self.dtype != "bfloat16":
+            raise ConfigError(
+                f"BFLOAT16_PRODUCTS=1 needs DTYPE=bfloat16 (it multiplies bfloat16 weights), "
+                f"got DTYPE={self.dtype}: set DTYPE=bfloat16 or unset BFLOAT16_PRODUCTS"
+            )
+        if self.prefill_chunk_tokens < 0:
+            raise ConfigError(
+                f"PREFILL_CHUNK_TOKENS must be >= 0 (0: no chunks), got {self.prefill_chunk_tokens}"
+            )
+        if self.torch_threads < 0:
+            raise ConfigError(f"TORCH_THREADS must be >= 0, got {self.torch_threads}")
+        if self.chat_template and not os.path.isfile(self.chat_template):
+            raise ConfigError(
+                f"CHAT_TEMPLATE={self.chat_template!r} is not a file: name a Jinja template "
+                "file, or unset it to use the model's own template"
+            )
+        _ = self.curve  # a bad key stops the worker at start, not at its first bind
+
+    @cached_property
+    def curve(self) -> ServerKeys | None:
+        """The worker socket's CURVE keys; None when CURVE is off."""
+        keys = read_curve_keys(
+            self,
+            ("curve_server_secret_key", read_secret_key),
+            ("curve_client_keys", read_public_keys),
+        )
+        return None if keys is None else ServerKeys(*keys)
+
+    @property
+    def model_to_load(self) -> str:
+        return self.model_id or DEFAULT_MODEL_ID
+
+    @property
+    def listen_endpoint(self) -> str:
+        return self.bind_endpoint or self.endpoint
