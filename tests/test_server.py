@@ -315,7 +315,7 @@ def test_an_invalid_request_is_answered_alone_and_its_batchmates_run(connect: Co
 @pytest.mark.parametrize(
     ("patch", "thread"),
     [
-        ("worker.serve.server._Peers.heartbeat", "worker-io"),
+        ("worker.serve.peers.Peers.heartbeat", "worker-io"),
         ("worker.serve.scheduler.Scheduler.has_work", "MainThread"),
     ],
 )

@@ -1,0 +1,219 @@
+"""The worker's side of its peers (frontends, supervisors, probes): which are
+connected, which sent each request in flight, and what each may send.
+Used by the I/O thread alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import zmq
+
+from protocol import (
+    AbortRequest,
+    ErrorCode,
+    ErrorResult,
+    GenerateRequest,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    ToWorker,
+    decode_to_worker,
+    encode,
+)
+from worker.engine.interface import RequestRejected
+from worker.serve.validation import RequestLimits, check_generate, is_valid_abort
+
+log = logging.getLogger(__name__)
+
+# Messages the worker holds for a peer that does not read. Past this the peer is
+# forgotten and its requests aborted (a frontend that only stalled is greeted again
+# on its next ping, and replays them): with every reply bounded (ids, error text),
+# a peer that never reads costs at most about a megabyte.
+MAX_QUEUED_PER_PEER = 2048
+_MAX_ERROR_CHARS = 512
+
+
+def route_for(peer: bytes, request_id: str) -> str:
+    """The worker's own key for a peer's request: ids are unique per peer only."""
+    return f"{peer.hex()}/{request_id}"
+
+
+def sender_request_id(route: str) -> str:
+    """The request id as its sender gave it."""
+    return route.partition("/")[2]
+
+
+class Peers:
+    """Which peers are connected, and which peer sent each request in flight.
+    Used by the I/O thread alone. A request is known by its route (`route_for`),
+    so a peer can neither receive nor abort another peer's requests. A peer that
+    leaves, stops pinging or stops reading is forgotten, and the routes of its
+    requests wait in `take_orphans` for the engine to abort them."""
+
+    def __init__(
+        self,
+        router: zmq.Socket[bytes],
+        hello: Hello,
+        limits: RequestLimits,
+        timeout_s: float,
+        max_peers: int,
+    ) -> None:
+        self.router = router
+        self.max_peers = max_peers
+        self.hello = encode(hello)
+        self.limits = limits
+        self.timeout_s = timeout_s
+        # peer -> when it last sent a valid message; in order of first contact
+        self.last_seen: dict[bytes, float] = {}
+        self.routes: dict[str, bytes] = {}  # route -> peer, for requests in flight
+        self._orphans: list[str] = []
+        self._malformed = Throttled(log, "malformed frames")
+        self._refused = Throttled(log, "refused requests")
+        self._stalled = Throttled(log, "peers that stopped reading")
+
+    def receive(self, frames: list[bytes]) -> list[ToWorker]:
+        """Check one multipart message; return what the engine thread must act on."""
+        if len(frames) != 2:
+            # ROUTER prefixes the peer's identity; a protocol message is one frame.
+            sender = frames[0].hex() if frames else "?"
+            self._malformed.warn(f"{len(frames) - 1} frames from peer {sender}; expected 1")
+            return []
+        peer, frame = frames
+        try:
+            message = decode_to_worker(frame)
+        except ProtocolError as exc:
+            self._malformed.warn(f"peer {peer.hex()}: {exc}")
+            if exc.request_id is not None:
+                self._answer(peer, exc.request_id, ErrorCode.INVALID_REQUEST, str(exc))
+            return []
+        if not self._see(peer):
+            return []
+        if isinstance(message, GenerateRequest):
+            try:
+                check_generate(message, self.limits)
+            except RequestRejected as rejected:
+                self._answer(peer, message.request_id, rejected.code, rejected.message)
+                return []
+            route = route_for(peer, message.request_id)
+            if route in self.routes:
+                self._refused.warn(f"peer {peer.hex()} repeated request {route}; ignored")
+                return []
+            self.routes[route] = peer
+            return [dataclasses.replace(message, request_id=route)]
+        if isinstance(message, AbortRequest) and is_valid_abort(message):
+            return [AbortRequest(route_for(peer, message.request_id))]
+        return []  # a ping: seeing the peer was all it was for
+
+    def send(self, route: str, final: bool, payload: bytes) -> None:
+        peer = self.routes.pop(route, None) if final else self.routes.get(route)
+        if peer is not None:
+            self._deliver(peer, payload)
+
+    def heartbeat(self, heartbeat: Heartbeat) -> None:
+        frame = encode(heartbeat)
+        for peer in list(self.last_seen):
+            self._deliver(peer, frame)
+
+    def expire(self) -> None:
+        """Forget peers whose pings stopped."""
+        cutoff = time.monotonic() - self.timeout_s
+        gone = {peer for peer, seen in self.last_seen.items() if seen < cutoff}
+        self._forget(gone, f"sent nothing for {self.timeout_s:.0f} s")
+
+    def take_orphans(self) -> list[str]:
+        """The routes of requests whose peers were forgotten since the last call."""
+        orphans, self._orphans = self._orphans, []
+        return orphans
+
+    def _deliver(self, peer: bytes, frame: bytes) -> bool:
+        """Queue ``frame`` for ``peer``. If the peer left, or its queue is full
+        because it does not read, nothing is queued: the peer is forgotten, and
+        False returned."""
+        try:
+            self.router.send_multipart([peer, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            # Throttled: such a peer may go on sending, and be greeted in vain each time.
+            self._stalled.warn(f"peer {peer.hex()} stopped reading ({MAX_QUEUED_PER_PEER} unread)")
+            self._forget({peer}, "stopped reading")
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._forget({peer}, "left")
+            return False
+        return True
+
+    def _see(self, peer: bytes) -> bool:
+        """Note a valid message from ``peer``, greeting it on first contact; False
+        if there is no room for another peer."""
+        if peer not in self.last_seen:
+            if len(self.last_seen) >= self.max_peers and not self._make_room():
+                self._refused.warn(f"{self.max_peers} peers connected; ignoring {peer.hex()}")
+                return False
+            # Debug level: health probes connect as short-lived frontends.
+            log.debug("peer %s connected", peer.hex())
+            if not self._deliver(peer, self.hello):
+                return False
+        self.last_seen[peer] = time.monotonic()
+        return True
+
+    def _make_room(self) -> bool:
+        """Forget the newest peer with no request in flight, if there is one: the
+        frontends that were here first keep their place however often newcomers
+        ping (a newcomer that keeps them out only delays other newcomers)."""
+        busy = set(self.routes.values())
+        idle = [peer for peer in self.last_seen if peer not in busy]
+        if not idle:
+            return False
+        self._forget({idle[-1]}, "too many peers")
+        return True
+
+    def _forget(self, gone: set[bytes], why: str) -> None:
+        if not gone:
+            return
+        orphans = [route for route, peer in self.routes.items() if peer in gone]
+        for peer in gone:
+            num_orphans = sum(1 for route in orphans if self.routes[route] == peer)
+            # Probes come and go all the time; a peer that takes work with it does not.
+            log.log(
+                logging.WARNING if num_orphans else logging.DEBUG,
+                "peer %s %s; aborting its %d requests",
+                peer.hex(),
+                why,
+                num_orphans,
+            )
+            self.last_seen.pop(peer, None)
+        for route in orphans:
+            del self.routes[route]
+        self._orphans.extend(orphans)
+
+    def _answer(self, peer: bytes, request_id: str, code: str, message: str) -> None:
+        if len(message) > _MAX_ERROR_CHARS:
+            message = message[: _MAX_ERROR_CHARS - 3] + "..."
+        self._refused.warn(f"request {request_id:.64} from peer {peer.hex()} refused: {message}")
+        self._deliver(peer, encode(ErrorResult(request_id, code, message)))
+
+
+class Throttled:
+    """Warnings about what peers send, at most one a second: a peer that floods the
+    socket with garbage must not flood the log too."""
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self.logger = logger
+        self.what = what
+        self.next_at = 0.0
+        self.num_suppressed = 0
+
+    def warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.num_suppressed += 1
+            return
+        more = (
+            f" ({self.num_suppressed} more {self.what} not logged)" if self.num_suppressed else ""
+        )
+        self.logger.warning("%s%s", message, more)
+        self.next_at = now + 1.0
+        self.num_suppressed = 0
