@@ -36,6 +36,7 @@ from protocol import (
     decode_to_frontend,
     encode,
 )
+from protocol.peer import worker_socket
 from worker.engine.interface import InferenceEngine
 from worker.serve.config import WorkerConfig
 from worker.serve.scheduler import Scheduler
@@ -96,8 +97,7 @@ def measure(
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    peer = context.socket(zmq.DEALER)
-    peer.setsockopt(zmq.LINGER, 0)
+    peer = worker_socket(context, config.endpoint)
     peer.connect(config.endpoint)
     report = GapReport(config.heartbeat_interval_s)
     answered_at = time.monotonic()

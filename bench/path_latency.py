@@ -27,7 +27,8 @@ import zmq
 
 from bench.report import RESULTS, write_json
 from bench.stack import local_stack, stack_env, wait_live
-from protocol import GenerateRequest, GenerateResult, Hello, Ping, decode_to_frontend, encode
+from protocol import GenerateRequest, GenerateResult, decode_to_frontend, encode
+from protocol.peer import ping, wait_for_hello, worker_socket
 
 PROMPT = "The path from a client to the worker and back " * 4
 
@@ -59,11 +60,10 @@ def zmq_overhead_ms(socket: zmq.Socket[bytes], max_new_tokens: int) -> float:
 def connect_worker(context: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
     """A DEALER to the worker at ``endpoint``, greeted: the worker answers a new
     peer's first ping with its hello."""
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
+    socket = worker_socket(context, endpoint)
     socket.connect(endpoint)
-    socket.send(encode(Ping(f"bench-{uuid.uuid4().hex[:12]}")))
-    if not isinstance(decode_to_frontend(socket.recv()), Hello):
+    socket.send(ping("bench"))
+    if wait_for_hello(socket, timeout_s=10) is None:
         raise RuntimeError(f"the worker at {endpoint} did not answer a ping with its hello")
     return socket
 

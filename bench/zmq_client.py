@@ -29,7 +29,8 @@ from protocol import (
     decode_to_frontend,
     encode,
 )
-from protocol.curve import ClientKeys, secure_client
+from protocol.curve import ClientKeys
+from protocol.peer import worker_socket
 
 PING_INTERVAL_S = 1.0
 
@@ -49,15 +50,11 @@ class ZmqTarget:
         self.frontend_id = f"bench-{uuid.uuid4().hex[:12]}"
         self.hello: Hello | None = None
         self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
         self._waiting: dict[str, tuple[RequestRecord, asyncio.Future[None]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> ZmqTarget:
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        secure_client(self._socket, self.curve)
+        self._socket = worker_socket(self._context, self.endpoint, self.curve)
         self._socket.connect(self.endpoint)
         hello_seen = asyncio.get_running_loop().create_future()
         self._tasks = [
@@ -96,9 +93,9 @@ class ZmqTarget:
         return record
 
     async def _ping_loop(self) -> None:
-        ping = encode(Ping(self.frontend_id))
+        frame = encode(Ping(self.frontend_id))
         while True:
-            await self._socket.send(ping)
+            await self._socket.send(frame)
             await asyncio.sleep(PING_INTERVAL_S)
 
     async def _receive_loop(self, hello_seen: asyncio.Future[None]) -> None:

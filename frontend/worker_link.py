@@ -22,8 +22,8 @@ from frontend.config import FrontendConfig
 from frontend.inflight import Event, InFlight
 from frontend.tasks import start_task, stop_tasks
 from protocol import Heartbeat, Hello, ProtocolError, ToWorker, decode_to_frontend, encode
-from protocol.curve import secure_client
 from protocol.liveness import Liveness, Verdict
+from protocol.peer import worker_socket
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +60,7 @@ class WorkerLink:
         # the worker's load from every frontend as it was then.
         self._num_sent = 0
         self._num_done = 0
-        self._socket = context.socket(zmq.DEALER)
-        # Queue nothing for a worker that is not connected: what it misses goes to
-        # another worker instead of being delivered late, or twice.
-        self._socket.setsockopt(zmq.IMMEDIATE, 1)
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        if endpoint.startswith("tcp://["):
-            self._socket.setsockopt(zmq.IPV6, 1)
-        secure_client(self._socket, config.curve)
+        self._socket = worker_socket(context, endpoint, config.curve, is_immediate=True)
         self._monitor = self._socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         )

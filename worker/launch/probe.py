@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-import uuid
 from collections.abc import Sequence
 
 import zmq
 
-from protocol import Hello, Ping, ProtocolError, decode_to_frontend, encode
+from protocol import Hello, ProtocolError
 from protocol.client_config import WorkerClientConfig
-from protocol.curve import ClientKeys, secure_client
+from protocol.curve import ClientKeys
+from protocol.peer import ping, wait_for_hello, worker_socket
 from protocol.settings import ConfigError, load
 from worker.serve.config import WorkerConfig
 
@@ -50,31 +49,20 @@ def probe(
     curve: ClientKeys | None = None,
 ) -> Hello:
     """Ping the worker at ``endpoint`` and return its Hello, or raise `ProbeFailed`."""
-    frontend_id = f"probe-{uuid.uuid4().hex[:12]}"
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.IDENTITY, frontend_id.encode())
-    secure_client(socket, curve)
+    socket = worker_socket(context, endpoint, curve)
     try:
         try:
             socket.connect(endpoint)
         except zmq.ZMQError as exc:
             raise ProbeFailed(f"cannot connect to {endpoint!r}: {exc}") from exc
-        socket.send(encode(Ping(frontend_id=frontend_id)))
-        deadline = time.monotonic() + timeout_s
-        while (remaining_s := deadline - time.monotonic()) > 0:
-            if not socket.poll(int(remaining_s * 1000) + 1, zmq.POLLIN):
-                break
-            frames = socket.recv_multipart()
-            try:
-                message = decode_to_frontend(frames[-1])
-            except ProtocolError as exc:
-                raise ProbeFailed(f"the process at {endpoint} answered, but: {exc}") from exc
-            # A worker may already be sending heartbeats; only the Hello counts.
-            if isinstance(message, Hello):
-                return message
+        socket.send(ping("probe"))
+        hello = wait_for_hello(socket, timeout_s)
+    except ProtocolError as exc:
+        raise ProbeFailed(f"the process at {endpoint} answered, but: {exc}") from exc
     finally:
         socket.close()
+    if hello is not None:
+        return hello
     raise ProbeFailed(
         f"no Hello from a worker at {endpoint} within {timeout_s:g}s: "
         "check that the worker is running and bound there (WORKER_BIND / WORKER_ENDPOINT)"

@@ -25,16 +25,15 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import zmq
 
-from protocol import Heartbeat, Hello, Ping, ProtocolError, decode_to_frontend, encode
+from protocol import Heartbeat, Hello, ProtocolError, decode_to_frontend
 from protocol.client_config import WorkerClientConfig
-from protocol.curve import secure_client
 from protocol.liveness import Liveness, WorkerState
+from protocol.peer import ping, worker_socket
 from protocol.settings import ConfigError, load
 from worker.launch.config import SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER, ForkedWorker
@@ -204,17 +203,14 @@ class WorkerWatch:
         self.liveness = self._new_liveness()
         self._context = zmq.Context()
         self._socket = self._connect()
-        self._ping = encode(Ping(f"supervisor-{uuid.uuid4().hex}"))
+        self._ping = ping("supervisor")
         self._next_ping = 0.0
 
     def _new_liveness(self) -> Liveness:
         return Liveness(self.client.heartbeat_timeout_s, self.client.step_timeout_s)
 
     def _connect(self) -> zmq.Socket[bytes]:
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IMMEDIATE, 1)
-        socket.setsockopt(zmq.LINGER, 0)
-        secure_client(socket, self.client.curve)
+        socket = worker_socket(self._context, self.endpoint, self.client.curve, is_immediate=True)
         socket.connect(self.endpoint)
         return socket
 
