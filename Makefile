@@ -4,16 +4,23 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test check bench evals clean
+.PHONY: install serve test check bench evals clean offline-base-image offline-images
 
 # Debian's docker-compose validates docker-compose.yml without a Docker engine
-# (tests/test_compose.py). Installing it needs apt-get and root; where either is
-# missing, set-up goes on and those tests skip, saying why.
-COMPOSE_VALIDATOR := command -v docker-compose >/dev/null 2>&1 \
+# (tests/test_compose.py); its Docker engine (docker.io) and debootstrap, which makes
+# the base image where no registry is reachable (deploy/offline-base-image.sh), let
+# tests/test_compose_stack.py build both images and run the stack. Installing them
+# needs apt-get and root; where either is missing, set-up goes on and those tests
+# skip, saying why.
+DOCKER_TOOLS := missing=""; \
+	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	command -v dockerd >/dev/null 2>&1 || missing="$$missing docker.io"; \
+	command -v debootstrap >/dev/null 2>&1 || missing="$$missing debootstrap"; \
+	[ -z "$$missing" ] \
 	|| { [ "$$(id -u 2>/dev/null)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	     && apt-get update -qq \
-	     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; } \
-	|| echo "docker-compose is not installed (needs apt-get as root): compose validation tests will skip"
+	     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } \
+	|| echo "not installed:$$missing (needs apt-get as root): the compose tests that need them will skip"
 
 # The decode kernels (worker/model/csrc) compile once, here, one library per instruction
 # set; a worker only loads them, and never compiles. Without a C++ compiler the
@@ -25,7 +32,7 @@ $(STAMP): pyproject.toml $(wildcard worker/model/csrc/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	@$(COMPOSE_VALIDATOR)
+	@$(DOCKER_TOOLS)
 	@$(BUILD_DECODE_KERNELS)
 	touch $(STAMP)
 
@@ -41,6 +48,15 @@ check: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The compose file's images on a machine that reaches no image registry (README,
+# docker compose up): the base image from Debian packages, then both images from
+# their Dockerfiles, torch from this machine's pip. Root, debootstrap, a Docker engine.
+offline-base-image:
+	deploy/offline-base-image.sh
+
+offline-images: $(STAMP)
+	PYTHON=$(BIN)/python deploy/offline-images.sh
 
 # Short versions of every benchmark on the synthetic model, one after another (a
 # few minutes on 2 cores); JSON and plots land in bench/results/.

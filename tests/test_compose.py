@@ -105,6 +105,18 @@ def test_model_id_is_overridable_from_the_shell() -> None:
     assert worker["environment"]["MODEL_ID"] == "synthetic"
 
 
+def test_the_published_port_is_8000_unless_frontend_port_moves_it() -> None:
+    # Empty counts as unset (`:-`), whatever this shell has.
+    for env, published in (({"FRONTEND_PORT": ""}, 8000), ({"FRONTEND_PORT": "18001"}, 18001)):
+        completed = run_compose_config(env)
+        assert completed.returncode == 0, completed.stderr
+        [port] = yaml.safe_load(completed.stdout)["services"]["frontend"]["ports"]
+        if isinstance(port, str):  # short syntax, as some compose versions print it
+            assert port.rsplit(":", 2)[-2:] == [str(published), "8000"], port
+        else:
+            assert (int(port["published"]), int(port["target"])) == (published, 8000), port
+
+
 @pytest.mark.parametrize("service", ["frontend", "worker"])
 def test_service_command_is_a_console_script_of_this_project(service: str) -> None:
     command = services()[service]["command"]
@@ -145,7 +157,7 @@ def test_frontend_reaches_the_worker_by_service_name_over_zmq() -> None:
     assert frontend["environment"]["WORKER_ENDPOINT"] == "tcp://worker:5555"
     assert worker["environment"]["WORKER_BIND"] == "tcp://*:5555"
     assert "ports" not in worker, "the worker must not be published outside the network"
-    assert frontend["ports"] == ["8000:8000"]
+    assert frontend["ports"] == ["${FRONTEND_PORT:-8000}:8000"]
     assert frontend["environment"]["HOST"] == "0.0.0.0"
 
 
