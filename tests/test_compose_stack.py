@@ -30,10 +30,11 @@ import httpx
 import pytest
 import yaml
 
-from protocol.config import FrontendConfig, WorkerConfig
+from frontend.config import FrontendConfig
 from tests.docker_engine import compose_command, docker_engine
 from tests.sse import sse_events
 from tests.stack import free_port
+from worker.serve.config import WorkerConfig
 
 pytestmark = [pytest.mark.docker, pytest.mark.model, pytest.mark.timeout(1800)]
 
