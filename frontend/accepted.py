@@ -16,8 +16,9 @@ from starlette.requests import Request
 
 from frontend.errors import ApiError
 from frontend.inflight import Event, InFlight
+from frontend.inflight_table import Overloaded
 from frontend.metrics import Metrics
-from frontend.worker_client import Overloaded, WorkerClient
+from frontend.worker_client import WorkerClient
 from protocol import ErrorResult, GenerateRequest, GenerateResult, TokenDelta
 
 log = logging.getLogger(__name__)
