@@ -18,9 +18,9 @@ from typing import Any
 import pydantic_core
 from starlette.requests import ClientDisconnect, Request
 
+from frontend.accepted import CLIENT_CLOSED_REQUEST
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError
-from frontend.generation import CLIENT_CLOSED_REQUEST
 
 JSON_MEDIA_TYPE = "application/json"
 SEND_JSON = f"send a JSON object with the header 'Content-Type: {JSON_MEDIA_TYPE}'"

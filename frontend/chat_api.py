@@ -11,21 +11,21 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
+from frontend.accepted import Accepted
 from frontend.errors import ApiError, error_body
-from frontend.generation import CLIENT_CLOSED_REQUEST, ClientGone, accept, final_result
+from frontend.generation import respond
 from frontend.logprobs import chat_logprobs, unpack
-from frontend.metrics import Metrics
 from frontend.openai_common import (
     Envelope,
     UsageStream,
-    generate_request,
+    openai_request,
     read_openai_request,
     result_usage,
 )
 from frontend.openai_schemas import ChatBody, ChatMessage
-from frontend.streaming import sse_frame, stream_response
+from frontend.streaming import sse_frame
 from protocol import GenerateResult, TokenDelta
 
 ENDPOINT = "/v1/chat/completions"
@@ -37,11 +37,10 @@ async def chat_completions(request: Request) -> Response:
     events ending in ``data: [DONE]``. Errors in OpenAI's shape."""
     read = await read_openai_request(request, ChatBody)
     body, client = read.body, read.client
-    metrics: Metrics = request.app.state.metrics
     roles, contents = conversation(body.messages)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    work = generate_request(
+    work = openai_request(
         body,
         client,
         asked or client.config.max_new_tokens_limit,
@@ -55,27 +54,25 @@ async def chat_completions(request: Request) -> Response:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
     read.log_ignored(work.request_id)
-    accepted = accept(client, work, client.config.request_timeout_s, metrics, ENDPOINT)
     chat = Envelope(f"chatcmpl-{work.request_id}", read.model)
-    if body.stream:
-        stream = _ChatStream(chat, body)
-        return await stream_response(request, client, accepted, stream, read.headers)
-    try:
-        result = await final_result(request, client, accepted)
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    logprobs = None
-    if body.logprobs:
-        _, parts = accepted.entry.all_logprobs(result)
-        logprobs = chat_logprobs([score for part in parts for score in unpack(part)])
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": result.text},
-        "logprobs": logprobs,
-        "finish_reason": result.finish_reason,
-    }
-    answer = chat.wrap("chat.completion", [choice], result_usage(result))
-    return JSONResponse(answer, headers=read.headers)
+
+    def final(accepted: Accepted, result: GenerateResult) -> dict[str, Any]:
+        logprobs = None
+        if body.logprobs:
+            _, parts = accepted.entry.all_logprobs(result)
+            logprobs = chat_logprobs([score for part in parts for score in unpack(part)])
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": logprobs,
+            "finish_reason": result.finish_reason,
+        }
+        return chat.wrap("chat.completion", [choice], result_usage(result))
+
+    def stream(accepted: Accepted) -> _ChatStream:
+        return _ChatStream(chat, body)
+
+    return await respond(request, work, ENDPOINT, final, stream, read.headers)
 
 
 def conversation(messages: list[ChatMessage]) -> tuple[list[str], list[str]]:

@@ -1,169 +1,85 @@
-"""Running one accepted request to its single answer, for every endpoint."""
+"""One request's life, the same for every endpoint: the request for the worker,
+built and checked; accepted into the in-flight table (503 when it is full);
+answered exactly once, as one JSON object or as server-sent events while tokens
+arrive; 504 past its deadline, and 499 (logged, never received) when the client
+hangs up first.
+
+An endpoint brings only its own parts: reading its body, the fields of its
+request, and the shapes of its answer (``final``) and of its stream (``stream``).
+"""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
+from frontend.accepted import CLIENT_CLOSED_REQUEST, Accepted, ClientGone, accept, final_result
+from frontend.config import FrontendConfig
 from frontend.errors import ApiError
-from frontend.inflight import Event, InFlight
 from frontend.metrics import Metrics
-from frontend.worker_client import Overloaded, WorkerClient
-from protocol import ErrorResult, GenerateRequest, GenerateResult, TokenDelta
+from frontend.schemas import check_max_new_tokens, stop_strings
+from frontend.streaming import StreamFormat, stream_response
+from frontend.worker_client import WorkerClient
+from protocol import GenerateRequest, GenerateResult
 
-log = logging.getLogger(__name__)
-
-# nginx's code for "client closed request": logged, never received by anyone.
-CLIENT_CLOSED_REQUEST = 499
-
-
-class ClientGone(Exception):
-    """The HTTP client hung up; its request was aborted in the worker."""
+# The JSON answer of a request that does not stream, from its result.
+FinalAnswer = Callable[[Accepted, GenerateResult], dict[str, Any]]
+# The frames of a request that streams.
+StreamAnswer = Callable[[Accepted], StreamFormat]
 
 
-@dataclass
-class Accepted:
-    entry: InFlight
-    started_at: float  # time.monotonic() when the request was accepted
-    endpoint: str  # the route that accepted it, for /metrics
-    metrics: Metrics
-    last_token_at: float | None = None
-    is_answered: bool = False
-    # One watcher for the client's disconnect per request, not one per token.
-    disconnect: asyncio.Future[None] | None = None
-
-    def stop_watching(self) -> None:
-        if self.disconnect is not None:
-            self.disconnect.cancel()
-
-    def on_delta(self, delta: TokenDelta) -> None:
-        if not delta.token_ids:
-            return
-        now = time.monotonic()
-        if self.last_token_at is None:
-            self.metrics.time_to_first_token.observe(now - self.started_at)
-        else:
-            # A delta normally holds one step's token; spread a longer one evenly.
-            gap_s = (now - self.last_token_at) / len(delta.token_ids)
-            for _ in delta.token_ids:
-                self.metrics.inter_token_latency.observe(gap_s)
-        self.last_token_at = now
-
-    def on_result(self, result: GenerateResult) -> None:
-        self.is_answered = True
-        self.metrics.observe_result(self.endpoint, result, time.monotonic() - self.started_at)
-
-    def on_client_gone(self) -> None:
-        self.is_answered = True
-        self.metrics.count_request(self.endpoint, CLIENT_CLOSED_REQUEST, "abort")
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-def accept(
-    client: WorkerClient,
-    request: GenerateRequest,
-    timeout_s: float,
-    metrics: Metrics,
-    endpoint: str,
-) -> Accepted:
-    """Enter a request into the in-flight table, or raise 503."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    started_at = time.monotonic()  # before the send: the worker may start at once
-    try:
-        entry = client.submit(request, deadline)
-    except Overloaded as exc:
-        raise ApiError(503, str(exc), "queue_full") from None
-    return Accepted(entry, started_at, endpoint, metrics)
-
-
-def abandon(client: WorkerClient, accepted: Accepted) -> None:
-    """The response ended before the request's answer (a stream the client closed):
-    abort it in the worker so that its slot is freed."""
-    accepted.stop_watching()
-    if not accepted.is_answered:
-        client.cancel(accepted.entry)
-        accepted.on_client_gone()
-        log.info("request %s: response closed early; aborted", accepted.entry.request_id)
-
-
-async def next_event(
-    http_request: Request, client: WorkerClient, accepted: Accepted
-) -> TokenDelta | GenerateResult:
-    """The request's next delta or its result. Raises ApiError for a worker error
-    or a passed deadline (504), and ClientGone when the client disconnects; in
-    both cases the worker is told to abort."""
-    entry = accepted.entry
-    if not entry.events.empty():
-        return _take(accepted, entry.events.get_nowait())
-    if accepted.disconnect is None:
-        accepted.disconnect = asyncio.ensure_future(_disconnected(http_request))
-    remaining = entry.deadline - asyncio.get_running_loop().time()
-    event_task = asyncio.ensure_future(entry.events.get())
-    waiting: set[asyncio.Future[Any]] = {event_task, accepted.disconnect}
-    try:
-        done, _ = await asyncio.wait(
-            waiting,
-            timeout=max(0.0, remaining),
-            return_when=asyncio.FIRST_COMPLETED,
+def generate_request(
+    config: FrontendConfig,
+    max_new_tokens: int,
+    max_tokens_param: str,
+    min_tokens: int = 0,
+    stop: str | list[str] | None = None,
+    **fields: Any,
+) -> GenerateRequest:
+    """The request for the worker, under a new request id; ``fields`` are the
+    rest of its fields (the prompt, sampling, what to score). 422 when
+    max_new_tokens (the client's ``max_tokens_param``) is over
+    MAX_NEW_TOKENS_LIMIT, min_tokens is over it, or a stop string is empty."""
+    check_max_new_tokens(max_new_tokens, config.max_new_tokens_limit, max_tokens_param)
+    if min_tokens > max_new_tokens:
+        raise ApiError(
+            422,
+            f"min_tokens: {min_tokens} is more than {max_tokens_param} ({max_new_tokens})",
+            "invalid_request",
+            "min_tokens",
         )
-    finally:
-        # Also when this coroutine is cancelled (Starlette cancels a stream whose
-        # client hung up): asyncio.wait leaves its tasks running, and a Queue.get
-        # nobody awaits is destroyed pending and logged as an error.
-        if not event_task.done():
-            event_task.cancel()
-    if event_task in done:
-        return _take(accepted, event_task.result())
-    with contextlib.suppress(asyncio.CancelledError):
-        await event_task
-    client.cancel(entry)
-    accepted.is_answered = True
-    if accepted.disconnect in done:
-        accepted.on_client_gone()
-        log.info("request %s: client disconnected; aborted", entry.request_id)
-        raise ClientGone(entry.request_id)
-    accepted.stop_watching()
-    log.warning("request %s: deadline passed; aborted", entry.request_id)
-    raise ApiError(
-        504,
-        f"no answer within REQUEST_TIMEOUT_S={client.config.request_timeout_s:g} s "
-        f"(worker: {client.verdict().reason}); retry later, or ask for fewer tokens",
-        "timeout",
+    return GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        max_new_tokens=max_new_tokens,
+        min_tokens=min_tokens,
+        stop=stop_strings(stop),
+        **fields,
     )
 
 
-def _take(accepted: Accepted, event: Event) -> TokenDelta | GenerateResult:
-    if isinstance(event, TokenDelta):
-        accepted.on_delta(event)
-        return event
-    accepted.stop_watching()
-    if isinstance(event, ErrorResult):
-        accepted.is_answered = True
-        raise ApiError.from_worker(event)
-    accepted.on_result(event)
-    return event
-
-
-async def final_result(
-    http_request: Request, client: WorkerClient, accepted: Accepted
-) -> GenerateResult:
-    while True:
-        event = await next_event(http_request, client, accepted)
-        if isinstance(event, GenerateResult):
-            return event
-
-
-async def _disconnected(request: Request) -> None:
-    # Once the body is read, the next ASGI message is the client's disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def respond(
+    http_request: Request,
+    work: GenerateRequest,
+    endpoint: str,
+    final: FinalAnswer,
+    stream: StreamAnswer | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """Run ``work`` to its one answer: ``final``'s JSON, or, when it asked to
+    stream and the endpoint streams, ``stream``'s events. ``endpoint`` names it
+    in /metrics; ``headers`` go on the answer. Raises ApiError (503 when the
+    table is full; a worker error or 504 before the answer started)."""
+    client: WorkerClient = http_request.app.state.client
+    metrics: Metrics = http_request.app.state.metrics
+    accepted = accept(client, work, client.config.request_timeout_s, metrics, endpoint)
+    if work.stream and stream is not None:
+        return await stream_response(http_request, client, accepted, stream(accepted), headers)
+    try:
+        result = await final_result(http_request, client, accepted)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(final(accepted, result), headers=headers)

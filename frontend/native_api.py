@@ -6,22 +6,15 @@ import time
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
+from frontend.accepted import Accepted
 from frontend.errors import ApiError, error_body
-from frontend.generation import (
-    CLIENT_CLOSED_REQUEST,
-    Accepted,
-    ClientGone,
-    accept,
-    final_result,
-    new_request_id,
-)
-from frontend.metrics import Metrics
-from frontend.schemas import GenerateBody, check_max_new_tokens, parse_body, stop_strings
-from frontend.streaming import sse_frame, stream_response
+from frontend.generation import generate_request, respond
+from frontend.schemas import GenerateBody, parse_body
+from frontend.streaming import sse_frame
 from frontend.worker_client import WorkerClient
-from protocol import GenerateRequest, GenerateResult, TokenDelta
+from protocol import GenerateResult, TokenDelta
 
 ENDPOINT = "/generate"
 
@@ -39,14 +32,13 @@ async def generate(request: Request) -> Response:
     """
     body, _ = await parse_body(request, GenerateBody)
     client: WorkerClient = request.app.state.client
-    metrics: Metrics = request.app.state.metrics
-    check_max_new_tokens(body.max_new_tokens, client.config.max_new_tokens_limit, "max_new_tokens")
-    work = GenerateRequest(
-        request_id=new_request_id(),
+    work = generate_request(
+        client.config,
+        body.max_new_tokens,
+        "max_new_tokens",
+        stop=body.stop,
         prompt=body.prompt,
-        max_new_tokens=body.max_new_tokens,
         stop_token_ids=body.stop_token_ids,
-        stop=stop_strings(body.stop),
         ignore_eos=body.ignore_eos,
         temperature=body.temperature,
         top_p=body.top_p,
@@ -54,19 +46,15 @@ async def generate(request: Request) -> Response:
         seed=body.seed,
         stream=body.stream,
     )
-    accepted = accept(client, work, client.config.request_timeout_s, metrics, ENDPOINT)
-    client_request_id = body.request_id or work.request_id
-    if body.stream:
-        return await stream_response(
-            request, client, accepted, _GenerateStream(client, client_request_id, accepted)
-        )
-    try:
-        result = await final_result(request, client, accepted)
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    answer = _answer(client, client_request_id, accepted, result)
-    answer["text"] = result.text
-    return JSONResponse(answer)
+    request_id = body.request_id or work.request_id
+
+    def final(accepted: Accepted, result: GenerateResult) -> dict[str, Any]:
+        return {**_answer(client, request_id, accepted, result), "text": result.text}
+
+    def stream(accepted: Accepted) -> _GenerateStream:
+        return _GenerateStream(client, request_id, accepted)
+
+    return await respond(request, work, ENDPOINT, final, stream)
 
 
 def _answer(

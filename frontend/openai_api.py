@@ -12,20 +12,20 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from frontend.accepted import Accepted
 from frontend.errors import ApiError, error_body
-from frontend.generation import CLIENT_CLOSED_REQUEST, ClientGone, accept, final_result
+from frontend.generation import respond
 from frontend.logprobs import TokenScore, completion_logprobs, unpack
-from frontend.metrics import Metrics
 from frontend.openai_common import (
     Envelope,
     UsageStream,
+    openai_request,
     read_openai_request,
     result_usage,
     served_model,
 )
-from frontend.openai_common import generate_request as build_request
 from frontend.openai_schemas import CompletionBody
-from frontend.streaming import sse_frame, stream_response
+from frontend.streaming import sse_frame
 from frontend.worker_client import WorkerClient
 from protocol import GenerateResult, TokenDelta
 
@@ -39,7 +39,6 @@ async def completions(request: Request) -> Response:
     server-sent events ending in ``data: [DONE]``. Errors in OpenAI's shape."""
     read = await read_openai_request(request, CompletionBody)
     body, client = read.body, read.client
-    metrics: Metrics = request.app.state.metrics
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     if max_tokens == 0 and not body.echo:
         raise ApiError(
@@ -56,7 +55,7 @@ async def completions(request: Request) -> Response:
             "unsupported",
             "echo",
         )
-    work = build_request(
+    work = openai_request(
         body,
         client,
         max_tokens,
@@ -68,26 +67,23 @@ async def completions(request: Request) -> Response:
         echo=bool(body.echo),
     )
     read.log_ignored(work.request_id)
-    accepted = accept(client, work, client.config.request_timeout_s, metrics, ENDPOINT)
     completion = _Completion(f"cmpl-{work.request_id}", read.model)
-    if body.stream:
-        echo_text = prompt if body.echo else None
-        stream = _CompletionStream(completion, body, echo_text)
-        return await stream_response(request, client, accepted, stream, read.headers)
-    try:
-        result = await final_result(request, client, accepted)
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    text = (result.prompt_text or "") + result.text if body.echo else result.text
-    logprobs = None
-    if body.logprobs is not None:
-        prompt_logprobs, output_logprobs = accepted.entry.all_logprobs(result)
-        scores = unpack(prompt_logprobs) if body.echo else []
-        for part in output_logprobs:
-            scores += unpack(part)
-        logprobs = completion_logprobs(scores)
-    answer = completion.chunk(text, result.finish_reason, result_usage(result), logprobs)
-    return JSONResponse(answer, headers=read.headers)
+
+    def final(accepted: Accepted, result: GenerateResult) -> dict[str, Any]:
+        text = (result.prompt_text or "") + result.text if body.echo else result.text
+        logprobs = None
+        if body.logprobs is not None:
+            prompt_logprobs, output_logprobs = accepted.entry.all_logprobs(result)
+            scores = unpack(prompt_logprobs) if body.echo else []
+            for part in output_logprobs:
+                scores += unpack(part)
+            logprobs = completion_logprobs(scores)
+        return completion.chunk(text, result.finish_reason, result_usage(result), logprobs)
+
+    def stream(accepted: Accepted) -> _CompletionStream:
+        return _CompletionStream(completion, body, prompt if body.echo else None)
+
+    return await respond(request, work, ENDPOINT, final, stream, read.headers)
 
 
 async def models(request: Request) -> Response:

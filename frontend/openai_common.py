@@ -12,9 +12,9 @@ from typing import Any, Generic, TypeVar
 from starlette.requests import Request
 
 from frontend.errors import ApiError
-from frontend.generation import new_request_id
+from frontend.generation import generate_request
 from frontend.openai_schemas import OpenAIBody
-from frontend.schemas import check_max_new_tokens, name_fields, parse_body, stop_strings
+from frontend.schemas import name_fields, parse_body
 from frontend.worker_client import WorkerClient
 from protocol import GenerateRequest, GenerateResult
 
@@ -92,28 +92,22 @@ def check_model(client: WorkerClient, name: str) -> None:
         )
 
 
-def generate_request(
+def openai_request(
     body: OpenAIBody,
     client: WorkerClient,
     max_tokens: int,
     max_tokens_param: str,
     **prompt: Any,
 ) -> GenerateRequest:
-    """The request for the worker: ``prompt`` holds the prompt fields (text, ids
-    or a conversation) and what to score."""
-    check_max_new_tokens(max_tokens, client.config.max_new_tokens_limit, max_tokens_param)
-    min_tokens = body.min_tokens or 0
-    if min_tokens > max_tokens:
-        raise ApiError(
-            422,
-            f"min_tokens: {min_tokens} is more than {max_tokens_param} ({max_tokens})",
-            "invalid_request",
-            "min_tokens",
-        )
-    return GenerateRequest(
-        request_id=new_request_id(),
-        max_new_tokens=max_tokens,
-        stop=stop_strings(body.stop),
+    """The request for the worker: the body's sampling fields, an absent one at
+    its neutral value, and ``prompt``: the prompt fields (text, ids or a
+    conversation) and what to score."""
+    return generate_request(
+        client.config,
+        max_tokens,
+        max_tokens_param,
+        min_tokens=body.min_tokens or 0,
+        stop=body.stop,
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=bool(body.ignore_eos),
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -121,7 +115,6 @@ def generate_request(
         top_k=max(0, body.top_k or 0),
         seed=body.seed,
         stream=bool(body.stream),
-        min_tokens=min_tokens,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,

@@ -16,14 +16,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from frontend.errors import ApiError
-from frontend.generation import (
+from frontend.accepted import (
     CLIENT_CLOSED_REQUEST,
     Accepted,
     ClientGone,
     abandon,
     next_event,
 )
+from frontend.errors import ApiError
 from frontend.metrics import NO_FINISH_REASON
 from frontend.worker_client import WorkerClient
 from protocol import GenerateResult, TokenDelta

@@ -15,21 +15,15 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from frontend.accepted import Accepted
 from frontend.chat_api import conversation
 from frontend.errors import ApiError
-from frontend.generation import (
-    CLIENT_CLOSED_REQUEST,
-    ClientGone,
-    accept,
-    final_result,
-    new_request_id,
-)
-from frontend.metrics import Metrics
+from frontend.generation import FinalAnswer, generate_request, respond
 from frontend.openai_common import check_model, ignored_fields_headers, log_ignored_fields
 from frontend.openai_schemas import ChatMessage
 from frontend.schemas import STRICT, TokenIds, parse_body
 from frontend.worker_client import WorkerClient
-from protocol import GenerateRequest, GenerateResult
+from protocol import GenerateResult
 from protocol.limits import MAX_CHAT_MESSAGES
 
 PACKAGE = "minibatch-llm"
@@ -73,35 +67,33 @@ async def tokenize(request: Request) -> Response:
         roles, contents = conversation(body.messages)
         fields.update(chat_roles=roles, chat_contents=contents)
         fields["add_generation_prompt"] = body.add_generation_prompt
-    result = await _ask(request, client, "/tokenize", ignored, **fields)
-    if result is None:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    token_ids = result.prompt_token_ids or []
-    hello = client.hello
-    return JSONResponse(
-        {
+
+    def final(accepted: Accepted, result: GenerateResult) -> dict[str, Any]:
+        token_ids = result.prompt_token_ids or []
+        hello = client.hello
+        return {
             "count": len(token_ids),
             "max_model_len": hello.context_window if hello else None,
             "tokens": token_ids,
             "token_strs": None,
-        },
-        headers=ignored_fields_headers(ignored),
-    )
+        }
+
+    return await _ask(request, client, "/tokenize", ignored, final, **fields)
 
 
 async def detokenize(request: Request) -> Response:
     """``{prompt}``: the text of ``tokens``."""
     client: WorkerClient = request.app.state.client
     body, ignored = await _read(request, client, DetokenizeBody)
-    headers = ignored_fields_headers(ignored)
     if not body.tokens:
-        return JSONResponse({"prompt": ""}, headers=headers)
-    result = await _ask(
-        request, client, "/detokenize", ignored, prompt="", prompt_token_ids=body.tokens
+        return JSONResponse({"prompt": ""}, headers=ignored_fields_headers(ignored))
+
+    def final(accepted: Accepted, result: GenerateResult) -> dict[str, Any]:
+        return {"prompt": result.prompt_text or ""}
+
+    return await _ask(
+        request, client, "/detokenize", ignored, final, prompt="", prompt_token_ids=body.tokens
     )
-    if result is None:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse({"prompt": result.prompt_text or ""}, headers=headers)
 
 
 async def version(request: Request) -> Response:
@@ -123,14 +115,14 @@ async def _read(
 
 
 async def _ask(
-    request: Request, client: WorkerClient, endpoint: str, ignored: list[str], **fields: Any
-) -> GenerateResult | None:
-    """The worker's answer to a request for no tokens; None if the client left."""
-    metrics: Metrics = request.app.state.metrics
-    work = GenerateRequest(new_request_id(), max_new_tokens=0, echo=True, **fields)
+    request: Request,
+    client: WorkerClient,
+    endpoint: str,
+    ignored: list[str],
+    final: FinalAnswer,
+    **fields: Any,
+) -> Response:
+    """``final``'s answer to a request for no tokens."""
+    work = generate_request(client.config, 0, "max_new_tokens", echo=True, **fields)
     log_ignored_fields(work.request_id, ignored)
-    accepted = accept(client, work, client.config.request_timeout_s, metrics, endpoint)
-    try:
-        return await final_result(request, client, accepted)
-    except ClientGone:
-        return None
+    return await respond(request, work, endpoint, final, headers=ignored_fields_headers(ignored))

@@ -22,8 +22,8 @@ from tests.stack import free_port
 @pytest.mark.parametrize(
     ("cls", "loop"),
     [
-        ("worker_client.WorkerClient", "_tick_loop"),
-        ("worker_client.WorkerClient", "_discovery_loop"),
+        ("worker_pool.WorkerPool", "_tick_loop"),
+        ("worker_pool.WorkerPool", "_discovery_loop"),
         ("worker_link.WorkerLink", "_receive_loop"),
         ("worker_link.WorkerLink", "_monitor_loop"),
     ],

@@ -1,0 +1,101 @@
+"""The in-flight table: every request the frontend accepted and has not answered,
+and where each one is now.
+
+A request is in exactly one place: in line for a free slot (``waiting``), in
+line for a trial on a worker of its own (``suspects``: it was in flight on a
+worker that died before it made progress there), or held by one worker, which
+runs its current attempt. Both lines keep the order requests were accepted in.
+A request leaves the table once: answered (`resolve`) or forgotten (`forget`).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from frontend.inflight import Final, InFlight
+from frontend.worker_link import WorkerLink
+from protocol import GenerateRequest
+
+
+class Overloaded(Exception):
+    """MAX_INFLIGHT_REQUESTS requests are already waiting for an answer."""
+
+
+class InFlightTable:
+    def __init__(self, max_inflight_requests: int) -> None:
+        self.max_inflight_requests = max_inflight_requests
+        self.waiting: list[InFlight] = []  # for a free slot, in order
+        self.suspects: list[InFlight] = []  # for a trial, in order
+        self._by_request_id: dict[str, InFlight] = {}
+        self._by_wire_id: dict[str, InFlight] = {}  # those a worker holds
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._by_request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        """Accepted requests that no worker holds yet."""
+        return len(self.waiting) + len(self.suspects)
+
+    def add(self, request: GenerateRequest, deadline: float) -> InFlight:
+        """Accept a request, at the end of the line; Overloaded when the table is full."""
+        if len(self._by_request_id) >= self.max_inflight_requests:
+            raise Overloaded(
+                f"{len(self._by_request_id)} requests are already waiting "
+                f"(MAX_INFLIGHT_REQUESTS={self.max_inflight_requests}); retry later"
+            )
+        if request.request_id in self._by_request_id:
+            raise ValueError(f"request id {request.request_id} is already in flight")
+        entry = InFlight(request, deadline)
+        self._by_request_id[entry.request_id] = entry
+        self.waiting.append(entry)
+        return entry
+
+    def held(self, wire_id: str) -> InFlight | None:
+        """The request whose current attempt has this wire id, if a worker holds it."""
+        return self._by_wire_id.get(wire_id)
+
+    def hand_to(self, entry: InFlight, link: WorkerLink, is_trial: bool) -> None:
+        """``entry``'s current attempt was sent to ``link``, which holds it now."""
+        entry.link = link
+        link.held.add(entry)
+        if is_trial:
+            link.trial = entry
+        self._by_wire_id[entry.wire_id] = entry
+
+    def take_back(self, link: WorkerLink) -> list[InFlight]:
+        """Every request ``link`` holds, in order, now held by none (and in no line)."""
+        entries = sorted(link.held, key=lambda entry: entry.order)
+        link.held.clear()
+        link.trial = None
+        for entry in entries:
+            self._by_wire_id.pop(entry.wire_id, None)
+            entry.link = None
+        return entries
+
+    def requeue(self, entry: InFlight, is_suspect: bool = False) -> None:
+        """Put a request no worker holds back in line, at its place by accept order."""
+        line = self.suspects if is_suspect else self.waiting
+        bisect.insort(line, entry, key=lambda waiting: waiting.order)
+
+    def forget(self, entry: InFlight) -> bool:
+        """Drop a request from the table, and from its line or its worker; False
+        if it had already left."""
+        self._by_wire_id.pop(entry.wire_id, None)
+        is_known = self._by_request_id.pop(entry.request_id, None) is not None
+        if entry.link is not None:
+            entry.link.held.discard(entry)
+            if entry.link.trial is entry:
+                entry.link.trial = None
+            entry.link = None
+        else:
+            for line in (self.waiting, self.suspects):
+                if entry in line:
+                    line.remove(entry)
+        return is_known
+
+    def resolve(self, entry: InFlight, final: Final) -> None:
+        """Answer a request: it leaves the table, and its handler gets ``final``."""
+        self.forget(entry)
+        entry.events.put_nowait(final)

@@ -1,0 +1,89 @@
+"""Replay policy: what becomes of the requests a worker held when it dies.
+
+When a worker dies (its connection closes; or it is declared dead or hung while
+another worker is live), the requests it held are replayed on the others:
+- at once, those that had made progress there: they ran beside whatever killed
+  it, and waiting would cost them the failover;
+- one at a time, those that had not (suspects: one may be what killed it), each
+  once the one before has made progress, on a worker that runs no other suspect,
+  and never on every live worker at once when two or more are live. A poison
+  request kills one worker at a time and no innocent suspect with it.
+A request in flight on two workers that died before it made progress there, or
+on three workers that died, is answered with an error and not replayed again.
+So an innocent request beside a poison one (it made progress, or it is new) is
+never failed for it: it can die without progress only once before it runs.
+
+A worker that did not die but holds none of its requests any more (it greeted
+this frontend again) has them all sent again, in their places in line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from frontend.inflight import InFlight
+from frontend.inflight_table import InFlightTable
+from frontend.worker_link import WorkerLink
+from protocol import AbortRequest, ErrorCode, ErrorResult
+
+log = logging.getLogger(__name__)
+
+# Workers that died while a request was in flight on them, after which the request
+# is failed rather than replayed again: two that died before it made progress
+# there, or three in all.
+MAX_DEATHS_WITHOUT_PROGRESS = 2
+MAX_WORKER_DEATHS = 3
+
+
+def release(table: InFlightTable, link: WorkerLink, why: str, is_death: bool) -> int:
+    """Take back every request ``link`` holds, to send elsewhere, and say how
+    many. After a death, those that made progress there go first in line, the
+    rest become suspects, and those that were in flight on too many dead workers
+    are failed."""
+    entries = table.take_back(link)
+    if not entries:
+        return 0
+    num_suspects = num_failed = 0
+    for entry in entries:
+        # Should the worker still run it (it was only frozen), it stops.
+        link.send(AbortRequest(entry.wire_id))
+        if not is_death:
+            table.requeue(entry)
+            continue
+        entry.num_worker_deaths += 1
+        made_progress, entry.made_progress = entry.made_progress, False
+        if not made_progress:
+            entry.num_deaths_without_progress += 1
+        if (
+            entry.num_deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS
+            or entry.num_worker_deaths >= MAX_WORKER_DEATHS
+        ):
+            log.error(
+                "request %s was in flight on %d workers that died; failing it",
+                entry.request_id,
+                entry.num_worker_deaths,
+            )
+            num_failed += 1
+            table.resolve(entry, _quarantined(entry))
+        elif made_progress:
+            table.requeue(entry)
+        else:
+            num_suspects += 1
+            table.requeue(entry, is_suspect=True)
+    log.warning(
+        "worker at %s %s: replaying %d requests, %d of them one at a time",
+        link.endpoint,
+        why,
+        len(entries) - num_failed,
+        num_suspects,
+    )
+    return len(entries)
+
+
+def _quarantined(entry: InFlight) -> ErrorResult:
+    return ErrorResult(
+        entry.wire_id,
+        ErrorCode.WORKERS_DIED,
+        f"the request was in flight on {entry.num_worker_deaths} workers that died; it is "
+        "not replayed again, since it may be what kills them (the worker logs say why)",
+    )
