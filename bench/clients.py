@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.stack import REPO_ROOT, local_stack, stack_env, wait_live
+from bench.stack import REPO_ROOT, running_stack, stack_env
 
 RESULTS = REPO_ROOT / "bench" / "results" / "clients.json"
 # Nothing here may reach the hub: the model, its tokenizer and the task are local.
@@ -147,8 +147,8 @@ def main() -> None:
         data.write_text("".join(json.dumps(doc) + "\n" for doc in TASK_DOCS))
         (task_dir / "tiny_loglikelihood.yaml").write_text(TASK_YAML.format(data=data))
         env = stack_env({"MODEL_ID": str(model_dir), **OFFLINE})
-        with local_stack(env, out / "stack.log") as stack:
-            wait_live(stack.url, timeout_s=300)
+        with running_stack(out / "stack", env) as stack:
+            stack.wait_live(timeout_s=300)
             guidellm = [
                 run_guidellm(evals, stack.url, model_dir, endpoint, args.requests, out)
                 for endpoint in ENDPOINTS

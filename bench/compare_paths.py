@@ -36,7 +36,7 @@ from bench import http_load, zmq_load
 from bench.engine_bench import run_continuous
 from bench.load import workload
 from bench.report import RESULTS, median_summary, save_figure, summarize, table, write_json
-from bench.stack import LocalStack, local_stack, stack_env, wait_live
+from bench.stack import Stack, running_stack, stack_env
 from worker.engine.torch_engine import TorchEngine, load_engine
 from worker.serve.config import WorkerConfig
 
@@ -61,7 +61,7 @@ def _load_args(args: argparse.Namespace, requests: int, concurrency: int) -> lis
 class Paths:
     """One run of each path, over a workload of ``num_requests``."""
 
-    def __init__(self, stack: LocalStack, engine: TorchEngine, args: argparse.Namespace) -> None:
+    def __init__(self, stack: Stack, engine: TorchEngine, args: argparse.Namespace) -> None:
         self.stack = stack
         self.engine = engine
         self.args = args
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "TORCH_THREADS": str(args.torch_threads),
         }
     )
-    with local_stack(env, RESULTS / "compare_paths_stack.log") as stack:
-        wait_live(stack.url, timeout_s=300)
+    with running_stack(RESULTS / "compare_paths_stack", env) as stack:
+        stack.wait_live(timeout_s=300)
         paths = Paths(stack, engine, args)
         for path in PATHS:  # warm-up: one batch through each path
             paths.run(path, args.capacity)

@@ -48,10 +48,10 @@ from pathlib import Path
 
 import httpx
 import psutil
+from httpx_sse import EventSource
 
 from bench.poison import KindTally, make_probes, print_tallies, send_mixed_in, vocab_size_of
-from bench.stack import LocalStack, stack_env
-from bench.stack import local_stack as supervised_stack
+from bench.stack import Stack, running_stack, stack_env
 from bench.workload import make_workload
 from frontend.config import FrontendConfig
 
@@ -233,20 +233,16 @@ async def _post_streamed(
         if response.status_code != 200:
             await response.aread()
             return response.status_code, None, text, token_times
-        event = ""
-        async for line in response.aiter_lines():
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                payload = json.loads(line[5:])
-                if event == "token":
-                    text += payload["text"]
-                    if payload["token_ids"]:
-                        token_times.append(time.monotonic())
-                elif event == "done":
-                    return 200, payload, text, token_times
-                else:
-                    break
+        async for sse in EventSource(response).aiter_sse():
+            payload = json.loads(sse.data)
+            if sse.event == "token":
+                text += payload["text"]
+                if payload["token_ids"]:
+                    token_times.append(time.monotonic())
+            elif sse.event == "done":
+                return 200, payload, text, token_times
+            else:
+                break
     return 500, None, text, token_times
 
 
@@ -320,7 +316,7 @@ def plan_faults(num_kills: int, num_stops: int, num_requests: int, seed: int) ->
 
 
 @contextlib.contextmanager
-def local_stack(args: argparse.Namespace) -> Iterator[LocalStack]:
+def local_stack(args: argparse.Namespace) -> Iterator[Stack]:
     """Start the supervisor with drill-friendly liveness timeouts."""
     env = stack_env(
         {
@@ -335,7 +331,7 @@ def local_stack(args: argparse.Namespace) -> Iterator[LocalStack]:
             "FRONTEND_TIMEOUT_S": os.environ.get("FRONTEND_TIMEOUT_S", "5"),
         }
     )
-    with supervised_stack(env, Path(args.log)) as stack:
+    with running_stack(Path(args.log), env) as stack:
         yield stack
 
 
@@ -518,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-id", default="synthetic", help="for the stack it starts")
     parser.add_argument("--port", type=int, default=8400, help="for the stack it starts")
     parser.add_argument(
-        "--log", default=str(RESULTS / "fault_drill_stack.log"), help="the started stack's log"
+        "--log", default=str(RESULTS / "fault_drill_stack"), help="the started stack's log folder"
     )
     parser.add_argument(
         "--out", help="the results file (default: bench/results/fault_drill[_poison].json)"
@@ -572,7 +568,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.poison:
             summary, is_bad = poison_drill(urls[0], bodies, reference, args)
         else:
-            supervisor_pid = local.supervisor.pid if local else None
+            supervisor_pid = local.processes["supervisor"].pid if local else None
             summary, is_bad = kill_drill(urls, bodies, reference, args, supervisor_pid)
     name = "fault_drill_poison.json" if args.poison else "fault_drill.json"
     out = Path(args.out) if args.out else RESULTS / name

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource
 
 from bench.report import OK, RequestRecord
 from protocol import GenerateRequest
@@ -92,22 +93,15 @@ class HttpTarget:
     async def _read_events(self, response: httpx.Response, record: RequestRecord) -> None:
         """Count tokens as the events arrive; a stream that ends in an error event
         or without a final event fails."""
-        event: str | None = None
         num_streamed = 0
         usage_tokens: int | None = None
         record.status = "incomplete_stream"
-        async for line in response.aiter_lines():
-            if line.startswith("event:"):
-                event = line[6:].strip()
-                continue
-            if not line.startswith("data:"):
-                event = None if not line else event
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
+        async for sse in EventSource(response).aiter_sse():
+            event = sse.event
+            if sse.data == "[DONE]":
                 record.status = OK
                 break
-            payload = json.loads(data)
+            payload = json.loads(sse.data)
             if event == "error" or "error" in payload:
                 record.status = "stream_error"
                 break

@@ -26,7 +26,7 @@ import httpx
 from bench import load
 from bench.http_client import NATIVE, OPENAI, HttpTarget
 from bench.report import RESULTS, RequestRecord, report_run
-from bench.stack import local_stack, stack_env, wait_live
+from bench.stack import running_stack, stack_env
 from protocol import GenerateRequest
 
 
@@ -53,8 +53,8 @@ def target_url(args: argparse.Namespace) -> Iterator[str]:
         yield args.url
         return
     env = stack_env({"MODEL_ID": args.model_id, "MAX_BATCH_SIZE": str(args.capacity)})
-    with local_stack(env, RESULTS / "http_load_stack.log") as stack:
-        wait_live(stack.url, timeout_s=300)
+    with running_stack(RESULTS / "http_load_stack", env) as stack:
+        stack.wait_live(timeout_s=300)
         yield stack.url
 
 

@@ -24,9 +24,10 @@ from typing import Any
 
 import httpx
 import zmq
+from httpx_sse import EventSource
 
 from bench.report import RESULTS, write_json
-from bench.stack import local_stack, stack_env, wait_live
+from bench.stack import running_stack, stack_env
 from protocol import GenerateRequest, GenerateResult, decode_to_frontend, encode
 from protocol.peer import ping, wait_for_hello, worker_socket
 
@@ -38,9 +39,9 @@ def http_overhead_ms(client: httpx.Client, url: str, max_new_tokens: int) -> flo
     started = time.perf_counter()
     with client.stream("POST", f"{url}/generate", json=body) as response:
         response.raise_for_status()
-        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        events = [sse.data for sse in EventSource(response).iter_sse()]
     ended = time.perf_counter()
-    metrics = json.loads(events[-1].removeprefix("data: "))["metrics"]
+    metrics = json.loads(events[-1])["metrics"]
     return (ended - started) * 1e3 - float(metrics["queue_wait_ms"]) - float(metrics["generate_ms"])
 
 
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     env = stack_env({"MODEL_ID": "synthetic"})
     samples: dict[str, list[float]] = {"http": [], "zmq": []}
-    with local_stack(env, RESULTS / "path_latency_stack.log") as stack:
-        wait_live(stack.url, timeout_s=300)
+    with running_stack(RESULTS / "path_latency_stack", env) as stack:
+        stack.wait_live(timeout_s=300)
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         socket = connect_worker(context, stack.worker_endpoint)
         with httpx.Client(timeout=120) as client:

@@ -26,7 +26,7 @@ from bench import load
 from bench.http_client import NATIVE
 from bench.http_load import run_http
 from bench.report import RESULTS, machine, median_summary, summarize, table, write_json
-from bench.stack import local_stack, stack_env, wait_live
+from bench.stack import running_stack, stack_env
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,9 @@ def run_layout(layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
             "MAX_BATCH_SIZE": str(slots),
         }
     )
-    log = RESULTS / f"scale_out_{layout.num_workers}x{layout.num_threads}.log"
-    with local_stack(env, log) as stack:
+    logs = RESULTS / f"scale_out_{layout.num_workers}x{layout.num_threads}"
+    with running_stack(logs, env) as stack:
+        stack.wait_live(timeout_s=300)
         _wait_for_workers(stack.url, layout.num_workers)
         warm_up = load.workload(args, tag=f"warm-{uuid.uuid4().hex[:8]}")[: 2 * slots]
         asyncio.run(run_http(stack.url, warm_up, args))
@@ -65,7 +66,6 @@ def run_layout(layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _wait_for_workers(url: str, num_workers: int) -> None:
-    wait_live(url, timeout_s=300)
     for _ in range(600):
         if httpx.get(f"{url}/health", timeout=5).json()["workers_live"] == num_workers:
             return

@@ -20,7 +20,7 @@ from typing import Any
 
 from bench import load
 from bench.report import RESULTS, RequestRecord, report_run
-from bench.stack import local_stack, stack_env, wait_live
+from bench.stack import running_stack, stack_env
 from bench.zmq_client import ZmqTarget
 from protocol import GenerateRequest
 from protocol.client_config import WorkerClientConfig
@@ -43,8 +43,8 @@ def target_endpoint(args: argparse.Namespace) -> Iterator[str]:
         yield args.endpoint
         return
     env = stack_env({"MODEL_ID": args.model_id, "MAX_BATCH_SIZE": str(args.capacity)})
-    with local_stack(env, RESULTS / "zmq_load_stack.log") as stack:
-        wait_live(stack.url, timeout_s=300)
+    with running_stack(RESULTS / "zmq_load_stack", env) as stack:
+        stack.wait_live(timeout_s=300)
         yield stack.worker_endpoint
 
 

@@ -1,31 +1,17 @@
-"""Real OS processes for tests: a worker and a frontend on free loopback ports,
-alone or under the supervisor, always killed afterwards."""
+"""The local stack (`bench.stack`) as the tests run it: the fake engine, and
+liveness tuned so that restart tests run in seconds, not minutes."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import random
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import httpx
 import openai
-import psutil
 
-from worker.launch.warm_start import WORKER_TITLE
+from bench import stack as local
+from bench.stack import ENTRY_POINTS, Stack, free_port, free_ports
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-# Liveness tuned so that restart tests run in seconds, not minutes.
 FAST_LIVENESS = {
     "HEARTBEAT_INTERVAL_S": "0.1",
     "PING_INTERVAL_S": "0.1",
@@ -34,198 +20,11 @@ FAST_LIVENESS = {
     "RESTART_BACKOFF_S": "0.2",
 }
 
-
-def free_port() -> int:
-    return free_ports(1)
-
-
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive free ports (a stack of several workers or
-    frontends takes the port it is given and the ones after it), below the
-    kernel's ephemeral range: a client that connects to a port in that range
-    before anything listens there, as a frontend does to a worker still starting,
-    can be given that very port as its own (a TCP self-connect), and the worker
-    then cannot bind it."""
-    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    ephemeral_low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
-    while True:
-        first = random.randrange(10_000, ephemeral_low - count)
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(first, first + count):
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # taken: try another
-        return first
-
-
-@dataclass
-class Stack:
-    url: str
-    env: dict[str, str]
-    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    log_dir: Path | None = None
-
-    def start(self, name: str, module: str) -> subprocess.Popen[bytes]:
-        return self.start_command(name, [sys.executable, "-m", module], self.env)
-
-    def start_command(
-        self, name: str, command: list[str], env: Mapping[str, str]
-    ) -> subprocess.Popen[bytes]:
-        assert self.log_dir is not None
-        with (self.log_dir / f"{name}.log").open("ab") as log:
-            process = subprocess.Popen(
-                command,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO_ROOT,
-                start_new_session=True,  # so that a test can kill the whole group
-            )
-        self.processes[name] = process
-        return process
-
-    def kill(self, name: str) -> None:
-        """SIGKILL the process ``name`` and all its children; it is no longer tracked."""
-        process = self.processes.pop(name)
-        for member in _family(process.pid):
-            try:
-                member.send_signal(signal.SIGCONT)  # a stopped process cannot die
-                member.kill()
-            except psutil.NoSuchProcess:
-                pass
-        process.wait(timeout=10)
-
-    def kill_pid(self, pid: int) -> None:
-        """SIGKILL one process of the stack, such as one of a supervisor's workers."""
-        os.kill(pid, signal.SIGKILL)
-
-    def log(self, name: str) -> str:
-        assert self.log_dir is not None
-        return (self.log_dir / f"{name}.log").read_text(errors="replace")
-
-    def health(self) -> httpx.Response:
-        return httpx.get(f"{self.url}/health", timeout=5)
-
-    def wait_live(self, timeout_s: float = 30.0, instance_not: str | None = None) -> dict[str, Any]:
-        """Wait until /health says ok (with a worker other than ``instance_not``)."""
-        return self.wait_for_health(
-            "live",
-            lambda health: health["status"] == "ok" and health["instance_id"] != instance_not,
-            timeout_s,
-        )
-
-    def wait_for_health(
-        self, what: str, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 10.0
-    ) -> dict[str, Any]:
-        """Poll /health until ``predicate(body)`` holds; return that body. Fails at once
-        if a process of the stack has exited: nothing would answer for it then."""
-        last: dict[str, Any] = {}
-
-        def holds() -> bool:
-            nonlocal last
-            for name, process in self.processes.items():
-                code = process.poll()
-                assert code is None, f"{name} exited with {code}\n{self.logs()}"
-            try:
-                last = self.health().json()
-            except httpx.TransportError:
-                return False
-            return predicate(last)
-
-        try:
-            self.wait_until(holds, what, timeout_s)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\nlast /health: {last}") from None
-        return last
-
-    def wait_until(self, check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if check():
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"{what} did not happen within {timeout_s} s\n{self.logs()}")
-
-    def worker_pids(self) -> list[int]:
-        """Every live worker process started by this stack: from scratch, or under a
-        supervisor forked from its fork server and named for its endpoint."""
-        return self._pids_running("worker.serve.main") + self._pids_running(f"{WORKER_TITLE} ")
-
-    def worker_pid(self, endpoint: str) -> int:
-        """The live worker process serving ``endpoint`` (several may run)."""
-        for pid in self.worker_pids():
-            with contextlib.suppress(psutil.Error):
-                process = psutil.Process(pid)
-                if " ".join(process.cmdline()).split() == [WORKER_TITLE, endpoint]:
-                    return pid  # forked: its environment is the fork server's
-                if process.environ().get("WORKER_ENDPOINT") == endpoint:
-                    return pid
-        raise AssertionError(f"no worker serves {endpoint}\n{self.logs()}")
-
-    def workers(self) -> dict[str, dict[str, Any]]:
-        """/health's view of each worker, by endpoint."""
-        return {worker["endpoint"]: worker for worker in self.health().json()["workers"]}
-
-    def frontend_pid(self) -> int:
-        (pid,) = self._pids_running("frontend.main")
-        return pid
-
-    def _pids_running(self, module: str) -> list[int]:
-        pids = []
-        for process in self.processes.values():
-            for member in _family(process.pid):
-                try:
-                    alive = member.status() != psutil.STATUS_ZOMBIE
-                    if alive and module in " ".join(member.cmdline()):
-                        pids.append(member.pid)
-                except psutil.NoSuchProcess:
-                    continue
-        return pids
-
-    def signal_worker(self, sig: signal.Signals) -> int:
-        (pid,) = self.worker_pids()
-        os.kill(pid, sig)
-        return pid
-
-    def logs(self) -> str:
-        if self.log_dir is None:
-            return ""
-        return "\n".join(
-            f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}"
-            for path in sorted(self.log_dir.glob("*.log"))
-        )
-
-    def stop(self) -> None:
-        for name in list(self.processes):
-            self.kill(name)
-
-
-def _family(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return []
+__all__ = ["ENTRY_POINTS", "Stack", "free_port", "free_ports"]
 
 
 def stack_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
-    # Room for NUM_FRONTENDS and NUM_WORKERS of up to 4 each.
-    env = {
-        **os.environ,
-        "MODEL_ID": "fake",
-        "HOST": "127.0.0.1",
-        "PORT": str(free_ports(4)),
-        "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_ports(4)}",
-        "PYTHONUNBUFFERED": "1",
-        **FAST_LIVENESS,
-    }
-    env.update(overrides or {})
-    return env
-
-
-ENTRY_POINTS = {"worker": "worker.serve.main", "frontend": "frontend.main"}
+    return local.stack_env({"MODEL_ID": "fake", **FAST_LIVENESS, **(overrides or {})})
 
 
 @contextmanager
@@ -236,17 +35,8 @@ def running_stack(
     start: tuple[str, ...] = ("worker", "frontend"),
 ) -> Iterator[Stack]:
     """The stack under the supervisor, or its processes started alone."""
-    env = stack_env(overrides)
-    stack = Stack(url=f"http://127.0.0.1:{env['PORT']}", env=env, log_dir=tmp_path)
-    try:
-        if supervised:
-            stack.start("supervisor", "worker.launch.supervisor")
-        else:
-            for name in start:
-                stack.start(name, ENTRY_POINTS[name])
+    with local.running_stack(tmp_path, stack_env(overrides), supervised, start) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @contextmanager

@@ -15,9 +15,10 @@ import pytest
 import zmq
 
 from bench import fault_drill, load, path_latency
+from bench import stack as bench_stack
 from bench.http_client import NATIVE, OPENAI, HttpTarget
 from bench.report import OK, RequestRecord, latency_stats, summarize
-from bench.stack import free_port, local_stack, stack_env, wait_live
+from bench.stack import free_port
 from bench.zmq_client import ZmqTarget
 from protocol import GenerateRequest
 from tests.stack import running_stack
@@ -200,10 +201,10 @@ def test_fault_drill_kills_one_of_two_workers_and_loses_nothing(
 
 def test_a_bench_stack_finds_its_worker_forked_from_the_fork_server(tmp_path: Path) -> None:
     """With warm starts the worker is the fork server's child, under its own title:
-    bench.compare_paths reads its CPU time through `LocalStack.child`."""
-    env = stack_env({"MODEL_ID": "fake"})
-    with local_stack(env, tmp_path / "stack.log") as stack:
-        wait_live(stack.url, timeout_s=60)
+    bench.compare_paths reads its CPU time through `Stack.child`."""
+    env = bench_stack.stack_env({"MODEL_ID": "fake"})
+    with bench_stack.running_stack(tmp_path, env) as stack:
+        stack.wait_live(timeout_s=60)
         worker = stack.child("worker.serve.main")
         assert " ".join(worker.cmdline()).split() == [WORKER_TITLE, env["WORKER_ENDPOINT"]]
         assert "frontend.main" in " ".join(stack.child("frontend.main").cmdline())

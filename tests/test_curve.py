@@ -12,11 +12,12 @@ import httpx
 import pytest
 import zmq
 
+from bench.stack import REPO_ROOT
 from frontend.config import FrontendConfig
 from protocol import GenerateRequest, Ping, encode
 from protocol.curve import ClientKeys, main, secure_client
 from protocol.settings import ConfigError, load
-from tests.stack import REPO_ROOT, running_stack, stack_env
+from tests.stack import running_stack, stack_env
 from worker.engine.fake_engine import expected_text
 from worker.launch.probe import ProbeFailed, probe
 from worker.serve.config import WorkerConfig

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.stack import REPO_ROOT, Stack, running_stack
+from bench.stack import REPO_ROOT
+from tests.stack import Stack, running_stack
 from worker.engine.fake_engine import expected_text
 
 

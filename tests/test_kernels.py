@@ -249,7 +249,7 @@ def test_projection_on_the_kernel_path_takes_it_up_to_its_rows_and_onednn_above(
 
 def slowed(multiply: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def slow_multiply(*args: torch.Tensor | None) -> torch.Tensor:
-        time.sleep(0.002)
+        time.sleep(0.02)  # far slower than either path, even on a loaded machine
         return multiply(*args)
 
     return slow_multiply
