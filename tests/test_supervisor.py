@@ -16,9 +16,9 @@ import zmq
 from protocol import GenerateRequest, encode
 from tests.stack import Stack, running_stack
 from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
-from worker.launch import supervisor
+from worker.launch import child as child_module
+from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
-from worker.launch.supervisor import Child, CrashLoop
 
 SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it
 
@@ -45,7 +45,7 @@ class _FakeProcess:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
-    monkeypatch.setattr(supervisor.subprocess, "Popen", _FakeProcess)
+    monkeypatch.setattr(child_module.subprocess, "Popen", _FakeProcess)
     return _Clock()
 
 
@@ -104,7 +104,7 @@ def test_a_fork_server_that_never_comes_up_is_given_up_on_for_a_start_from_scrat
 ) -> None:
     # Preloading hangs (a stalled download, say): the supervisor's loop goes on,
     # and after WORKER_START_TIMEOUT_S the worker starts the old way.
-    monkeypatch.setattr(supervisor.FORK_SERVER, "warm_up", lambda: None)
+    monkeypatch.setattr(child_module.FORK_SERVER, "warm_up", lambda: None)
     config = SupervisorConfig(worker_start_timeout_s=30)
     child = Child("worker", "worker.serve.main", config, 10.0, clock=clock, is_forked=True)
     for _ in range(4):

@@ -1,0 +1,164 @@
+"""One supervised process and its restart policy: start it (from scratch or forked
+warm), notice it died, back off before a restart, and give up on a crash loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+
+from worker.launch.config import SupervisorConfig
+from worker.launch.warm_start import FORK_SERVER, ForkedWorker
+
+log = logging.getLogger("supervisor")
+
+_STOP_GRACE_S = 5.0
+
+
+class CrashLoop(Exception):
+    """A child died before serving CRASH_LOOP_LIMIT times in a row."""
+
+
+class Child:
+    """One supervised process and its restart policy."""
+
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        config: SupervisorConfig,
+        served_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        env: Mapping[str, str] | None = None,
+        is_forked: bool = False,
+    ) -> None:
+        """``is_forked``: a worker forked from the warm fork server
+        (`worker.launch.warm_start`) rather than started from scratch as ``module``."""
+        self.name = name
+        self.argv = [sys.executable, "-m", module]
+        self.env = None if env is None else dict(env)
+        self.is_forked = is_forked
+        self.awaiting_fork_server_since: float | None = None
+        self.config = config
+        self.served_after_s = served_after_s
+        self.process: subprocess.Popen[bytes] | ForkedWorker | None = None
+        self.num_restarts = 0
+        self.num_failed_starts = 0  # in a row, died before serving
+        self.has_served = False
+        self.started_at = 0.0
+        self.up_since: float | None = None  # first seen working (a worker: its hello)
+        self.kill_reason: str | None = None
+        self.start_at = 0.0  # when a stopped child may start again
+        self._clock = clock
+
+    def start(self) -> None:
+        if self.is_forked:
+            forked = self._is_fork_server_ready() and FORK_SERVER.fork(
+                os.environ if self.env is None else self.env
+            )
+            if not forked:
+                return  # not started: the supervisor asks again next tick
+            self.process = forked
+        else:
+            self.process = subprocess.Popen(self.argv, env=self.env)
+        self.has_served = False
+        self.started_at = self._clock()
+        self.up_since = None
+        self.kill_reason = None
+        log.info("started %s (pid %d)", self.name, self.process.pid)
+
+    def _is_fork_server_ready(self) -> bool:
+        """True once the fork server can fork this worker. One that is not up within
+        WORKER_START_TIMEOUT_S is given up on: this worker starts from scratch."""
+        if FORK_SERVER.is_ready:
+            self.awaiting_fork_server_since = None
+            return True
+        FORK_SERVER.warm_up()
+        now = self._clock()
+        if self.awaiting_fork_server_since is None:
+            self.awaiting_fork_server_since = now
+        if FORK_SERVER.failure is not None:
+            why = f"it could not start ({FORK_SERVER.failure})"
+        elif now - self.awaiting_fork_server_since > self.config.worker_start_timeout_s:
+            why = (
+                f"it is not up {self.config.worker_start_timeout_s:g} s after it started "
+                "(WORKER_START_TIMEOUT_S): is preloading the model stuck?"
+            )
+        else:
+            return False
+        log.error("no warm starts: %s; %s starts from scratch from now on", why, self.name)
+        self.is_forked = False
+        return False
+
+    def on_up(self, num_finished: int = 0) -> None:
+        """The child is seen working and has answered ``num_finished`` requests."""
+        now = self._clock()
+        if self.up_since is None:
+            self.up_since = now
+        if num_finished > 0 or now - self.up_since >= self.served_after_s:
+            self.has_served = True
+
+    def exit_cause(self) -> str | None:
+        """Why the process ended, or None while it runs."""
+        if self.process is None or (code := self.process.poll()) is None:
+            return None
+        if code >= 0:
+            return f"exit code {code}"
+        cause = f"killed by {_signal_name(-code)}"
+        return cause if self.kill_reason is None else f"{cause}: {self.kill_reason}"
+
+    def schedule_restart(self, cause: str) -> None:
+        self.process = None
+        self.num_failed_starts = 0 if self.has_served else self.num_failed_starts + 1
+        if self.num_failed_starts >= self.config.crash_loop_limit:
+            raise CrashLoop(
+                f"{self.name} died before serving {self.num_failed_starts} times in a row "
+                f"(last: {cause}); its log above says why. Fix that (for a worker, often "
+                "MODEL_ID, WORKER_ENDPOINT, a request that crashes it, or a start slower "
+                "than WORKER_START_TIMEOUT_S) and start again"
+            )
+        delay = self.restart_delay_s()
+        self.num_restarts += 1
+        self.start_at = time.monotonic() + delay
+        log.warning(
+            "%s stopped (%s); restart #%d in %.1f s", self.name, cause, self.num_restarts, delay
+        )
+
+    def restart_delay_s(self) -> float:
+        """No wait after a child that had served: its death says nothing of the next
+        start, and its share of the work waits meanwhile. RESTART_BACKOFF_S after
+        one that died before serving, doubling with each such death in a row."""
+        if self.num_failed_starts == 0:
+            return 0.0
+        return min(
+            self.config.restart_backoff_max_s,
+            self.config.restart_backoff_s * 2.0 ** (self.num_failed_starts - 1),
+        )
+
+    def kill(self, reason: str) -> None:
+        if self.process is not None and self.process.poll() is None:
+            log.error("killing %s (pid %d): %s", self.name, self.process.pid, reason)
+            self.kill_reason = reason
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # real-time signals (SIGRTMIN+n) have no name of their own
+        return f"signal {number}"
