@@ -4,8 +4,8 @@ Three entry points: `prefill` runs newcomers' prompts (whole, or the next chunk
 of each) into their slots and returns logits at each one's last position only;
 `decode` feeds one token per slot at that slot's own position and attends to that
 row's cached positions only; `replay` feeds a resumed sequence's streamed output
-back into its slot through decode's own forward, so that its keys, values and
-next logits are those the uninterrupted run decoded, bit for bit.
+back into its slot through decode's forward, a token a row, so that its keys,
+values and next logits are those the uninterrupted run decoded, bit for bit.
 
 Every matrix product goes through `Projection`, which picks the kernel that is
 fastest on this machine for the number of rows; on CPU, decode's attention runs in
@@ -49,12 +49,20 @@ def _projection(weight: torch.Tensor, bias: Any, precision: Precision) -> Projec
     return Projection(weight, bias, precision.weights, precision.bfloat16_products)
 
 
-def _project(projection: Projection, x: Tensor) -> Tensor:
+def _project(projection: Projection, x: Tensor, max_rows: int | None = None) -> Tensor:
     """``projection(x)``, a lone row multiplied as two: oneDNN multiplies one row
     another way than two or more, and the sums can differ in their last bits (on a
     2-vCPU Xeon, the 3072-wide MLP output did), while a row's product must not
-    depend on how many rows share its step."""
+    depend on how many rows share its step. ``max_rows``: the rows go at most that
+    many a call where the projection decodes on the skinny kernel, which takes
+    up to `MAX_ROWS` (more go to oneDNN), so that each gets decode's product."""
     rows = x.reshape(-1, projection.in_features)
+    if max_rows is not None and projection.decode_path == "kernel" and len(rows) > max_rows:
+        parts = [
+            _project(projection, rows[first : first + max_rows])
+            for first in range(0, len(rows), max_rows)
+        ]
+        return torch.cat(parts).view(*x.shape[:-1], projection.out_features)
     if rows.shape[0] != 1:
         return projection(x)
     return projection(rows.repeat(2, 1))[:1].view(*x.shape[:-1], projection.out_features)
@@ -253,26 +261,24 @@ class GPT2:
         self, token_ids: torch.Tensor, start: int, slot: int, cache: SlotKVCache
     ) -> torch.Tensor:
         """Feed ``token_ids`` (N,) into ``slot`` at positions start.. onwards, its
-        earlier positions being in the cache, the way decode steps fed them when
-        they were drawn: one token a row, at most as many rows a step as a decode
-        step has on the skinny kernel (`MAX_ROWS`), each row attending as decode's
-        rows do. Their keys and values, and the (V,) logits after the last, are
-        then those decode computed, where prefill's would differ in their last
-        bits (other kernels, other summation orders); so a resumed sequence's
-        output goes back into its slot this way, and it draws next exactly what
-        the uninterrupted run drew."""
-        assert len(token_ids) > 0, "nothing to replay"
-        for first in range(0, len(token_ids), MAX_ROWS):
-            ids = token_ids[first : first + MAX_ROWS]
-            length = start + first + len(ids)
-            hidden = self._decode_rows(
-                ids,
-                self.counting[start + first : length],
-                length,
-                cache,
-                self.counting[slot : slot + 1].expand(len(ids)),
-                _one_slot(cache, slot, len(ids), length),
-            )
+        earlier positions being in the cache, as decode steps fed them when they
+        were drawn: each a row of decode's forward, attending as decode's rows do,
+        its products those a decode step gives a row. Their keys and values, and
+        the (V,) logits after the last, are then those decode computed, where
+        prefill's differ in their last bits (other kernels, other summation
+        orders); so a resumed sequence's output goes back into its slot this way,
+        and it draws next exactly what the uninterrupted run drew."""
+        num_rows = len(token_ids)
+        length = start + num_rows
+        hidden = self._decode_rows(
+            token_ids,
+            self.counting[start:length],
+            length,
+            cache,
+            self.counting[slot : slot + 1].expand(num_rows),
+            _one_slot(cache, slot, num_rows, length),
+            max_rows=MAX_ROWS,
+        )
         return self.logits(hidden[-1:])[0]
 
     def _decode_rows(
@@ -283,20 +289,21 @@ class GPT2:
         cache: SlotKVCache,
         rows: torch.Tensor,
         cached: CachedKeys,
+        max_rows: int | None = None,
     ) -> torch.Tensor:
         """Decode's forward: row r feeds ``token_ids[r]`` at ``positions[r]`` of
         cache slot ``rows[r]``, whose keys and values for each layer ``cached``
         gives (after this step's are written); returns the (R, C) final hidden
-        states."""
+        states. ``max_rows``: see `_project`."""
         x = self._embed(token_ids, positions).unsqueeze(1)  # (R, 1, C)
         attend = self._token_attention(positions, attend_len)
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
-            q, k, v = self._split_heads(_project(layer.attn, h))  # (R, H, 1, D)
+            q, k, v = self._split_heads(_project(layer.attn, h, max_rows))  # (R, H, 1, D)
             cache.write_tokens(index, rows, positions, k[:, :, 0], v[:, :, 0])
             keys, values = cached(index)  # (R, H, L, D)
-            x = x + _project(layer.proj, attend(q, keys, values))
-            x = x + self._mlp(x, layer)
+            x = x + _project(layer.proj, attend(q, keys, values), max_rows)
+            x = x + self._mlp(x, layer, max_rows)
         return x[:, 0]
 
     def _token_attention(self, positions: torch.Tensor, attend_len: int) -> TokenAttention:
@@ -340,10 +347,10 @@ class GPT2:
         batch, _, length, _ = x.shape
         return x.transpose(1, 2).reshape(batch, length, self.width)  # (B, T, C)
 
-    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, layer: _Layer, max_rows: int | None = None) -> torch.Tensor:
         h = F.layer_norm(x, (self.width,), *layer.ln_2, self.eps)
-        h = F.gelu(_project(layer.fc, h), approximate="tanh")  # (B, T, 4C)
-        return _project(layer.out, h)
+        h = F.gelu(_project(layer.fc, h, max_rows), approximate="tanh")  # (B, T, 4C)
+        return _project(layer.out, h, max_rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, V) logits of final hidden states (B, C)."""
