@@ -3,6 +3,7 @@ Hugging Face greedy generate gives for each request alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -31,6 +32,7 @@ from tests.model_fixtures import (
 from tests.resume import assert_every_resume_is_exact
 from worker.engine.interface import RequestRejected
 from worker.engine.torch_engine import TorchEngine
+from worker.model.sampler import Sampler
 
 pytestmark = pytest.mark.model
 
@@ -246,6 +248,48 @@ def test_a_resumed_stream_continues_as_the_uninterrupted_run(sampling: dict) -> 
     result = assert_every_resume_is_exact(lambda: tiny_engine(capacity=1), stream)
     greedy = reference_ids(tiny_model().model, request("g", prompt, 14, ignore_eos=True))
     assert (result.token_ids == greedy) == (not sampling)  # the seeded run really sampled
+
+
+@pytest.mark.parametrize("paths", ["timed", "kernel"])
+def test_a_resumed_stream_draws_from_the_uninterrupted_runs_logits_bit_for_bit(
+    paths: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a near-tie any difference in the last bits is another draw: resumed at
+    every cut, beside other streams, a seeded stream must see at each position
+    the logits its uninterrupted run saw alone. Its prompt is longer than 8
+    tokens: a shorter one, prefilled alone, runs on the skinny kernel where the
+    kernel was chosen, and beside others on oneDNN (README, "Exact resumes")."""
+    if paths == "kernel":
+        force_kernels(monkeypatch)
+    seen: dict[int, torch.Tensor] = {}  # the stream's logits, by output position
+    sample = Sampler.sample
+
+    def recording(self: Sampler, logits: torch.Tensor, requests, seeds, positions):  # type: ignore[no-untyped-def]
+        for row, (r, position) in enumerate(zip(requests, positions, strict=True)):
+            if r.request_id == "r":
+                seen[position] = logits[row].clone()
+        return sample(self, logits, requests, seeds, positions)
+
+    monkeypatch.setattr(Sampler, "sample", recording)
+    rng = random.Random(12)
+    sampling = {"temperature": 0.9, "top_p": 0.95, "stream": True, "ignore_eos": True}
+    stream = request(
+        "r", random_prompt(rng, 9, 24), 20, seed=7, presence_penalty=0.5, min_tokens=4, **sampling
+    )
+    others = [
+        request(f"o{i}", random_prompt(rng, 1, 30), rng.randint(5, 25), seed=i, **sampling)
+        for i in range(3)
+    ]
+    fault_free = run_schedule(tiny_engine(capacity=4), {0: [stream]})["r"]
+    alone = dict(seen)
+    assert len(alone) == 20
+    for cut in range(1, 20):
+        seen.clear()
+        resumed = dataclasses.replace(stream, resume_token_ids=fault_free.token_ids[:cut])
+        finished = run_schedule(tiny_engine(capacity=4), {0: [others[0], resumed, *others[1:]]})
+        assert finished["r"].token_ids == fault_free.token_ids, f"cut after {cut}"
+        assert sorted(seen) == list(range(cut, 20))
+        assert all(torch.equal(seen[p], alone[p]) for p in seen), f"cut after {cut}"
 
 
 def test_more_slots_than_context_positions() -> None:

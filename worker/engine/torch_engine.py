@@ -172,7 +172,32 @@ class TorchEngine(SlotEngine):
 
     @torch.inference_mode()
     def _prefill_chunks(self, chunks: list[tuple[Sequence, int, int]]) -> list[int]:
-        contexts = [seq.context_token_ids[start:end] for seq, start, end in chunks]
+        # Only prompts are prefilled. Output that a resumed sequence already
+        # streamed was decoded, a token a step, when it was drawn: it goes back in
+        # the same way (`GPT2.replay`), so that what it draws next is bit for bit
+        # what the uninterrupted run drew.
+        prompts = [(seq, start, min(end, len(seq.prompt_token_ids))) for seq, start, end in chunks]
+        in_prompt = [i for i, (_, start, end) in enumerate(prompts) if start < end]
+        last: dict[int, torch.Tensor] = {}  # (V,) logits after chunk i
+        if in_prompt:
+            logits = self._prefill_prompts([prompts[i] for i in in_prompt])
+            last.update(zip(in_prompt, logits, strict=True))
+        for i, (seq, start, end) in enumerate(chunks):
+            first = max(start, len(seq.prompt_token_ids))
+            if first < end:
+                replayed = self._tensor(seq.context_token_ids[first:end])
+                last[i] = self.gpt2.replay(replayed, first, seq.slot, self.cache)
+        ending = [i for i, (seq, _, end) in enumerate(chunks) if end == len(seq.context_token_ids)]
+        if not ending:
+            return []
+        finishing = [chunks[i][0] for i in ending]
+        logits = torch.stack([last[i] for i in ending])
+        return self._choose(logits, finishing, [self._seeds[seq.slot] for seq in finishing])
+
+    def _prefill_prompts(self, chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        """Prefill prompt positions [start, end) of each sequence (scoring the prompts
+        asked for); returns the (B, V) logits after each chunk."""
+        contexts = [seq.prompt_token_ids[start:end] for seq, start, end in chunks]
         scored = [i for i, (seq, _, _) in enumerate(chunks) if seq.wants_prompt_logprobs]
         logits, hidden = self.gpt2.prefill(
             self._tensor([token for context in contexts for token in context]),
@@ -186,11 +211,7 @@ class TorchEngine(SlotEngine):
             seq = chunks[i][0]
             num_top = seq.request.prompt_logprobs or 0
             seq.set_prompt_logprobs(self._score_prompt(prompt_hidden, contexts[i], num_top))
-        ending = [i for i, (seq, _, end) in enumerate(chunks) if end == len(seq.context_token_ids)]
-        if len(ending) != len(chunks):
-            logits = logits[self._tensor(ending)]
-        finishing = [chunks[i][0] for i in ending]
-        return self._choose(logits, finishing, [self._seeds[seq.slot] for seq in finishing])
+        return logits
 
     @torch.inference_mode()
     def _decode(self, active: list[Sequence]) -> list[int]:

@@ -1,0 +1,226 @@
+"""Seeded, sampled streams that outlive their worker continue bit for bit as the
+run without faults: real processes, a small GPT-2, the worker SIGKILLed several
+times under load, and each stream (its text, finish reason and logprobs) held to
+its own fault-free run on the same stack.
+
+The prompts are longer than 8 tokens and never chunked: see README, "Exact
+resumes", for what a prompt's prefill can and cannot promise (a prompt of up to 8
+tokens may be multiplied by another kernel when it is prefilled with others)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from tests.stack import Stack, openai_client, running_stack
+from worker.model.loader import gpt2_tokenizer, synthetic_config, synthetic_model
+
+pytestmark = pytest.mark.model
+
+CONCURRENCY = 8  # the streams in flight at once: one worker's slots
+NUM_REQUESTS = 32
+NUM_KILLS = 3
+WORDS = [
+    *("the", "river", "stone", "light", "over", "under", "quiet", "morning", "garden"),
+    *("window", "silver", "paper", "north", "sudden", "bright", "engine", "letter"),
+]
+
+
+# A stream as its client saw it: text, finish reason, and (token, logprob) pairs.
+Stream = tuple[str, str | None, list[tuple[str, float | None]]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer GPT-2 with random weights and the real tokenizer: its logits are
+    nearly flat, so any difference in a bit of them soon turns up in a sample."""
+    directory = tmp_path_factory.mktemp("exact-resume-gpt2")
+    config = synthetic_config(n_layer=2, n_embd=64, n_head=4, n_positions=128)
+    synthetic_model(config).model.save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer()).save_pretrained(directory)
+    return directory
+
+
+def _bodies() -> list[dict[str, Any]]:
+    """Seeded, sampled requests: a third with stop strings, some penalised, some
+    with min_tokens, some asking for logprobs, which are compared too."""
+    rng = random.Random(23)
+    bodies = []
+    for i in range(NUM_REQUESTS):
+        body: dict[str, Any] = {
+            "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 16))),
+            "max_tokens": rng.randint(24, 48),
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "seed": 1000 + i,
+            "extra_body": {"ignore_eos": True},
+        }
+        if i % 2:
+            body["logprobs"] = 1
+        if i % 3 == 0:
+            body["stop"] = [" the", "er"]
+        if i % 4 == 1:
+            body["presence_penalty"] = 0.5
+            body["frequency_penalty"] = 0.3
+        if i % 5 == 2:
+            body["extra_body"] = {"min_tokens": 12}
+        bodies.append(body)
+    return bodies
+
+
+class Load:
+    """Every request streamed through the official client, CONCURRENCY at a time;
+    counts the chunks delivered so far, and which streams are mid-way."""
+
+    def __init__(self, client: openai.OpenAI, model: str) -> None:
+        self.client = client
+        self.model = model
+        self.num_chunks = 0
+        self.midway: set[int] = set()
+        self._lock = threading.Lock()
+
+    def stream(self, index: int, body: dict[str, Any]) -> Stream:
+        text, finish_reason = "", None
+        logprobs: list[tuple[str, float | None]] = []
+        chunks = self.client.completions.create(model=self.model, stream=True, timeout=60, **body)
+        for chunk in chunks:
+            choice = chunk.choices[0]
+            text += choice.text
+            finish_reason = choice.finish_reason or finish_reason
+            if choice.logprobs is not None:
+                scores = choice.logprobs
+                logprobs += zip(scores.tokens or [], scores.token_logprobs or [], strict=True)
+            with self._lock:
+                self.num_chunks += 1
+                self.midway.add(index)
+        with self._lock:
+            self.midway.discard(index)
+        return text, finish_reason, logprobs
+
+    def run(
+        self, bodies: list[dict[str, Any]], meanwhile: Callable[[], None] = lambda: None
+    ) -> list[Stream]:
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            futures = [pool.submit(self.stream, i, body) for i, body in enumerate(bodies)]
+            meanwhile()
+            return [future.result(timeout=120) for future in futures]
+
+
+def _kill_under_load(
+    stack: Stack,
+    load: Load,
+    num_chunks: int,
+    pick_victim: Callable[[int], int],
+    replaced: Callable[[], bool],
+) -> list[int]:
+    """SIGKILL a worker (``pick_victim(kill)``'s pid) NUM_KILLS times, when a
+    quarter, a half and three quarters of the run's ``num_chunks`` have arrived,
+    each time once the last victim is ``replaced``; returns how many streams
+    were mid-way at each kill."""
+    midway = []
+    for kill in range(NUM_KILLS):
+        threshold = num_chunks * (kill + 1) // (NUM_KILLS + 1)
+
+        def reached(threshold: int = threshold) -> bool:
+            return load.num_chunks >= threshold
+
+        stack.wait_until(reached, f"{threshold} chunks", 60)
+        victim = pick_victim(kill)
+        with load._lock:
+            midway.append(len(load.midway))
+        stack.kill_pid(victim)
+        time.sleep(0.2)
+        stack.wait_until(replaced, "a replacement worker", 30)
+    return midway
+
+
+def _assert_resumes_exact(
+    stack: Stack, pick_victim: Callable[[int], int], replaced: Callable[[], bool]
+) -> None:
+    bodies = _bodies()
+    with openai_client(stack) as client:
+        load = Load(client, client.models.list().data[0].id)
+        fault_free = load.run(bodies)
+        assert any(finish == "stop" for _, finish, _ in fault_free)  # the stop strings bite
+        num_chunks, load.num_chunks = load.num_chunks, 0
+        midway: list[int] = []
+        faulted = load.run(
+            bodies,
+            lambda: midway.extend(_kill_under_load(stack, load, num_chunks, pick_victim, replaced)),
+        )
+    assert min(midway) > 0, f"streams mid-way at each kill: {midway}"
+    assert stack.log("supervisor").count("replaying") >= NUM_KILLS
+    differing = [i for i, (a, b) in enumerate(zip(fault_free, faulted, strict=True)) if a != b]
+    in_text = [i for i in differing if fault_free[i][:2] != faulted[i][:2]]
+    assert not differing, (
+        f"{len(differing)} of {len(bodies)} streams differ from their fault-free run, "
+        f"{len(in_text)} in their text (the rest in logprobs; streams mid-way at each "
+        f"kill: {midway}); first: {differing[0]}\n"
+        f"fault-free: {fault_free[differing[0]]}\nfaulted:    {faulted[differing[0]]}"
+    )
+
+
+def _overrides(model_dir: Path, num_workers: int) -> dict[str, str]:
+    return {
+        "MODEL_ID": str(model_dir),
+        "DEVICE": "cpu",
+        "NUM_WORKERS": str(num_workers),
+        "MAX_BATCH_SIZE": str(CONCURRENCY),
+        # Larger than any step's newcomers: no prompt is ever split.
+        "PREFILL_CHUNK_TOKENS": "1024",
+        # Kills come from the test alone, not from a busy machine's slow step.
+        "STEP_TIMEOUT_S": "30",
+    }
+
+
+def test_seeded_streams_resumed_after_kill_9_match_the_fault_free_run(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    with running_stack(tmp_path, _overrides(model_dir, 1)) as stack:
+        instance = stack.wait_live(timeout_s=60)["instance_id"]
+
+        def pick_victim(kill: int) -> int:
+            nonlocal instance
+            instance = stack.health().json()["instance_id"]
+            (pid,) = stack.worker_pids()
+            return pid
+
+        def replaced() -> bool:
+            health = stack.health().json()
+            return health["status"] == "ok" and health["instance_id"] not in (None, instance)
+
+        _assert_resumes_exact(stack, pick_victim, replaced)
+
+
+def test_with_two_workers_replays_on_the_survivor_match_the_fault_free_run(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    with running_stack(tmp_path, _overrides(model_dir, 2)) as stack:
+        stack.wait_for_health("both live", lambda h: h["workers_live"] == 2, 60)
+        endpoints = sorted(stack.workers())
+        killed: dict[str, str] = {}
+
+        def pick_victim(kill: int) -> int:
+            endpoint = endpoints[kill % 2]
+            killed.clear()
+            killed[endpoint] = stack.workers()[endpoint]["instance_id"]
+            return stack.worker_pid(endpoint)
+
+        def replaced() -> bool:
+            workers = stack.workers()
+            return all(
+                workers[endpoint]["state"] == "live"
+                and workers[endpoint]["instance_id"] not in (None, instance)
+                for endpoint, instance in killed.items()
+            )
+
+        _assert_resumes_exact(stack, pick_victim, replaced)
