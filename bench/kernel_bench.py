@@ -26,7 +26,7 @@ from bench.ceiling import read_bandwidth
 from bench.report import RESULTS, write_json
 from worker.model.kernels import load_kernels, runnable_isas
 from worker.model.precision import WEIGHT_FORMATS
-from worker.model.projection import TIMED_ROWS, quantize_int8
+from worker.model.projection import PACKED_FOR_ROWS, quantize_int8
 
 VOCAB, WIDTH = 50257, 768
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "int8": quantize_int8(weight),
         **{f: (weight.to(getattr(torch, f)), None) for f in WEIGHT_FORMATS if f != "int8"},
     }
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, TIMED_ROWS)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
     bandwidth = read_bandwidth(torch.device("cpu"), 2**28, repeats=5)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; LM head {VOCAB} x {WIDTH}")
     rows_out: list[dict[str, Any]] = []

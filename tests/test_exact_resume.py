@@ -3,9 +3,8 @@ run without faults: real processes, a small GPT-2, the worker SIGKILLed several
 times under load, and each stream (its text, finish reason and logprobs) held to
 its own fault-free run on the same stack.
 
-The prompts are longer than 8 tokens and never chunked: see README, "Exact
-resumes", for what a prompt's prefill can and cannot promise (a prompt of up to 8
-tokens may be multiplied by another kernel when it is prefilled with others)."""
+Prompts of every length go in chunks of PREFILL_CHUNK_TOKENS beside the streams
+that decode (docs/engine.md, "Exact resumes")."""
 
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ def _bodies() -> list[dict[str, Any]]:
     bodies = []
     for i in range(NUM_REQUESTS):
         body: dict[str, Any] = {
-            "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 16))),
+            "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 24))),
             "max_tokens": rng.randint(24, 48),
             "temperature": 0.9,
             "top_p": 0.95,
@@ -175,8 +174,8 @@ def _overrides(model_dir: Path, num_workers: int) -> dict[str, str]:
         "DEVICE": "cpu",
         "NUM_WORKERS": str(num_workers),
         "MAX_BATCH_SIZE": str(CONCURRENCY),
-        # Larger than any step's newcomers: no prompt is ever split.
-        "PREFILL_CHUNK_TOKENS": "1024",
+        # Small, so that prompts are split beside the streams that decode.
+        "PREFILL_CHUNK_TOKENS": "8",
         # Kills come from the test alone, not from a busy machine's slow step.
         "STEP_TIMEOUT_S": "30",
     }

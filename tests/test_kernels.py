@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import platform
 import shutil
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -221,12 +218,14 @@ def test_skinny_linear_rejects_what_it_cannot_compute(
 
 
 @pytest.mark.parametrize("num_rows", [1, MAX_ROWS, MAX_ROWS + 1, 40])
-def test_projection_on_the_kernel_path_takes_it_up_to_its_rows_and_onednn_above(
+def test_projection_on_the_kernel_path_takes_every_row_count_in_calls_of_its_rows(
     num_rows: int,
 ) -> None:
+    """Prefill's rows too, so that a token's keys do not depend on whether it was
+    prefilled or decoded."""
     x, weight, bias = operands(num_rows, 64, 96)
-    projection = Projection(weight, bias, "float32")
-    projection.decode_path = "kernel"
+    projection = Projection(weight, bias, "float16")
+    assert projection.decode_path == "kernel"
     kernel = projection.skinny_linear
     assert kernel is not None
     kernel_rows: list[int] = []
@@ -243,40 +242,36 @@ def test_projection_on_the_kernel_path_takes_it_up_to_its_rows_and_onednn_above(
     projection.skinny_linear = counting_kernel
     y = projection(x.view(num_rows, 1, 64))  # leading dims are kept
     assert y.shape == (num_rows, 1, 96)
-    torch.testing.assert_close(y[:, 0], F.linear(x, weight, bias))
-    assert kernel_rows == ([num_rows] if num_rows <= MAX_ROWS else [])
+    torch.testing.assert_close(y[:, 0], F.linear(x, projection.stored_weight.float(), bias))
+    full, rest = divmod(num_rows, MAX_ROWS)
+    assert kernel_rows == [MAX_ROWS] * full + ([rest] if rest else [])
 
 
-def slowed(multiply: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def slow_multiply(*args: torch.Tensor | None) -> torch.Tensor:
-        time.sleep(0.02)  # far slower than either path, even on a loaded machine
-        return multiply(*args)
+@pytest.mark.parametrize(
+    ("format", "path"),
+    [("float32", "onednn"), ("float16", "kernel"), ("bfloat16", "kernel"), ("int8", "kernel")],
+)
+def test_each_projection_takes_one_path_by_a_rule_not_a_timing(format: str, path: str) -> None:
+    """Every worker on a machine then chooses alike, and a replay on another
+    worker continues bit for bit."""
+    _, weight, bias = operands(3, 64, 96)
+    assert Projection(weight, bias, format).decode_path == path
 
-    return slow_multiply
 
-
-@pytest.mark.parametrize("slower", ["kernel", "onednn"])
-def test_decode_takes_whichever_path_is_faster_here_and_times_each_shape_once(
-    slower: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(projection_module, "_decode_paths", {})
-    if slower == "onednn":
-        monkeypatch.setattr(
-            torch.ops.mkldnn, "_linear_pointwise", slowed(torch.ops.mkldnn._linear_pointwise)
-        )
-    else:
-        kernels = load_kernels()
-        assert kernels is not None
-        slow = dataclasses.replace(kernels, skinny_linear=slowed(kernels.skinny_linear))
-        monkeypatch.setattr(projection_module, "load_kernels", lambda: slow)
-    faster = "onednn" if slower == "kernel" else "kernel"
-    x, weight, bias = operands(3, 64, 96)
-    assert Projection(weight, bias, "float32").decode_path == faster
-    # The same shape and format again is not timed: the first one's answer holds.
-    monkeypatch.setattr(projection_module, "_seconds_for", lambda *_: pytest.fail("timed twice"))
-    projection = Projection(weight * 2, bias, "float32")
-    assert projection.decode_path == faster
-    torch.testing.assert_close(projection(x), F.linear(x, weight * 2, bias))
+@pytest.mark.parametrize("path", ["kernel", "onednn"])
+@pytest.mark.parametrize("format", WEIGHT_FORMATS)
+def test_a_rows_product_does_not_depend_on_its_batchmates(path: str, format: str) -> None:
+    """Bit for bit, on either path, whatever the number of rows: a lone row, a
+    decode batch, a prefill."""
+    x, weight, bias = operands(40, 768, 96)
+    projection = Projection(weight, bias, format)
+    if path == "kernel" and projection.skinny_linear is None:
+        pytest.skip("no kernels built")
+    projection.decode_path = path
+    together = projection(x)
+    for num_rows in (1, 2, 3, MAX_ROWS, MAX_ROWS + 1, 17):
+        assert torch.equal(projection(x[:num_rows]), together[:num_rows]), num_rows
+    assert torch.equal(projection(x[5:6]), together[5:6])
 
 
 def test_projection_without_the_kernel_uses_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -298,7 +293,7 @@ def test_a_stored_projection_multiplies_by_the_same_weight_on_every_path(
     projection = Projection(weight, bias, format)
     assert projection.stored_weight.dtype == getattr(torch, format)
     loaded = load_kernels()
-    on_kernel = projection.decode_path == "kernel" and num_rows <= MAX_ROWS
+    on_kernel = projection.decode_path == "kernel"
     rows = as_the_kernel_multiplies(x, loaded, format) if on_kernel and loaded else x.double()
     expected = F.linear(rows, widened(projection.stored_weight, projection.scale), bias.double())
     torch.testing.assert_close(projection(x), expected.float(), rtol=1e-5, atol=1e-4)

@@ -250,15 +250,19 @@ def test_a_resumed_stream_continues_as_the_uninterrupted_run(sampling: dict) -> 
     assert (result.token_ids == greedy) == (not sampling)  # the seeded run really sampled
 
 
-@pytest.mark.parametrize("paths", ["timed", "kernel"])
+@pytest.mark.parametrize("chunk_tokens", [0, 8])
+@pytest.mark.parametrize("prompt_tokens", [(2, 8), (9, 24)])
+@pytest.mark.parametrize("paths", ["rule", "kernel"])
 def test_a_resumed_stream_draws_from_the_uninterrupted_runs_logits_bit_for_bit(
-    paths: str, monkeypatch: pytest.MonkeyPatch
+    paths: str,
+    prompt_tokens: tuple[int, int],
+    chunk_tokens: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """At a near-tie any difference in the last bits is another draw: resumed at
     every cut, beside other streams, a seeded stream must see at each position
-    the logits its uninterrupted run saw alone. Its prompt is longer than 8
-    tokens: a shorter one, prefilled alone, runs on the skinny kernel where the
-    kernel was chosen, and beside others on oneDNN (README, "Exact resumes")."""
+    the logits its uninterrupted run saw alone: whatever its prompt's length,
+    chunked (PREFILL_CHUNK_TOKENS) or not, alone or beside others' prompts."""
     if paths == "kernel":
         force_kernels(monkeypatch)
     seen: dict[int, torch.Tensor] = {}  # the stream's logits, by output position
@@ -274,22 +278,38 @@ def test_a_resumed_stream_draws_from_the_uninterrupted_runs_logits_bit_for_bit(
     rng = random.Random(12)
     sampling = {"temperature": 0.9, "top_p": 0.95, "stream": True, "ignore_eos": True}
     stream = request(
-        "r", random_prompt(rng, 9, 24), 20, seed=7, presence_penalty=0.5, min_tokens=4, **sampling
+        "r",
+        random_prompt(rng, *prompt_tokens),
+        20,
+        seed=7,
+        presence_penalty=0.5,
+        min_tokens=4,
+        **sampling,
     )
     others = [
         request(f"o{i}", random_prompt(rng, 1, 30), rng.randint(5, 25), seed=i, **sampling)
         for i in range(3)
     ]
-    fault_free = run_schedule(tiny_engine(capacity=4), {0: [stream]})["r"]
+
+    def engine() -> TorchEngine:
+        return tiny_engine(capacity=4, prefill_chunk_tokens=chunk_tokens)
+
+    fault_free = run_schedule(engine(), {0: [stream]})["r"]
     alone = dict(seen)
     assert len(alone) == 20
     for cut in range(1, 20):
         seen.clear()
         resumed = dataclasses.replace(stream, resume_token_ids=fault_free.token_ids[:cut])
-        finished = run_schedule(tiny_engine(capacity=4), {0: [others[0], resumed, *others[1:]]})
+        # The others first: they decode while the resumed prompt goes in, in chunks.
+        finished = run_schedule(engine(), {0: others[:1], 1: [resumed, *others[1:]]})
         assert finished["r"].token_ids == fault_free.token_ids, f"cut after {cut}"
         assert sorted(seen) == list(range(cut, 20))
         assert all(torch.equal(seen[p], alone[p]) for p in seen), f"cut after {cut}"
+    # Not resumed, but arriving while another decodes: its prompt goes in chunks.
+    seen.clear()
+    run_schedule(engine(), {0: others[:1], 1: [stream, *others[1:]]})
+    assert sorted(seen) == list(range(20))
+    assert all(torch.equal(seen[p], alone[p]) for p in seen)
 
 
 def test_more_slots_than_context_positions() -> None:

@@ -153,21 +153,27 @@ class SlotEngine(InferenceEngine):
         whose client is already waiting mid-stream (it is a running stream
         itself, and the sooner every resumed one is back the shorter the stall
         its worker's death caused), and a prompt to be scored (its scores need
-        every position's hidden state at once)."""
+        every position's hidden state at once).
+
+        A chunk inside a prompt ends on a multiple of ``prefill_chunk_tokens``: the
+        engine prefills a prompt in those blocks whatever the chunks (a prompt's
+        attention over a block differs in its last bits from the same positions'
+        over another split), so a prompt's keys are the same whether it went in
+        beside streams, alone, or resumed after a worker's death."""
         holds_up_streams = bool(self.decoding_sequences())
-        budget = self.prefill_chunk_tokens
+        block = budget = self.prefill_chunk_tokens
         chunks: list[tuple[Sequence, int, int]] = []
         for request_id, done in self._num_prefilled.items():
             seq = self._by_id[request_id]
-            remaining = len(seq.context_token_ids) - done
-            if not holds_up_streams or seq.is_resumed or seq.wants_prompt_logprobs:
-                take = remaining
-            elif budget > 0:
-                take = min(remaining, budget)
-            else:
-                continue
-            chunks.append((seq, done, done + take))
-            budget -= take
+            end = len(seq.context_token_ids)
+            if holds_up_streams and not (seq.is_resumed or seq.wants_prompt_logprobs):
+                end = min(end, done + budget)
+                if end < len(seq.prompt_token_ids):
+                    end = end // block * block
+                if end <= done:
+                    continue
+            chunks.append((seq, done, end))
+            budget -= end - done
         return chunks
 
     def _run_chunks(self, chunks: list[tuple[Sequence, int, int]], output: StepOutput) -> None:

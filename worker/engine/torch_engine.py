@@ -180,8 +180,8 @@ class TorchEngine(SlotEngine):
         in_prompt = [i for i, (_, start, end) in enumerate(prompts) if start < end]
         last: dict[int, torch.Tensor] = {}  # (V,) logits after chunk i
         if in_prompt:
-            logits = self._prefill_prompts([prompts[i] for i in in_prompt])
-            last.update(zip(in_prompt, logits, strict=True))
+            after = self._prefill_in_blocks([prompts[i] for i in in_prompt])
+            last.update(zip(in_prompt, after, strict=True))
         for i, (seq, start, end) in enumerate(chunks):
             first = max(start, len(seq.prompt_token_ids))
             if first < end:
@@ -193,6 +193,27 @@ class TorchEngine(SlotEngine):
         finishing = [chunks[i][0] for i in ending]
         logits = torch.stack([last[i] for i in ending])
         return self._choose(logits, finishing, [self._seeds[seq.slot] for seq in finishing])
+
+    def _prefill_in_blocks(self, chunks: list[tuple[Sequence, int, int]]) -> list[torch.Tensor]:
+        """Prefill prompt positions [start, end) of each sequence a block of
+        ``prefill_chunk_tokens`` a forward, at positions that are multiples of it
+        (a prompt to be scored goes in whole, as it always does): a prompt's keys
+        and logits are then the same however its chunks fell. Returns the (V,)
+        logits after each chunk."""
+        block = self.prefill_chunk_tokens
+        last: list[torch.Tensor | None] = [None] * len(chunks)
+        done = [start for _, start, _ in chunks]
+        while todo := [i for i, (_, _, end) in enumerate(chunks) if done[i] < end]:
+            blocks = []
+            for i in todo:
+                seq, _, end = chunks[i]
+                if block and not seq.wants_prompt_logprobs:
+                    end = min(end, (done[i] // block + 1) * block)
+                blocks.append((seq, done[i], end))
+            logits = self._prefill_prompts(blocks)
+            for i, (_, _, end), row in zip(todo, blocks, logits, strict=True):
+                last[i], done[i] = row, end
+        return [row for row in last if row is not None]
 
     def _prefill_prompts(self, chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
         """Prefill prompt positions [start, end) of each sequence (scoring the prompts

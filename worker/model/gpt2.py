@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import GPT2LMHeadModel
 
-from worker.model.kernels import HEAD_DIMS, MAX_ROWS, cpu_summary, load_kernels
+from worker.model.kernels import HEAD_DIMS, cpu_summary, load_kernels
 from worker.model.kv_cache import SlotKVCache
 from worker.model.precision import Precision
 from worker.model.projection import Projection
@@ -48,25 +48,6 @@ class _Layer:
 
 def _projection(weight: torch.Tensor, bias: Any, precision: Precision) -> Projection:
     return Projection(weight, bias, precision.weights, precision.bfloat16_products)
-
-
-def _project(projection: Projection, x: Tensor, max_rows: int | None = None) -> Tensor:
-    """``projection(x)``, a lone row multiplied as two: oneDNN multiplies one row
-    another way than two or more, and the sums can differ in their last bits (on a
-    2-vCPU Xeon, the 3072-wide MLP output did), while a row's product must not
-    depend on how many rows share its step. ``max_rows``: the rows go at most that
-    many a call where the projection decodes on the skinny kernel, which takes
-    up to `MAX_ROWS` (more go to oneDNN), so that each gets decode's product."""
-    rows = x.reshape(-1, projection.in_features)
-    if max_rows is not None and projection.decode_path == "kernel" and len(rows) > max_rows:
-        parts = [
-            _project(projection, rows[first : first + max_rows])
-            for first in range(0, len(rows), max_rows)
-        ]
-        return torch.cat(parts).view(*x.shape[:-1], projection.out_features)
-    if rows.shape[0] != 1:
-        return projection(x)
-    return projection(rows.repeat(2, 1))[:1].view(*x.shape[:-1], projection.out_features)
 
 
 def _one_slot(cache: SlotKVCache, slot: int, num_rows: int, length: int) -> CachedKeys:
@@ -199,7 +180,7 @@ class GPT2:
         for index, layer in enumerate(self.layers):
             is_last_layer = index == self.num_layers - 1
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
-            q, k, v = self._split_heads(_project(layer.attn, h)[None])  # 3 x (1, H, S, D)
+            q, k, v = self._split_heads(layer.attn(h)[None])  # 3 x (1, H, S, D)
             for slot, (begin, end), start in zip(slots, spans, starts, strict=True):
                 cache.write_prompt(index, slot, k[0, :, begin:end], v[0, :, begin:end], start)
             attn = self._attend_prompts(
@@ -207,7 +188,7 @@ class GPT2:
             )
             if is_last_layer:
                 x = x[[p for start, end in kept for p in range(start, end)]]  # (K, C)
-            x = x + _project(layer.proj, attn)
+            x = x + layer.proj(attn)
             x = x + self._mlp(x, layer)
         ends_kept = list(itertools.accumulate(end - start for start, end in kept))
         hidden = [x[ends_kept[i] - lengths[i] : ends_kept[i]] for i in sorted(keep_all)]
@@ -292,7 +273,6 @@ class GPT2:
             cache,
             self.counting[slot : slot + 1].expand(num_rows),
             _one_slot(cache, slot, num_rows, length),
-            max_rows=MAX_ROWS,
         )
         return self.logits(hidden[-1:])[0]
 
@@ -304,21 +284,20 @@ class GPT2:
         cache: SlotKVCache,
         rows: torch.Tensor,
         cached: CachedKeys,
-        max_rows: int | None = None,
     ) -> torch.Tensor:
         """Decode's forward: row r feeds ``token_ids[r]`` at ``positions[r]`` of
         cache slot ``rows[r]``, whose keys and values for each layer ``cached``
         gives (after this step's are written); returns the (R, C) final hidden
-        states. ``max_rows``: see `_project`."""
+        states."""
         x = self._embed(token_ids, positions).unsqueeze(1)  # (R, 1, C)
         attend = self._token_attention(positions, attend_len)
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
-            q, k, v = self._split_heads(_project(layer.attn, h, max_rows))  # (R, H, 1, D)
+            q, k, v = self._split_heads(layer.attn(h))  # (R, H, 1, D)
             cache.write_tokens(index, rows, positions, k[:, :, 0], v[:, :, 0])
             keys, values = cached(index)  # (R, H, L, D)
-            x = x + _project(layer.proj, attend(q, keys, values), max_rows)
-            x = x + self._mlp(x, layer, max_rows)
+            x = x + layer.proj(attend(q, keys, values))
+            x = x + self._mlp(x, layer)
         return x[:, 0]
 
     def _token_attention(self, positions: torch.Tensor, attend_len: int) -> TokenAttention:
@@ -362,12 +341,12 @@ class GPT2:
         batch, _, length, _ = x.shape
         return x.transpose(1, 2).reshape(batch, length, self.width)  # (B, T, C)
 
-    def _mlp(self, x: torch.Tensor, layer: _Layer, max_rows: int | None = None) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
         h = F.layer_norm(x, (self.width,), *layer.ln_2, self.eps)
-        h = F.gelu(_project(layer.fc, h, max_rows), approximate="tanh")  # (B, T, 4C)
-        return _project(layer.out, h, max_rows)
+        h = F.gelu(layer.fc(h), approximate="tanh")  # (B, T, 4C)
+        return layer.out(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, V) logits of final hidden states (B, C)."""
         h = F.layer_norm(hidden, (self.width,), *self.ln_f, self.eps)  # (B, C)
-        return _project(self.lm_head, h)  # (B, V)
+        return self.lm_head(h)  # (B, V)

@@ -3,27 +3,26 @@
 
 On CPU, decode's products are tall and skinny (a few rows against a wide weight)
 and bound by reading the weights; prefill's are ordinary GEMMs, bound by compute.
-Two implementations compete for decode's rows (up to ``MAX_ROWS``): this project's
-own kernel (``worker/model/csrc/skinny_linear.cpp``), which reads the weight once in its
-stored format (float32, float16, bfloat16 or int8) and widens it in registers
-(int8: multiplies in integers), and oneDNN's inner product on a float32 copy
-pre-packed for it (``torch.ops.mkldnn._reorder_linear_weight``, as torch's own
-compiler packs CPU weights). Which is faster is the machine's: on a 2-vCPU Intel
-Xeon with AVX-512 and AMX, the LM head (50257 x 768) at 8 rows took 7.5 ms in
-oneDNN against 10.5 ms in the kernel in float32, 5.2 ms in float16 and 1.9 ms in
-int8.
+Two implementations can multiply: this project's own kernel
+(``worker/csrc/skinny_linear.cpp``), which reads the weight once in its stored
+format (float32, float16, bfloat16 or int8) and widens it in registers (int8:
+multiplies in integers), up to ``MAX_ROWS`` rows a call, and oneDNN's inner
+product on a float32 copy pre-packed for it (``torch.ops.mkldnn._reorder_linear_weight``,
+as torch's own compiler packs CPU weights). Each projection takes one of them
+for every row count, prefill's and decode's alike (`decode_path`), by a rule
+rather than a timing, so that every worker on a machine chooses the same: a
+token's keys then do not depend on whether it was prefilled or decoded, nor on
+which worker computed them, and a resumed stream continues bit for bit. The
+rule: stored in fewer bytes than float32, the kernel (it reads half or a quarter
+of the bytes: on a 2-vCPU Xeon with AVX-512, the LM head (50257 x 768) at 8 rows
+took 5.2 ms in float16, 1.9 in int8, against oneDNN's 7.5 on the float32 copy);
+in float32, oneDNN where torch packs for it (10.5 ms in the kernel there).
+Within either path a row's product does not depend on its batchmates: the
+kernel sums each row in the same order whatever the rows, and oneDNN does for 2
+rows or more (a lone row, which it multiplies another way, goes in as two).
 
-So each projection times both on its own weight when it is built, once per
-weight shape and format in a process (``decode_path``), and keeps the winner.
-Above ``MAX_ROWS`` rows oneDNN always runs: it is ahead at prefill sizes.
-Both paths multiply by the same stored weight (the oneDNN copy is it, widened),
-so a token's keys do not depend on whether it was prefilled or decoded.
-
-With BFLOAT16_PRODUCTS=1 (bfloat16 weights, on a CPU with bfloat16 dot products:
-AVX512-BF16 or AMX), oneDNN's copy stays in bfloat16 and multiplies activations
-rounded to bfloat16, summing in float32 (`Precision.bfloat16_products` says what
-that costs). On a 2-vCPU Xeon with AMX that made a decode step at 8 rows 1.5-1.8x
-faster than float32 through oneDNN, and prefill on one thread 2.4x.
+Above MAX_ROWS rows oneDNN's row counts are padded to a few sizes (see
+`padded_rows`).
 
 Elsewhere than the CPU, ``F.linear`` in the model's dtype is already right.
 """
@@ -31,8 +30,6 @@ Elsewhere than the CPU, ``F.linear`` in the model's dtype is already right.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -44,11 +41,8 @@ from worker.model.precision import has_bfloat16_products
 logger = logging.getLogger(__name__)
 
 INT8_MAX = 127
-# The rows a decode path is timed at: a full batch of the kernel's.
-TIMED_ROWS = MAX_ROWS
-# Timed calls per path, taking turns; the fastest call of each counts, because a
-# call can only be slowed (by a neighbour taking the core), never sped up.
-TIMED_ROUNDS = 5
+# The rows oneDNN's copy is packed for: a full decode batch of the kernel's.
+PACKED_FOR_ROWS = MAX_ROWS
 
 # oneDNN builds (and keeps) a primitive, with buffers of its own, for every row
 # count it is given: prefill's packed token counts, ever new, grew a worker's RSS
@@ -70,9 +64,6 @@ def num_matmul_shapes() -> int:
 
 
 DecodePath = Literal["kernel", "onednn"]
-# The winner for each (out_features, in_features, stored format, bfloat16
-# products), in this process.
-_decode_paths: dict[tuple[int, int, str, bool], DecodePath] = {}
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,13 +73,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = weight.float().abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
     q = torch.round(weight.float() / scale[:, None]).clamp(-INT8_MAX, INT8_MAX)
     return q.to(torch.int8).contiguous(), scale
-
-
-def _seconds_for(multiply: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> float:
-    """How long one ``multiply(rows)`` took."""
-    started = time.perf_counter()
-    multiply(rows)
-    return time.perf_counter() - started
 
 
 class Projection:
@@ -138,17 +122,14 @@ class Projection:
         # Packed for oneDNN on CPU (for a decode-sized batch; it takes any), else
         # as F.linear takes it; only one copy is kept.
         self.dense_weight = (
-            torch.ops.mkldnn._reorder_linear_weight(widened.contiguous(), TIMED_ROWS)
+            torch.ops.mkldnn._reorder_linear_weight(widened.contiguous(), PACKED_FOR_ROWS)
             if self.is_packed
             else widened
         )
         fits_kernel = is_cpu and weight.dtype == torch.float32 and self.in_features % LANES == 0
         kernels = load_kernels() if fits_kernel else None
         self.skinny_linear = None if kernels is None else kernels.skinny_linear
-        if self.skinny_linear is not None and self.is_packed:
-            self.decode_path: DecodePath = decode_path(self)
-        else:
-            self.decode_path = "kernel" if self.skinny_linear is not None else "onednn"
+        self.decode_path: DecodePath = decode_path(self)
 
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:
         """(N, in) -> (N, out) through the skinny kernel, N <= MAX_ROWS."""
@@ -183,10 +164,18 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (N, in)
         num_rows = rows.shape[0]
-        if num_rows <= MAX_ROWS:
-            y = self.kernel(rows) if self.decode_path == "kernel" else self.dense(rows)
+        if num_rows == 0:
+            y = rows.new_empty(0, self.out_features)
+        elif self.decode_path == "kernel":
+            # Any number of rows, MAX_ROWS a call: each row's product is the same.
+            y = torch.cat(
+                [self.kernel(rows[i : i + MAX_ROWS]) for i in range(0, num_rows, MAX_ROWS)]
+            )
         elif self.is_packed:
-            padded = padded_rows(num_rows)
+            # A lone row goes in as two, more than MAX_ROWS as a padded count.
+            padded = (
+                2 if num_rows == 1 else padded_rows(num_rows) if num_rows > MAX_ROWS else num_rows
+            )
             _matmul_shapes.add((padded, self.out_features, self.in_features))
             if padded > num_rows:
                 rows = F.pad(rows, (0, 0, 0, padded - num_rows))  # (padded, in), zeros below
@@ -197,35 +186,11 @@ class Projection:
 
 
 def decode_path(projection: Projection) -> DecodePath:
-    """Whichever of the kernel and oneDNN multiplies ``TIMED_ROWS`` rows by this
-    projection's weight faster on this machine, timed once per weight shape and
-    stored format in a process (a model's layers share a few shapes)."""
-    key = (
-        projection.out_features,
-        projection.in_features,
-        projection.stored,
-        projection.bfloat16_products,
-    )
-    if key not in _decode_paths:
-        rows = torch.randn(TIMED_ROWS, projection.in_features)
-        paths: dict[DecodePath, Callable[[torch.Tensor], torch.Tensor]] = {
-            "kernel": projection.kernel,
-            "onednn": projection.dense,
-        }
-        fastest_s = {path: float("inf") for path in paths}
-        with torch.inference_mode():
-            for multiply in paths.values():
-                multiply(rows)  # the first call of each pays for its set-up
-            for _ in range(TIMED_ROUNDS):
-                for path, multiply in paths.items():
-                    fastest_s[path] = min(fastest_s[path], _seconds_for(multiply, rows))
-        _decode_paths[key] = min(fastest_s, key=fastest_s.__getitem__)
-        logger.debug(
-            "decode matmul %s x %s (%s): kernel %.2f ms, oneDNN %.2f ms",
-            key[0],
-            key[1],
-            key[2],
-            fastest_s["kernel"] * 1e3,
-            fastest_s["onednn"] * 1e3,
-        )
-    return _decode_paths[key]
+    """The path ``projection`` multiplies through, for every row count: the kernel
+    where it is built and the weight is stored in fewer bytes than float32, or no
+    packed oneDNN copy exists; oneDNN otherwise (see the module's docstring)."""
+    if projection.skinny_linear is None or projection.bfloat16_products:
+        return "onednn"
+    if projection.stored != "float32" or not projection.is_packed:
+        return "kernel"
+    return "onednn"

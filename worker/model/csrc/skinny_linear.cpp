@@ -18,8 +18,10 @@
 // the int8 weights' own, and the int32 sums cannot overflow for K up to 16384.
 //
 // Each output is one dependency chain per (weight row, input row), summed over k
-// in the same order whatever the number of rows: a row's result does not depend on
-// its batchmates, which exact resumes rely on.
+// in the same order whatever the number of rows, and finished by one explicit
+// fused multiply-add (a tile of another size could otherwise contract it
+// differently): a row's result does not depend on its batchmates, which exact
+// resumes rely on.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -70,7 +72,7 @@ __attribute__((always_inline)) inline void dot_rows(const float* x, const W* row
   UNROLLED
   for (int64_t m = 0; m < M; ++m)
     for (int64_t r = 0; r < R; ++r)
-      y[m * N + n + r] = sum(acc[r][m]) * (scale ? scale[n + r] : 1.f) + (bias ? bias[n + r] : 0.f);
+      y[m * N + n + r] = std::fma(sum(acc[r][m]), scale ? scale[n + r] : 1.f, bias ? bias[n + r] : 0.f);
 }
 
 template <typename W, int64_t M>
@@ -148,8 +150,8 @@ __attribute__((always_inline)) inline void integer_dot_rows(const int16_t* xq, c
   UNROLLED
   for (int64_t m = 0; m < M; ++m)
     for (int64_t r = 0; r < R; ++r)
-      y[m * N + n + r] = static_cast<float>(integer_sum(acc[r][m])) * (x_scale[m] * scale[n + r]) +
-                         (bias ? bias[n + r] : 0.f);
+      y[m * N + n + r] = std::fma(static_cast<float>(integer_sum(acc[r][m])),
+                                  x_scale[m] * scale[n + r], bias ? bias[n + r] : 0.f);
 }
 
 template <int64_t M>
