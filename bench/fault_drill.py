@@ -8,7 +8,10 @@ It sends a seeded workload twice at steady concurrency: once without faults (the
 reference answers and latencies), then again while it SIGKILLs a worker
 ``--kills`` times and SIGSTOPs one ``--stops`` times for longer than the liveness
 timeouts, each at a random point of progress. Every answer of the second run
-must equal the first (greedy decoding is deterministic). Requests are streamed.
+must equal the first (greedy decoding is deterministic; with ``--sampled``, each
+request samples with a seed of its own, and a resumed stream must continue as
+its fault-free run did: "wrong text" counts the streams that differ). Requests
+are streamed.
 For each fault it reports what it cost the requests in flight at that moment:
 the longest pause in one's token stream across the fault, and their latency
 minus the same request's in the reference run (which also carries the
@@ -532,6 +535,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per request")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sampled",
+        action="store_true",
+        help="sample (temperature 0.9, top_p 0.95) with a seed per request, instead of greedy",
+    )
     parser.add_argument("--kill-cmd", help="shell command that SIGKILLs the worker")
     parser.add_argument("--stop-cmd", help="shell command that freezes the worker")
     parser.add_argument("--cont-cmd", help="shell command that thaws it")
@@ -556,6 +564,9 @@ def main(argv: list[str] | None = None) -> None:
         {"request_id": r.request_id, "prompt": r.prompt, "max_new_tokens": r.max_new_tokens}
         for r in make_workload(args.requests, seed=args.seed)
     ]
+    if args.sampled:
+        for i, body in enumerate(bodies):
+            body.update(temperature=0.9, top_p=0.95, seed=args.seed * 100_003 + i)
     with contextlib.ExitStack() as exits:
         local = None if args.url else exits.enter_context(local_stack(args))
         urls = args.url or [f"http://127.0.0.1:{args.port + i}" for i in range(args.frontends)]

@@ -195,7 +195,7 @@ def worker_hello(container: str) -> tuple[float, str]:
     serving = [
         (docker_time(stamp), instance)
         for stamp, instance in re.findall(
-            r"^(\S+) .*worker\.server: worker (\w+) serving",
+            r"^(\S+) .*worker\.serve\.server: worker (\w+) serving",
             logs.stdout + logs.stderr,
             re.MULTILINE,
         )
