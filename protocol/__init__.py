@@ -3,7 +3,7 @@
 Pure Python + msgpack: importing this package never imports torch or Starlette.
 """
 
-from protocol.codec import ProtocolError, decode_to_frontend, decode_to_worker, encode
+from protocol.codec import decode_to_frontend, decode_to_worker, encode
 from protocol.messages import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -19,6 +19,7 @@ from protocol.messages import (
     TokenDelta,
     ToWorker,
 )
+from protocol.wire import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",

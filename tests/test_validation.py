@@ -7,8 +7,8 @@ import math
 import pytest
 
 from protocol import AbortRequest, ErrorCode, GenerateRequest
-from protocol.codec import MAX_REQUEST_ID_CHARS
 from protocol.limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from protocol.wire import MAX_REQUEST_ID_CHARS
 from worker.engine.interface import RequestRejected
 from worker.serve.validation import RequestLimits, check_generate, is_valid_abort
 

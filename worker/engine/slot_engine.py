@@ -4,19 +4,14 @@ tokens."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from abc import abstractmethod
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
-from worker.engine.chat_template import (
-    DEFAULT_CHAT_TEMPLATE,
-    ChatTemplate,
-    ChatTemplateError,
-    jinja_template,
-)
+from worker.engine.admission import new_sequence
+from worker.engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, jinja_template
 from worker.engine.interface import (
     FinishedSequence,
     InferenceEngine,
@@ -222,69 +217,13 @@ class SlotEngine(InferenceEngine):
     # --- internals --------------------------------------------------------------------
 
     def _new_sequence(self, request: GenerateRequest, slot: int) -> Sequence:
-        token_ids, text = self._prompt(request)
-        if request.fit_context:
-            room = self.info.context_window - len(token_ids)
-            request = dataclasses.replace(
-                request, max_new_tokens=max(0, min(request.max_new_tokens, room))
-            )
-        self._check_context(request, len(token_ids))
-        seq = Sequence(request, token_ids, self.tokenizer, slot)
-        if request.echo:
-            seq.prompt_text = self.tokenizer.decode(token_ids) if text is None else text
-        try:
-            seq.resume(request.resume_token_ids, request.resume_text_len)
-        except ValueError as exc:
-            raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)) from None
-        return seq
-
-    def _prompt(self, request: GenerateRequest) -> tuple[list[int], str | None]:
-        """The prompt's token ids, and its text unless it came as ids."""
         if request.request_id in self._by_id:
             raise RequestRejected(
                 request.request_id,
                 ErrorCode.INVALID_REQUEST,
                 f"request {request.request_id} is already being generated",
             )
-        text: str | None = None
-        if request.prompt_token_ids is not None:
-            token_ids = list(request.prompt_token_ids)
-        else:
-            text = self._render_chat(request) if request.chat_roles else request.prompt
-            token_ids = self.tokenizer.encode(text)
-            if token_ids and max(token_ids) >= self.info.vocab_size:
-                # A tokenizer larger than the model's embedding: never index past it.
-                raise RequestRejected(
-                    request.request_id,
-                    ErrorCode.INVALID_REQUEST,
-                    f"prompt: tokenizes to id {max(token_ids)}, outside this model's "
-                    f"vocabulary of {self.info.vocab_size}",
-                )
-        if not token_ids:
-            raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
-        return token_ids, text
-
-    def _render_chat(self, request: GenerateRequest) -> str:
-        try:
-            return self.chat_template.render(
-                request.chat_roles, request.chat_contents, request.add_generation_prompt
-            )
-        except ChatTemplateError as exc:
-            raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)) from None
-
-    def _check_context(self, request: GenerateRequest, num_prompt_tokens: int) -> None:
-        # The resumed output is part of max_new_tokens, so it needs no room of its own.
-        limit = self.info.context_window
-        if num_prompt_tokens + request.max_new_tokens > limit or (
-            request.fit_context and request.max_new_tokens == 0
-        ):
-            raise RequestRejected(
-                request.request_id,
-                ErrorCode.CONTEXT_OVERFLOW,
-                f"prompt is {num_prompt_tokens:,} tokens + max_new_tokens "
-                f"{max(1, request.max_new_tokens):,} > context window {limit:,}: "
-                "shorten the prompt or lower max_new_tokens",
-            )
+        return new_sequence(request, slot, self.tokenizer, self.chat_template, self.info)
 
     def _scratch_position(self, slot: int) -> int:
         """A position of ``slot``'s cache row that a dummy decode row (for a slot

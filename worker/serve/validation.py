@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 from protocol import AbortRequest, ErrorCode, GenerateRequest
-from protocol.codec import MAX_REQUEST_ID_CHARS
 from protocol.limits import (
     MAX_CHAT_MESSAGES,
     MAX_LOGPROBS,
@@ -27,6 +26,7 @@ from protocol.limits import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_K,
 )
+from protocol.wire import MAX_REQUEST_ID_CHARS
 from worker.engine.interface import ModelInfo, RequestRejected
 
 

@@ -1,0 +1,88 @@
+"""Admission's checks and set-up of one request: its prompt as token ids (text
+tokenized, a conversation rendered through the chat template, or ids as given),
+checked against the vocabulary and the context window, and the sequence its slot
+will hold, with any output a resumed request already streamed put back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from protocol import ErrorCode, GenerateRequest
+from worker.engine.chat_template import ChatTemplate, ChatTemplateError
+from worker.engine.interface import ModelInfo, RequestRejected
+from worker.engine.sequence import Sequence, Tokenizer
+
+
+def new_sequence(
+    request: GenerateRequest,
+    slot: int,
+    tokenizer: Tokenizer,
+    chat_template: ChatTemplate,
+    info: ModelInfo,
+) -> Sequence:
+    """``request`` as the sequence its slot will hold: its prompt tokenized (or
+    rendered from a conversation), checked against the context window, and any
+    output a resumed request already streamed put back. Raises RequestRejected
+    naming what is wrong."""
+    token_ids, text = _prompt(request, tokenizer, chat_template, info)
+    if request.fit_context:
+        room = info.context_window - len(token_ids)
+        request = dataclasses.replace(
+            request, max_new_tokens=max(0, min(request.max_new_tokens, room))
+        )
+    _check_context(request, len(token_ids), info)
+    seq = Sequence(request, token_ids, tokenizer, slot)
+    if request.echo:
+        seq.prompt_text = tokenizer.decode(token_ids) if text is None else text
+    try:
+        seq.resume(request.resume_token_ids, request.resume_text_len)
+    except ValueError as exc:
+        raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)) from None
+    return seq
+
+
+def _prompt(
+    request: GenerateRequest, tokenizer: Tokenizer, chat_template: ChatTemplate, info: ModelInfo
+) -> tuple[list[int], str | None]:
+    """The prompt's token ids, and its text unless it came as ids."""
+    text: str | None = None
+    if request.prompt_token_ids is not None:
+        token_ids = list(request.prompt_token_ids)
+    else:
+        text = _render_chat(request, chat_template) if request.chat_roles else request.prompt
+        token_ids = tokenizer.encode(text)
+        if token_ids and max(token_ids) >= info.vocab_size:
+            # A tokenizer larger than the model's embedding: never index past it.
+            raise RequestRejected(
+                request.request_id,
+                ErrorCode.INVALID_REQUEST,
+                f"prompt: tokenizes to id {max(token_ids)}, outside this model's "
+                f"vocabulary of {info.vocab_size}",
+            )
+    if not token_ids:
+        raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
+    return token_ids, text
+
+
+def _render_chat(request: GenerateRequest, chat_template: ChatTemplate) -> str:
+    try:
+        return chat_template.render(
+            request.chat_roles, request.chat_contents, request.add_generation_prompt
+        )
+    except ChatTemplateError as exc:
+        raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+
+def _check_context(request: GenerateRequest, num_prompt_tokens: int, info: ModelInfo) -> None:
+    # The resumed output is part of max_new_tokens, so it needs no room of its own.
+    limit = info.context_window
+    if num_prompt_tokens + request.max_new_tokens > limit or (
+        request.fit_context and request.max_new_tokens == 0
+    ):
+        raise RequestRejected(
+            request.request_id,
+            ErrorCode.CONTEXT_OVERFLOW,
+            f"prompt is {num_prompt_tokens:,} tokens + max_new_tokens "
+            f"{max(1, request.max_new_tokens):,} > context window {limit:,}: "
+            "shorten the prompt or lower max_new_tokens",
+        )
