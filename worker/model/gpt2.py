@@ -18,8 +18,6 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,25 +27,11 @@ from transformers import GPT2LMHeadModel
 from worker.model.kernels import HEAD_DIMS, cpu_summary, load_kernels
 from worker.model.kv_cache import SlotKVCache
 from worker.model.precision import Precision
-from worker.model.projection import Projection
+from worker.model.weights import Layer, layer_of, projection
 
 TokenAttention = Callable[[Tensor, Tensor, Tensor], Tensor]
 # A decode step's cached keys and values for a layer: (R, H, L, D) each.
 CachedKeys = Callable[[int], tuple[Tensor, Tensor]]
-
-
-@dataclass(frozen=True)
-class _Layer:
-    ln_1: tuple[torch.Tensor, torch.Tensor]
-    attn: Projection  # C -> 3C
-    proj: Projection  # C -> C
-    ln_2: tuple[torch.Tensor, torch.Tensor]
-    fc: Projection  # C -> 4C
-    out: Projection  # 4C -> C
-
-
-def _projection(weight: torch.Tensor, bias: Any, precision: Precision) -> Projection:
-    return Projection(weight, bias, precision.weights, precision.bfloat16_products)
 
 
 def _one_slot(cache: SlotKVCache, slot: int, num_rows: int, length: int) -> CachedKeys:
@@ -59,23 +43,6 @@ def _one_slot(cache: SlotKVCache, slot: int, num_rows: int, length: int) -> Cach
         return keys.expand(num_rows, -1, -1, -1), values.expand(num_rows, -1, -1, -1)
 
     return cached
-
-
-def _conv1d(conv: Any, precision: Precision) -> Projection:
-    # HF's Conv1D stores its weight (in, out); a projection takes (out, in).
-    return _projection(conv.weight.detach().t(), conv.bias, precision)
-
-
-def _layer(block: Any, precision: Precision) -> _Layer:
-    """The weights of one HF ``GPT2Block``, its projections as ``precision`` says."""
-    return _Layer(
-        ln_1=(block.ln_1.weight.detach(), block.ln_1.bias.detach()),
-        attn=_conv1d(block.attn.c_attn, precision),
-        proj=_conv1d(block.attn.c_proj, precision),
-        ln_2=(block.ln_2.weight.detach(), block.ln_2.bias.detach()),
-        fc=_conv1d(block.mlp.c_fc, precision),
-        out=_conv1d(block.mlp.c_proj, precision),
-    )
 
 
 class GPT2:
@@ -96,8 +63,8 @@ class GPT2:
         self.wpe = body.wpe.weight.detach().to(precision.storage)  # (context, C)
         self.ln_f = (body.ln_f.weight.detach(), body.ln_f.bias.detach())
         self.vocab_size = int(model.lm_head.weight.shape[0])
-        self.lm_head = _projection(model.lm_head.weight, None, precision)  # C -> V
-        self.layers = [_layer(block, precision) for block in body.h]
+        self.lm_head = projection(model.lm_head.weight, None, precision)  # C -> V
+        self.layers = [layer_of(block, precision) for block in body.h]
         self.kernels = (
             load_kernels()
             if self.device.type == "cpu" and precision.compute == torch.float32
@@ -341,7 +308,7 @@ class GPT2:
         batch, _, length, _ = x.shape
         return x.transpose(1, 2).reshape(batch, length, self.width)  # (B, T, C)
 
-    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
         h = F.layer_norm(x, (self.width,), *layer.ln_2, self.eps)
         h = F.gelu(layer.fc(h), approximate="tanh")  # (B, T, 4C)
         return layer.out(h)
