@@ -92,6 +92,8 @@ def make_probes(
         Probe("over_limit_body", "/generate", b'{"prompt": "', declared_bytes=100_000_000),
         completion("out_of_vocab", prompt=[vocab_size]),
         completion("out_of_vocab", prompt=[2**31 - 1]),
+        completion("logit_bias", prompt="hello", logit_bias={str(vocab_size): 100}),
+        completion("logit_bias", prompt="hello", logit_bias={str(i): 1 for i in range(301)}),
         greedy(
             "tiny_temperature",
             "/generate",

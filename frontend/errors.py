@@ -33,6 +33,7 @@ _PARAM_BY_WORKER_FIELD = {
     "repetition_penalty": "repetition_penalty",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
+    "logit_bias": "logit_bias",
     "logprobs": "logprobs",
     "prompt_logprobs": "logprobs",
 }

@@ -118,6 +118,8 @@ def openai_request(
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias_token_ids=[int(key) for key in body.logit_bias or {}],
+        logit_bias_values=list((body.logit_bias or {}).values()),
         **prompt,
     )
 

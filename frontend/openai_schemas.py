@@ -8,13 +8,17 @@ why otherwise: 400); a field no body defines is ignored and named
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
-from frontend.schemas import STRICT, StopStrings, TokenIds
+from frontend.schemas import MAX_NAME_CHARS, STRICT, StopStrings, TokenIds
 from protocol.limits import (
     MAX_CHAT_MESSAGES,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MAX_SEED,
@@ -22,6 +26,41 @@ from protocol.limits import (
 )
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+# A token id as a JSON key: a decimal integer, one spelling per id.
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
+def _count_logit_bias(value: Any) -> Any:
+    """Counted before pydantic reads an entry: a body of entries is one error."""
+    if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS:
+        raise PydanticCustomError(
+            "logit_bias_size",
+            "at most {limit} entries, got {num_entries}",
+            {"limit": MAX_LOGIT_BIAS, "num_entries": len(value)},
+        )
+    return value
+
+
+def _check_logit_bias_keys(value: dict[str, float]) -> dict[str, float]:
+    for key in value:
+        if _TOKEN_ID_KEY.fullmatch(key) is None or int(key) > MAX_TOKEN_ID:
+            shown = key if len(key) <= MAX_NAME_CHARS else key[: MAX_NAME_CHARS - 3] + "..."
+            raise PydanticCustomError(
+                "logit_bias_key",
+                "keys must be token ids, decimal integers 0 to {limit}; got '{key}'",
+                {"limit": MAX_TOKEN_ID, "key": shown},
+            )
+    return value
+
+
+# OpenAI's logit_bias: {token id: bias}. The worker, which knows the vocabulary,
+# checks the ids against it.
+LogitBias = Annotated[
+    dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]],
+    BeforeValidator(_count_logit_bias),
+    AfterValidator(_check_logit_bias_keys),
+]
 
 
 class StreamOptions(BaseModel):
@@ -57,7 +96,11 @@ class OpenAIBody(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, description="only 1")
-    logit_bias: dict[str, Any] | None = Field(None, description="only empty")
+    logit_bias: LogitBias | None = Field(
+        None,
+        description=f"{{token id: bias}}, at most {MAX_LOGIT_BIAS} entries, each bias in "
+        f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], added to its logit",
+    )
     user: str | None = Field(None, description="accepted and ignored")
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -70,7 +113,6 @@ class OpenAIBody(BaseModel):
     def _checks(self) -> list[tuple[str, bool, str]]:
         return [
             ("n", self.n in (None, 1), "only n=1 is supported; send one request per completion"),
-            ("logit_bias", not self.logit_bias, "logit_bias is not supported"),
         ]
 
 

@@ -13,3 +13,5 @@ MAX_CHAT_MESSAGES = 256  # the codec's longest list
 MAX_ROLE_CHARS = 64
 MAX_REPETITION_PENALTY = 10.0
 MAX_PRESENCE_PENALTY = 2.0  # and frequency: OpenAI's range is [-2, 2]
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API
+MAX_LOGIT_BIAS_VALUE = 100.0  # and -100: OpenAI's range

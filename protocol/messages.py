@@ -61,8 +61,11 @@ class GenerateRequest:
     With ``fit_context``, ``max_new_tokens`` is a ceiling, lowered to what the
     context window leaves after the prompt. No stop (EOS, stop ids, stop strings)
     ends the output before ``min_tokens``. The penalties follow vLLM: repetition
-    over prompt and output, presence and frequency over the output. ``logprobs``
-    asks for each output token's log-probability and that many alternatives;
+    over prompt and output, presence and frequency over the output.
+    ``logit_bias_token_ids`` and ``logit_bias_values`` are OpenAI's logit_bias as
+    two lists: value i is added to the logit of token i before the penalties and
+    sampling (vLLM's order). ``logprobs`` asks for each output token's
+    log-probability and that many alternatives;
     ``prompt_logprobs`` the same for the prompt's tokens. ``echo`` asks for the
     prompt's token ids and text (a conversation as rendered) in the result.
     ``max_new_tokens`` may be 0: nothing is generated, and without
@@ -88,6 +91,8 @@ class GenerateRequest:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias_token_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     chat_roles: list[str] = field(default_factory=list)
@@ -120,7 +125,8 @@ class Ping:
 @dataclass(frozen=True, slots=True)
 class Logprobs:
     """Log-probabilities of consecutive tokens under the model's own distribution
-    (log-softmax of its logits, before penalties and temperature), as vLLM reports.
+    (log-softmax of its logits, before logit_bias, penalties and temperature), as
+    vLLM reports by default.
 
     Token i is ``token_ids[i]``, with log-probability ``logprobs[i]`` (NaN where
     there is none: a prompt's first token). Its ``num_top`` likeliest tokens, best

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.stack import Stack, live_stack, openai_client
-from worker.engine.fake_engine import expected_text
+from worker.engine.fake_engine import FAKE_VOCAB_SIZE, expected_text
 
 CHAT_PROMPT = "System: Be brief.\n\nUser: Hi\n\nAssistant:"  # the default template's
 MESSAGES: list[dict[str, str]] = [
@@ -121,6 +121,28 @@ def test_chat_continuous_usage_counts_every_chunk(stack: Stack) -> None:
     usages = [httpx.Response(200, content=line[6:]).json()["usage"] for line in lines]
     assert [u["completion_tokens"] for u in usages] == [1, 2, 3, 4, 4, 4]
     assert {u["prompt_tokens"] for u in usages} == {len(CHAT_PROMPT)}
+
+
+def test_chat_logit_bias_forces_bans_and_is_checked(client: openai.OpenAI) -> None:
+    def reply(logit_bias: dict[str, int], **sampling: object) -> str | None:
+        chat = client.chat.completions.create(
+            model="fake",
+            messages=MESSAGES,
+            max_completion_tokens=4,
+            logit_bias=logit_bias,
+            **sampling,  # type: ignore[arg-type]
+        )
+        return chat.choices[0].message.content
+
+    assert reply({str(ord("!")): 100}) == "!!!!"
+    assert reply({str(ord("!")): 100}, temperature=0.7, seed=1) == "!!!!"
+    greedy = expected_text(CHAT_PROMPT, 4)
+    banned = reply({str(ord(greedy[0])): -100})
+    assert banned is not None and banned[0] == chr(ord(greedy[0]) + 1)
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        reply({str(FAKE_VOCAB_SIZE + 1): 5})
+    assert isinstance(raised.value.body, dict) and raised.value.body["param"] == "logit_bias"
+    assert "outside the vocabulary" in raised.value.body["message"]
 
 
 def test_images_are_refused_by_name(client: openai.OpenAI) -> None:

@@ -63,6 +63,8 @@ to_worker = st.one_of(
         stream=st.booleans(),
         min_tokens=counts,
         repetition_penalty=floats,
+        logit_bias_token_ids=ids,
+        logit_bias_values=st.lists(float32s, max_size=20),
         logprobs=st.none() | counts,
         chat_roles=st.lists(texts, max_size=4),
         chat_contents=st.lists(texts, max_size=4),
@@ -161,6 +163,8 @@ _DROP = object()
         (_frame() + b"\x00", "not valid msgpack"),
         (_frame(stop_token_ids=[1, 2]), "stop_token_ids must be token ids packed as"),
         (_frame(prompt_token_ids=b"\x01\x00\x00"), "prompt_token_ids must be token ids packed"),
+        (_frame(logit_bias_values=[1.0]), "logit_bias_values must be numbers packed as"),
+        (_frame(logit_bias_token_ids=b"\x01"), "logit_bias_token_ids must be token ids packed"),
         (msgpack.packb({1: 2}), "not valid msgpack"),
     ],
 )
@@ -245,6 +249,28 @@ def test_logprobs_travel_as_packed_float32_bytes() -> None:
     assert isinstance(decoded, TokenDelta) and decoded.logprobs is not None
     assert decoded.logprobs.top_logprobs == [-0.5, -1.0, -2.0, -3.0]
     assert math.isnan(decoded.logprobs.logprobs[1])
+
+
+def test_a_logit_bias_travels_as_packed_ids_and_float32_values() -> None:
+    frame = encode(
+        GenerateRequest(
+            "r1", "hi", 4, logit_bias_token_ids=[7, 50256], logit_bias_values=[-100, 2.5]
+        )
+    )
+    payload = msgpack.unpackb(frame)
+    assert payload["logit_bias_token_ids"] == struct.pack("<2I", 7, 50256)
+    assert payload["logit_bias_values"] == struct.pack("<2f", -100.0, 2.5)
+    decoded = decode_to_worker(frame)
+    assert isinstance(decoded, GenerateRequest)
+    assert (decoded.logit_bias_token_ids, decoded.logit_bias_values) == ([7, 50256], [-100.0, 2.5])
+
+
+def test_a_request_from_before_logit_bias_decodes_without_one() -> None:
+    payload = msgpack.unpackb(encode(GenerateRequest("r1", "hi", 4)))
+    del payload["logit_bias_token_ids"], payload["logit_bias_values"]
+    decoded = decode_to_worker(msgpack.packb(payload))
+    assert isinstance(decoded, GenerateRequest)
+    assert (decoded.logit_bias_token_ids, decoded.logit_bias_values) == ([], [])
 
 
 @pytest.mark.parametrize(

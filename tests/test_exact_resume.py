@@ -51,7 +51,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _bodies() -> list[dict[str, Any]]:
     """Seeded, sampled requests: a third with stop strings, some penalised, some
-    with min_tokens, some asking for logprobs, which are compared too."""
+    with min_tokens or a logit_bias, some asking for logprobs, which are compared
+    too."""
     rng = random.Random(23)
     bodies = []
     for i in range(NUM_REQUESTS):
@@ -72,6 +73,8 @@ def _bodies() -> list[dict[str, Any]]:
             body["frequency_penalty"] = 0.3
         if i % 5 == 2:
             body["extra_body"] = {"min_tokens": 12}
+        if i % 6 == 3:  # " the" likelier, " and" banned, "." a little likelier
+            body["logit_bias"] = {"262": 5, "290": -100, "13": 2.5}
         bodies.append(body)
     return bodies
 

@@ -42,6 +42,17 @@ boundary_floats = st.sampled_from([-0.1, 0.0, 1e-9, 0.5, 1.0, 1.0000001, 2.0, 2.
 small_texts = st.text(max_size=12)
 token_ids = st.lists(boundary_ints | st.integers(0, 300), max_size=6)
 stops = st.none() | small_texts | st.lists(small_texts, max_size=6)
+# Token ids as logit_bias keys, around the fake vocabulary's end (0x110000) and
+# the largest id, and spellings that are no id; biases around +-100.
+bias_keys = small_texts | st.sampled_from(
+    ["0", "65", "065", "-1", "+1", "1114111", "1114112", "2147483647", "2147483648", ""]
+)
+bias_values = st.integers() | st.sampled_from([-100.5, -100, -1e-9, 0.5, 100, 100.5, 1e308])
+logit_biases = (
+    st.none()
+    | st.dictionaries(bias_keys, bias_values, max_size=4)
+    | st.sampled_from([{str(i): 1 for i in range(n)} for n in (300, 301)])
+)
 
 # Plausible values for every field, mixed with anything at all.
 PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
@@ -69,7 +80,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "suffix": st.none() | small_texts,
     "presence_penalty": st.none() | boundary_floats,
     "frequency_penalty": st.none() | boundary_floats,
-    "logit_bias": st.none() | st.dictionaries(small_texts, st.integers(), max_size=2),
+    "logit_bias": logit_biases,
     "user": st.none() | small_texts,
     "min_tokens": st.none() | boundary_ints,
     "repetition_penalty": st.none() | boundary_floats,

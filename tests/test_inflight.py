@@ -29,3 +29,21 @@ def test_every_attempt_streams_so_that_a_non_streaming_request_resumes_too() -> 
     entry.record(TokenDelta("r.1", [1, 2], "Hi"))
     resumed = entry.next_attempt()
     assert (resumed.stream, resumed.resume_token_ids, resumed.resume_text_len) == (True, [1, 2], 2)
+
+
+def test_a_replay_samples_as_the_first_attempt_did() -> None:
+    request = GenerateRequest(
+        "r",
+        "prompt",
+        20,
+        temperature=0.8,
+        seed=5,
+        logit_bias_token_ids=[7, 9],
+        logit_bias_values=[-100.0, 2.5],
+    )
+    entry = InFlight(request, deadline=0.0)
+    entry.next_attempt()
+    entry.record(TokenDelta("r.1", [1], "H"))
+    resumed = entry.next_attempt()
+    assert (resumed.temperature, resumed.seed) == (0.8, 5)
+    assert (resumed.logit_bias_token_ids, resumed.logit_bias_values) == ([7, 9], [-100.0, 2.5])

@@ -13,7 +13,7 @@ import pytest
 from frontend.openai_common import IGNORED_FIELDS_HEADER
 from tests.sse import sse_events
 from tests.stack import Stack, live_stack, openai_client, running_stack
-from worker.engine.fake_engine import expected_text
+from worker.engine.fake_engine import FAKE_VOCAB_SIZE, expected_text
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +216,60 @@ def test_min_tokens_holds_off_a_stop_and_the_penalties_are_taken(client: openai.
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == ("ti", "stop")
     held_off = complete(min_tokens=6)
     assert (held_off.choices[0].text, held_off.choices[0].finish_reason) == ("tiuoew", "length")
+
+
+@pytest.mark.parametrize(
+    "sampling", [{}, {"temperature": 1.0, "seed": 3}], ids=["greedy", "seeded"]
+)
+def test_a_logit_bias_of_100_forces_its_token(
+    client: openai.OpenAI, sampling: dict[str, object]
+) -> None:
+    # The fake engine takes its own choice's logit as 0 and others' as -50 or
+    # above; the torch sampler is held to this in tests/test_sampler.py.
+    completion = client.completions.create(
+        model="fake", prompt="hello", max_tokens=5, logit_bias={str(ord("Z")): 100}, **sampling
+    )
+    assert completion.choices[0].text == "ZZZZZ"
+
+
+def test_a_logit_bias_of_minus_100_moves_greedy_off_its_token(client: openai.OpenAI) -> None:
+    greedy = expected_text("hello", 5)
+    banned = {str(ord(c)): -100 for c in set(greedy)}
+    completion = client.completions.create(
+        model="fake", prompt="hello", max_tokens=5, logit_bias=banned
+    )
+    text = completion.choices[0].text
+    assert text != greedy and text[0] == chr(ord(greedy[0]) + 1)  # the runner-up
+
+
+@pytest.mark.parametrize(
+    ("logit_bias", "message"),
+    [
+        ({str(FAKE_VOCAB_SIZE): 1}, f"logit_bias: token id {FAKE_VOCAB_SIZE} is outside"),
+        ({"65": 100.5}, "logit_bias.65: Input should be less than or equal to 100"),
+        ({"65": -101}, "logit_bias.65: Input should be greater than or equal to -100"),
+        ({"A": 1}, "logit_bias: keys must be token ids, decimal integers"),
+        ({"065": 1}, "logit_bias: keys must be token ids"),
+        ({str(i): 1 for i in range(301)}, "logit_bias: at most 300 entries, got 301"),
+    ],
+    ids=["outside-vocabulary", "over-100", "under-minus-100", "not-an-id", "zero-padded", "301"],
+)
+def test_a_bad_logit_bias_is_a_422_naming_it(
+    client: openai.OpenAI, logit_bias: dict[str, float], message: str
+) -> None:
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.completions.create(model="fake", prompt="hi", max_tokens=2, logit_bias=logit_bias)
+    error = raised.value.body
+    assert isinstance(error, dict) and message in error["message"], error
+    assert error["param"].startswith("logit_bias")
+
+
+def test_300_logit_bias_entries_are_taken(client: openai.OpenAI) -> None:
+    logit_bias = {str(ord("a") + i): 1 for i in range(300)}  # the fake's choice is among them
+    completion = client.completions.create(
+        model="fake", prompt="hi", max_tokens=4, logit_bias=logit_bias
+    )
+    assert completion.choices[0].text == expected_text("hi", 4)
 
 
 def test_min_tokens_above_max_tokens_is_a_422(client: openai.OpenAI) -> None:

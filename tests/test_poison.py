@@ -25,6 +25,25 @@ POISON: list[tuple[str, str, object, int]] = [
     ("a top_k of 2**31 - 1", "/generate", {"temperature": 1.0, "top_k": 2**31 - 1}, 200),
     ("max_new_tokens 0", "/generate", {"max_new_tokens": 0}, 422),
     (
+        "a logit_bias id outside the vocabulary",
+        "/v1/completions",
+        {"prompt": "poison", "logit_bias": {str(FAKE_VOCAB_SIZE): 100}},
+        422,
+    ),
+    (
+        "301 logit_bias entries",
+        "/v1/completions",
+        {"prompt": "poison", "logit_bias": {str(i): 1 for i in range(301)}},
+        422,
+    ),
+    ("a logit_bias of 1e308", "/v1/completions", {"prompt": "p", "logit_bias": {"0": 1e308}}, 422),
+    (
+        "the largest logit_bias, at the largest id",
+        "/v1/completions",
+        {"prompt": "poison", "logit_bias": {str(FAKE_VOCAB_SIZE - 1 - i): 100 for i in range(300)}},
+        200,
+    ),
+    (
         "deeply nested JSON",
         "/generate",
         b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
@@ -78,6 +97,11 @@ def test_a_refusal_by_the_worker_names_the_request_field(tmp_path: Path) -> None
             ("/v1/completions", {"prompt": [FAKE_VOCAB_SIZE]}, "prompt"),
             ("/generate", {"stop": ["s" * 300]}, "stop"),
             ("/generate", {"stop_token_ids": [FAKE_VOCAB_SIZE]}, "stop_token_ids"),
+            (
+                "/v1/completions",
+                {"prompt": "p", "logit_bias": {str(FAKE_VOCAB_SIZE): 1}},
+                "logit_bias",
+            ),
             ("/generate", {"prompt": "x" * 2000}, "prompt"),
         ]
         for path, body, param in cases:

@@ -1,4 +1,5 @@
-"""Sampling: greedy and sampled rows mixed in one batch, seeds, top_k and top_p."""
+"""Sampling: greedy and sampled rows mixed in one batch, seeds, top_k, top_p and
+logit_bias."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from protocol import ErrorCode, GenerateRequest  # noqa: E402
-from tests.model_fixtures import VOCAB_SIZE, run_schedule, tiny_engine  # noqa: E402
+from tests.model_fixtures import EOS, VOCAB_SIZE, run_schedule, tiny_engine  # noqa: E402
 from worker.engine.interface import RequestRejected  # noqa: E402
-from worker.model.sampler import Sampler, is_greedy  # noqa: E402
+from worker.model import sampler as sampler_module  # noqa: E402
+from worker.model.sampler import Sampler, apply_logit_bias, is_greedy  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -109,3 +111,121 @@ def test_top_k_one_and_a_temperature_near_zero_are_greedy() -> None:
     for request_id, seq in greedy.items():
         assert top_one[request_id].token_ids == seq.token_ids
         assert tiny_temperature[request_id].token_ids == seq.token_ids
+
+
+def biased(
+    request_id: str, prompt_ids: list[int], bias: dict[int, float], **kwargs: object
+) -> GenerateRequest:
+    return request(
+        request_id,
+        prompt_ids,
+        logit_bias_token_ids=list(bias),
+        logit_bias_values=list(bias.values()),
+        **kwargs,
+    )
+
+
+def test_logit_bias_adds_to_the_rows_that_ask_and_no_others() -> None:
+    logits = torch.randn(3, 50)
+    requests = [
+        biased("a", [0], {4: 2.5, 7: -1.0}),
+        request("plain", [0]),
+        biased("b", [0], {4: 100.0}),
+    ]
+    expected = logits.clone()
+    expected[0, 4] += 2.5
+    expected[0, 7] -= 1.0
+    expected[2, 4] += 100.0
+    apply_logit_bias(logits, requests)
+    assert torch.equal(logits, expected)
+
+
+def test_a_batch_without_a_logit_bias_pays_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_copy(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a batch without a bias copied something to the device")
+
+    monkeypatch.setattr(sampler_module, "to_device", no_copy)
+    logits = torch.randn(2, 50)
+    before = logits.clone()
+    apply_logit_bias(logits, [request("a", [0]), request("b", [0])])
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{}, {"temperature": 1.0, "seed": 3}, {"temperature": 1.5, "top_k": 5, "top_p": 0.5}],
+    ids=["greedy", "sampled", "filtered"],
+)
+def test_a_bias_of_100_forces_its_token(sampling: dict[str, object]) -> None:
+    sampler = Sampler(CPU)
+    logits = torch.randn(8, 1000) * 3  # (N, V)
+    weakest = int(logits[0].argmin())
+    requests = [biased("x", [0], {weakest: 100.0}, **sampling)] * 8
+    apply_logit_bias(logits, requests)
+    seeds = [sampler.seed_for(r) for r in requests]
+    assert sampler.sample(logits, requests, seeds, list(range(8))) == [weakest] * 8
+
+
+def test_a_bias_of_minus_100_moves_greedy_off_its_token() -> None:
+    sampler = Sampler(CPU)
+    logits = torch.randn(1, 1000)
+    first, second = logits[0].topk(2).indices.tolist()
+    req = biased("x", [0], {first: -100.0})
+    apply_logit_bias(logits, [req])
+    assert sampler.sample(logits, [req], [None], [0]) == [second]
+
+
+@pytest.mark.model
+def test_logit_bias_on_the_engine_beside_plain_rows() -> None:
+    """Forced (greedy and seeded sampling) and banned, while an unbiased row in
+    the same batch is untouched."""
+    prompt, other = prompts(seed=3, count=2)
+    plain = run_schedule(tiny_engine(capacity=1), {0: [request("plain", other)]})["plain"]
+    greedy = run_schedule(tiny_engine(capacity=1), {0: [request("greedy", prompt)]})["greedy"]
+    banned_id = greedy.token_ids[0]
+    batch = [
+        biased("forced", prompt, {17: 100.0}),
+        biased("sampled", prompt, {17: 100.0}, temperature=1.0, seed=5),
+        biased("banned", prompt, {banned_id: -100.0}),
+        request("plain", other),
+    ]
+    finished = run_schedule(tiny_engine(capacity=4), {0: batch})
+    assert finished["forced"].token_ids == [17] * 20
+    assert finished["sampled"].token_ids == [17] * 20
+    assert banned_id not in finished["banned"].token_ids
+    assert finished["banned"].token_ids != greedy.token_ids
+    assert finished["plain"].token_ids == plain.token_ids
+
+
+@pytest.mark.model
+def test_a_biased_seeded_request_is_the_same_alone_and_in_a_batch() -> None:
+    prompt, *others = prompts(seed=4, count=3)
+    bias = {3: 40.0, 9: 40.0, 60: -5.0}  # LOGIT_SCALE makes the outputs peaked
+    seeded = biased("seeded", prompt, bias, temperature=1.0, seed=77)
+    alone = run_schedule(tiny_engine(capacity=3), {0: [seeded]})["seeded"]
+    batchmates = [request("greedy", others[0]), biased("b", others[1], {3: -100.0})]
+    crowded = run_schedule(tiny_engine(capacity=3), {0: batchmates, 2: [seeded]})
+    assert crowded["seeded"].token_ids == alone.token_ids
+    unbiased = biased("seeded", prompt, {}, temperature=1.0, seed=77)
+    assert (
+        run_schedule(tiny_engine(capacity=1), {0: [unbiased]})["seeded"].token_ids
+        != alone.token_ids
+    )
+
+
+@pytest.mark.model
+def test_min_tokens_holds_even_a_bias_of_100_on_eos() -> None:
+    prompt = prompts(seed=5, count=1)[0]
+    eager = GenerateRequest(
+        "eager",
+        "",
+        20,
+        prompt_token_ids=prompt,
+        logit_bias_token_ids=[EOS],
+        logit_bias_values=[100.0],
+        min_tokens=6,
+    )
+    finished = run_schedule(tiny_engine(capacity=1), {0: [eager]})["eager"]
+    assert finished.finish_reason == "stop"
+    assert EOS not in finished.token_ids[:6]
+    assert len(finished.token_ids) <= 7

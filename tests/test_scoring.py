@@ -156,6 +156,44 @@ def test_penalised_rows_match_their_references_beside_plain_rows() -> None:
         assert finished[plain.request_id].token_ids == reference_ids(engine.model, plain)
 
 
+def test_a_logit_bias_before_the_repetition_penalty_matches_hf_sequence_bias() -> None:
+    """HF applies sequence_bias before the repetition penalty, as vLLM applies
+    logit_bias before its penalties."""
+    engine = tiny_engine(capacity=2)
+    prompt = [5, 40, 7, 40, 9, 12, 3, 40]
+    bias = {40: 6.0, 12: -3.0, 100: 2.0}
+    fields = {"logit_bias_token_ids": list(bias), "logit_bias_values": list(bias.values())}
+    biased = request("biased", prompt, 12, repetition_penalty=1.8, ignore_eos=True, **fields)
+    finished = finish(engine, [biased, request("plain", prompt, 12, ignore_eos=True)])
+    with torch.inference_mode():
+        hf = engine.model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            repetition_penalty=1.8,
+            sequence_bias={(token_id,): value for token_id, value in bias.items()},
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+    assert finished["biased"].token_ids == hf
+    assert finished["biased"].token_ids != finished["plain"].token_ids
+
+
+def test_logprobs_are_of_the_logits_before_the_bias() -> None:
+    """As vLLM reports them: a banned token keeps its logprob among the alternatives."""
+    engine = tiny_engine(capacity=2)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = finish(engine, [request("plain", prompt, 1, logprobs=3, ignore_eos=True)])["plain"]
+    assert plain.logprobs is not None
+    banned = plain.token_ids[0]
+    fields = {"logit_bias_token_ids": [banned], "logit_bias_values": [-100.0]}
+    biased = finish(engine, [request("b", prompt, 1, logprobs=3, ignore_eos=True, **fields)])["b"]
+    assert biased.logprobs is not None and biased.token_ids != plain.token_ids
+    assert biased.logprobs.top_token_ids == plain.logprobs.top_token_ids
+    assert biased.logprobs.top_token_ids[0] == banned
+    assert biased.logprobs.top_logprobs == pytest.approx(plain.logprobs.top_logprobs, abs=1e-5)
+
+
 def test_min_tokens_holds_off_eos() -> None:
     engine = tiny_engine(capacity=2, eos_scale=3.0)  # EOS comes early
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -171,8 +209,15 @@ def test_min_tokens_holds_off_eos() -> None:
     [
         {"repetition_penalty": 1.5, "presence_penalty": 0.3, "frequency_penalty": 0.7},
         {"min_tokens": 9, "logprobs": 2},
+        {
+            "logit_bias_token_ids": [EOS, 7, 30],
+            "logit_bias_values": [-3.0, 25.0, 25.0],
+            "temperature": 1.0,
+            "seed": 11,
+            "logprobs": 1,
+        },
     ],
-    ids=["penalties", "min_tokens-logprobs"],
+    ids=["penalties", "min_tokens-logprobs", "logit_bias-seeded"],
 )
 def test_a_resumed_stream_rebuilds_what_depends_on_the_output(fields: dict[str, object]) -> None:
     prompt = [7, 3, 9, 12, 40, 41, 2]

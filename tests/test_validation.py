@@ -7,7 +7,7 @@ import math
 import pytest
 
 from protocol import AbortRequest, ErrorCode, GenerateRequest
-from protocol.limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from protocol.limits import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from protocol.wire import MAX_REQUEST_ID_CHARS
 from worker.engine.interface import RequestRejected
 from worker.serve.validation import RequestLimits, check_generate, is_valid_abort
@@ -39,6 +39,13 @@ def test_a_sound_request_passes() -> None:
         LIMITS,
     )
     check_generate(_request(prompt="", prompt_token_ids=[0, 999], stop_token_ids=[999]), LIMITS)
+    check_generate(
+        _request(
+            logit_bias_token_ids=[*range(MAX_LOGIT_BIAS - 1), 999],
+            logit_bias_values=[-100.0, 100.0, 0.0] + [1.5] * (MAX_LOGIT_BIAS - 3),
+        ),
+        LIMITS,
+    )
 
 
 @pytest.mark.parametrize(
@@ -82,6 +89,41 @@ def test_a_sound_request_passes() -> None:
         ({"logprobs": 21}, ErrorCode.INVALID_REQUEST, "logprobs"),
         ({"logprobs": -1}, ErrorCode.INVALID_REQUEST, "logprobs"),
         ({"prompt_logprobs": 10**6}, ErrorCode.INVALID_REQUEST, "prompt_logprobs"),
+        (
+            {"logit_bias_token_ids": [1000], "logit_bias_values": [1.0]},
+            ErrorCode.INVALID_REQUEST,
+            "logit_bias: token id 1000 is outside the vocabulary (ids are 0 to 999)",
+        ),
+        (
+            {"logit_bias_token_ids": [5], "logit_bias_values": [100.5]},
+            ErrorCode.INVALID_REQUEST,
+            "logit_bias: the bias of token 5 must be in [-100, 100], got 100.5",
+        ),
+        (
+            {"logit_bias_token_ids": [5], "logit_bias_values": [math.nan]},
+            ErrorCode.INVALID_REQUEST,
+            "logit_bias: the bias of token 5",
+        ),
+        (
+            {"logit_bias_token_ids": [5], "logit_bias_values": [-math.inf]},
+            ErrorCode.INVALID_REQUEST,
+            "logit_bias: the bias of token 5",
+        ),
+        (
+            {"logit_bias_token_ids": [5, 6], "logit_bias_values": [1.0]},
+            ErrorCode.INVALID_REQUEST,
+            "logit_bias: 1 values for 2 token ids",
+        ),
+        (
+            {"logit_bias_token_ids": [5, 5], "logit_bias_values": [1.0, 1.0]},
+            ErrorCode.INVALID_REQUEST,
+            "logit_bias: a token id appears more than once",
+        ),
+        (
+            {"logit_bias_token_ids": [1] * 301, "logit_bias_values": [1.0] * 301},
+            ErrorCode.INVALID_REQUEST,
+            "logit_bias: at most 300 entries, got 301",
+        ),
         ({"chat_roles": ["user"]}, ErrorCode.INVALID_REQUEST, "chat_contents"),
         ({"chat_contents": ["hi"]}, ErrorCode.INVALID_REQUEST, "chat_contents"),
         (
@@ -124,6 +166,16 @@ def test_a_huge_id_list_is_refused_on_its_length_before_its_ids_are_read() -> No
 
     with pytest.raises(RequestRejected, match="context window"):
         check_generate(_request(prompt_token_ids=Unreadable([1] * 5_000_000)), LIMITS)
+
+
+def test_a_huge_logit_bias_is_refused_on_its_length_before_its_entries_are_read() -> None:
+    class Unreadable(list[int]):
+        def __iter__(self) -> object:  # type: ignore[override]
+            raise AssertionError("the entries were read")
+
+    huge = Unreadable([1] * 1_000_000)
+    with pytest.raises(RequestRejected, match="logit_bias: at most 300"):
+        check_generate(_request(logit_bias_token_ids=huge, logit_bias_values=huge), LIMITS)
 
 
 def test_the_prompt_bound_is_the_window_times_the_longest_token() -> None:

@@ -50,6 +50,15 @@ def _random_message(rng: random.Random) -> list[bytes]:
         top_k=rng.choice([0, -5, 2**62]),
         seed=rng.choice([None, -1, 2**64 - 1, 7]),
         stop=rng.choice([[], [""], ["z" * 1000], ["a"] * 20]),
+        **rng.choice(
+            [
+                {},
+                {"logit_bias_token_ids": [0x110000], "logit_bias_values": [1.0]},
+                {"logit_bias_token_ids": [1, 2], "logit_bias_values": [math.nan]},
+                {"logit_bias_token_ids": [3, 3], "logit_bias_values": [-math.inf, 1e30]},
+                {"logit_bias_token_ids": [4] * 50_000, "logit_bias_values": [100.0] * 50_000},
+            ]
+        ),
     )
     frame = encode(request)
     if kind == 4:

@@ -1,9 +1,10 @@
 """A torch-free engine for tests: deterministic tokens, optional delay and failures.
 
 Its tokenizer maps each character to its code point. Like a real greedy model,
-each next token is a function of everything before it (`fake_next_token`), so a
-request resumed from its prompt plus some of its output continues exactly as
-it would have, and a test can compute any answer with `expected_text`.
+each next token is a function of everything before it (`fake_next_token`, which
+a logit_bias can move: `fake_biased_token`), so a request resumed from its
+prompt plus some of its output continues exactly as it would have, and a test
+can compute any answer with `expected_text`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ class CharTokenizer:
 def fake_next_token(context: Seq[int]) -> int:
     """The fake model's next token after ``context`` (prompt and output so far)."""
     return ord("a") + (sum(context) * 31 + len(context) * 7) % 26
+
+
+FAKE_OTHER_LOGIT = -50.0
+
+
+def fake_biased_token(token_id: int, request: GenerateRequest) -> int:
+    """The fake model's choice under ``request``'s logit_bias, taking its logits to
+    be 0 for ``token_id`` (its own choice), -1 for the code point after it and -50
+    for every other token: the highest biased logit wins, the first of a tie."""
+    if not request.logit_bias_token_ids:
+        return token_id
+    bias = dict(zip(request.logit_bias_token_ids, request.logit_bias_values, strict=True))
+    runner_up = (token_id + 1) % FAKE_VOCAB_SIZE
+    logits = {token_id: 0.0, runner_up: -1.0}
+    candidates = [token_id, runner_up, *request.logit_bias_token_ids]
+    return max(candidates, key=lambda t: logits.get(t, FAKE_OTHER_LOGIT) + bias.get(t, 0.0))
 
 
 def fake_logprob(token_id: int, num_top: int) -> TokenLogprob:
@@ -142,7 +159,9 @@ class FakeEngine(SlotEngine):
         return self._next_tokens(active)
 
     def _next_tokens(self, seqs: list[Sequence]) -> list[int]:
-        next_ids = [fake_next_token(seq.context_token_ids) for seq in seqs]
+        next_ids = [
+            fake_biased_token(fake_next_token(seq.context_token_ids), seq.request) for seq in seqs
+        ]
         for seq, token_id in zip(seqs, next_ids, strict=True):
             if seq.request.logprobs is not None and seq.finish_reason is None:
                 seq.record_logprob(fake_logprob(token_id, seq.request.logprobs))

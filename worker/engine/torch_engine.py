@@ -26,7 +26,7 @@ from worker.model.loader import LoadedModel, load_model
 from worker.model.penalties import apply_penalties, suppress_early_stops
 from worker.model.precision import Precision
 from worker.model.projection import num_matmul_shapes
-from worker.model.sampler import Sampler, check_sampling
+from worker.model.sampler import Sampler, apply_logit_bias, check_sampling
 from worker.serve.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -251,14 +251,18 @@ class TorchEngine(SlotEngine):
     def _choose(
         self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int | None]
     ) -> list[int]:
-        """Each row's next token, after penalties and min_tokens, recording its
-        logprobs (of the raw logits) where the request asks for them."""
+        """Each row's next token, after logit_bias, penalties and min_tokens (vLLM's
+        order), recording its logprobs where the request asks for them."""
         scored = [
             i
             for i, seq in enumerate(seqs)
             if seq.request.logprobs is not None and seq.finish_reason is None
         ]
+        # Logprobs are of the raw logits, before logit_bias and the penalties, as
+        # vLLM reports them by default: its sampler computes them (logprobs_mode
+        # raw_logprobs) before its logit-bias processor runs.
         raw = logits[self._tensor(scored)].float().log_softmax(dim=-1) if scored else None
+        apply_logit_bias(logits, [seq.request for seq in seqs])
         apply_penalties(logits, seqs)
         suppress_early_stops(logits, seqs)
         next_ids = self.sampler.sample(

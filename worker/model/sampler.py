@@ -1,11 +1,13 @@
 """Next-token choice for a batch that mixes greedy and sampled requests.
 
-Greedy rows (temperature 0) take the argmax, and an all-greedy batch costs nothing
-more. Sampled rows are scaled by their temperature, filtered by their top_k and
-top_p, and drawn by Gumbel-max, all vectorised over the rows. A sampled row's noise
-is a function of its request's seed and the output position it draws, nothing else:
-a seeded request gives the same tokens whatever its batchmates, and a stream
-resumed on another worker draws what the interrupted one would have drawn.
+A row's logit_bias is added first (`apply_logit_bias`, which the engine calls
+before the penalties). Greedy rows (temperature 0) take the argmax, and an
+all-greedy batch costs nothing more. Sampled rows are scaled by their
+temperature, filtered by their top_k and top_p, and drawn by Gumbel-max, all
+vectorised over the rows. A sampled row's noise is a function of its request's
+seed and the output position it draws, nothing else: a seeded request gives the
+same tokens whatever its batchmates, and a stream resumed on another worker
+draws what the interrupted one would have drawn.
 """
 
 from __future__ import annotations
@@ -50,6 +52,24 @@ def noise_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _UINT64
     return z ^ (z >> 31)
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[GenerateRequest]) -> None:
+    """Add ``requests[i]``'s logit_bias to row i of ``logits`` (N, V), in place:
+    one scatter-add over every biased row, and a batch with none costs one
+    Python scan. The ids are in the vocabulary and distinct (the worker checked)."""
+    rows: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i, request in enumerate(requests):
+        if request.logit_bias_token_ids:
+            rows += [i] * len(request.logit_bias_token_ids)
+            token_ids += request.logit_bias_token_ids
+            values += request.logit_bias_values
+    if rows:
+        index = to_device([rows, token_ids], logits.device, torch.long)  # (2, K)
+        bias = to_device(values, logits.device, logits.dtype)  # (K,)
+        logits.index_put_((index[0], index[1]), bias, accumulate=True)
 
 
 class Sampler:

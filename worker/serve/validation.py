@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from protocol import AbortRequest, ErrorCode, GenerateRequest
 from protocol.limits import (
     MAX_CHAT_MESSAGES,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
     MAX_PRESENCE_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -102,7 +104,11 @@ def _first_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str
                 f"{name}: token id {max(token_ids)} is outside the vocabulary "
                 f"(ids are 0 to {limits.vocab_size - 1})"
             )
-    return _sampling_problem(request) or _scoring_problem(request)
+    return (
+        _sampling_problem(request)
+        or _logit_bias_problem(request, limits)
+        or _scoring_problem(request)
+    )
 
 
 def _prompt_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str, str] | None:
@@ -180,6 +186,34 @@ def _scoring_problem(request: GenerateRequest) -> tuple[str, str] | None:
         num_top: int | None = getattr(request, name)
         if num_top is not None and not 0 <= num_top <= MAX_LOGPROBS:
             return invalid, f"{name}: must be 0 to {MAX_LOGPROBS}, got {num_top}"
+    return None
+
+
+def _logit_bias_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str, str] | None:
+    """Counted before any entry is read; an id twice would be biased twice."""
+    invalid = ErrorCode.INVALID_REQUEST
+    token_ids, values = request.logit_bias_token_ids, request.logit_bias_values
+    if len(token_ids) > MAX_LOGIT_BIAS:
+        return invalid, f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(token_ids):,}"
+    if len(values) != len(token_ids):
+        return invalid, (
+            f"logit_bias: {len(values):,} values for {len(token_ids):,} token ids; "
+            "each entry has one of each"
+        )
+    if token_ids and max(token_ids) >= limits.vocab_size:
+        return invalid, (
+            f"logit_bias: token id {max(token_ids)} is outside the vocabulary "
+            f"(ids are 0 to {limits.vocab_size - 1})"
+        )
+    if len(set(token_ids)) != len(token_ids):
+        return invalid, "logit_bias: a token id appears more than once; give each one bias"
+    limit = MAX_LOGIT_BIAS_VALUE
+    for token_id, value in zip(token_ids, values, strict=True):
+        if not (math.isfinite(value) and abs(value) <= limit):
+            return invalid, (
+                f"logit_bias: the bias of token {token_id} must be in [-{limit:g}, {limit:g}], "
+                f"got {value}"
+            )
     return None
 
 
