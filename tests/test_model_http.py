@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from tests.stack import running_stack
@@ -50,6 +51,17 @@ def test_context_overflow_is_422_with_both_numbers_and_the_limit(
         assert too_long.status_code == 422
         message = too_long.json()["error"]["message"]
         assert "prompt is 5 tokens + max_new_tokens 60 > context window 64" in message
+        # The torch worker's memory in /metrics, and in /health how it computes.
+        metrics = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(httpx.get(f"{stack.url}/metrics").text)
+            for sample in family.samples
+        }
+        # 2 layers x {K, V} x 8 slots x 4 heads x 64 positions x 16 head_dim, float32
+        assert metrics["minibatch_worker_kv_cache_bytes"] == 2 * 2 * 8 * 4 * 64 * 16 * 4
+        assert metrics["minibatch_worker_matmul_shapes"] > 0  # the prefill just run
+        assert metrics["minibatch_worker_rss_bytes"] > metrics["minibatch_worker_kv_cache_bytes"]
+        assert "kernels" in stack.health().json()["workers"][0]["compute"]
 
 
 def test_echoed_logprobs_over_http_match_hf_on_the_same_weights(

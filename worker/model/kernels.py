@@ -84,8 +84,10 @@ class KernelIsaError(ConfigError):
     """KERNEL_ISA names an ISA that is unknown or that this CPU cannot run."""
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The feature flags the kernel reports for this CPU (x86 Linux), else none."""
+    """The feature flags the kernel reports for this CPU (x86 Linux), else none;
+    read once (every projection asks which build to load)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:

@@ -14,9 +14,11 @@ rather than a timing, so that every worker on a machine chooses the same: a
 token's keys then do not depend on whether it was prefilled or decoded, nor on
 which worker computed them, and a resumed stream continues bit for bit. The
 rule: stored in fewer bytes than float32, the kernel (it reads half or a quarter
-of the bytes: on a 2-vCPU Xeon with AVX-512, the LM head (50257 x 768) at 8 rows
-took 5.2 ms in float16, 1.9 in int8, against oneDNN's 7.5 on the float32 copy);
-in float32, oneDNN where torch packs for it (10.5 ms in the kernel there).
+of the bytes: on a 2-vCPU Intel Xeon with AVX-512 and VNNI, the LM head
+(50257 x 768) at 8 rows took 6.7 ms in float16, 2.4 in int8, against oneDNN's
+7.2 on the float32 copy, `bench.kernel_bench`); in float32, oneDNN where torch
+packs for it (10.2 ms in the kernel there). On another CPU the float32 choice
+may cost speed (the old kernel led on an AMD EPYC); it is kept for exactness.
 Within either path a row's product does not depend on its batchmates: the
 kernel sums each row in the same order whatever the rows, and oneDNN does for 2
 rows or more (a lone row, which it multiplies another way, goes in as two).
@@ -166,8 +168,10 @@ class Projection:
         num_rows = rows.shape[0]
         if num_rows == 0:
             y = rows.new_empty(0, self.out_features)
+        elif self.decode_path == "kernel" and num_rows <= MAX_ROWS:
+            y = self.kernel(rows)  # a decode step: no copy into a joined output
         elif self.decode_path == "kernel":
-            # Any number of rows, MAX_ROWS a call: each row's product is the same.
+            # Prefill's rows, MAX_ROWS a call: each row's product is decode's.
             y = torch.cat(
                 [self.kernel(rows[i : i + MAX_ROWS]) for i in range(0, num_rows, MAX_ROWS)]
             )
