@@ -30,6 +30,11 @@ _WORD_TEXT = (
 _WORDS = _WORD_TEXT.split()
 
 
+def words(rng: random.Random, num: int) -> str:
+    """``num`` common words, drawn with ``rng``: about as many GPT-2 tokens."""
+    return " ".join(rng.choice(_WORDS) for _ in range(num))
+
+
 def make_workload(
     num_requests: int = 32,
     seed: int = 0,
@@ -43,7 +48,7 @@ def make_workload(
     requests = []
     for i in range(num_requests):
         num_words = rng.randint(*prompt_words)
-        prompt = " ".join(rng.choice(_WORDS) for _ in range(num_words)).capitalize()
+        prompt = words(rng, num_words).capitalize()
         requests.append(
             GenerateRequest(
                 request_id=f"bench-{i}",

@@ -50,6 +50,17 @@ class Metrics:
             "Tokens generated for finished requests",
             registry=registry,
         )
+        # In tokens, as vLLM counts them: prompt tokens looked up, and those found.
+        self.prefix_cache_queries = Counter(
+            "minibatch_prefix_cache_queries",
+            "Prompt tokens of finished requests, each looked up in the workers' prefix caches",
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "minibatch_prefix_cache_hits",
+            "Prompt tokens of finished requests whose keys and values a prefix cache held",
+            registry=registry,
+        )
         self.e2e_latency = Histogram(
             "minibatch_e2e_request_latency_seconds",
             "From accepting a request to its result",
@@ -82,6 +93,8 @@ class Metrics:
     def observe_result(self, endpoint: str, result: GenerateResult, e2e_s: float) -> None:
         self.count_request(endpoint, 200, result.finish_reason)
         self.prompt_tokens.inc(result.prompt_tokens)
+        self.prefix_cache_queries.inc(result.prompt_tokens)
+        self.prefix_cache_hits.inc(result.cached_tokens)
         self.generation_tokens.inc(result.completion_tokens)
         self.e2e_latency.observe(e2e_s)
         self.queue_time.observe(result.queue_wait_ms / 1000)

@@ -125,7 +125,7 @@ class _Completion(Envelope):
         self,
         text: str | None,
         finish_reason: str | None,
-        usage: dict[str, int] | None,
+        usage: dict[str, Any] | None,
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         choices = (

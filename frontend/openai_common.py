@@ -133,7 +133,7 @@ class Envelope:
         self.created = int(time.time())
 
     def wrap(
-        self, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None
+        self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None
     ) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -145,7 +145,7 @@ class Envelope:
         }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -153,8 +153,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def result_usage(result: GenerateResult) -> dict[str, int]:
-    return usage(result.prompt_tokens, result.completion_tokens)
+def result_usage(result: GenerateResult) -> dict[str, Any]:
+    """A finished request's usage, with how many prompt tokens the prefix cache
+    served, as OpenAI reports them."""
+    return {
+        **usage(result.prompt_tokens, result.completion_tokens),
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+    }
 
 
 class UsageStream:
@@ -172,5 +177,5 @@ class UsageStream:
         self.prompt_tokens = prompt_tokens or self.prompt_tokens
         self.completion_tokens += num_new_tokens
 
-    def so_far(self) -> dict[str, int] | None:
+    def so_far(self) -> dict[str, Any] | None:
         return usage(self.prompt_tokens, self.completion_tokens) if self.is_continuous else None

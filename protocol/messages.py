@@ -219,6 +219,8 @@ class GenerateResult:
     prompt_logprobs: Logprobs | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
+    # Prompt tokens whose keys and values came from the worker's prefix cache.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

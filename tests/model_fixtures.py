@@ -103,14 +103,17 @@ def tiny_engine(
     eos_scale: float = 1.0,
     mode: str = "float32",
     prefill_chunk_tokens: int = 0,
+    prefix_cache: bool = True,
 ) -> TorchEngine:
-    """On the CPU, in one of worker.model.precision's MODES."""
+    """On the CPU, in one of worker.model.precision's MODES (the prefix cache is
+    on only with chunked prefill)."""
     precision = Precision.for_device(torch.device("cpu"), *MODES[mode])
     return TorchEngine(
         tiny_model(seed, eos_scale),
         capacity,
         precision=precision,
         prefill_chunk_tokens=prefill_chunk_tokens,
+        prefix_cache=prefix_cache,
     )
 
 

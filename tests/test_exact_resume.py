@@ -16,8 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedTokenizerFast
 
 from tests.stack import Stack, openai_client, running_stack
@@ -52,12 +54,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _bodies() -> list[dict[str, Any]]:
     """Seeded, sampled requests: a third with stop strings, some penalised, some
     with min_tokens or a logit_bias, some asking for logprobs, which are compared
-    too."""
+    too; a third begin with one shared prefix, which the prefix cache serves."""
     rng = random.Random(23)
+    shared = " ".join(rng.choice(WORDS) for _ in range(20))
     bodies = []
     for i in range(NUM_REQUESTS):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 24)))
         body: dict[str, Any] = {
-            "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 24))),
+            "prompt": f"{shared} {prompt}" if i % 3 == 1 else prompt,
             "max_tokens": rng.randint(24, 48),
             "temperature": 0.9,
             "top_p": 0.95,
@@ -160,6 +164,7 @@ def _assert_resumes_exact(
             lambda: midway.extend(_kill_under_load(stack, load, num_chunks, pick_victim, replaced)),
         )
     assert min(midway) > 0, f"streams mid-way at each kill: {midway}"
+    assert _prefix_cache_hits(stack) > 0  # some prompts (and resumes) took cached rows
     assert stack.log("supervisor").count("replaying") >= NUM_KILLS
     differing = [i for i, (a, b) in enumerate(zip(fault_free, faulted, strict=True)) if a != b]
     in_text = [i for i in differing if fault_free[i][:2] != faulted[i][:2]]
@@ -168,6 +173,16 @@ def _assert_resumes_exact(
         f"{len(in_text)} in their text (the rest in logprobs; streams mid-way at each "
         f"kill: {midway}); first: {differing[0]}\n"
         f"fault-free: {fault_free[differing[0]]}\nfaulted:    {faulted[differing[0]]}"
+    )
+
+
+def _prefix_cache_hits(stack: Stack) -> float:
+    metrics = text_string_to_metric_families(httpx.get(f"{stack.url}/metrics").text)
+    return next(
+        sample.value
+        for family in metrics
+        for sample in family.samples
+        if sample.name == "minibatch_prefix_cache_hits_total"
     )
 
 

@@ -99,3 +99,41 @@ def test_echoed_logprobs_over_http_match_hf_on_the_same_weights(
     assert generated is not None and abs(generated - reference[-1].max().item()) < 1e-4
     assert chat.choices[0].message.content and chat.usage is not None
     assert chat.usage.prompt_tokens == len(gpt2_tokenizer().encode("User: Hi\n\nAssistant:").ids)
+
+
+def test_the_prefix_cache_over_http_counts_what_it_served(
+    tmp_path: Path, small_model_dir: Path
+) -> None:
+    """Each answer's usage says how many prompt tokens came from the prefix cache,
+    /metrics counts them, and the answers are the ones computed in full."""
+    system = [(7 * i) % 500 + 10 for i in range(20)]  # 20 tokens: two blocks of 8
+    overrides = {"MODEL_ID": str(small_model_dir), "DEVICE": "cpu", "PREFILL_CHUNK_TOKENS": "8"}
+    answers = {}
+    for prefix_cache in ("0", "1"):
+        with running_stack(
+            tmp_path / prefix_cache, {**overrides, "PREFIX_CACHE": prefix_cache}, supervised=False
+        ) as stack:
+            stack.wait_live(timeout_s=120)
+            client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+            model_name = client.models.list().data[0].id
+            completions = [
+                client.completions.create(
+                    model=model_name, prompt=[prompt], max_tokens=4, temperature=0
+                )
+                for prompt in ([*system, 1, 2, 3], [*system, 4, 5], [*system, 1, 2, 3])
+            ]
+            metrics = {
+                sample.name: sample.value
+                for family in text_string_to_metric_families(httpx.get(f"{stack.url}/metrics").text)
+                for sample in family.samples
+            }
+        answers[prefix_cache] = [c.choices[0].text for c in completions]
+        cached = []
+        for completion in completions:
+            assert completion.usage is not None and completion.usage.prompt_tokens_details
+            cached.append(completion.usage.prompt_tokens_details.cached_tokens)
+        expected = [0, 0, 0] if prefix_cache == "0" else [0, 16, 23]  # blocks; then all
+        assert cached == expected
+        assert metrics["minibatch_prefix_cache_queries_total"] == 23 + 22 + 23
+        assert metrics["minibatch_prefix_cache_hits_total"] == sum(expected)
+    assert answers["1"] == answers["0"]

@@ -44,6 +44,7 @@ class Sequence:
         self.prompt_text: str | None = None  # the prompt as text, when echo needs it
         self.output_token_ids: list[int] = []
         self.slot = slot
+        self.num_cached_tokens = 0  # prompt rows taken from the prefix cache, not computed
         self.finish_reason: str | None = "length" if request.max_new_tokens == 0 else None
         self._tokenizer = tokenizer
         self._stop_ids = set(request.stop_token_ids)

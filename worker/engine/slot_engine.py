@@ -20,6 +20,7 @@ from worker.engine.interface import (
     StepOutput,
 )
 from worker.engine.logprobs import TokenLogprob, pack
+from worker.engine.prefix_cache import Match, PrefixCache
 from worker.engine.sequence import Sequence, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -33,12 +34,20 @@ class SlotEngine(InferenceEngine):
         capacity: int,
         chat_template: ChatTemplate | None = None,
         prefill_chunk_tokens: int = 0,
+        prefix_cache: bool = False,
     ) -> None:
         """``prefill_chunk_tokens`` > 0: newcomers' contexts are run into their
         slots at most that many tokens per step, between decode steps, so that a
-        long prompt does not hold up the running streams (0: whole, at admit)."""
+        long prompt does not hold up the running streams (0: whole, at admit).
+        ``prefix_cache``: reuse the rows of prompts seen before (`PrefixCache`);
+        it needs chunked prefill, whose aligned blocks make reused rows exact."""
         self.info = info
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefix_cache = (
+            PrefixCache(capacity, prefill_chunk_tokens)
+            if prefix_cache and prefill_chunk_tokens > 0
+            else None
+        )
         # Admitted sequences whose context is not yet all in their slot, by request
         # id in admission order (oldest first), each with how many of its context
         # tokens are.
@@ -75,6 +84,18 @@ class SlotEngine(InferenceEngine):
     def _release(self, slot: int) -> None:
         """Hook: a slot was freed."""
 
+    def _copy_rows(self, source: Match, slot: int, start: int) -> None:
+        """For the prefix cache: copy cache rows [start, source.num_tokens) of
+        ``source.slot`` into ``slot``, and the logits kept after its prompt when
+        ``source.is_whole``."""
+        raise NotImplementedError(f"{type(self).__name__} has no prefix cache")
+
+    def _first_token_from_kept_logits(self, seq: Sequence) -> int:
+        """For the prefix cache: ``seq``'s first token, from the logits kept in its
+        slot after its whole prompt (`_prefill_chunks` keeps them for every
+        prompt it completes that is not scored)."""
+        raise NotImplementedError(f"{type(self).__name__} has no prefix cache")
+
     # --- the seam -------------------------------------------------------------------
 
     @property
@@ -99,9 +120,8 @@ class SlotEngine(InferenceEngine):
         free = [i for i, seq in enumerate(self._slots) if seq is None]
         if len(requests) > len(free):
             raise ValueError(f"{len(requests)} requests for {len(free)} free slots")
-        newcomers = [
-            self._new_sequence(request, slot) for request, slot in zip(requests, free, strict=False)
-        ]
+        newcomers = [self._new_sequence(request, free[0]) for request in requests]
+        self._place(newcomers, free)  # each its own slot
         # A resumed sequence whose streamed output already finished it (its result
         # was lost with the old worker), or one asked for no tokens, needs no model
         # unless its prompt is to be scored: the next step answers it.
@@ -122,10 +142,34 @@ class SlotEngine(InferenceEngine):
                 self._take_first_token(seq, token_id)
         return [seq.request_id for seq in newcomers]
 
+    def _place(self, newcomers: list[Sequence], free: list[int]) -> None:
+        """Give each newcomer a free slot: in order; with the prefix cache, the one
+        holding most of its prompt, else the least recently used. Those that find
+        their prompt choose first, so that the others do not evict it."""
+        cache = self.prefix_cache
+        if cache is None:
+            for seq, slot in zip(newcomers, free, strict=False):
+                seq.slot = slot
+            return
+        reusing = [
+            seq
+            for seq in newcomers
+            if not seq.wants_prompt_logprobs and cache.best_match(seq.prompt_token_ids, free)
+        ]
+        for seq in reusing + [seq for seq in newcomers if seq not in reusing]:
+            prompt = None if seq.wants_prompt_logprobs else seq.prompt_token_ids
+            seq.slot = cache.choose_free_slot(prompt, free)
+            free.remove(seq.slot)
+            cache.claim(seq.slot, seq.prompt_token_ids)
+            if seq.wants_prompt_logprobs:
+                cache.forget(seq.slot)  # scored prompts go in whole, not in blocks
+
     def step(self, on_prefilled: Callable[[StepOutput], None] | None = None) -> StepOutput:
         output = StepOutput()
         # prefill
         if self._num_prefilled:
+            if self.prefix_cache is not None:
+                self._reuse_cached_rows(self.prefix_cache)
             self._run_chunks(self._next_chunks(), output)
         # Newcomers whose first token finished them leave before the decode.
         self._collect(output)
@@ -139,6 +183,45 @@ class SlotEngine(InferenceEngine):
                 seq.append(token_id)
             self._collect(output)
         return output
+
+    def _reuse_cached_rows(self, cache: PrefixCache) -> None:
+        """Move each newcomer still prefilling past the rows of its prompt that a
+        slot holds (copied in when that slot is another's); one whose whole
+        prompt a slot holds, with the logits after it, takes its first token
+        from those logits and prefills nothing."""
+        for request_id, done in list(self._num_prefilled.items()):
+            seq = self._by_id[request_id]
+            if seq.wants_prompt_logprobs:
+                continue
+            match = cache.best_match(seq.prompt_token_ids)
+            if match is None or match.num_tokens <= done:
+                continue
+            if match.slot != seq.slot:
+                self._copy_rows(match, seq.slot, done)
+                cache.copied(match, seq.slot)
+            seq.num_cached_tokens += match.num_tokens - done
+            self._num_prefilled[request_id] = match.num_tokens
+            if match.num_tokens == len(seq.context_token_ids):
+                del self._num_prefilled[request_id]
+                self._take_first_token(seq, self._first_token_from_kept_logits(seq))
+
+    def _waits_for_shared_rows(
+        self, seq: Sequence, done: int, chunks: list[tuple[Sequence, int, int]]
+    ) -> bool:
+        """Whether ``seq``'s next rows are being computed this step by an older
+        newcomer whose prompt begins the same way: it takes them from that slot
+        next step instead of computing them twice (the n choices of one request,
+        a burst of requests with one system prompt)."""
+        if self.prefix_cache is None or seq.wants_prompt_logprobs:
+            return False
+        for other, _, end in chunks:
+            if not other.wants_prompt_logprobs:
+                written = min(end, len(other.prompt_token_ids))
+                rows = other.prompt_token_ids[:written]
+                is_whole = written == len(other.prompt_token_ids)
+                if self.prefix_cache.num_shared(seq.prompt_token_ids, rows, is_whole) > done:
+                    return True
+        return False
 
     def _next_chunks(self) -> list[tuple[Sequence, int, int]]:
         """This step's chunks: up to ``prefill_chunk_tokens`` more context tokens
@@ -160,6 +243,8 @@ class SlotEngine(InferenceEngine):
         chunks: list[tuple[Sequence, int, int]] = []
         for request_id, done in self._num_prefilled.items():
             seq = self._by_id[request_id]
+            if self._waits_for_shared_rows(seq, done, chunks):
+                continue
             end = len(seq.context_token_ids)
             if holds_up_streams and not (seq.is_resumed or seq.wants_prompt_logprobs):
                 end = min(end, done + budget)
@@ -190,6 +275,9 @@ class SlotEngine(InferenceEngine):
             return
         for seq, _, end in chunks:
             self._num_prefilled[seq.request_id] = end
+            if self.prefix_cache is not None and not seq.wants_prompt_logprobs:
+                written = min(end, len(seq.prompt_token_ids))
+                self.prefix_cache.written(seq.slot, seq.prompt_token_ids, written)
         finished = [seq for seq, _, end in chunks if end == len(seq.context_token_ids)]
         for seq, token_id in zip(finished, first_tokens, strict=True):
             del self._num_prefilled[seq.request_id]
@@ -212,6 +300,8 @@ class SlotEngine(InferenceEngine):
         dropped = list(self._by_id)
         for seq in list(self._by_id.values()):
             self._free(seq)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_all()  # the failed step may have half written rows
         return dropped
 
     # --- internals --------------------------------------------------------------------
@@ -228,9 +318,18 @@ class SlotEngine(InferenceEngine):
     def _scratch_position(self, slot: int) -> int:
         """A position of ``slot``'s cache row that a dummy decode row (for a slot
         not decoding this step) may write: one that nothing reads before its
-        owner writes it. A free slot's 0; a prefilling one's next position."""
+        owner writes it. A free slot's first one the prefix cache does not hold;
+        a prefilling one's next position."""
         seq = self._slots[slot]
-        return 0 if seq is None else self._num_prefilled.get(seq.request_id, 0)
+        if seq is not None:
+            return self._num_prefilled.get(seq.request_id, 0)
+        if self.prefix_cache is None:
+            return 0
+        position = self.prefix_cache.num_rows_held(slot)
+        if position >= self.info.context_window:
+            self.prefix_cache.forget(slot)
+            return 0
+        return position
 
     def _collect(self, output: StepOutput) -> None:
         # A sequence still prefilling has nothing to send, and is not done even if
@@ -264,6 +363,7 @@ class SlotEngine(InferenceEngine):
             prompt_logprobs=self._take_prompt_logprobs(seq),
             prompt_token_ids=list(seq.prompt_token_ids) if seq.request.echo else None,
             prompt_text=seq.prompt_text,
+            num_cached_tokens=seq.num_cached_tokens,
         )
         self._free(seq)
         return finished
@@ -293,4 +393,6 @@ class SlotEngine(InferenceEngine):
         self._slots[seq.slot] = None
         del self._by_id[seq.request_id]
         self._num_prefilled.pop(seq.request_id, None)  # aborted before all of it was in
+        if self.prefix_cache is not None:
+            self.prefix_cache.released(seq.slot)
         self._release(seq.slot)

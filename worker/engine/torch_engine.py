@@ -17,6 +17,7 @@ from protocol.settings import ConfigError
 from worker.engine.chat_template import ChatTemplate, choose_chat_template
 from worker.engine.interface import ModelInfo
 from worker.engine.logprobs import UNSCORED, TokenLogprob
+from worker.engine.prefix_cache import Match
 from worker.engine.sequence import Sequence
 from worker.engine.slot_engine import SlotEngine
 from worker.model.decode_step import SHORTEST_GRAPH_LENGTH, Buckets, DecodeStep, cuda_graph_capture
@@ -55,6 +56,7 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
         gpt2,
         config.prefill_chunk_tokens,
         config.cuda_graphs,
+        config.prefix_cache,
     )
 
 
@@ -120,11 +122,13 @@ class TorchEngine(SlotEngine):
         gpt2: GPT2 | None = None,
         prefill_chunk_tokens: int = 0,
         cuda_graphs: bool = True,
+        prefix_cache: bool = True,
     ) -> None:
         """``precision`` defaults to the loaded model's own dtype throughout;
         ``gpt2``, the model's weights already made into the engine's, to ``loaded``;
         ``prefill_chunk_tokens``: see `SlotEngine`; ``cuda_graphs``: on CUDA, decode
-        steps replay graphs captured here (`worker.model.decode_step`)."""
+        steps replay graphs captured here (`worker.model.decode_step`);
+        ``prefix_cache``: see `SlotEngine`."""
         config = loaded.model.config
         self.precision = precision or Precision.uniform(loaded.model.dtype)
         self.gpt2 = gpt2 or GPT2(loaded.model, self.precision)
@@ -138,7 +142,9 @@ class TorchEngine(SlotEngine):
             compute=f"{self.precision.describe()}; {self.gpt2.describe_kernels()}",
             kv_cache_bytes=self.cache.kv.numel() * self.cache.kv.element_size(),
         )
-        super().__init__(info, loaded.tokenizer, capacity, chat_template, prefill_chunk_tokens)
+        super().__init__(
+            info, loaded.tokenizer, capacity, chat_template, prefill_chunk_tokens, prefix_cache
+        )
         self.model = loaded.model
         self.device = self.gpt2.device
         graphs = None
@@ -148,6 +154,9 @@ class TorchEngine(SlotEngine):
         self.decode_step = DecodeStep(self.gpt2, self.cache, capacity, graphs)
         self.sampler = Sampler(self.device)
         self._seeds: list[int | None] = [None] * capacity  # by slot; None: greedy
+        # By slot, for the prefix cache: the logits after the whole prompt whose
+        # rows it holds, so that the same prompt again needs no prefill at all.
+        self._kept_logits: torch.Tensor | None = None  # (slots, V)
         logger.info(
             "serving %s%s; %s; %s",
             loaded.name,
@@ -182,6 +191,8 @@ class TorchEngine(SlotEngine):
         if in_prompt:
             after = self._prefill_in_blocks([prompts[i] for i in in_prompt])
             last.update(zip(in_prompt, after, strict=True))
+            if self.prefix_cache is not None:
+                self._keep_prompt_logits([(prompts[i], last[i]) for i in in_prompt])
         for i, (seq, start, end) in enumerate(chunks):
             first = max(start, len(seq.prompt_token_ids))
             if first < end:
@@ -193,6 +204,29 @@ class TorchEngine(SlotEngine):
         finishing = [chunks[i][0] for i in ending]
         logits = torch.stack([last[i] for i in ending])
         return self._choose(logits, finishing, [self._seeds[seq.slot] for seq in finishing])
+
+    def _keep_prompt_logits(
+        self, chunks: list[tuple[tuple[Sequence, int, int], torch.Tensor]]
+    ) -> None:
+        """Keep the logits after each prompt these chunks complete (see `SlotEngine`)."""
+        for (seq, _, end), logits in chunks:
+            if end == len(seq.prompt_token_ids) and not seq.wants_prompt_logprobs:
+                if self._kept_logits is None:
+                    self._kept_logits = logits.new_empty(self.capacity, logits.shape[-1])
+                self._kept_logits[seq.slot] = logits
+
+    @torch.inference_mode()
+    def _copy_rows(self, source: Match, slot: int, start: int) -> None:
+        rows = slice(start, source.num_tokens)
+        self.cache.kv[:, :, slot, :, rows] = self.cache.kv[:, :, source.slot, :, rows]
+        if source.is_whole and self._kept_logits is not None:
+            self._kept_logits[slot] = self._kept_logits[source.slot]
+
+    @torch.inference_mode()
+    def _first_token_from_kept_logits(self, seq: Sequence) -> int:
+        assert self._kept_logits is not None, "a whole prompt is held only after its logits"
+        logits = self._kept_logits[seq.slot : seq.slot + 1].clone()  # (1, V); _choose biases it
+        return self._choose(logits, [seq], [self._seeds[seq.slot]])[0]
 
     def _prefill_in_blocks(self, chunks: list[tuple[Sequence, int, int]]) -> list[torch.Tensor]:
         """Prefill prompt positions [start, end) of each sequence a block of

@@ -82,6 +82,13 @@ class WorkerConfig:
         "between decode steps, so that a long prompt does not stall the running streams; "
         "0: each prompt whole, at once",
     )
+    prefix_cache: bool = setting(
+        "PREFIX_CACHE",
+        True,
+        "keep each finished prompt's keys and values in its slot until the slot is needed, "
+        "and reuse them for a later prompt that begins the same way (whole blocks of "
+        "PREFILL_CHUNK_TOKENS; off when that is 0); 0: every prompt computed in full",
+    )
     bfloat16_products: bool = setting(
         "BFLOAT16_PRODUCTS",
         False,

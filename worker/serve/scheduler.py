@@ -181,6 +181,7 @@ class Scheduler:
             prompt_logprobs=finished.prompt_logprobs,
             prompt_token_ids=finished.prompt_token_ids,
             prompt_text=finished.prompt_text,
+            cached_tokens=finished.num_cached_tokens,
         )
 
 
