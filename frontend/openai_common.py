@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -153,13 +154,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def result_usage(result: GenerateResult) -> dict[str, int]:
-    return usage(result.prompt_tokens, result.completion_tokens)
+def results_usage(results: Sequence[GenerateResult]) -> dict[str, int]:
+    """A request's usage, as OpenAI counts it: its prompt once, and the tokens of
+    every choice it generated (best_of's too)."""
+    return usage(results[0].prompt_tokens, sum(result.completion_tokens for result in results))
 
 
 class UsageStream:
     """Usage for a stream's chunks: after the stream (include_usage) and, with
-    continuous_usage_stats, so far in every chunk, as vLLM sends it."""
+    continuous_usage_stats, so far in every chunk, as vLLM sends it; one for all
+    of a request's choices."""
 
     def __init__(self, body: OpenAIBody) -> None:
         options = body.stream_options
