@@ -77,9 +77,11 @@ async def chat_completions(request: Request) -> Response:
 
     def stream(accepted: Accepted) -> ChoiceStream:
         usage = UsageStream(body)
-        return ChoiceStream(
-            chat, _CHUNK, usage, n, lambda index: _ChatStream(chat, body, index, usage)
-        )
+
+        def chunks(index: int) -> _ChatStream:
+            return _ChatStream(chat, body, index, usage)
+
+        return ChoiceStream(chat, _CHUNK, usage, n, chunks)
 
     return await respond(request, work, ENDPOINT, final, stream, read.headers, n)
 

@@ -3,9 +3,10 @@
 Each endpoint supplies a `StreamFormat` that turns deltas, results and a late
 error into SSE frames. A request with several choices streams them interleaved
 as they arrive, each delta and result with its choice's index, and ends once
-every choice has its result. The response starts only once the first event arrives, so
-a request the worker refuses outright (say, a prompt beyond the context window)
-still gets a plain HTTP error; an error after that goes out as an event.
+every choice has its result. The response starts only once the first event
+arrives, so a request the worker refuses outright (say, a prompt beyond the
+context window) still gets a plain HTTP error; an error after that goes out as
+an event.
 """
 
 from __future__ import annotations
