@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from protocol.limits import MAX_CHOICES
 from worker.engine.fake_engine import FAKE_VOCAB_SIZE
 
 GPT2_VOCAB_SIZE = 50257  # the synthetic model's and distilgpt2's
@@ -129,6 +130,23 @@ def make_probes(
             _json({**_prompt_of(first), "temperature": 1.0, "seed": 2**63 - 1}),
             expect=SERVED,
         ),
+        # n and best_of past the limit; the most choices, greedy, all the greedy text.
+        completion("choices", prompt="hello", n=MAX_CHOICES + 1),
+        completion("choices", prompt="hello", n=2**63),
+        completion("choices", prompt="hello", n=2, best_of=MAX_CHOICES + 1),
+        completion("choices", prompt="hello", n=1, best_of=2, stream=True),
+        greedy(
+            "most_choices",
+            "/v1/completions",
+            {
+                "model": model,
+                "prompt": first["prompt"],
+                "max_tokens": first["max_new_tokens"],
+                "temperature": 0,
+                "n": MAX_CHOICES,
+            },
+            first,
+        ),
         generate("long_stop", stop="x" * 300),
         generate("many_stops", stop=[f"stop{i}" for i in range(100)]),
         generate("max_new_tokens", max_new_tokens=0),
@@ -186,8 +204,11 @@ async def _send(client: httpx.AsyncClient, probe: Probe, timeout_s: float) -> tu
     if response.status_code != 200:
         return str(response.status_code), ""
     answer = response.json()
-    text = answer["text"] if "text" in answer else answer["choices"][0]["text"]
-    return "200", str(text)
+    if "text" in answer:
+        return "200", str(answer["text"])
+    # Every choice must hold the text: a greedy request's choices are all alike.
+    texts = {str(choice["text"]) for choice in answer["choices"]}
+    return "200", texts.pop() if len(texts) == 1 else f"{len(texts)} different choices"
 
 
 async def _send_declared(url: str, probe: Probe, timeout_s: float) -> str:

@@ -1,7 +1,12 @@
 """One accepted request as its HTTP handler waits on it: entered into the
-in-flight table (503 when full), then its deltas and its result one by one, with
-the latency metrics they give; 504 past its deadline, `ClientGone` when the
-client hangs up. Either way the worker is told to abort, and its slot is freed."""
+in-flight table (503 when full), then its deltas and its results one by one,
+with the latency metrics they give; 504 past its deadline, `ClientGone` when the
+client hangs up. Either way the worker is told to abort, and its slots are freed.
+
+A request with n choices (`frontend.choices`) is n entries in the table with one
+event queue, one deadline and one disconnect: it is answered once every choice
+has its result, and it ends, every choice aborted, at the first error, the
+deadline or the client's hang-up."""
 
 from __future__ import annotations
 
@@ -9,11 +14,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 
+from frontend.choices import choice_requests
 from frontend.errors import ApiError
 from frontend.inflight import Event, InFlight
 from frontend.inflight_table import Overloaded
@@ -26,6 +32,9 @@ log = logging.getLogger(__name__)
 # nginx's code for "client closed request": logged, never received by anyone.
 CLIENT_CLOSED_REQUEST = 499
 
+# One choice's delta or result, with the choice's index.
+ChoiceEvent = tuple[int, TokenDelta | GenerateResult]
+
 
 class ClientGone(Exception):
     """The HTTP client hung up; its request was aborted in the worker."""
@@ -33,81 +42,109 @@ class ClientGone(Exception):
 
 @dataclass
 class Accepted:
-    entry: InFlight
+    request_id: str  # the client request's; its choices' ids derive from it
+    entries: list[InFlight]  # one per choice, in order
     started_at: float  # time.monotonic() when the request was accepted
     endpoint: str  # the route that accepted it, for /metrics
     metrics: Metrics
-    last_token_at: float | None = None
+    results: list[GenerateResult | None] = field(init=False)
+    last_token_at: list[float | None] = field(init=False)  # per choice
     is_answered: bool = False
     # One watcher for the client's disconnect per request, not one per token.
     disconnect: asyncio.Future[None] | None = None
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.entries)
+        self.last_token_at = [None] * len(self.entries)
+
+    @property
+    def is_finished(self) -> bool:
+        """Every choice has its result."""
+        return all(result is not None for result in self.results)
+
+    def finished_results(self) -> list[GenerateResult]:
+        """Every choice's result, in order; only once it `is_finished`."""
+        return [result for result in self.results if result is not None]
 
     def stop_watching(self) -> None:
         if self.disconnect is not None:
             self.disconnect.cancel()
 
-    def on_delta(self, delta: TokenDelta) -> None:
+    def cancel(self, client: WorkerClient) -> None:
+        """Abort every choice not yet answered: the request has its one answer."""
+        self.is_answered = True
+        self.stop_watching()
+        client.cancel(self.entries)
+
+    def on_delta(self, index: int, delta: TokenDelta) -> None:
         if not delta.token_ids:
             return
         now = time.monotonic()
-        if self.last_token_at is None:
-            self.metrics.time_to_first_token.observe(now - self.started_at)
+        last_token_at = self.last_token_at[index]
+        if last_token_at is None:
+            if all(at is None for at in self.last_token_at):
+                self.metrics.time_to_first_token.observe(now - self.started_at)
         else:
             # A delta normally holds one step's token; spread a longer one evenly.
-            gap_s = (now - self.last_token_at) / len(delta.token_ids)
+            gap_s = (now - last_token_at) / len(delta.token_ids)
             for _ in delta.token_ids:
                 self.metrics.inter_token_latency.observe(gap_s)
-        self.last_token_at = now
+        self.last_token_at[index] = now
 
-    def on_result(self, result: GenerateResult) -> None:
-        self.is_answered = True
-        self.metrics.observe_result(self.endpoint, result, time.monotonic() - self.started_at)
+    def on_result(self, index: int, result: GenerateResult) -> None:
+        self.results[index] = result
+        if self.is_finished:
+            self.is_answered = True
+            self.stop_watching()
+            e2e_s = time.monotonic() - self.started_at
+            self.metrics.observe_results(self.endpoint, self.finished_results(), e2e_s)
 
     def on_client_gone(self) -> None:
-        self.is_answered = True
         self.metrics.count_request(self.endpoint, CLIENT_CLOSED_REQUEST, "abort")
 
 
 def accept(
     client: WorkerClient,
     request: GenerateRequest,
+    num_choices: int,
     timeout_s: float,
     metrics: Metrics,
     endpoint: str,
 ) -> Accepted:
-    """Enter a request into the in-flight table, or raise 503."""
+    """Enter a request's ``num_choices`` choices into the in-flight table, or
+    raise 503 when they do not all fit."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     started_at = time.monotonic()  # before the send: the worker may start at once
     try:
-        entry = client.submit(request, deadline)
+        entries = client.submit(choice_requests(request, num_choices), deadline)
     except Overloaded as exc:
         raise ApiError(503, str(exc), "queue_full") from None
-    return Accepted(entry, started_at, endpoint, metrics)
+    return Accepted(request.request_id, entries, started_at, endpoint, metrics)
 
 
 def abandon(client: WorkerClient, accepted: Accepted) -> None:
     """The response ended before the request's answer (a stream the client closed):
-    abort it in the worker so that its slot is freed."""
+    abort it in the worker so that its slots are freed."""
     accepted.stop_watching()
     if not accepted.is_answered:
-        client.cancel(accepted.entry)
+        accepted.cancel(client)
         accepted.on_client_gone()
-        log.info("request %s: response closed early; aborted", accepted.entry.request_id)
+        log.info("request %s: response closed early; aborted", accepted.request_id)
 
 
 async def next_event(
     http_request: Request, client: WorkerClient, accepted: Accepted
-) -> TokenDelta | GenerateResult:
-    """The request's next delta or its result. Raises ApiError for a worker error
-    or a passed deadline (504), and ClientGone when the client disconnects; in
-    both cases the worker is told to abort."""
-    entry = accepted.entry
-    if not entry.events.empty():
-        return _take(accepted, entry.events.get_nowait())
+) -> ChoiceEvent:
+    """A choice's next delta or its result. Raises ApiError for a worker error
+    (every other choice is aborted) or a passed deadline (504), and ClientGone
+    when the client disconnects; in both cases the worker is told to abort."""
+    events = accepted.entries[0].events
+    if not events.empty():
+        return _take(client, accepted, events.get_nowait())
     if accepted.disconnect is None:
         accepted.disconnect = asyncio.ensure_future(_disconnected(http_request))
-    remaining = entry.deadline - asyncio.get_running_loop().time()
-    event_task = asyncio.ensure_future(entry.events.get())
+    remaining = accepted.entries[0].deadline - asyncio.get_running_loop().time()
+    event_task = asyncio.ensure_future(events.get())
     waiting: set[asyncio.Future[Any]] = {event_task, accepted.disconnect}
     try:
         done, _ = await asyncio.wait(
@@ -122,17 +159,15 @@ async def next_event(
         if not event_task.done():
             event_task.cancel()
     if event_task in done:
-        return _take(accepted, event_task.result())
+        return _take(client, accepted, event_task.result())
     with contextlib.suppress(asyncio.CancelledError):
         await event_task
-    client.cancel(entry)
-    accepted.is_answered = True
+    accepted.cancel(client)
     if accepted.disconnect in done:
         accepted.on_client_gone()
-        log.info("request %s: client disconnected; aborted", entry.request_id)
-        raise ClientGone(entry.request_id)
-    accepted.stop_watching()
-    log.warning("request %s: deadline passed; aborted", entry.request_id)
+        log.info("request %s: client disconnected; aborted", accepted.request_id)
+        raise ClientGone(accepted.request_id)
+    log.warning("request %s: deadline passed; aborted", accepted.request_id)
     raise ApiError(
         504,
         f"no answer within REQUEST_TIMEOUT_S={client.config.request_timeout_s:g} s "
@@ -141,25 +176,26 @@ async def next_event(
     )
 
 
-def _take(accepted: Accepted, event: Event) -> TokenDelta | GenerateResult:
-    if isinstance(event, TokenDelta):
-        accepted.on_delta(event)
-        return event
-    accepted.stop_watching()
-    if isinstance(event, ErrorResult):
-        accepted.is_answered = True
-        raise ApiError.from_worker(event)
-    accepted.on_result(event)
-    return event
+def _take(client: WorkerClient, accepted: Accepted, event: tuple[int, Event]) -> ChoiceEvent:
+    index, message = event
+    if isinstance(message, TokenDelta):
+        accepted.on_delta(index, message)
+        return index, message
+    if isinstance(message, ErrorResult):
+        # One answer per request: a choice's error is the request's, as OpenAI's.
+        accepted.cancel(client)
+        raise ApiError.from_worker(message)
+    accepted.on_result(index, message)
+    return index, message
 
 
-async def final_result(
+async def final_results(
     http_request: Request, client: WorkerClient, accepted: Accepted
-) -> GenerateResult:
-    while True:
-        event = await next_event(http_request, client, accepted)
-        if isinstance(event, GenerateResult):
-            return event
+) -> list[GenerateResult]:
+    """Every choice's result, in order."""
+    while not accepted.is_finished:
+        await next_event(http_request, client, accepted)
+    return accepted.finished_results()
 
 
 async def _disconnected(request: Request) -> None:

@@ -14,15 +14,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.accepted import Accepted
-from frontend.errors import ApiError, error_body
+from frontend.choice_stream import ChoiceStream
+from frontend.errors import ApiError
 from frontend.generation import respond
+from frontend.inflight import InFlight
 from frontend.logprobs import chat_logprobs, unpack
 from frontend.openai_common import (
     Envelope,
     UsageStream,
     openai_request,
     read_openai_request,
-    result_usage,
+    results_usage,
 )
 from frontend.openai_schemas import ChatBody, ChatMessage
 from frontend.streaming import sse_frame
@@ -55,24 +57,33 @@ async def chat_completions(request: Request) -> Response:
     )
     read.log_ignored(work.request_id)
     chat = Envelope(f"chatcmpl-{work.request_id}", read.model)
+    n = body.n or 1
 
-    def final(accepted: Accepted, result: GenerateResult) -> dict[str, Any]:
+    def choice(index: int, entry: InFlight, result: GenerateResult) -> dict[str, Any]:
         logprobs = None
         if body.logprobs:
-            _, parts = accepted.entry.all_logprobs(result)
+            _, parts = entry.all_logprobs(result)
             logprobs = chat_logprobs([score for part in parts for score in unpack(part)])
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": {"role": "assistant", "content": result.text},
             "logprobs": logprobs,
             "finish_reason": result.finish_reason,
         }
-        return chat.wrap("chat.completion", [choice], result_usage(result))
 
-    def stream(accepted: Accepted) -> _ChatStream:
-        return _ChatStream(chat, body)
+    def final(accepted: Accepted, results: list[GenerateResult]) -> dict[str, Any]:
+        choices = [choice(i, accepted.entries[i], result) for i, result in enumerate(results)]
+        return chat.wrap("chat.completion", choices, results_usage(results))
 
-    return await respond(request, work, ENDPOINT, final, stream, read.headers)
+    def stream(accepted: Accepted) -> ChoiceStream:
+        usage = UsageStream(body)
+
+        def chunks(index: int) -> _ChatStream:
+            return _ChatStream(chat, body, index, usage)
+
+        return ChoiceStream(chat, _CHUNK, usage, n, chunks)
+
+    return await respond(request, work, ENDPOINT, final, stream, read.headers, n)
 
 
 def conversation(messages: list[ChatMessage]) -> tuple[list[str], list[str]]:
@@ -101,9 +112,12 @@ def conversation(messages: list[ChatMessage]) -> tuple[list[str], list[str]]:
 
 
 class _ChatStream:
-    def __init__(self, chat: Envelope, body: ChatBody) -> None:
+    """One choice's chunks: the assistant's role first, as OpenAI's."""
+
+    def __init__(self, chat: Envelope, body: ChatBody, index: int, usage: UsageStream) -> None:
         self.chat = chat
-        self.usage = UsageStream(body)
+        self.index = index
+        self.usage = usage
         self.wants_logprobs = bool(body.logprobs)
         self.is_started = False
 
@@ -116,13 +130,7 @@ class _ChatStream:
 
     def final(self, result: GenerateResult) -> list[str]:
         logprobs = chat_logprobs(unpack(result.logprobs)) if self.wants_logprobs else None
-        frames = [self._chunk({}, logprobs, result.finish_reason)]
-        if self.usage.is_final:
-            frames.append(sse_frame(self.chat.wrap(_CHUNK, [], result_usage(result))))
-        return [*frames, sse_frame("[DONE]")]
-
-    def error(self, error: ApiError) -> list[str]:
-        return [sse_frame(error_body(error)), sse_frame("[DONE]")]
+        return [self._chunk({}, logprobs, result.finish_reason)]
 
     def _chunk(
         self, delta: dict[str, str], logprobs: dict[str, Any] | None, finish_reason: str | None
@@ -131,7 +139,12 @@ class _ChatStream:
             # The first chunk names the speaker, as OpenAI's does.
             delta = {"role": "assistant", **delta}
             self.is_started = True
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": self.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         return sse_frame(self.chat.wrap(_CHUNK, [choice], self.usage.so_far()))
 
 

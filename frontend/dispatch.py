@@ -7,6 +7,13 @@ holds little more than it runs, which is all its death can cost. Every attempt
 streams from the worker, so the frontend knows which requests made progress, and
 a replay resumes after the last token.
 
+The choices of one client request (OpenAI's ``n``) go together, to the same
+worker, one frame right after another, so that they reach its queue together
+and it can admit them in one go and prefill their shared prompt once. So a
+worker may be sent up to n - 1 more than its free slots; those wait in its
+queue. A replayed choice goes wherever there is room, with whichever of its
+siblings wait beside it.
+
 Suspects (`frontend.replay`) go first, each on a worker that runs no other
 suspect, and never on every live worker at once when two or more are live.
 """
@@ -34,8 +41,21 @@ def dispatch(table: InFlightTable, links: Collection[WorkerLink]) -> None:
         num_trials += 1
     while table.waiting:
         link = pick(links)
-        if link is None or not _send_first(table, table.waiting, link):
+        if link is None or not _send_with_siblings(table, link):
             break
+
+
+def _send_with_siblings(table: InFlightTable, link: WorkerLink) -> bool:
+    """Send the first waiting request to ``link``, and the other choices of its
+    client request that wait right behind it (the line is in accept order, so
+    they do); False if the first could not go."""
+    first = table.waiting[0]
+    if not _send_first(table, table.waiting, link):
+        return False
+    while table.waiting and table.waiting[0].is_sibling(first):
+        if not _send_first(table, table.waiting, link):
+            break
+    return True
 
 
 def _send_first(

@@ -17,7 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.accepted import CLIENT_CLOSED_REQUEST, Accepted, ClientGone, accept, final_result
+from frontend.accepted import CLIENT_CLOSED_REQUEST, Accepted, ClientGone, accept, final_results
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError
 from frontend.metrics import Metrics
@@ -26,8 +26,8 @@ from frontend.streaming import StreamFormat, stream_response
 from frontend.worker_client import WorkerClient
 from protocol import GenerateRequest, GenerateResult
 
-# The JSON answer of a request that does not stream, from its result.
-FinalAnswer = Callable[[Accepted, GenerateResult], dict[str, Any]]
+# The JSON answer of a request that does not stream, from its choices' results.
+FinalAnswer = Callable[[Accepted, list[GenerateResult]], dict[str, Any]]
 # The frames of a request that streams.
 StreamAnswer = Callable[[Accepted], StreamFormat]
 
@@ -68,18 +68,21 @@ async def respond(
     final: FinalAnswer,
     stream: StreamAnswer | None = None,
     headers: dict[str, str] | None = None,
+    num_choices: int = 1,
 ) -> Response:
     """Run ``work`` to its one answer: ``final``'s JSON, or, when it asked to
     stream and the endpoint streams, ``stream``'s events. ``endpoint`` names it
-    in /metrics; ``headers`` go on the answer. Raises ApiError (503 when the
-    table is full; a worker error or 504 before the answer started)."""
+    in /metrics; ``headers`` go on the answer; ``num_choices`` choices are
+    generated (`frontend.choices`). Raises ApiError (503 when the table has no
+    room for them all; a worker error or 504 before the answer started)."""
     client: WorkerClient = http_request.app.state.client
     metrics: Metrics = http_request.app.state.metrics
-    accepted = accept(client, work, client.config.request_timeout_s, metrics, endpoint)
+    timeout_s = client.config.request_timeout_s
+    accepted = accept(client, work, num_choices, timeout_s, metrics, endpoint)
     if work.stream and stream is not None:
         return await stream_response(http_request, client, accepted, stream(accepted), headers)
     try:
-        result = await final_result(http_request, client, accepted)
+        results = await final_results(http_request, client, accepted)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(final(accepted, result), headers=headers)
+    return JSONResponse(final(accepted, results), headers=headers)

@@ -3,6 +3,9 @@
 Each attempt to run it on a worker gets its own wire id (``<request_id>.<n>``),
 so whatever an earlier attempt still sends (a worker that was replaced, a
 duplicate) cannot reach the client.
+
+A client request with n choices (OpenAI's ``n``) is n of these, one per choice,
+sharing one event queue in which each event carries its choice's index.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ _order = itertools.count()
 class InFlight:
     request: GenerateRequest  # as accepted; replays derive from it
     deadline: float  # event-loop time after which the client gets 504
+    index: int = 0  # which choice of its client request it is
+    # Shared by the choices of one client request: (choice index, event).
+    events: asyncio.Queue[tuple[int, Event]] = field(default_factory=asyncio.Queue)
     order: int = field(default_factory=lambda: next(_order))
     attempt: int = 0
     link: WorkerLink | None = None  # the worker holding the current attempt
@@ -40,7 +46,6 @@ class InFlight:
     # Logprobs ride on deltas once each; a replay never sends them again.
     streamed_logprobs: list[Logprobs] = field(default_factory=list)
     streamed_prompt_logprobs: Logprobs | None = None
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
     @property
     def request_id(self) -> str:
@@ -49,6 +54,14 @@ class InFlight:
     @property
     def wire_id(self) -> str:
         return f"{self.request_id}.{self.attempt}"
+
+    def is_sibling(self, other: InFlight) -> bool:
+        """``other`` is another choice of the same client request."""
+        return other.events is self.events
+
+    def post(self, event: Event) -> None:
+        """Hand an event to the client request's handler."""
+        self.events.put_nowait((self.index, event))
 
     def next_attempt(self) -> GenerateRequest:
         """The request to send now. An attempt that follows one which already

@@ -6,13 +6,17 @@ line for a trial on a worker of its own (``suspects``: it was in flight on a
 worker that died before it made progress there), or held by one worker, which
 runs its current attempt. Both lines keep the order requests were accepted in.
 A request leaves the table once: answered (`resolve`) or forgotten (`forget`).
+The choices of one client request (OpenAI's ``n``) enter together, each an
+entry of its own, and each counts against MAX_INFLIGHT_REQUESTS.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+from collections.abc import Sequence
 
-from frontend.inflight import Final, InFlight
+from frontend.inflight import Event, Final, InFlight
 from frontend.worker_link import WorkerLink
 from protocol import GenerateRequest
 
@@ -38,19 +42,27 @@ class InFlightTable:
         """Accepted requests that no worker holds yet."""
         return len(self.waiting) + len(self.suspects)
 
-    def add(self, request: GenerateRequest, deadline: float) -> InFlight:
-        """Accept a request, at the end of the line; Overloaded when the table is full."""
-        if len(self._by_request_id) >= self.max_inflight_requests:
+    def add(self, requests: Sequence[GenerateRequest], deadline: float) -> list[InFlight]:
+        """Accept one client request's choices, one worker request each, at the
+        end of the line, all of them or none: Overloaded when the table has no
+        room for them all."""
+        if len(self._by_request_id) + len(requests) > self.max_inflight_requests:
+            needs = f"; this one needs {len(requests)}, one per choice" if len(requests) > 1 else ""
             raise Overloaded(
                 f"{len(self._by_request_id)} requests are already waiting "
-                f"(MAX_INFLIGHT_REQUESTS={self.max_inflight_requests}); retry later"
+                f"(MAX_INFLIGHT_REQUESTS={self.max_inflight_requests}){needs}; retry later"
             )
-        if request.request_id in self._by_request_id:
-            raise ValueError(f"request id {request.request_id} is already in flight")
-        entry = InFlight(request, deadline)
-        self._by_request_id[entry.request_id] = entry
-        self.waiting.append(entry)
-        return entry
+        for request in requests:
+            if request.request_id in self._by_request_id:
+                raise ValueError(f"request id {request.request_id} is already in flight")
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        entries = [
+            InFlight(request, deadline, index, events) for index, request in enumerate(requests)
+        ]
+        for entry in entries:
+            self._by_request_id[entry.request_id] = entry
+        self.waiting.extend(entries)
+        return entries
 
     def held(self, wire_id: str) -> InFlight | None:
         """The request whose current attempt has this wire id, if a worker holds it."""
@@ -98,4 +110,4 @@ class InFlightTable:
     def resolve(self, entry: InFlight, final: Final) -> None:
         """Answer a request: it leaves the table, and its handler gets ``final``."""
         self.forget(entry)
-        entry.events.put_nowait(final)
+        entry.post(final)

@@ -8,7 +8,7 @@ state, which heartbeats keep current; nothing polls the worker for them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -90,14 +90,20 @@ class Metrics:
     def count_request(self, endpoint: str, status: int, finish_reason: str) -> None:
         self.requests.labels(endpoint, str(status), finish_reason).inc()
 
-    def observe_result(self, endpoint: str, result: GenerateResult, e2e_s: float) -> None:
-        self.count_request(endpoint, 200, result.finish_reason)
-        self.prompt_tokens.inc(result.prompt_tokens)
-        self.prefix_cache_queries.inc(result.prompt_tokens)
-        self.prefix_cache_hits.inc(result.cached_tokens)
-        self.generation_tokens.inc(result.completion_tokens)
+    def observe_results(
+        self, endpoint: str, results: Sequence[GenerateResult], e2e_s: float
+    ) -> None:
+        """One request's answer, whatever its number of choices: one request, with
+        its first choice's finish reason; its prompt once; every choice's tokens;
+        the longest of its choices' waits for a slot."""
+        self.count_request(endpoint, 200, results[0].finish_reason)
+        self.prompt_tokens.inc(results[0].prompt_tokens)
+        for result in results:  # each choice looked its prompt up
+            self.prefix_cache_queries.inc(result.prompt_tokens)
+            self.prefix_cache_hits.inc(result.cached_tokens)
+        self.generation_tokens.inc(sum(result.completion_tokens for result in results))
         self.e2e_latency.observe(e2e_s)
-        self.queue_time.observe(result.queue_wait_ms / 1000)
+        self.queue_time.observe(max(result.queue_wait_ms for result in results) / 1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

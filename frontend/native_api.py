@@ -48,7 +48,8 @@ async def generate(request: Request) -> Response:
     )
     request_id = body.request_id or work.request_id
 
-    def final(accepted: Accepted, result: GenerateResult) -> dict[str, Any]:
+    def final(accepted: Accepted, results: list[GenerateResult]) -> dict[str, Any]:
+        (result,) = results  # /generate has one choice
         return {**_answer(client, request_id, accepted, result), "text": result.text}
 
     def stream(accepted: Accepted) -> _GenerateStream:
@@ -84,10 +85,14 @@ class _GenerateStream:
         self.request_id = request_id
         self.accepted = accepted
 
-    def delta(self, delta: TokenDelta) -> str | None:
+    def delta(self, index: int, delta: TokenDelta) -> str | None:
         return sse_frame({"text": delta.text, "token_ids": delta.token_ids}, "token")
 
-    def final(self, result: GenerateResult) -> list[str]:
+    def final(self, index: int, result: GenerateResult) -> list[str]:
+        return []  # the one choice's result is the request's: `end` sends it
+
+    def end(self, results: list[GenerateResult]) -> list[str]:
+        (result,) = results
         answer = _answer(self.client, self.request_id, self.accepted, result)
         return [sse_frame(answer, "done")]
 

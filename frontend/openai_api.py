@@ -2,7 +2,7 @@
 
 Shaped as OpenAI's legacy completions API, with vLLM's extensions, so that the
 `openai` package, load tools and evaluation harnesses built on it work
-unchanged, streaming, logprobs and echo included.
+unchanged, streaming, logprobs, echo, ``n`` and ``best_of`` included.
 """
 
 from __future__ import annotations
@@ -13,15 +13,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from frontend.accepted import Accepted
-from frontend.errors import ApiError, error_body
+from frontend.choice_stream import ChoiceStream
+from frontend.choices import best_choices, num_to_generate
+from frontend.errors import ApiError
 from frontend.generation import respond
+from frontend.inflight import InFlight
 from frontend.logprobs import TokenScore, completion_logprobs, unpack
 from frontend.openai_common import (
     Envelope,
     UsageStream,
     openai_request,
     read_openai_request,
-    result_usage,
+    results_usage,
     served_model,
 )
 from frontend.openai_schemas import CompletionBody
@@ -55,6 +58,9 @@ async def completions(request: Request) -> Response:
             "unsupported",
             "echo",
         )
+    n = body.n or 1
+    num_choices = num_to_generate(n, body.best_of, bool(body.stream))
+    is_ranked = num_choices > n  # best_of: the n likeliest of num_choices
     work = openai_request(
         body,
         client,
@@ -62,28 +68,41 @@ async def completions(request: Request) -> Response:
         "max_tokens",
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
-        logprobs=body.logprobs,
+        # best_of ranks the choices by their tokens' logprobs: ask for those at least.
+        logprobs=0 if is_ranked and body.logprobs is None else body.logprobs,
         prompt_logprobs=body.logprobs if body.echo else None,
         echo=bool(body.echo),
     )
     read.log_ignored(work.request_id)
-    completion = _Completion(f"cmpl-{work.request_id}", read.model)
+    completion = Envelope(f"cmpl-{work.request_id}", read.model)
 
-    def final(accepted: Accepted, result: GenerateResult) -> dict[str, Any]:
+    def choice(index: int, entry: InFlight, result: GenerateResult) -> dict[str, Any]:
         text = (result.prompt_text or "") + result.text if body.echo else result.text
         logprobs = None
         if body.logprobs is not None:
-            prompt_logprobs, output_logprobs = accepted.entry.all_logprobs(result)
+            prompt_logprobs, output_logprobs = entry.all_logprobs(result)
             scores = unpack(prompt_logprobs) if body.echo else []
             for part in output_logprobs:
                 scores += unpack(part)
             logprobs = completion_logprobs(scores)
-        return completion.chunk(text, result.finish_reason, result_usage(result), logprobs)
+        return _choice(index, text, logprobs, result.finish_reason)
 
-    def stream(accepted: Accepted) -> _CompletionStream:
-        return _CompletionStream(completion, body, prompt if body.echo else None)
+    def final(accepted: Accepted, results: list[GenerateResult]) -> dict[str, Any]:
+        entries = accepted.entries
+        shown = best_choices(entries, results, n) if is_ranked else range(n)
+        choices = [choice(index, entries[i], results[i]) for index, i in enumerate(shown)]
+        return completion.wrap(_KIND, choices, results_usage(results))
 
-    return await respond(request, work, ENDPOINT, final, stream, read.headers)
+    def stream(accepted: Accepted) -> ChoiceStream:
+        usage = UsageStream(body)
+        echo = prompt if body.echo else None
+
+        def chunks(index: int) -> _CompletionStream:
+            return _CompletionStream(completion, body, echo, index, usage)
+
+        return ChoiceStream(completion, _KIND, usage, n, chunks)
+
+    return await respond(request, work, ENDPOINT, final, stream, read.headers, num_choices)
 
 
 async def models(request: Request) -> Response:
@@ -120,30 +139,28 @@ def _one_prompt(
     return "", [int(token_id) for token_id in prompt]  # type: ignore[arg-type]
 
 
-class _Completion(Envelope):
-    def chunk(
-        self,
-        text: str | None,
-        finish_reason: str | None,
-        usage: dict[str, Any] | None,
-        logprobs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        choices = (
-            []
-            if text is None
-            else [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]
-        )
-        return self.wrap("text_completion", choices, usage)
+def _choice(
+    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 class _CompletionStream:
-    """Chunks of text; a token's logprobs go out with the chunk that shows its
-    text (a token whose text is held back waits for it), at offsets counted
-    across the whole stream."""
+    """One choice's chunks of text; a token's logprobs go out with the chunk
+    that shows its text (a token whose text is held back waits for it), at
+    offsets counted across the choice's whole stream."""
 
-    def __init__(self, completion: _Completion, body: CompletionBody, echo: str | None) -> None:
+    def __init__(
+        self,
+        completion: Envelope,
+        body: CompletionBody,
+        echo: str | None,
+        index: int,
+        usage: UsageStream,
+    ) -> None:
         self.completion = completion
-        self.usage = UsageStream(body)
+        self.index = index
+        self.usage = usage
         self.wants_logprobs = body.logprobs is not None
         self.echo = echo  # the prompt, sent before the first output
         self.pending: list[TokenScore] = []
@@ -159,13 +176,7 @@ class _CompletionStream:
 
     def final(self, result: GenerateResult) -> list[str]:
         self._score(result.prompt_logprobs, result.logprobs)
-        frames = [self._frame(self._take_echo(), result.finish_reason)]
-        if self.usage.is_final:
-            frames.append(sse_frame(self.completion.chunk(None, None, result_usage(result))))
-        return [*frames, sse_frame("[DONE]")]
-
-    def error(self, error: ApiError) -> list[str]:
-        return [sse_frame(error_body(error)), sse_frame("[DONE]")]
+        return [self._frame(self._take_echo(), result.finish_reason)]
 
     def _score(self, *parts: Any) -> None:
         if self.wants_logprobs:
@@ -182,5 +193,8 @@ class _CompletionStream:
             logprobs = completion_logprobs(self.pending, self.text_offset)
             self.text_offset += sum(len(score.text) for score in self.pending)
             self.pending = []
-        chunk = self.completion.chunk(text, finish_reason, self.usage.so_far(), logprobs)
-        return sse_frame(chunk)
+        choice = _choice(self.index, text, logprobs, finish_reason)
+        return sse_frame(self.completion.wrap(_KIND, [choice], self.usage.so_far()))
+
+
+_KIND = "text_completion"

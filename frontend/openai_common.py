@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -153,18 +154,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     }
 
 
-def result_usage(result: GenerateResult) -> dict[str, Any]:
-    """A finished request's usage, with how many prompt tokens the prefix cache
-    served, as OpenAI reports them."""
+def results_usage(results: Sequence[GenerateResult]) -> dict[str, Any]:
+    """A request's usage, as OpenAI counts it: its prompt once, and the tokens of
+    every choice it generated (best_of's too); and how many of the prompt's
+    tokens came from the prefix cache (where the choices differ, the one that
+    computed most of the prompt)."""
     return {
-        **usage(result.prompt_tokens, result.completion_tokens),
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        **usage(results[0].prompt_tokens, sum(result.completion_tokens for result in results)),
+        "prompt_tokens_details": {"cached_tokens": min(result.cached_tokens for result in results)},
     }
 
 
 class UsageStream:
     """Usage for a stream's chunks: after the stream (include_usage) and, with
-    continuous_usage_stats, so far in every chunk, as vLLM sends it."""
+    continuous_usage_stats, so far in every chunk, as vLLM sends it; one for all
+    of a request's choices."""
 
     def __init__(self, body: OpenAIBody) -> None:
         options = body.stream_options

@@ -17,6 +17,7 @@ from pydantic_core import PydanticCustomError
 from frontend.schemas import MAX_NAME_CHARS, STRICT, StopStrings, TokenIds
 from protocol.limits import (
     MAX_CHAT_MESSAGES,
+    MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
@@ -95,7 +96,9 @@ class OpenAIBody(BaseModel):
     frequency_penalty: Penalty | None = Field(0.0, description="0 is off; over the output")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, description="only 1")
+    n: int | None = Field(
+        1, ge=1, le=MAX_CHOICES, description=f"choices to generate, 1 to {MAX_CHOICES}"
+    )
     logit_bias: LogitBias | None = Field(
         None,
         description=f"{{token id: bias}}, at most {MAX_LOGIT_BIAS} entries, each bias in "
@@ -111,9 +114,7 @@ class OpenAIBody(BaseModel):
         return None
 
     def _checks(self) -> list[tuple[str, bool, str]]:
-        return [
-            ("n", self.n in (None, 1), "only n=1 is supported; send one request per completion"),
-        ]
+        return []
 
 
 class CompletionBody(OpenAIBody):
@@ -132,13 +133,17 @@ class CompletionBody(OpenAIBody):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="the likeliest tokens to list per token"
     )
-    best_of: int | None = Field(None, description="only 1")
+    best_of: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_CHOICES,
+        description="generate this many (at least n) and answer the n likeliest; not with stream",
+    )
     suffix: str | None = Field(None, description="not supported: only null")
 
     def _checks(self) -> list[tuple[str, bool, str]]:
         return [
             *super()._checks(),
-            ("best_of", self.best_of in (None, 1), "only best_of=1 is supported"),
             ("suffix", self.suffix is None, "suffix is not supported"),
         ]
 

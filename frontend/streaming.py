@@ -1,9 +1,12 @@
-"""Server-sent events: one accepted request's deltas, then its final event.
+"""Server-sent events: one accepted request's deltas, then its final events.
 
-Each endpoint supplies a `StreamFormat` that turns deltas, the result and a late
-error into SSE frames. The response starts only once the first event arrives, so
-a request the worker refuses outright (say, a prompt beyond the context window)
-still gets a plain HTTP error; an error after that goes out as an event.
+Each endpoint supplies a `StreamFormat` that turns deltas, results and a late
+error into SSE frames. A request with several choices streams them interleaved
+as they arrive, each delta and result with its choice's index, and ends once
+every choice has its result. The response starts only once the first event
+arrives, so a request the worker refuses outright (say, a prompt beyond the
+context window) still gets a plain HTTP error; an error after that goes out as
+an event.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from frontend.accepted import (
     CLIENT_CLOSED_REQUEST,
     Accepted,
+    ChoiceEvent,
     ClientGone,
     abandon,
     next_event,
@@ -30,11 +34,14 @@ from protocol import GenerateResult, TokenDelta
 
 
 class StreamFormat(Protocol):
-    def delta(self, delta: TokenDelta) -> str | None:
-        """The frame for one delta, or None to send nothing for it."""
+    def delta(self, index: int, delta: TokenDelta) -> str | None:
+        """The frame for one delta of choice ``index``, or None to send nothing."""
 
-    def final(self, result: GenerateResult) -> list[str]:
-        """The frames that end a stream with a result."""
+    def final(self, index: int, result: GenerateResult) -> list[str]:
+        """The frames that end choice ``index``."""
+
+    def end(self, results: list[GenerateResult]) -> list[str]:
+        """The frames that end the stream, after every choice's ``final``."""
 
     def error(self, error: ApiError) -> list[str]:
         """The frames that end a stream with an error."""
@@ -67,12 +74,21 @@ async def _frames(
     client: WorkerClient,
     accepted: Accepted,
     stream_format: StreamFormat,
-    event: TokenDelta | GenerateResult,
+    event: ChoiceEvent,
 ) -> AsyncGenerator[str, None]:
-    while isinstance(event, TokenDelta):
-        frame = stream_format.delta(event)
-        if frame is not None:
-            yield frame
+    while True:
+        index, message = event
+        if isinstance(message, TokenDelta):
+            frame = stream_format.delta(index, message)
+            if frame is not None:
+                yield frame
+        else:
+            for frame in stream_format.final(index, message):
+                yield frame
+            if accepted.is_finished:
+                for frame in stream_format.end(accepted.finished_results()):
+                    yield frame
+                return
         try:
             event = await next_event(http_request, client, accepted)
         except ApiError as exc:
@@ -82,8 +98,6 @@ async def _frames(
             return
         except ClientGone:
             return
-    for frame in stream_format.final(event):
-        yield frame
 
 
 class _SseResponse(StreamingResponse):

@@ -68,8 +68,8 @@ async def tokenize(request: Request) -> Response:
         fields.update(chat_roles=roles, chat_contents=contents)
         fields["add_generation_prompt"] = body.add_generation_prompt
 
-    def final(accepted: Accepted, result: GenerateResult) -> dict[str, Any]:
-        token_ids = result.prompt_token_ids or []
+    def final(accepted: Accepted, results: list[GenerateResult]) -> dict[str, Any]:
+        token_ids = results[0].prompt_token_ids or []
         hello = client.hello
         return {
             "count": len(token_ids),
@@ -88,8 +88,8 @@ async def detokenize(request: Request) -> Response:
     if not body.tokens:
         return JSONResponse({"prompt": ""}, headers=ignored_fields_headers(ignored))
 
-    def final(accepted: Accepted, result: GenerateResult) -> dict[str, Any]:
-        return {"prompt": result.prompt_text or ""}
+    def final(accepted: Accepted, results: list[GenerateResult]) -> dict[str, Any]:
+        return {"prompt": results[0].prompt_text or ""}
 
     return await _ask(
         request, client, "/detokenize", ignored, final, prompt="", prompt_token_ids=body.tokens

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterable, Sequence
 
 from frontend.config import FrontendConfig
 from frontend.dispatch import dispatch
@@ -56,19 +57,24 @@ class WorkerClient:
         """Accepted requests that no worker holds yet."""
         return self._table.num_waiting
 
-    def submit(self, request: GenerateRequest, deadline: float) -> InFlight:
-        """Accept a request; it is sent as soon as a live worker has a free slot.
-        Raises Overloaded when MAX_INFLIGHT_REQUESTS are in flight."""
-        entry = self._table.add(request, deadline)
+    def submit(self, requests: Sequence[GenerateRequest], deadline: float) -> list[InFlight]:
+        """Accept one client request's choices (one worker request each); they are
+        sent as soon as a live worker has a free slot, all to that worker. Raises
+        Overloaded when MAX_INFLIGHT_REQUESTS leaves no room for all of them."""
+        entries = self._table.add(requests, deadline)
         self._dispatch()
-        return entry
+        return entries
 
-    def cancel(self, entry: InFlight) -> None:
-        """Forget a request the client no longer waits for, and free its slot."""
-        link = entry.link
-        if self._table.forget(entry) and link is not None:
-            link.send(AbortRequest(entry.wire_id))
-            link.on_done()
+    def cancel(self, entries: Iterable[InFlight]) -> None:
+        """Forget requests the client no longer waits for, and free their slots."""
+        is_any_freed = False
+        for entry in entries:
+            link = entry.link
+            if self._table.forget(entry) and link is not None:
+                link.send(AbortRequest(entry.wire_id))
+                link.on_done()
+                is_any_freed = True
+        if is_any_freed:
             self._dispatch()
 
     # --- the workers, for /health and /metrics ---------------------------------------
@@ -94,7 +100,7 @@ class WorkerClient:
         if isinstance(message, TokenDelta):
             entry.record(message)
             if entry.request.stream:
-                entry.events.put_nowait(message)
+                entry.post(message)
             if message.token_ids:
                 entry.made_progress = True  # it ran a step: likely not what kills workers
                 entry.is_running = True

@@ -105,12 +105,12 @@ def test_stream_ends_with_done(stack: Stack) -> None:
 
 def test_unsupported_value_is_a_400_in_openai_shape(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(model="fake", prompt="hi", n=2)
+        client.completions.create(model="fake", prompt="hi", suffix="!")
     error = raised.value.body
     assert isinstance(error, dict)
-    assert error["param"] == "n"
+    assert error["param"] == "suffix"
     assert error["type"] == "invalid_request_error"
-    assert "n=1" in error["message"]
+    assert "not supported" in error["message"]
 
 
 def test_invalid_value_is_a_422_naming_the_parameter(client: openai.OpenAI) -> None:

@@ -37,6 +37,9 @@ POISON: list[tuple[str, str, object, int]] = [
         422,
     ),
     ("a logit_bias of 1e308", "/v1/completions", {"prompt": "p", "logit_bias": {"0": 1e308}}, 422),
+    ("n past the limit", "/v1/completions", {"prompt": "poison", "n": 9}, 422),
+    ("n of 2**63", "/v1/chat/completions", {"n": 2**63}, 422),
+    ("the most choices", "/v1/completions", {"prompt": "poison", "n": 8, "best_of": 8}, 200),
     (
         "the largest logit_bias, at the largest id",
         "/v1/completions",
@@ -57,7 +60,10 @@ def _send(stack: Stack, path: str, body: object) -> httpx.Response:
         headers = {"Content-Type": "application/json"}
         return httpx.post(f"{stack.url}{path}", content=body, headers=headers, timeout=30)
     payload = dict(body)  # type: ignore[call-overload]
-    if path == "/v1/completions":
+    if path == "/v1/chat/completions":
+        payload.setdefault("model", "fake")
+        payload.setdefault("messages", [{"role": "user", "content": "poison"}])
+    elif path == "/v1/completions":
         payload.setdefault("model", "fake")
     else:
         payload.setdefault("prompt", "poison")

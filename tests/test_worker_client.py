@@ -101,7 +101,7 @@ def test_the_next_request_goes_out_while_the_running_one_takes_its_last_step() -
                 await asyncio.sleep(0.01)
             deadline = asyncio.get_running_loop().time() + 30
             for request_id in ("first", "second"):
-                client.submit(GenerateRequest(request_id, "a prompt", max_new_tokens=3), deadline)
+                client.submit([GenerateRequest(request_id, "a prompt", max_new_tokens=3)], deadline)
             first = await worker.next_request(timeout_s=5)
             assert first is not None and first.request_id == "first.1"
             await worker.send(TokenDelta(first.request_id, [1], "x"))
