@@ -118,6 +118,20 @@ inline void store(float* p, Vec v) {
 #endif
 }
 
+// a * b + c in each lane, rounded once, as std::fma rounds one float: the packed
+// kernel finishes a partial panel's columns with std::fma and the others with this.
+inline Vec fma(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return bit_cast<Vec>(_mm512_fmadd_ps(bit_cast<__m512>(a), bit_cast<__m512>(b), bit_cast<__m512>(c)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  return bit_cast<Vec>(_mm256_fmadd_ps(bit_cast<__m256>(a), bit_cast<__m256>(b), bit_cast<__m256>(c)));
+#else
+  Vec r;
+  for (int64_t i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
 inline float sum(Vec v) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   return _mm512_reduce_add_ps(bit_cast<__m512>(v));
