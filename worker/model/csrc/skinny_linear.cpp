@@ -93,6 +93,7 @@ __attribute__((always_inline)) inline void float_panels(const float* x, const W*
                                                         int64_t p) {
   constexpr int64_t V = G * kPanelVectors;
   Vec total[M][V] = {};
+  asm volatile("" : : "r"(&total[0][0]) : "memory");
   const W* w[G];
   UNROLLED
   for (int64_t g = 0; g < G; ++g) w[g] = packed + (p + g) * K * kPanel;
@@ -117,6 +118,9 @@ __attribute__((always_inline)) inline void float_panels(const float* x, const W*
     for (int64_t m = 0; m < M; ++m)
       UNROLLED
       for (int64_t v = 0; v < V; ++v) total[m][v] += acc[m][v];
+    // The totals live in memory, not registers: at 8 rows the block's
+    // accumulators need every register (kept there, they spilled the loop's).
+    asm volatile("" : : "r"(&total[0][0]) : "memory");
   }
   UNROLLED
   for (int64_t m = 0; m < M; ++m)
