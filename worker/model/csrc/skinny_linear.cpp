@@ -61,6 +61,13 @@ constexpr int64_t kPanel = kPanelVectors * kLanes;
 // that keeps float32's rounding over K = 3072 near that of a short chain's.
 constexpr int64_t kBlock = 256;
 
+// More rows than this go in two groups over the same panels, the second reading
+// them from cache: each group's tile then holds several panels' weight vectors
+// and its broadcasts serve all of them, where an 8-row tile has registers for
+// one panel only and spends a broadcast on every multiply-add (on AVX2 that made
+// 8 rows twice as slow as 4, on AVX-512 half as fast again).
+constexpr int64_t kRowGroup = 4;
+
 // Panels multiplied side by side for M input rows: enough vectors of weights in
 // flight to keep several multiply-add chains going, with M accumulators each, the
 // weight vectors themselves and a broadcast in registers, up to 8 vectors.
@@ -71,18 +78,24 @@ constexpr int64_t PanelsFor(int64_t M) {
   return panels < 1 ? 1 : panels;
 }
 
+// The columns of the last panel below N, each fma(sum, scale, bias): out of line,
+// since it runs once a product, and inlined into every tile it made the build
+// several times larger and slower.
+__attribute__((noinline)) void finish_partial(const Vec& sums, const float* scale,
+                                              const float* bias, float* y_row, int64_t N,
+                                              int64_t n) {
+  for (int64_t i = 0; n + i < N; ++i)
+    y_row[n + i] = std::fma(sums[i], scale ? scale[n + i] : 1.f, bias ? bias[n + i] : 0.f);
+}
+
 // y[m, n .. n + kLanes) from one vector of accumulators: fma(acc, scale, bias),
 // columns past N dropped (the last panel's padding).
 __attribute__((always_inline)) inline void finish(Vec acc, const float* scale, const float* bias,
                                                   float* y_row, int64_t N, int64_t n) {
-  if (n + kLanes <= N) {
-    const Vec s = scale ? load(scale + n) : Vec{} + 1.f;
-    const Vec b = bias ? load(bias + n) : Vec{};
-    store(y_row + n, fma(acc, s, b));
-    return;
-  }
-  for (int64_t i = 0; n + i < N; ++i)
-    y_row[n + i] = std::fma(acc[i], scale ? scale[n + i] : 1.f, bias ? bias[n + i] : 0.f);
+  if (n + kLanes > N) return finish_partial(acc, scale, bias, y_row, N, n);
+  const Vec s = scale ? load(scale + n) : 1.f - Vec{};
+  const Vec b = bias ? load(bias + n) : Vec{};
+  store(y_row + n, fma(acc, s, b));
 }
 
 // G panels from panel p on, for M input rows.
@@ -109,7 +122,7 @@ __attribute__((always_inline)) inline void float_panels(const float* x, const W*
           a[g * kPanelVectors + v] = load(w[g] + k * kPanel + v * kLanes);
       UNROLLED
       for (int64_t m = 0; m < M; ++m) {
-        const Vec xm = Vec{} + x[m * K + k];
+        const Vec xm = broadcast(x + m * K + k);
         UNROLLED
         for (int64_t v = 0; v < V; ++v) acc[m][v] += a[v] * xm;
       }
@@ -132,10 +145,27 @@ __attribute__((always_inline)) inline void float_panels(const float* x, const W*
 template <typename W, int64_t M>
 void float_columns(const float* x, const W* packed, const float* scale, const float* bias,
                    float* y, int64_t K, int64_t N, int64_t p0, int64_t p1) {
-  constexpr int64_t G = PanelsFor(M);
-  int64_t p = p0;
-  for (; p + G <= p1; p += G) float_panels<W, M, G>(x, packed, scale, bias, y, K, N, p);
-  for (; p < p1; ++p) float_panels<W, M, 1>(x, packed, scale, bias, y, K, N, p);
+  if constexpr (M > kRowGroup) {
+    // The first kRowGroup rows, then the rest on the same panels, which the
+    // first group's pass left in cache.
+    constexpr int64_t G = PanelsFor(kRowGroup), R = M - kRowGroup;
+    const float* x_rest = x + kRowGroup * K;
+    float* y_rest = y + kRowGroup * N;
+    int64_t p = p0;
+    for (; p + G <= p1; p += G) {
+      float_panels<W, kRowGroup, G>(x, packed, scale, bias, y, K, N, p);
+      float_panels<W, R, G>(x_rest, packed, scale, bias, y_rest, K, N, p);
+    }
+    for (; p < p1; ++p) {
+      float_panels<W, kRowGroup, 1>(x, packed, scale, bias, y, K, N, p);
+      float_panels<W, R, 1>(x_rest, packed, scale, bias, y_rest, K, N, p);
+    }
+  } else {
+    constexpr int64_t G = PanelsFor(M);
+    int64_t p = p0;
+    for (; p + G <= p1; p += G) float_panels<W, M, G>(x, packed, scale, bias, y, K, N, p);
+    for (; p < p1; ++p) float_panels<W, M, 1>(x, packed, scale, bias, y, K, N, p);
+  }
 }
 
 #if defined(__AVX2__) || (defined(__AVX512F__) && defined(__AVX512BW__))
@@ -170,6 +200,14 @@ inline IVec dot_add(IVec acc, IVec w, IVec x) {
 }
 inline Vec to_floats(IVec v) { return bit_cast<Vec>(_mm256_cvtepi32_ps(v)); }
 #endif
+
+// finish_partial for integer sums, whose scale is the row's times the column's.
+__attribute__((noinline)) void integer_finish_partial(const Vec& sums, float x_scale,
+                                                      const float* scale, const float* bias,
+                                                      float* y_row, int64_t N, int64_t n) {
+  for (int64_t i = 0; n + i < N; ++i)
+    y_row[n + i] = std::fma(sums[i], x_scale * scale[n + i], bias ? bias[n + i] : 0.f);
+}
 
 template <int64_t M, int64_t G>
 __attribute__((always_inline)) inline void integer_panels(const int16_t* xq, const float* x_scale,
@@ -213,8 +251,7 @@ __attribute__((always_inline)) inline void integer_panels(const int16_t* xq, con
         const Vec s = load(scale + n) * x_scale[m];
         store(y_row + n, fma(sums, s, bias ? load(bias + n) : Vec{}));
       } else {
-        for (int64_t i = 0; n + i < N; ++i)
-          y_row[n + i] = std::fma(sums[i], x_scale[m] * scale[n + i], bias ? bias[n + i] : 0.f);
+        integer_finish_partial(sums, x_scale[m], scale, bias, y_row, N, n);
       }
     }
 }
@@ -223,10 +260,26 @@ template <int64_t M>
 void integer_columns(const int16_t* xq, const float* x_scale, const int8_t* packed,
                      const float* scale, const float* bias, float* y, int64_t K, int64_t N,
                      int64_t p0, int64_t p1) {
-  constexpr int64_t G = PanelsFor(M);
-  int64_t p = p0;
-  for (; p + G <= p1; p += G) integer_panels<M, G>(xq, x_scale, packed, scale, bias, y, K, N, p);
-  for (; p < p1; ++p) integer_panels<M, 1>(xq, x_scale, packed, scale, bias, y, K, N, p);
+  if constexpr (M > kRowGroup) {  // in two groups of rows, as float_columns
+    constexpr int64_t G = PanelsFor(kRowGroup), R = M - kRowGroup;
+    const int16_t* xq_rest = xq + kRowGroup * K;
+    const float* x_scale_rest = x_scale + kRowGroup;
+    float* y_rest = y + kRowGroup * N;
+    int64_t p = p0;
+    for (; p + G <= p1; p += G) {
+      integer_panels<kRowGroup, G>(xq, x_scale, packed, scale, bias, y, K, N, p);
+      integer_panels<R, G>(xq_rest, x_scale_rest, packed, scale, bias, y_rest, K, N, p);
+    }
+    for (; p < p1; ++p) {
+      integer_panels<kRowGroup, 1>(xq, x_scale, packed, scale, bias, y, K, N, p);
+      integer_panels<R, 1>(xq_rest, x_scale_rest, packed, scale, bias, y_rest, K, N, p);
+    }
+  } else {
+    constexpr int64_t G = PanelsFor(M);
+    int64_t p = p0;
+    for (; p + G <= p1; p += G) integer_panels<M, G>(xq, x_scale, packed, scale, bias, y, K, N, p);
+    for (; p < p1; ++p) integer_panels<M, 1>(xq, x_scale, packed, scale, bias, y, K, N, p);
+  }
 }
 
 // Each row of x as int16 with one scale, so that x[m] ~= xq[m] * x_scale[m].
