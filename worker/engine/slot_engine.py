@@ -20,6 +20,7 @@ from worker.engine.interface import (
     StepOutput,
 )
 from worker.engine.logprobs import TokenLogprob, pack
+from worker.engine.prefill_plan import Chunk, plan_chunks
 from worker.engine.prefix_cache import Match, PrefixCache
 from worker.engine.sequence import Sequence, Tokenizer
 
@@ -71,7 +72,7 @@ class SlotEngine(InferenceEngine):
         without running them; raise as `_prefill` would."""
         raise NotImplementedError(f"{type(self).__name__} does not prefill in chunks")
 
-    def _prefill_chunks(self, chunks: list[tuple[Sequence, int, int]]) -> list[int]:
+    def _prefill_chunks(self, chunks: list[Chunk]) -> list[int]:
         """For chunked prefill: run context positions [start, end) of each
         sequence into its slot, its earlier positions being there already; return
         the next token of each whose chunk ends its context (in order)."""
@@ -205,58 +206,16 @@ class SlotEngine(InferenceEngine):
                 del self._num_prefilled[request_id]
                 self._take_first_token(seq, self._first_token_from_kept_logits(seq))
 
-    def _waits_for_shared_rows(
-        self, seq: Sequence, done: int, chunks: list[tuple[Sequence, int, int]]
-    ) -> bool:
-        """Whether ``seq``'s next rows are being computed this step by an older
-        newcomer whose prompt begins the same way: it takes them from that slot
-        next step instead of computing them twice (the n choices of one request,
-        a burst of requests with one system prompt)."""
-        if self.prefix_cache is None or seq.wants_prompt_logprobs:
-            return False
-        for other, _, end in chunks:
-            if not other.wants_prompt_logprobs:
-                written = min(end, len(other.prompt_token_ids))
-                rows = other.prompt_token_ids[:written]
-                is_whole = written == len(other.prompt_token_ids)
-                if self.prefix_cache.num_shared(seq.prompt_token_ids, rows, is_whole) > done:
-                    return True
-        return False
-
-    def _next_chunks(self) -> list[tuple[Sequence, int, int]]:
-        """This step's chunks: up to ``prefill_chunk_tokens`` more context tokens
-        of the newcomers still prefilling, oldest first; all of them when no
-        sequence is decoding, since then there is no stream to hold up and one
-        large prefill is the fastest. Two kinds go in whole whatever the budget: a resumed sequence,
-        whose client is already waiting mid-stream (it is a running stream
-        itself, and the sooner every resumed one is back the shorter the stall
-        its worker's death caused), and a prompt to be scored (its scores need
-        every position's hidden state at once).
-
-        A chunk inside a prompt ends on a multiple of ``prefill_chunk_tokens``: the
-        engine prefills a prompt in those blocks whatever the chunks (a prompt's
-        attention over a block differs in its last bits from the same positions'
-        over another split), so a prompt's keys are the same whether it went in
-        beside streams, alone, or resumed after a worker's death."""
+    def _next_chunks(self) -> list[Chunk]:
+        prefilling = [
+            (self._by_id[request_id], done) for request_id, done in self._num_prefilled.items()
+        ]
         holds_up_streams = bool(self.decoding_sequences())
-        block = budget = self.prefill_chunk_tokens
-        chunks: list[tuple[Sequence, int, int]] = []
-        for request_id, done in self._num_prefilled.items():
-            seq = self._by_id[request_id]
-            if self._waits_for_shared_rows(seq, done, chunks):
-                continue
-            end = len(seq.context_token_ids)
-            if holds_up_streams and not (seq.is_resumed or seq.wants_prompt_logprobs):
-                end = min(end, done + budget)
-                if end < len(seq.prompt_token_ids):
-                    end = end // block * block
-                if end <= done:
-                    continue
-            chunks.append((seq, done, end))
-            budget -= end - done
-        return chunks
+        return plan_chunks(
+            prefilling, self.prefill_chunk_tokens, holds_up_streams, self.prefix_cache
+        )
 
-    def _run_chunks(self, chunks: list[tuple[Sequence, int, int]], output: StepOutput) -> None:
+    def _run_chunks(self, chunks: list[Chunk], output: StepOutput) -> None:
         """Prefill ``chunks``. If that fails, each is run alone, so that a failure
         falls only on the sequence that causes it: it is dropped, and reported in
         ``output.failed``; the others, and every decoding sequence, go on."""

@@ -43,6 +43,11 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
     device = resolve_device(config.device)
     precision = Precision.for_device(device, config.dtype, config.weights, config.bfloat16_products)
+    if config.prefix_cache and not config.prefill_chunk_tokens:
+        logger.warning(
+            "PREFIX_CACHE is on but PREFILL_CHUNK_TOKENS=0: the prefix cache reuses whole "
+            "prefill blocks, so it is off; set PREFILL_CHUNK_TOKENS > 0 to use it"
+        )
     preloaded = _take_preloaded(config, device, precision)
     loaded, gpt2 = preloaded or (_load(config, device, precision), None)
     chat_template = choose_chat_template(
@@ -158,11 +163,12 @@ class TorchEngine(SlotEngine):
         # rows it holds, so that the same prompt again needs no prefill at all.
         self._kept_logits: torch.Tensor | None = None  # (slots, V)
         logger.info(
-            "serving %s%s; %s; %s",
+            "serving %s%s; %s; %s; prefix cache %s",
             loaded.name,
             " (random weights)" if loaded.is_random_weights else "",
             info.compute,
             self.cache.describe(),
+            f"on, blocks of {prefill_chunk_tokens}" if self.prefix_cache else "off",
         )
 
     def num_matmul_shapes(self) -> int:
