@@ -1,7 +1,8 @@
 """Admission's checks and set-up of one request: its prompt as token ids (text
 tokenized, a conversation rendered through the chat template, or ids as given),
 checked against the vocabulary and the context window, and the sequence its slot
-will hold, with any output a resumed request already streamed put back."""
+will hold, with its grammar and any output a resumed request already streamed
+put back."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 
 from protocol import ErrorCode, GenerateRequest
 from worker.engine.chat_template import ChatTemplate, ChatTemplateError
+from worker.engine.grammar import GrammarMatcher
 from worker.engine.interface import ModelInfo, RequestRejected
 from worker.engine.sequence import Sequence, Tokenizer
 
@@ -19,11 +21,12 @@ def new_sequence(
     tokenizer: Tokenizer,
     chat_template: ChatTemplate,
     info: ModelInfo,
+    grammar: GrammarMatcher | None = None,
 ) -> Sequence:
     """``request`` as the sequence its slot will hold: its prompt tokenized (or
     rendered from a conversation), checked against the context window, and any
-    output a resumed request already streamed put back. Raises RequestRejected
-    naming what is wrong."""
+    output a resumed request already streamed put back, through its ``grammar``
+    too. Raises RequestRejected naming what is wrong."""
     token_ids, text = _prompt(request, tokenizer, chat_template, info)
     if request.fit_context:
         room = info.context_window - len(token_ids)
@@ -31,7 +34,7 @@ def new_sequence(
             request, max_new_tokens=max(0, min(request.max_new_tokens, room))
         )
     _check_context(request, len(token_ids), info)
-    seq = Sequence(request, token_ids, tokenizer, slot)
+    seq = Sequence(request, token_ids, tokenizer, slot, grammar)
     if request.echo:
         seq.prompt_text = tokenizer.decode(token_ids) if text is None else text
     try:
