@@ -65,6 +65,7 @@ async def completions(request: Request) -> Response:
         logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if body.echo else None,
         echo=bool(body.echo),
+        **read.grammar,
     )
     read.log_ignored(work.request_id)
     completion = _Completion(f"cmpl-{work.request_id}", read.model)
