@@ -177,6 +177,8 @@ def test_poison_drill_on_a_fake_stack_restarts_nothing_and_fails_no_innocent(
     assert poison["over_limit_body"]["statuses"] == {"413": 2}
     assert poison["not_json"]["statuses"] == {"415": 3}
     assert poison["tiny_temperature"]["statuses"] == {"200": 2}
+    assert poison["grammar"]["statuses"] == {"422": 5}
+    assert poison["grammar_served"]["statuses"] == {"200": 1}
     assert {
         kind: tally["unexpected"] for kind, tally in poison.items() if tally["unexpected"]
     } == {}
