@@ -15,7 +15,6 @@ too, and `worker.model.token_mask` applies the masks to a batch's logits.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask
 
 from protocol import ErrorCode, GenerateRequest, GrammarKind
 from protocol.limits import GRAMMAR_LIMITS
@@ -128,16 +127,15 @@ class TokenMasks:
 
 class Grammars:
     """Compiles grammars for one tokenizer on a thread of its own, keeps the
-    latest `MAX_COMPILED`, and computes masks. The tokenizer, the thread and
-    llguidance's mask threads start with the first grammar: a worker that serves
-    none pays nothing, and nothing starts before a warm start's fork."""
+    latest `MAX_COMPILED`, and computes masks. The tokenizer and the thread start
+    with the first grammar: a worker that serves none pays nothing, and nothing
+    starts before a warm start's fork."""
 
     def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer]) -> None:
         self._make_tokenizer = make_tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
         self._compiler: ThreadPoolExecutor | None = None
-        self._mask_threads: llguidance.LLExecutor | None = None
         # By grammar text; touched by the engine thread only.
         self._compiled: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
 
@@ -172,9 +170,12 @@ class Grammars:
         num_words = (self._tokenizer.vocab_size + 31) // 32
         bitmask = np.empty((len(constrained), num_words), dtype=np.int32)
         matchers = [grammar.matcher for _, grammar in constrained]
-        targets = [(matcher, k) for k, matcher in enumerate(matchers)]
-        fill_next_token_bitmask_par(self._threads(), targets, bitmask)
         for k, matcher in enumerate(matchers):
+            # On this thread, one row after another: a row takes microseconds (a
+            # millisecond where its lexer meets a new state), and threads of
+            # llguidance's own would preempt torch's, whose steps wait for their
+            # slowest thread.
+            fill_next_token_bitmask(matcher, bitmask, k)
             if matcher.is_error():
                 # Any token: `accept` then fails, and the sequence ends with the error.
                 bitmask[k] = -1
@@ -225,11 +226,6 @@ class Grammars:
                         ErrorCode.UNSUPPORTED,
                     ) from None
             return self._tokenizer
-
-    def _threads(self) -> llguidance.LLExecutor:
-        if self._mask_threads is None:
-            self._mask_threads = llguidance.LLExecutor(min(4, len(os.sched_getaffinity(0))))
-        return self._mask_threads
 
 
 def _short(message: str) -> str:
