@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from protocol import ErrorCode, GenerateRequest
+from protocol import ErrorCode, GenerateRequest, GrammarKind
 from worker.engine.chat_template import ChatTemplate, ChatTemplateError
-from worker.engine.grammar import GrammarMatcher
+from worker.engine.grammar import GrammarMatcher, Grammars
 from worker.engine.interface import ModelInfo, RequestRejected
 from worker.engine.sequence import Sequence, Tokenizer
 
@@ -21,12 +21,13 @@ def new_sequence(
     tokenizer: Tokenizer,
     chat_template: ChatTemplate,
     info: ModelInfo,
-    grammar: GrammarMatcher | None = None,
+    grammars: Grammars | None = None,
 ) -> Sequence:
     """``request`` as the sequence its slot will hold: its prompt tokenized (or
-    rendered from a conversation), checked against the context window, and any
-    output a resumed request already streamed put back, through its ``grammar``
-    too. Raises RequestRejected naming what is wrong."""
+    rendered from a conversation), checked against the context window, its
+    grammar's matcher from ``grammars``, and any output a resumed request already
+    streamed put back, through the grammar too. Raises RequestRejected naming
+    what is wrong."""
     token_ids, text = _prompt(request, tokenizer, chat_template, info)
     if request.fit_context:
         room = info.context_window - len(token_ids)
@@ -34,6 +35,7 @@ def new_sequence(
             request, max_new_tokens=max(0, min(request.max_new_tokens, room))
         )
     _check_context(request, len(token_ids), info)
+    grammar = _grammar(request, grammars, info) if request.grammar else None
     seq = Sequence(request, token_ids, tokenizer, slot, grammar)
     if request.echo:
         seq.prompt_text = tokenizer.decode(token_ids) if text is None else text
@@ -65,6 +67,19 @@ def _prompt(
     if not token_ids:
         raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
     return token_ids, text
+
+
+def _grammar(
+    request: GenerateRequest, grammars: Grammars | None, info: ModelInfo
+) -> GrammarMatcher:
+    if grammars is None:
+        raise RequestRejected(
+            request.request_id,
+            ErrorCode.UNSUPPORTED,
+            f"{GrammarKind.field(request.grammar_kind)}: {info.name} cannot constrain its "
+            "output; serve a model (MODEL_ID) for structured outputs",
+        )
+    return grammars.matcher(request)
 
 
 def _render_chat(request: GenerateRequest, chat_template: ChatTemplate) -> str:

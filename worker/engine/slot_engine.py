@@ -9,7 +9,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
-from protocol import ErrorCode, GenerateRequest, GrammarKind, Logprobs, TokenDelta
+from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
 from worker.engine.admission import new_sequence
 from worker.engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, jinja_template
 from worker.engine.grammar import Grammars
@@ -233,17 +233,9 @@ class SlotEngine(InferenceEngine):
                 ErrorCode.INVALID_REQUEST,
                 f"request {request.request_id} is already being generated",
             )
-        grammar = None
-        if request.grammar:
-            if self.grammars is None:
-                raise RequestRejected(
-                    request.request_id,
-                    ErrorCode.UNSUPPORTED,
-                    f"{GrammarKind.field(request.grammar_kind)}: {self.info.name} cannot "
-                    "constrain its output; serve a model (MODEL_ID) for structured outputs",
-                )
-            grammar = self.grammars.matcher(request)
-        return new_sequence(request, slot, self.tokenizer, self.chat_template, self.info, grammar)
+        return new_sequence(
+            request, slot, self.tokenizer, self.chat_template, self.info, self.grammars
+        )
 
     def _scratch_position(self, slot: int) -> int:
         """A position of ``slot``'s cache row that a dummy decode row (for a slot
