@@ -180,6 +180,8 @@ def test_poison_drill_on_a_fake_stack_restarts_nothing_and_fails_no_innocent(
     assert poison["tiny_temperature"]["statuses"] == {"200": 2}
     assert poison["choices"]["statuses"] == {"422": 3, "400": 1}
     assert poison["most_choices"]["statuses"] == {"200": 1}
+    assert poison["grammar"]["statuses"] == {"422": 5}
+    assert poison["grammar_served"]["statuses"] == {"200": 1}
     assert {
         kind: tally["unexpected"] for kind, tally in poison.items() if tally["unexpected"]
     } == {}

@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
 from worker.engine.admission import new_sequence
 from worker.engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, jinja_template
+from worker.engine.grammar import Grammars
 from worker.engine.interface import (
     FinishedSequence,
     InferenceEngine,
@@ -36,13 +37,17 @@ class SlotEngine(InferenceEngine):
         chat_template: ChatTemplate | None = None,
         prefill_chunk_tokens: int = 0,
         prefix_cache: bool = False,
+        grammars: Grammars | None = None,
     ) -> None:
         """``prefill_chunk_tokens`` > 0: newcomers' contexts are run into their
         slots at most that many tokens per step, between decode steps, so that a
         long prompt does not hold up the running streams (0: whole, at admit).
         ``prefix_cache``: reuse the rows of prompts seen before (`PrefixCache`);
-        it needs chunked prefill, whose aligned blocks make reused rows exact."""
+        it needs chunked prefill, whose aligned blocks make reused rows exact.
+        ``grammars`` compiles requests' grammars; without it a request with one
+        is refused."""
         self.info = info
+        self.grammars = grammars
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefix_cache = (
             PrefixCache(capacity, prefill_chunk_tokens)
@@ -116,6 +121,11 @@ class SlotEngine(InferenceEngine):
             for seq in self._slots
             if seq is not None and seq.request_id not in self._num_prefilled
         ]
+
+    def prepare(self, request: GenerateRequest) -> bool:
+        if not request.grammar or self.grammars is None:
+            return True
+        return self.grammars.prepare(request.grammar)
 
     def admit(self, requests: Seq[GenerateRequest]) -> list[str]:
         free = [i for i, seq in enumerate(self._slots) if seq is None]
@@ -272,7 +282,9 @@ class SlotEngine(InferenceEngine):
                 ErrorCode.INVALID_REQUEST,
                 f"request {request.request_id} is already being generated",
             )
-        return new_sequence(request, slot, self.tokenizer, self.chat_template, self.info)
+        return new_sequence(
+            request, slot, self.tokenizer, self.chat_template, self.info, self.grammars
+        )
 
     def _scratch_position(self, slot: int) -> int:
         """A position of ``slot``'s cache row that a dummy decode row (for a slot
@@ -294,6 +306,11 @@ class SlotEngine(InferenceEngine):
         # A sequence still prefilling has nothing to send, and is not done even if
         # its resumed output finished it: its prompt is being scored.
         for seq in self.decoding_sequences():
+            if seq.error is not None:  # its grammar refused the token: it fails alone
+                rejected = RequestRejected(seq.request_id, ErrorCode.INVALID_REQUEST, seq.error)
+                output.failed.append((seq.request_id, rejected))
+                self._free(seq)
+                continue
             if seq.request.stream:
                 # A finishing sequence's last delta goes out before its result.
                 token_ids, text = seq.take_delta()

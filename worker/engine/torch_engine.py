@@ -15,6 +15,7 @@ import torch
 
 from protocol.settings import ConfigError
 from worker.engine.chat_template import ChatTemplate, choose_chat_template
+from worker.engine.grammar import Grammars, hf_grammar_tokenizer
 from worker.engine.interface import ModelInfo
 from worker.engine.logprobs import UNSCORED, TokenLogprob
 from worker.engine.prefix_cache import Match
@@ -28,6 +29,7 @@ from worker.model.penalties import apply_penalties, suppress_early_stops
 from worker.model.precision import Precision
 from worker.model.projection import num_matmul_shapes
 from worker.model.sampler import Sampler, apply_logit_bias, check_sampling
+from worker.model.token_mask import apply_token_masks
 from worker.serve.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -147,8 +149,18 @@ class TorchEngine(SlotEngine):
             compute=f"{self.precision.describe()}; {self.gpt2.describe_kernels()}",
             kv_cache_bytes=self.cache.kv.numel() * self.cache.kv.element_size(),
         )
+        tokenizer = loaded.tokenizer
+        grammars = Grammars(
+            lambda: hf_grammar_tokenizer(tokenizer.backend, tokenizer.eos_token_id, info.vocab_size)
+        )
         super().__init__(
-            info, loaded.tokenizer, capacity, chat_template, prefill_chunk_tokens, prefix_cache
+            info,
+            tokenizer,
+            capacity,
+            chat_template,
+            prefill_chunk_tokens,
+            prefix_cache,
+            grammars,
         )
         self.model = loaded.model
         self.device = self.gpt2.device
@@ -291,8 +303,9 @@ class TorchEngine(SlotEngine):
     def _choose(
         self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int | None]
     ) -> list[int]:
-        """Each row's next token, after logit_bias, penalties and min_tokens (vLLM's
-        order), recording its logprobs where the request asks for them."""
+        """Each row's next token, after logit_bias, penalties, min_tokens (vLLM's
+        order) and, for the rows with a grammar, the tokens it allows, recording
+        its logprobs where the request asks for them."""
         scored = [
             i
             for i, seq in enumerate(seqs)
@@ -304,7 +317,10 @@ class TorchEngine(SlotEngine):
         raw = logits[self._tensor(scored)].float().log_softmax(dim=-1) if scored else None
         apply_logit_bias(logits, [seq.request for seq in seqs])
         apply_penalties(logits, seqs)
-        suppress_early_stops(logits, seqs)
+        masks = self.grammars.masks(seqs) if self.grammars is not None else None
+        suppress_early_stops(logits, seqs, masks.rows_that_must_end(seqs) if masks else ())
+        if masks is not None:
+            apply_token_masks(logits, masks)
         next_ids = self.sampler.sample(
             logits,
             [seq.request for seq in seqs],
