@@ -179,9 +179,13 @@ class SlotEngine(InferenceEngine):
         output = StepOutput()
         # prefill
         if self._num_prefilled:
-            if self.prefix_cache is not None:
-                self._reuse_cached_rows(self.prefix_cache)
-            self._run_chunks(self._next_chunks(), output)
+            holds_up_streams = bool(self.decoding_sequences())
+            self._prefill_step(holds_up_streams, output)
+            if not holds_up_streams and self._num_prefilled and self.prefix_cache is not None:
+                # Newcomers that waited for rows computed just now (the first wave
+                # of a burst with one system prompt, n choices) take them and go in
+                # at once: no stream was decoding to be held up.
+                self._prefill_step(False, output)
         # Newcomers whose first token finished them leave before the decode.
         self._collect(output)
         if on_prefilled is not None and (output.deltas or output.finished or output.failed):
@@ -216,14 +220,19 @@ class SlotEngine(InferenceEngine):
                 del self._num_prefilled[request_id]
                 self._take_first_token(seq, self._first_token_from_kept_logits(seq))
 
-    def _next_chunks(self) -> list[Chunk]:
+    def _prefill_step(self, holds_up_streams: bool, output: StepOutput) -> None:
+        """Take what the prefix cache holds, then run this step's chunks
+        (`plan_chunks`; ``holds_up_streams``: keep to the chunk budget)."""
+        if self.prefix_cache is not None:
+            self._reuse_cached_rows(self.prefix_cache)
         prefilling = [
             (self._by_id[request_id], done) for request_id, done in self._num_prefilled.items()
         ]
-        holds_up_streams = bool(self.decoding_sequences())
-        return plan_chunks(
+        chunks = plan_chunks(
             prefilling, self.prefill_chunk_tokens, holds_up_streams, self.prefix_cache
         )
+        if chunks:
+            self._run_chunks(chunks, output)
 
     def _run_chunks(self, chunks: list[Chunk], output: StepOutput) -> None:
         """Prefill ``chunks``. If that fails, each is run alone, so that a failure
