@@ -81,7 +81,7 @@ class HttpTarget:
                     await self._read_events(response, record)
                 else:
                     answer = json.loads(await response.aread())
-                    record.num_tokens = int(answer["usage"]["completion_tokens"])
+                    _read_usage(record, answer["usage"])
                     record.server_s = _server_s(answer)
         except httpx.TimeoutException:
             record.status = "timeout"
@@ -94,7 +94,7 @@ class HttpTarget:
         """Count tokens as the events arrive; a stream that ends in an error event
         or without a final event fails."""
         num_streamed = 0
-        usage_tokens: int | None = None
+        usage: dict[str, Any] | None = None
         record.status = "incomplete_stream"
         async for sse in EventSource(response).aiter_sse():
             event = sse.event
@@ -110,7 +110,7 @@ class HttpTarget:
                     record.chunk_times.append(time.perf_counter())
                     num_streamed += len(payload["token_ids"])
                 elif event == "done":
-                    usage_tokens = int(payload["usage"]["completion_tokens"])
+                    usage = payload["usage"]
                     record.server_s = _server_s(payload)
                     record.status = OK
                     break
@@ -119,9 +119,18 @@ class HttpTarget:
                     record.chunk_times.append(time.perf_counter())
                     num_streamed += 1
                 if payload.get("usage"):
-                    usage_tokens = int(payload["usage"]["completion_tokens"])
+                    usage = payload["usage"]
         # A server that reports usage is exact; else each text chunk counts as one token.
-        record.num_tokens = usage_tokens if usage_tokens is not None else num_streamed
+        if usage is None:
+            record.num_tokens = num_streamed
+        else:
+            _read_usage(record, usage)
+
+
+def _read_usage(record: RequestRecord, usage: dict[str, Any]) -> None:
+    record.num_tokens = int(usage["completion_tokens"])
+    if "prompt_tokens" in usage:
+        record.num_prompt_tokens = int(usage["prompt_tokens"])
 
 
 def _server_s(answer: dict[str, Any]) -> float | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from protocol.limits import MAX_CHOICES
+from protocol.limits import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from worker.engine.fake_engine import FAKE_VOCAB_SIZE
 
 GPT2_VOCAB_SIZE = 50257  # the synthetic model's and distilgpt2's
@@ -28,6 +28,9 @@ GREEDY = "200, the greedy text"
 NO_ANSWER = "none"
 DEEP_NESTING = 100_000  # far past the JSON parser's ~200 levels
 NESTING_PAST_THE_SCHEMA = 150  # under the parser's limit: the schema must refuse it
+# A JSON schema that llguidance accepts without a tokenizer, but whose first key
+# needs more parser items than a step may take: the worker ends it, naming it.
+COSTLY_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,43 @@ def make_probes(
             b'{"prompt": ' + b"[" * DEEP_NESTING + b"]" * DEEP_NESTING + b"}",
         ),
         completion("deep_nesting", prompt=json.loads(nested)),
+        completion("grammar", prompt="hello", response_format=_json_schema({"type": "strin"})),
+        completion("grammar", prompt="hello", response_format=_json_schema(COSTLY_SCHEMA)),
+        completion(
+            "grammar",
+            prompt="hello",
+            response_format=_json_schema(_nested_schema(NESTING_PAST_THE_SCHEMA)),
+        ),
+        completion("grammar", prompt="hello", structured_outputs={"regex": "(" * 50}),
+        completion(
+            "grammar", prompt="hello", structured_outputs={"regex": "a" * MAX_GRAMMAR_CHARS * 2}
+        ),
+        Probe(
+            "grammar_served",
+            "/v1/completions",
+            _json(
+                {
+                    "model": model,
+                    "prompt": first["prompt"],
+                    "max_tokens": 16,
+                    "structured_outputs": {"choice": ["yes", "no"]},
+                }
+            ),
+            expect=SERVED,
+        ),
     ]
+
+
+def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "poison", "schema": schema}}
+
+
+def _nested_schema(depth: int) -> dict[str, Any]:
+    """An array of arrays ``depth`` deep (llguidance refuses past ~128 levels)."""
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
 
 
 def _prompt_of(innocent: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,11 @@ reported are the medians, the cache's hits from /metrics, and the ratios.
 Targets: time to first token p50 >= 3x lower and tokens/s >= 1.5x higher with
 the cache; on the plain workload, tokens/s within 2% of off. Writes
 bench/results/prefix_cache.json.
+
+    python -m bench.prefix_cache_bench --engine-only [--runs 3]
+
+The plain workload's cost alone, without HTTP's noise: one in-process engine,
+the cache off and on taking turns. Writes bench/results/prefix_cache_engine.json.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -98,6 +104,38 @@ def run_configuration(
     return results
 
 
+def engine_only(args: argparse.Namespace) -> dict[str, Any]:
+    """The plain workload, 8 at a time, through one in-process engine with the
+    prefix cache off and on in turns: what the cache costs when nothing is shared."""
+    from bench.engine_bench import median_of_runs, run_continuous
+    from worker.engine.prefix_cache import PrefixCache
+    from worker.engine.torch_engine import load_engine
+    from worker.serve.config import WorkerConfig
+
+    engine = load_engine(WorkerConfig(model_id="synthetic", max_batch_size=CAPACITY))
+    num_runs = 0
+
+    def run(is_on: bool) -> Callable[[], dict[str, Any]]:
+        def once() -> dict[str, Any]:
+            nonlocal num_runs
+            num_runs += 1
+            block = engine.prefill_chunk_tokens
+            engine.prefix_cache = PrefixCache(CAPACITY, block) if is_on else None
+            return run_continuous(engine, plain_workload(args, f"run{num_runs}"), CAPACITY)
+
+        return once
+
+    medians, runs = median_of_runs({"off": run(False), "on": run(True)}, args.runs)
+    ratio = medians["on"]["tokens_per_s"] / medians["off"]["tokens_per_s"]
+    for name, summary in medians.items():
+        each = ", ".join(f"{r['tokens_per_s']:.1f}" for r in runs[name])
+        print(f"plain, cache {name}: {summary['tokens_per_s']:.1f} tokens/s (runs: {each})")
+    print(f"plain_tokens_per_s_on_over_off: {ratio:.3f}")
+    report = {"settings": vars(args), "medians": medians, "ratio_on_over_off": ratio}
+    write_json(RESULTS / "prefix_cache_engine.json", report)
+    return report
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=2, help="turns of each configuration")
@@ -107,11 +145,16 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--question-words", type=int, nargs=2, default=(20, 60))
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine-only", action="store_true", help="the plain workload in one engine, no HTTP"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
+    if args.engine_only:
+        return engine_only(args)
     runs: dict[str, list[dict[str, Any]]] = {}
     for run in range(args.runs):
         for prefix_cache in (False, True):

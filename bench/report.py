@@ -33,7 +33,9 @@ class RequestRecord:
     code. ``chunk_times`` are arrival times of the chunks that carried tokens,
     empty when the request was not streamed. ``server_s`` is the time the worker
     itself reports for the request (queue wait + generation), when it does: the
-    rest of the client's end-to-end time was spent on the way in and out."""
+    rest of the client's end-to-end time was spent on the way in and out.
+    ``num_prompt_tokens`` is the prompt's length as the server counted it, when
+    its answer says."""
 
     request_id: str
     sent_at: float
@@ -42,6 +44,7 @@ class RequestRecord:
     num_tokens: int = 0
     chunk_times: list[float] = field(default_factory=list)
     server_s: float | None = None
+    num_prompt_tokens: int | None = None
 
     @property
     def is_ok(self) -> bool:

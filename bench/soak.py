@@ -7,10 +7,10 @@ A local stack (synthetic model, MAX_BATCH_SIZE=--capacity) gets a closed loop of
 --users clients, more than its slots, so that requests always wait; each sends
 prompts of 20-200 words asking for 8-64 tokens (forced), never the same prompt
 twice. Every --sample-s seconds /metrics gives the worker's RSS and /health its
-active slots and waiting requests. Reported: RSS after the warm-up and at the
-end, and its growth (target: under 10%); and over the samples where requests
-waited, how often a slot was idle, and the least active. Writes
-bench/results/soak.json.
+active slots and waiting requests. Reported: answers by status, RSS after the
+warm-up and at the end, and its growth (target: under 10%); and over the
+samples where requests waited, how often a slot was idle, and the least
+active. Writes bench/results/soak.json (or --out).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import asyncio
 import random
 import statistics
 import time
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -50,27 +52,29 @@ def _sample(client: httpx.Client) -> dict[str, float]:
     }
 
 
-async def _users(url: str, args: argparse.Namespace, stop_at: float) -> int:
-    """The closed loop; returns how many requests were answered."""
+async def _users(url: str, args: argparse.Namespace, stop_at: float) -> Counter[str]:
+    """The closed loop; returns how many answers had each status (or failure)."""
     rng = random.Random(args.seed)
-    num_answered = 0
+    statuses: Counter[str] = Counter()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+    timeout_s = args.request_timeout_s + 60  # the server answers 504 first
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
 
         async def user() -> None:
-            nonlocal num_answered
             while time.monotonic() < stop_at:
                 body = {
                     "prompt": words(rng, rng.randint(20, 200)).capitalize(),
                     "max_new_tokens": rng.randint(8, 64),
                     "ignore_eos": True,
                 }
-                response = await client.post("/generate", json=body)
-                response.raise_for_status()
-                num_answered += 1
+                try:
+                    response = await client.post("/generate", json=body)
+                    statuses[str(response.status_code)] += 1
+                except httpx.HTTPError as exc:
+                    statuses[type(exc).__name__] += 1
 
         await asyncio.gather(*(user() for _ in range(args.users)))
-    return num_answered
+    return statuses
 
 
 def _sampler(url: str, args: argparse.Namespace, stop_at: float) -> list[dict[str, float]]:
@@ -82,11 +86,11 @@ def _sampler(url: str, args: argparse.Namespace, stop_at: float) -> list[dict[st
     return samples
 
 
-async def _soak(url: str, args: argparse.Namespace) -> tuple[int, list[dict[str, float]]]:
+async def _soak(url: str, args: argparse.Namespace) -> tuple[Counter[str], list[dict[str, float]]]:
     stop_at = time.monotonic() + args.minutes * 60
     sampling = asyncio.to_thread(_sampler, url, args, stop_at)
-    num_answered, samples = await asyncio.gather(_users(url, args, stop_at), sampling)
-    return num_answered, samples
+    statuses, samples = await asyncio.gather(_users(url, args, stop_at), sampling)
+    return statuses, samples
 
 
 def summarize(samples: list[dict[str, float]], args: argparse.Namespace) -> dict[str, Any]:
@@ -119,20 +123,34 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--capacity", type=int, default=8, help="slots")
     parser.add_argument("--sample-s", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="the stack's REQUEST_TIMEOUT_S: long, so that a deep backlog waits",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
-    env = stack_env({"MODEL_ID": "synthetic", "MAX_BATCH_SIZE": str(args.capacity)})
+    env = stack_env(
+        {
+            "MODEL_ID": "synthetic",
+            "MAX_BATCH_SIZE": str(args.capacity),
+            "REQUEST_TIMEOUT_S": str(args.request_timeout_s),
+        }
+    )
     with running_stack(RESULTS / "soak_stack", env) as stack:
         stack.wait_live(timeout_s=300)
-        num_answered, samples = asyncio.run(_soak(stack.url, args))
-    summary = {"num_answered": num_answered, **summarize(samples, args)}
+        statuses, samples = asyncio.run(_soak(stack.url, args))
+    summary = {"answers_by_status": dict(statuses), **summarize(samples, args)}
     for key, value in summary.items():
         print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
-    report = {"settings": vars(args), "summary": summary, "samples": samples}
-    write_json(RESULTS / "soak.json", report)
+    settings = {**vars(args), "out": str(args.out)}
+    report = {"settings": settings, "summary": summary, "samples": samples}
+    write_json(args.out, report)
     return report
 
 

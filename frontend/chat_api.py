@@ -54,6 +54,7 @@ async def chat_completions(request: Request) -> Response:
         # Unasked, the reply may use whatever the context window leaves, as vLLM's.
         fit_context=asked is None,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        **read.grammar,
     )
     read.log_ignored(work.request_id)
     chat = Envelope(f"chatcmpl-{work.request_id}", read.model)

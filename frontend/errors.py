@@ -36,6 +36,8 @@ _PARAM_BY_WORKER_FIELD = {
     "logit_bias": "logit_bias",
     "logprobs": "logprobs",
     "prompt_logprobs": "logprobs",
+    "response_format": "response_format",
+    "structured_outputs": "structured_outputs",
 }
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",

@@ -72,6 +72,7 @@ async def completions(request: Request) -> Response:
         logprobs=0 if is_ranked and body.logprobs is None else body.logprobs,
         prompt_logprobs=body.logprobs if body.echo else None,
         echo=bool(body.echo),
+        **read.grammar,
     )
     read.log_ignored(work.request_id)
     completion = Envelope(f"cmpl-{work.request_id}", read.model)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from starlette.requests import Request
@@ -16,6 +16,7 @@ from frontend.errors import ApiError
 from frontend.generation import generate_request
 from frontend.openai_schemas import OpenAIBody
 from frontend.schemas import name_fields, parse_body
+from frontend.structured import grammar_fields
 from frontend.worker_client import WorkerClient
 from protocol import GenerateRequest, GenerateResult
 
@@ -33,6 +34,8 @@ class OpenAIRequest(Generic[Body]):
     client: WorkerClient
     model: str  # as the worker names it, or the request's while none has said hello
     ignored: list[str]  # unknown fields, ignored
+    # The request's grammar_kind and grammar (structured outputs), if any.
+    grammar: dict[str, str] = field(default_factory=dict)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -64,7 +67,7 @@ def log_ignored_fields(request_id: str, ignored: list[str]) -> None:
 async def read_openai_request(request: Request, schema: type[Body]) -> OpenAIRequest[Body]:
     """The body, checked: 422 for a bad field (and, with STRICT_REQUEST_FIELDS,
     an unknown one), 400 for a value this server cannot honour, 404 for a model
-    it does not serve."""
+    it does not serve; its grammar, if it asks for structured output, checked too."""
     client: WorkerClient = request.app.state.client
     strict = client.config.strict_request_fields
     body, ignored = await parse_body(request, schema, ignore_unknown=not strict)
@@ -73,7 +76,8 @@ async def read_openai_request(request: Request, schema: type[Body]) -> OpenAIReq
         param, message = unsupported
         raise ApiError(400, message, "unsupported", param)
     check_model(client, body.model)
-    return OpenAIRequest(body, client, served_model(client) or body.model, ignored)
+    grammar = await grammar_fields(body.response_format, body.structured_outputs)
+    return OpenAIRequest(body, client, served_model(client) or body.model, ignored, grammar)
 
 
 def served_model(client: WorkerClient) -> str | None:

@@ -105,6 +105,16 @@ class OpenAIBody(BaseModel):
         f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], added to its logit",
     )
     user: str | None = Field(None, description="accepted and ignored")
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description="OpenAI's: {type: text}, {type: json_object}, or {type: json_schema, "
+        "json_schema: {name, schema, strict}}: the output follows the schema",
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's: exactly one of json (a schema, or its text), regex, choice "
+        "(a list of strings) or grammar (Lark or GBNF)",
+    )
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first parameter set to a value this server cannot honour, with why."""
@@ -179,15 +189,12 @@ class ChatBody(OpenAIBody):
     )
     tools: list[Any] | None = Field(None, description="not supported: only empty")
     tool_choice: Any = Field(None, description="only none")
-    response_format: dict[str, Any] | None = Field(None, description="only {type: text}")
 
     def _checks(self) -> list[tuple[str, bool, str]]:
-        text_format = self.response_format in (None, {"type": "text"})
         return [
             *super()._checks(),
             ("tools", not self.tools, "tool calling is not supported"),
             ("tool_choice", self.tool_choice in (None, "none"), "tool calling is not supported"),
-            ("response_format", text_format, "only {'type': 'text'} is supported"),
             (
                 "top_logprobs",
                 self.top_logprobs is None or bool(self.logprobs),

@@ -4,6 +4,8 @@ checks (`worker.serve.validation`), which trust nothing that reaches its socket.
 `MAX_CHOICES` is the frontend's alone: the worker sees each choice as a request
 of its own."""
 
+from typing import TypedDict
+
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -18,3 +20,31 @@ MAX_PRESENCE_PENALTY = 2.0  # and frequency: OpenAI's range is [-2, 2]
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API
 MAX_LOGIT_BIAS_VALUE = 100.0  # and -100: OpenAI's range
 MAX_CHOICES = 8  # OpenAI's n and best_of: worker requests one client request fans out to
+
+# A request's grammar (structured outputs): the schema, regex, choices or
+# grammar as sent, and llguidance's grammar made from it, at most this long.
+# Compiling one this long takes up to ~0.1 s; compiling runs off the engine loop.
+MAX_GRAMMAR_CHARS = 32 * 1024
+
+
+# llguidance's parser limits (`LLParserLimits`), the same on both sides: what
+# building a grammar's lexer and parser, and each step's mask, may cost before
+# the grammar is refused. Its defaults, except the grammar's size and the lexer's
+# states (each ~2 kB): a grammar too large for these is too large for a request.
+class GrammarLimits(TypedDict):
+    max_items_in_row: int
+    initial_lexer_fuel: int
+    step_lexer_fuel: int
+    step_max_items: int
+    max_lexer_states: int
+    max_grammar_size: int
+
+
+GRAMMAR_LIMITS: GrammarLimits = {
+    "max_items_in_row": 2_000,
+    "initial_lexer_fuel": 1_000_000,  # ~20 ms
+    "step_lexer_fuel": 200_000,  # ~15 ms a step
+    "step_max_items": 50_000,  # ~2.5 ms a step
+    "max_lexer_states": 20_000,
+    "max_grammar_size": 100_000,
+}

@@ -39,6 +39,26 @@ class ErrorCode:
     )
 
 
+class GrammarKind:
+    """Where a request's grammar came from: OpenAI's ``response_format`` or vLLM's
+    ``structured_outputs``. The worker names that request field in its errors."""
+
+    JSON_SCHEMA = "json_schema"  # response_format {"type": "json_schema"}
+    JSON_OBJECT = "json_object"  # response_format {"type": "json_object"}
+    JSON = "json"  # structured_outputs.json
+    REGEX = "regex"  # structured_outputs.regex
+    CHOICE = "choice"  # structured_outputs.choice
+    GRAMMAR = "grammar"  # structured_outputs.grammar: Lark or GBNF
+
+    ALL: ClassVar[tuple[str, ...]] = (JSON_SCHEMA, JSON_OBJECT, JSON, REGEX, CHOICE, GRAMMAR)
+
+    @staticmethod
+    def field(kind: str) -> str:
+        """The request field a grammar of ``kind`` came from."""
+        is_format = kind in (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT)
+        return "response_format" if is_format else "structured_outputs"
+
+
 # --- frontend -> worker ---------------------------------------------------------
 
 
@@ -70,6 +90,12 @@ class GenerateRequest:
     prompt's token ids and text (a conversation as rendered) in the result.
     ``max_new_tokens`` may be 0: nothing is generated, and without
     ``prompt_logprobs`` the model does not run (tokenizing).
+
+    ``grammar``, when set, constrains the output to the language it defines: it
+    is llguidance's grammar (what ``llguidance.grammar_from`` returns: a JSON
+    grammar or Lark text), and ``grammar_kind`` (a `GrammarKind`) says which
+    request field it came from. The grammar's end ends the output (finish_reason
+    stop), even before ``min_tokens``.
     """
 
     TYPE: ClassVar[str] = "generate"
@@ -100,6 +126,8 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     fit_context: bool = False
     echo: bool = False
+    grammar_kind: str = ""
+    grammar: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,6 +138,7 @@ def test_http_and_zmq_clients_against_a_fake_stack(tmp_path: Path) -> None:
             requests = load.workload(args, tag=api)
             records = asyncio.run(_run_http(stack.url, api, requests, args))
             _check(records, requests, says_server_time=api == NATIVE)
+            assert all(r.num_prompt_tokens for r in records), "both APIs answer with usage"
         args = _args()
         requests = load.workload(args, tag="zmq")
         _check(asyncio.run(_run_zmq(stack.env["WORKER_ENDPOINT"], requests, args)), requests)
@@ -179,6 +180,8 @@ def test_poison_drill_on_a_fake_stack_restarts_nothing_and_fails_no_innocent(
     assert poison["tiny_temperature"]["statuses"] == {"200": 2}
     assert poison["choices"]["statuses"] == {"422": 3, "400": 1}
     assert poison["most_choices"]["statuses"] == {"200": 1}
+    assert poison["grammar"]["statuses"] == {"422": 5}
+    assert poison["grammar_served"]["statuses"] == {"200": 1}
     assert {
         kind: tally["unexpected"] for kind, tally in poison.items() if tally["unexpected"]
     } == {}

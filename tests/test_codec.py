@@ -69,6 +69,8 @@ to_worker = st.one_of(
         chat_roles=st.lists(texts, max_size=4),
         chat_contents=st.lists(texts, max_size=4),
         echo=st.booleans(),
+        grammar_kind=texts,
+        grammar=texts,
     ),
     st.builds(AbortRequest, request_id=texts),
     st.builds(Ping, frontend_id=texts),
@@ -271,6 +273,17 @@ def test_a_request_from_before_logit_bias_decodes_without_one() -> None:
     decoded = decode_to_worker(msgpack.packb(payload))
     assert isinstance(decoded, GenerateRequest)
     assert (decoded.logit_bias_token_ids, decoded.logit_bias_values) == ([], [])
+
+
+def test_a_grammar_travels_with_its_kind_and_a_request_from_before_them_has_none() -> None:
+    grammar = '{"grammars": [{"json_schema": {"type": "object"}}]}'
+    request = GenerateRequest("r1", "hi", 4, grammar_kind="json_object", grammar=grammar)
+    assert decode_to_worker(encode(request)) == request
+    payload = msgpack.unpackb(encode(GenerateRequest("r1", "hi", 4)))
+    del payload["grammar_kind"], payload["grammar"]
+    decoded = decode_to_worker(msgpack.packb(payload))
+    assert isinstance(decoded, GenerateRequest)
+    assert (decoded.grammar_kind, decoded.grammar) == ("", "")
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Seeded, sampled streams that outlive their worker continue bit for bit as the
-run without faults: real processes, a small GPT-2, the worker SIGKILLed several
-times under load, and each stream (its text, finish reason and logprobs) held to
-its own fault-free run on the same stack.
+run without faults (constrained ones too): real processes, a small GPT-2, the
+worker SIGKILLed several times under load, and each stream (its text, finish
+reason and logprobs) held to its own fault-free run on the same stack.
 
 Prompts of every length go in chunks of PREFILL_CHUNK_TOKENS beside the streams
 that decode (docs/engine.md, "Exact resumes")."""
@@ -36,6 +36,25 @@ WORDS = [
 ]
 
 
+RECORDS_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "records",
+        "schema": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "word": {"type": "string", "maxLength": 8},
+                    "n": {"type": "integer"},
+                },
+                "required": ["word", "n"],
+            },
+            "maxItems": 4,
+        },
+    },
+}
+
 # A stream as its client saw it: text, finish reason, and (token, logprob) pairs.
 Stream = tuple[str, str | None, list[tuple[str, float | None]]]
 
@@ -53,8 +72,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _bodies() -> list[dict[str, Any]]:
     """Seeded, sampled requests: a third with stop strings, some penalised, some
-    with min_tokens or a logit_bias, some asking for logprobs, which are compared
-    too; a third begin with one shared prefix, which the prefix cache serves."""
+    with min_tokens, a logit_bias or a JSON schema to follow, some asking for
+    logprobs, which are compared too; a third begin with one shared prefix,
+    which the prefix cache serves."""
     rng = random.Random(23)
     shared = " ".join(rng.choice(WORDS) for _ in range(20))
     bodies = []
@@ -79,6 +99,8 @@ def _bodies() -> list[dict[str, Any]]:
             body["extra_body"] = {"min_tokens": 12}
         if i % 6 == 3:  # " the" likelier, " and" banned, "." a little likelier
             body["logit_bias"] = {"262": 5, "290": -100, "13": 2.5}
+        if i % 7 == 5:  # a resumed worker replays the streamed tokens through the grammar
+            body["extra_body"] = {**body["extra_body"], "response_format": RECORDS_FORMAT}
         bodies.append(body)
     return bodies
 
@@ -157,6 +179,12 @@ def _assert_resumes_exact(
         load = Load(client, client.models.list().data[0].id)
         fault_free = load.run(bodies)
         assert any(finish == "stop" for _, finish, _ in fault_free)  # the stop strings bite
+        constrained = [
+            text
+            for (text, _, _), b in zip(fault_free, bodies, strict=True)
+            if "response_format" in b["extra_body"]
+        ]
+        assert constrained and all(text.startswith("[") for text in constrained)
         num_chunks, load.num_chunks = load.num_chunks, 0
         midway: list[int] = []
         faulted = load.run(

@@ -100,7 +100,32 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "add_generation_prompt": st.none() | st.booleans(),
     "tools": st.none() | st.lists(json_values, max_size=1),
     "tool_choice": st.none() | st.sampled_from(["none", "auto"]),
-    "response_format": st.none() | st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    "response_format": st.none()
+    | st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}},
+            {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}},
+            {"type": "json_schema"},
+            {"type": "xml"},
+        ]
+    ),
+    "structured_outputs": st.none()
+    | st.sampled_from(
+        [
+            {"regex": "[a-z]{1,8}"},
+            {"regex": "a("},
+            {"choice": ["yes", "no"]},
+            {"choice": []},
+            {"json": '{"type": "array", "items": {"type": "boolean"}, "maxItems": 3}'},
+            {"json": "{"},
+            {"grammar": 'start: "x"+'},
+            {"grammar": "start: nowhere"},
+            {"regex": "x", "choice": ["x"]},
+            {"disable_any_whitespace": True},
+        ]
+    ),
 }
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.poison import COSTLY_SCHEMA
+from protocol.limits import MAX_GRAMMAR_CHARS
 from tests.stack import Stack, running_stack
 from worker.engine.fake_engine import FAKE_VOCAB_SIZE, expected_text
 
@@ -46,6 +48,28 @@ POISON: list[tuple[str, str, object, int]] = [
         {"prompt": "poison", "logit_bias": {str(FAKE_VOCAB_SIZE - 1 - i): 100 for i in range(300)}},
         200,
     ),
+    (
+        "a grammar twice MAX_GRAMMAR_CHARS long",
+        "/v1/completions",
+        {"prompt": "p", "structured_outputs": {"regex": "a" * 2 * MAX_GRAMMAR_CHARS}},
+        422,
+    ),
+    (
+        "a schema too costly for one step",
+        "/v1/completions",
+        {
+            "prompt": "p",
+            "response_format": {"type": "json_schema", "json_schema": {"schema": COSTLY_SCHEMA}},
+        },
+        422,
+    ),
+    (
+        "a regex that never closes",
+        "/v1/completions",
+        {"structured_outputs": {"regex": "(" * 50}},
+        422,
+    ),
+    ("a choice", "/v1/completions", {"prompt": "p", "structured_outputs": {"choice": ["a"]}}, 200),
     (
         "deeply nested JSON",
         "/generate",
@@ -109,6 +133,17 @@ def test_a_refusal_by_the_worker_names_the_request_field(tmp_path: Path) -> None
                 "logit_bias",
             ),
             ("/generate", {"prompt": "x" * 2000}, "prompt"),
+            (
+                "/v1/completions",
+                {
+                    "prompt": "p",
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"schema": COSTLY_SCHEMA},
+                    },
+                },
+                "response_format",
+            ),
         ]
         for path, body, param in cases:
             response = _send(stack, path, body)

@@ -217,6 +217,19 @@ def test_a_shared_prefix_is_computed_once(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @pytest.mark.model
+def test_a_burst_with_one_system_prompt_all_start_in_the_first_step() -> None:
+    """With nothing decoding yet, those that waited for the shared rows take them
+    in the same step: none waits for a later one."""
+    rng = random.Random(5)
+    system = random_prompt(rng, 40, 40)
+    engine = tiny_engine(4, prefill_chunk_tokens=CHUNK)
+    engine.admit([request(f"q{i}", system + random_prompt(rng, 3, 9), 4) for i in range(4)])
+    engine.step()
+    assert all(seq.output_token_ids for seq in engine.active_sequences())
+    assert [seq.num_cached_tokens for seq in engine.active_sequences()] == [0, 40, 40, 40]
+
+
+@pytest.mark.model
 def test_the_same_prompt_again_needs_no_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
     """n choices of one prompt: prefilled once, each drawing from the same logits."""
     prompt = random_prompt(random.Random(6), 20, 20)

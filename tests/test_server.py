@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import llguidance
 import msgpack
 import pytest
 import zmq
@@ -29,7 +30,13 @@ from protocol import (
     encode,
 )
 from tests.stack import free_port
-from worker.engine.fake_engine import FAKE_VOCAB_SIZE, FakeEngine, expected_text
+from worker.engine.fake_engine import (
+    FAKE_VOCAB_SIZE,
+    FakeEngine,
+    expected_text,
+    fake_grammar_tokenizer,
+)
+from worker.engine.grammar import Grammars
 from worker.engine.sequence import Sequence
 from worker.serve.config import WorkerConfig
 from worker.serve.scheduler import Scheduler
@@ -172,6 +179,34 @@ def test_heartbeats_count_a_request_that_arrived_during_a_step(connect: Connect)
         (beat,) = frontend.receive_until(Heartbeat)
         assert isinstance(beat, Heartbeat)
         assert (beat.num_steps, beat.num_queued + beat.num_active) == (0, 2), beat
+
+
+def test_a_slow_grammar_compile_holds_up_neither_the_steps_nor_the_heartbeats(
+    connect: Connect,
+) -> None:
+    released = threading.Event()
+
+    def slow_tokenizer() -> llguidance.LLTokenizer:
+        assert released.wait(10)
+        return fake_grammar_tokenizer()
+
+    engine = FakeEngine(2, step_delay_s=0.01)
+    engine.grammars = Grammars(slow_tokenizer)
+    regex = llguidance.LLMatcher.grammar_from_regex("[0-9]{4}")
+    with serving(engine) as server:
+        frontend = connect(server)
+        frontend.send(encode(GenerateRequest("slow", "x", 8, grammar_kind="regex", grammar=regex)))
+        frontend.send(encode(GenerateRequest("free", "hello", 20)))
+        received = frontend.receive_until(GenerateResult)
+        assert received[-1].request_id == "free"  # while "slow" compiles
+        beats = [m for m in received if isinstance(m, Heartbeat)]
+        assert len(beats) >= 2 and beats[-1].num_steps >= beats[0].num_steps + 5, beats
+        assert beats[-1].num_queued == 1
+        released.set()
+        result = frontend.receive_until(GenerateResult)[-1]
+        assert isinstance(result, GenerateResult)
+        assert (result.request_id, result.finish_reason) == ("slow", "stop")
+        assert len(result.text) == 4 and result.text.isdigit()
 
 
 def test_the_requests_of_a_silent_frontend_are_aborted(connect: Connect) -> None:

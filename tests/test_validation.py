@@ -7,7 +7,12 @@ import math
 import pytest
 
 from protocol import AbortRequest, ErrorCode, GenerateRequest
-from protocol.limits import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from protocol.limits import (
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+)
 from protocol.wire import MAX_REQUEST_ID_CHARS
 from worker.engine.interface import RequestRejected
 from worker.serve.validation import RequestLimits, check_generate, is_valid_abort
@@ -46,6 +51,7 @@ def test_a_sound_request_passes() -> None:
         ),
         LIMITS,
     )
+    check_generate(_request(grammar_kind="regex", grammar="x" * MAX_GRAMMAR_CHARS), LIMITS)
 
 
 @pytest.mark.parametrize(
@@ -145,6 +151,15 @@ def test_a_sound_request_passes() -> None:
             {"prompt": "", "chat_roles": ["user"], "chat_contents": ["x" * 257]},
             ErrorCode.CONTEXT_OVERFLOW,
             "messages: 257 characters",
+        ),
+        ({"grammar_kind": "yaml", "grammar": "x"}, ErrorCode.INVALID_REQUEST, "grammar_kind"),
+        ({"grammar": "start: /a/"}, ErrorCode.INVALID_REQUEST, "grammar_kind: must be one of"),
+        ({"grammar_kind": "json_schema"}, ErrorCode.INVALID_REQUEST, "response_format: the"),
+        ({"grammar_kind": "choice"}, ErrorCode.INVALID_REQUEST, "structured_outputs: the"),
+        (
+            {"grammar_kind": "regex", "grammar": "x" * (MAX_GRAMMAR_CHARS + 1)},
+            ErrorCode.INVALID_REQUEST,
+            f"structured_outputs: the grammar is {MAX_GRAMMAR_CHARS + 1:,} characters",
         ),
     ],
 )

@@ -57,6 +57,11 @@ def _random_message(rng: random.Random) -> list[bytes]:
                 {"logit_bias_token_ids": [1, 2], "logit_bias_values": [math.nan]},
                 {"logit_bias_token_ids": [3, 3], "logit_bias_values": [-math.inf, 1e30]},
                 {"logit_bias_token_ids": [4] * 50_000, "logit_bias_values": [100.0] * 50_000},
+                {"grammar_kind": "x" * 1000, "grammar": "start: /a/"},
+                {"grammar_kind": "regex", "grammar": "start: /(/"},
+                {"grammar_kind": "grammar", "grammar": "{" * 100_000},
+                {"grammar_kind": "json", "grammar": '{"grammars": [{"json_schema": 7}]}'},
+                {"grammar_kind": "choice", "grammar": 'start: "a" | "b"', "min_tokens": 5},
             ]
         ),
     )

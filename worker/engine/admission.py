@@ -1,14 +1,16 @@
 """Admission's checks and set-up of one request: its prompt as token ids (text
 tokenized, a conversation rendered through the chat template, or ids as given),
 checked against the vocabulary and the context window, and the sequence its slot
-will hold, with any output a resumed request already streamed put back."""
+will hold, with its grammar and any output a resumed request already streamed
+put back."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from protocol import ErrorCode, GenerateRequest
+from protocol import ErrorCode, GenerateRequest, GrammarKind
 from worker.engine.chat_template import ChatTemplate, ChatTemplateError
+from worker.engine.grammar import GrammarMatcher, Grammars
 from worker.engine.interface import ModelInfo, RequestRejected
 from worker.engine.sequence import Sequence, Tokenizer
 
@@ -19,11 +21,13 @@ def new_sequence(
     tokenizer: Tokenizer,
     chat_template: ChatTemplate,
     info: ModelInfo,
+    grammars: Grammars | None = None,
 ) -> Sequence:
     """``request`` as the sequence its slot will hold: its prompt tokenized (or
-    rendered from a conversation), checked against the context window, and any
-    output a resumed request already streamed put back. Raises RequestRejected
-    naming what is wrong."""
+    rendered from a conversation), checked against the context window, its
+    grammar's matcher from ``grammars``, and any output a resumed request already
+    streamed put back, through the grammar too. Raises RequestRejected naming
+    what is wrong."""
     token_ids, text = _prompt(request, tokenizer, chat_template, info)
     if request.fit_context:
         room = info.context_window - len(token_ids)
@@ -31,7 +35,8 @@ def new_sequence(
             request, max_new_tokens=max(0, min(request.max_new_tokens, room))
         )
     _check_context(request, len(token_ids), info)
-    seq = Sequence(request, token_ids, tokenizer, slot)
+    grammar = _grammar(request, grammars, info) if request.grammar else None
+    seq = Sequence(request, token_ids, tokenizer, slot, grammar)
     if request.echo:
         seq.prompt_text = tokenizer.decode(token_ids) if text is None else text
     try:
@@ -62,6 +67,19 @@ def _prompt(
     if not token_ids:
         raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
     return token_ids, text
+
+
+def _grammar(
+    request: GenerateRequest, grammars: Grammars | None, info: ModelInfo
+) -> GrammarMatcher:
+    if grammars is None:
+        raise RequestRejected(
+            request.request_id,
+            ErrorCode.UNSUPPORTED,
+            f"{GrammarKind.field(request.grammar_kind)}: {info.name} cannot constrain its "
+            "output; serve a model (MODEL_ID) for structured outputs",
+        )
+    return grammars.matcher(request)
 
 
 def _render_chat(request: GenerateRequest, chat_template: ChatTemplate) -> str:

@@ -4,7 +4,9 @@ Its tokenizer maps each character to its code point. Like a real greedy model,
 each next token is a function of everything before it (`fake_next_token`, which
 a logit_bias can move: `fake_biased_token`), so a request resumed from its
 prompt plus some of its output continues exactly as it would have, and a test
-can compute any answer with `expected_text`.
+can compute any answer with `expected_text`. Under a grammar it takes the first
+token the grammar allows from its own choice on (`fake_constrained_token`):
+structured outputs are served, deterministically, resumes included.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import numpy as np
 
 from protocol import GenerateRequest
 from protocol.settings import ConfigError, setting
+from worker.engine.grammar import Grammars
 from worker.engine.interface import ModelInfo
 from worker.engine.logprobs import UNSCORED, TokenLogprob
 from worker.engine.sequence import Sequence
@@ -26,6 +33,7 @@ from worker.engine.slot_engine import SlotEngine
 FAKE_MODEL_NAME = "fake"
 FAKE_CONTEXT_WINDOW = 1024
 FAKE_VOCAB_SIZE = 0x110000  # one token per Unicode code point
+FAKE_GRAMMAR_VOCAB_SIZE = 256  # the tokens a grammar may choose from
 CRASH_EXIT_CODE = 70
 
 log = logging.getLogger(__name__)
@@ -41,6 +49,36 @@ class CharTokenizer:
         # A surrogate is no character (UTF-8 cannot carry it): show it as a real
         # tokenizer shows bytes that form no character.
         return "".join("\ufffd" if 0xD800 <= t <= 0xDFFF else chr(t) for t in token_ids)
+
+
+class _GrammarVocabulary:
+    """The fake's tokens as llguidance's `TokenizerWrapper` reads them: code points
+    1 to 255 (a grammar constrains the fake to those), and 0 as the end of
+    sequence, which only a grammar's end emits (the fake has no EOS of its own)."""
+
+    def __init__(self) -> None:
+        self.eos_token_id = 0
+        self.bos_token_id = None
+        self.special_token_ids = [0]
+        self.tokens = [b"\xff[EOS]", *(chr(t).encode() for t in range(1, FAKE_GRAMMAR_VOCAB_SIZE))]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        text = text.decode(errors="replace") if isinstance(text, bytes) else text
+        return [ord(c) for c in text if 0 < ord(c) < FAKE_GRAMMAR_VOCAB_SIZE]
+
+
+def fake_grammar_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_GrammarVocabulary()))
+
+
+def fake_constrained_token(token_id: int, allowed: np.ndarray[Any, np.dtype[np.uint8]]) -> int:
+    """The first token from ``token_id`` on that ``allowed`` (1 per allowed token)
+    allows, wrapping around; ``token_id`` if none is allowed."""
+    later = np.flatnonzero(allowed[token_id:])
+    if later.size:
+        return token_id + int(later[0])
+    anywhere = np.flatnonzero(allowed)
+    return int(anywhere[0]) if anywhere.size else token_id
 
 
 def fake_next_token(context: Seq[int]) -> int:
@@ -123,7 +161,7 @@ class FakeEngine(SlotEngine):
             vocab_size=FAKE_VOCAB_SIZE,
             max_token_chars=1,
         )
-        super().__init__(info, CharTokenizer(), capacity)
+        super().__init__(info, CharTokenizer(), capacity, grammars=Grammars(fake_grammar_tokenizer))
         self.step_delay_s = step_delay_s
         self.fail_admit_if = fail_admit_if
         self.fail_step_if = fail_step_if
@@ -162,6 +200,10 @@ class FakeEngine(SlotEngine):
         next_ids = [
             fake_biased_token(fake_next_token(seq.context_token_ids), seq.request) for seq in seqs
         ]
+        masks = self.grammars.masks(seqs) if self.grammars is not None else None
+        if masks is not None:
+            for i, allowed in zip(masks.rows, masks.allowed(FAKE_GRAMMAR_VOCAB_SIZE), strict=True):
+                next_ids[i] = fake_constrained_token(next_ids[i], allowed)
         for seq, token_id in zip(seqs, next_ids, strict=True):
             if seq.request.logprobs is not None and seq.finish_reason is None:
                 seq.record_logprob(fake_logprob(token_id, seq.request.logprobs))

@@ -8,7 +8,7 @@ server does it; there are as many entries as slots, so nothing grows.
 
 Only rows that prefill wrote in whole aligned blocks of ``block`` tokens are
 reused, never rows written by decode: the engine prefills every prompt in those
-blocks (see `SlotEngine._next_chunks`), so a block's keys depend only on the
+blocks (see `worker.engine.prefill_plan`), so a block's keys depend only on the
 tokens up to it, and a reused row is bit for bit the row the newcomer would
 have computed. Output with the cache is then the output without it, and a
 request resumed on another worker is still exact. A newcomer always computes

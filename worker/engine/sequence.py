@@ -1,23 +1,29 @@
 """One sequence's life in a slot: its tokens, its text and when it must stop.
 
 Every engine shares this bookkeeping, so that finishing rules (EOS, stop token
-ids, stop strings, max_new_tokens) and incremental detokenization behave the same
-whatever computes the tokens.
+ids, stop strings, max_new_tokens, a grammar's end) and incremental
+detokenization behave the same whatever computes the tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from protocol import GenerateRequest
 from worker.engine.logprobs import TokenLogprob
+
+if TYPE_CHECKING:
+    from worker.engine.grammar import GrammarMatcher
 
 # A byte-level BPE token may end in the middle of a multi-byte character; its text
 # is held back until the character completes, or this many tokens have passed
 # (the model emitted bytes that never form valid UTF-8).
 _MAX_PENDING_TOKENS = 6
 _REPLACEMENT_CHAR = "\ufffd"
+# The finish reason of a sequence whose grammar refused its token (see `error`):
+# the engine reports it as failed, never as finished.
+FAILED = "error"
 
 
 class Tokenizer(Protocol):
@@ -29,7 +35,11 @@ class Tokenizer(Protocol):
 
 
 class Sequence:
-    """A request being generated. ``append`` is called once per new token."""
+    """A request being generated. ``append`` is called once per new token.
+
+    With a ``grammar``, each token advances it; the grammar's end (its last
+    token, or the end-of-sequence token where it may end) ends the output with
+    finish_reason stop, even within min_tokens, since nothing else may follow."""
 
     def __init__(
         self,
@@ -37,6 +47,7 @@ class Sequence:
         prompt_token_ids: list[int],
         tokenizer: Tokenizer,
         slot: int,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.request = request
         self.request_id = request.request_id
@@ -50,6 +61,11 @@ class Sequence:
         self._stop_ids = set(request.stop_token_ids)
         if tokenizer.eos_token_id is not None and not request.ignore_eos:
             self._stop_ids.add(tokenizer.eos_token_id)
+        self.grammar = grammar
+        self.error: str | None = None  # why the grammar refused a token
+        if grammar is not None:
+            # Allowed only where the grammar may end, so ignore_eos has no say.
+            self._stop_ids.add(grammar.eos_token_id)
         # Logprobs of output tokens this attempt generated (not resumed ones, which
         # an earlier attempt delivered), and of the prompt: each delivered once.
         self._logprobs: list[TokenLogprob] = []
@@ -137,6 +153,11 @@ class Sequence:
                     f"{num_replayed} of its {len(token_ids)} tokens"
                 )
             self.append(token_id)
+            if self.error is not None:
+                raise ValueError(
+                    f"resume_token_ids: token {num_replayed} ({token_id}) is not one the "
+                    f"grammar allows there ({self.error})"
+                )
         num_chars_showable = self._showable_text()[1]
         if not 0 <= num_chars_shown <= num_chars_showable:
             raise ValueError(
@@ -151,12 +172,20 @@ class Sequence:
         """Record a generated token; return the finish reason if it ends the sequence."""
         assert self.finish_reason is None, f"{self.request_id} is already finished"
         self.output_token_ids.append(token_id)
-        may_stop = not self.is_within_min_tokens  # as vLLM: no stop before min_tokens
+        ends_grammar = False
+        if self.grammar is not None:
+            if not self.grammar.accept(token_id):
+                self.error = self.grammar.error
+                self.finish_reason = FAILED
+                return self.finish_reason
+            ends_grammar = self.grammar.is_done
+        # As vLLM: no stop before min_tokens; but nothing can follow a grammar's end.
+        may_stop = ends_grammar or not self.is_within_min_tokens
         if may_stop and token_id in self._stop_ids:
             self.finish_reason = "stop"
             return self.finish_reason
         self._num_text_tokens = len(self.output_token_ids)
-        is_last = len(self.output_token_ids) >= self.request.max_new_tokens
+        is_last = ends_grammar or len(self.output_token_ids) >= self.request.max_new_tokens
         # The last token's text is flushed, even half a character, so that a stop
         # string before that half character still ends the sequence as "stop".
         num_chars_before = len(self._text)
@@ -165,7 +194,7 @@ class Sequence:
             and self._extend_text(flush=is_last)
             and may_stop
             and self._cut_at_stop_string(num_chars_before)
-        ):
+        ) or ends_grammar:
             self.finish_reason = "stop"
         elif is_last:
             self.finish_reason = "length"

@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
 from worker.engine.admission import new_sequence
 from worker.engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, jinja_template
+from worker.engine.grammar import Grammars
 from worker.engine.interface import (
     FinishedSequence,
     InferenceEngine,
@@ -20,6 +21,7 @@ from worker.engine.interface import (
     StepOutput,
 )
 from worker.engine.logprobs import TokenLogprob, pack
+from worker.engine.prefill_plan import Chunk, plan_chunks
 from worker.engine.prefix_cache import Match, PrefixCache
 from worker.engine.sequence import Sequence, Tokenizer
 
@@ -35,13 +37,17 @@ class SlotEngine(InferenceEngine):
         chat_template: ChatTemplate | None = None,
         prefill_chunk_tokens: int = 0,
         prefix_cache: bool = False,
+        grammars: Grammars | None = None,
     ) -> None:
         """``prefill_chunk_tokens`` > 0: newcomers' contexts are run into their
         slots at most that many tokens per step, between decode steps, so that a
         long prompt does not hold up the running streams (0: whole, at admit).
         ``prefix_cache``: reuse the rows of prompts seen before (`PrefixCache`);
-        it needs chunked prefill, whose aligned blocks make reused rows exact."""
+        it needs chunked prefill, whose aligned blocks make reused rows exact.
+        ``grammars`` compiles requests' grammars; without it a request with one
+        is refused."""
         self.info = info
+        self.grammars = grammars
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefix_cache = (
             PrefixCache(capacity, prefill_chunk_tokens)
@@ -71,7 +77,7 @@ class SlotEngine(InferenceEngine):
         without running them; raise as `_prefill` would."""
         raise NotImplementedError(f"{type(self).__name__} does not prefill in chunks")
 
-    def _prefill_chunks(self, chunks: list[tuple[Sequence, int, int]]) -> list[int]:
+    def _prefill_chunks(self, chunks: list[Chunk]) -> list[int]:
         """For chunked prefill: run context positions [start, end) of each
         sequence into its slot, its earlier positions being there already; return
         the next token of each whose chunk ends its context (in order)."""
@@ -115,6 +121,11 @@ class SlotEngine(InferenceEngine):
             for seq in self._slots
             if seq is not None and seq.request_id not in self._num_prefilled
         ]
+
+    def prepare(self, request: GenerateRequest) -> bool:
+        if not request.grammar or self.grammars is None:
+            return True
+        return self.grammars.prepare(request.grammar)
 
     def admit(self, requests: Seq[GenerateRequest]) -> list[str]:
         free = [i for i, seq in enumerate(self._slots) if seq is None]
@@ -168,9 +179,13 @@ class SlotEngine(InferenceEngine):
         output = StepOutput()
         # prefill
         if self._num_prefilled:
-            if self.prefix_cache is not None:
-                self._reuse_cached_rows(self.prefix_cache)
-            self._run_chunks(self._next_chunks(), output)
+            holds_up_streams = bool(self.decoding_sequences())
+            self._prefill_step(holds_up_streams, output)
+            if not holds_up_streams and self._num_prefilled and self.prefix_cache is not None:
+                # Newcomers that waited for rows computed just now (the first wave
+                # of a burst with one system prompt, n choices) take them and go in
+                # at once: no stream was decoding to be held up.
+                self._prefill_step(False, output)
         # Newcomers whose first token finished them leave before the decode.
         self._collect(output)
         if on_prefilled is not None and (output.deltas or output.finished or output.failed):
@@ -205,58 +220,21 @@ class SlotEngine(InferenceEngine):
                 del self._num_prefilled[request_id]
                 self._take_first_token(seq, self._first_token_from_kept_logits(seq))
 
-    def _waits_for_shared_rows(
-        self, seq: Sequence, done: int, chunks: list[tuple[Sequence, int, int]]
-    ) -> bool:
-        """Whether ``seq``'s next rows are being computed this step by an older
-        newcomer whose prompt begins the same way: it takes them from that slot
-        next step instead of computing them twice (the n choices of one request,
-        a burst of requests with one system prompt)."""
-        if self.prefix_cache is None or seq.wants_prompt_logprobs:
-            return False
-        for other, _, end in chunks:
-            if not other.wants_prompt_logprobs:
-                written = min(end, len(other.prompt_token_ids))
-                rows = other.prompt_token_ids[:written]
-                is_whole = written == len(other.prompt_token_ids)
-                if self.prefix_cache.num_shared(seq.prompt_token_ids, rows, is_whole) > done:
-                    return True
-        return False
+    def _prefill_step(self, holds_up_streams: bool, output: StepOutput) -> None:
+        """Take what the prefix cache holds, then run this step's chunks
+        (`plan_chunks`; ``holds_up_streams``: keep to the chunk budget)."""
+        if self.prefix_cache is not None:
+            self._reuse_cached_rows(self.prefix_cache)
+        prefilling = [
+            (self._by_id[request_id], done) for request_id, done in self._num_prefilled.items()
+        ]
+        chunks = plan_chunks(
+            prefilling, self.prefill_chunk_tokens, holds_up_streams, self.prefix_cache
+        )
+        if chunks:
+            self._run_chunks(chunks, output)
 
-    def _next_chunks(self) -> list[tuple[Sequence, int, int]]:
-        """This step's chunks: up to ``prefill_chunk_tokens`` more context tokens
-        of the newcomers still prefilling, oldest first; all of them when no
-        sequence is decoding, since then there is no stream to hold up and one
-        large prefill is the fastest. Two kinds go in whole whatever the budget: a resumed sequence,
-        whose client is already waiting mid-stream (it is a running stream
-        itself, and the sooner every resumed one is back the shorter the stall
-        its worker's death caused), and a prompt to be scored (its scores need
-        every position's hidden state at once).
-
-        A chunk inside a prompt ends on a multiple of ``prefill_chunk_tokens``: the
-        engine prefills a prompt in those blocks whatever the chunks (a prompt's
-        attention over a block differs in its last bits from the same positions'
-        over another split), so a prompt's keys are the same whether it went in
-        beside streams, alone, or resumed after a worker's death."""
-        holds_up_streams = bool(self.decoding_sequences())
-        block = budget = self.prefill_chunk_tokens
-        chunks: list[tuple[Sequence, int, int]] = []
-        for request_id, done in self._num_prefilled.items():
-            seq = self._by_id[request_id]
-            if self._waits_for_shared_rows(seq, done, chunks):
-                continue
-            end = len(seq.context_token_ids)
-            if holds_up_streams and not (seq.is_resumed or seq.wants_prompt_logprobs):
-                end = min(end, done + budget)
-                if end < len(seq.prompt_token_ids):
-                    end = end // block * block
-                if end <= done:
-                    continue
-            chunks.append((seq, done, end))
-            budget -= end - done
-        return chunks
-
-    def _run_chunks(self, chunks: list[tuple[Sequence, int, int]], output: StepOutput) -> None:
+    def _run_chunks(self, chunks: list[Chunk], output: StepOutput) -> None:
         """Prefill ``chunks``. If that fails, each is run alone, so that a failure
         falls only on the sequence that causes it: it is dropped, and reported in
         ``output.failed``; the others, and every decoding sequence, go on."""
@@ -313,7 +291,9 @@ class SlotEngine(InferenceEngine):
                 ErrorCode.INVALID_REQUEST,
                 f"request {request.request_id} is already being generated",
             )
-        return new_sequence(request, slot, self.tokenizer, self.chat_template, self.info)
+        return new_sequence(
+            request, slot, self.tokenizer, self.chat_template, self.info, self.grammars
+        )
 
     def _scratch_position(self, slot: int) -> int:
         """A position of ``slot``'s cache row that a dummy decode row (for a slot
@@ -335,6 +315,11 @@ class SlotEngine(InferenceEngine):
         # A sequence still prefilling has nothing to send, and is not done even if
         # its resumed output finished it: its prompt is being scored.
         for seq in self.decoding_sequences():
+            if seq.error is not None:  # its grammar refused the token: it fails alone
+                rejected = RequestRejected(seq.request_id, ErrorCode.INVALID_REQUEST, seq.error)
+                output.failed.append((seq.request_id, rejected))
+                self._free(seq)
+                continue
             if seq.request.stream:
                 # A finishing sequence's last delta goes out before its result.
                 token_ids, text = seq.take_delta()

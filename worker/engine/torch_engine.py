@@ -15,6 +15,7 @@ import torch
 
 from protocol.settings import ConfigError
 from worker.engine.chat_template import ChatTemplate, choose_chat_template
+from worker.engine.grammar import Grammars, hf_grammar_tokenizer
 from worker.engine.interface import ModelInfo
 from worker.engine.logprobs import UNSCORED, TokenLogprob
 from worker.engine.prefix_cache import Match
@@ -28,6 +29,7 @@ from worker.model.penalties import apply_penalties, suppress_early_stops
 from worker.model.precision import Precision
 from worker.model.projection import num_matmul_shapes
 from worker.model.sampler import Sampler, apply_logit_bias, check_sampling
+from worker.model.token_mask import apply_token_masks
 from worker.serve.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,11 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
     device = resolve_device(config.device)
     precision = Precision.for_device(device, config.dtype, config.weights, config.bfloat16_products)
+    if config.prefix_cache and not config.prefill_chunk_tokens:
+        logger.warning(
+            "PREFIX_CACHE is on but PREFILL_CHUNK_TOKENS=0: the prefix cache reuses whole "
+            "prefill blocks, so it is off; set PREFILL_CHUNK_TOKENS > 0 to use it"
+        )
     preloaded = _take_preloaded(config, device, precision)
     loaded, gpt2 = preloaded or (_load(config, device, precision), None)
     chat_template = choose_chat_template(
@@ -142,8 +149,18 @@ class TorchEngine(SlotEngine):
             compute=f"{self.precision.describe()}; {self.gpt2.describe_kernels()}",
             kv_cache_bytes=self.cache.kv.numel() * self.cache.kv.element_size(),
         )
+        tokenizer = loaded.tokenizer
+        grammars = Grammars(
+            lambda: hf_grammar_tokenizer(tokenizer.backend, tokenizer.eos_token_id, info.vocab_size)
+        )
         super().__init__(
-            info, loaded.tokenizer, capacity, chat_template, prefill_chunk_tokens, prefix_cache
+            info,
+            tokenizer,
+            capacity,
+            chat_template,
+            prefill_chunk_tokens,
+            prefix_cache,
+            grammars,
         )
         self.model = loaded.model
         self.device = self.gpt2.device
@@ -158,11 +175,12 @@ class TorchEngine(SlotEngine):
         # rows it holds, so that the same prompt again needs no prefill at all.
         self._kept_logits: torch.Tensor | None = None  # (slots, V)
         logger.info(
-            "serving %s%s; %s; %s",
+            "serving %s%s; %s; %s; prefix cache %s",
             loaded.name,
             " (random weights)" if loaded.is_random_weights else "",
             info.compute,
             self.cache.describe(),
+            f"on, blocks of {prefill_chunk_tokens}" if self.prefix_cache else "off",
         )
 
     def num_matmul_shapes(self) -> int:
@@ -285,8 +303,9 @@ class TorchEngine(SlotEngine):
     def _choose(
         self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int | None]
     ) -> list[int]:
-        """Each row's next token, after logit_bias, penalties and min_tokens (vLLM's
-        order), recording its logprobs where the request asks for them."""
+        """Each row's next token, after logit_bias, penalties, min_tokens (vLLM's
+        order) and, for the rows with a grammar, the tokens it allows, recording
+        its logprobs where the request asks for them."""
         scored = [
             i
             for i, seq in enumerate(seqs)
@@ -298,7 +317,10 @@ class TorchEngine(SlotEngine):
         raw = logits[self._tensor(scored)].float().log_softmax(dim=-1) if scored else None
         apply_logit_bias(logits, [seq.request for seq in seqs])
         apply_penalties(logits, seqs)
-        suppress_early_stops(logits, seqs)
+        masks = self.grammars.masks(seqs) if self.grammars is not None else None
+        suppress_early_stops(logits, seqs, masks.rows_that_must_end(seqs) if masks else ())
+        if masks is not None:
+            apply_token_masks(logits, masks)
         next_ids = self.sampler.sample(
             logits,
             [seq.request for seq in seqs],

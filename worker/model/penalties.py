@@ -9,6 +9,7 @@ for it, all such rows at once; a batch where no row asks costs one Python scan.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Container
 
 import torch
 
@@ -51,13 +52,16 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     logits[row_index] = scores.to(logits.dtype)
 
 
-def suppress_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def suppress_early_stops(
+    logits: torch.Tensor, seqs: list[Sequence], exempt: Container[int] = ()
+) -> None:
     """No stop token (EOS, stop_token_ids) for a row whose output is shorter than
-    its min_tokens (vLLM's rule): their logits become -inf."""
+    its min_tokens (vLLM's rule): their logits become -inf. Rows in ``exempt``
+    (whose grammar allows nothing but its end) keep theirs."""
     rows: list[int] = []
     token_ids: list[int] = []
     for i, seq in enumerate(seqs):
-        if seq.is_within_min_tokens and seq.stop_token_ids:
+        if seq.is_within_min_tokens and seq.stop_token_ids and i not in exempt:
             stops = sorted(seq.stop_token_ids)
             rows += [i] * len(stops)
             token_ids += stops

@@ -3,7 +3,9 @@
 Transport-free: the server feeds requests in and sends out whatever `run_once`
 returns. One call of `run_once` is one iteration: admit from the FCFS queue into
 every free slot, advance every active sequence one token, and report each
-finished sequence at once, so its slot is refilled before the next step.
+finished sequence at once, so its slot is refilled before the next step. A
+queued request that the engine is still preparing (compiling its grammar, off
+this thread) waits in its place while those behind it may go first.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._queue) or self.engine.num_active() > 0
 
+    def can_run(self) -> bool:
+        """Whether `run_once` would do anything now: a sequence is active, or a
+        queued request is prepared. When not, the caller may wait for input."""
+        return self.engine.num_active() > 0 or any(
+            self.engine.prepare(request) for request, _ in self._queue.values()
+        )
+
     def is_known(self, request_id: str) -> bool:
         return request_id in self._queue or request_id in self._admitted_at
 
@@ -63,6 +72,7 @@ class Scheduler:
                 f"the worker's queue is full ({self.max_queue_depth} requests waiting); retry later"
             )
         self._queue[request.request_id] = (request, self._clock() if arrival is None else arrival)
+        self.engine.prepare(request)  # starts now, while it waits for a slot
 
     def abort(self, request_ids: list[str]) -> list[ToFrontend]:
         """Drop queued requests and free the slots of running ones. Each known id is
@@ -87,9 +97,13 @@ class Scheduler:
         if not self.has_work():
             return outputs
         num_free = self.engine.capacity - self.engine.num_active()
-        newcomers: list[tuple[GenerateRequest, float]] = []
-        while self._queue and len(newcomers) < num_free:
-            newcomers.append(self._queue.popitem(last=False)[1])
+        prepared: list[str] = []
+        for request_id, (request, _) in self._queue.items():
+            if len(prepared) == num_free:
+                break
+            if self.engine.prepare(request):
+                prepared.append(request_id)
+        newcomers = [self._queue.pop(request_id) for request_id in prepared]
         # Queue time ends when admission starts; the prefill counts as generation.
         self._admit(newcomers, self._clock(), outputs)
         if self.engine.num_active() > 0 and self._step(outputs, send):
@@ -157,12 +171,17 @@ class Scheduler:
         return True
 
     def _report(self, step: StepOutput, outputs: list[ToFrontend]) -> None:
+        num_engine_failures = 0
         for request_id, error in step.failed:  # the engine failed on these alone
             self._admitted_at.pop(request_id, None)
-            outputs.append(_internal_error(request_id, error))
+            if isinstance(error, RequestRejected):  # the request's own fault (its grammar)
+                outputs.append(ErrorResult(request_id, error.code, error.message))
+            else:
+                outputs.append(_internal_error(request_id, error))
+                num_engine_failures += 1
         # Failures on single requests count, as at admission: an engine that fails
         # on every request is broken, whichever request it is.
-        self.num_failures_in_a_row = self.num_failures_in_a_row + 1 if step.failed else 0
+        self.num_failures_in_a_row = self.num_failures_in_a_row + 1 if num_engine_failures else 0
         outputs.extend(step.deltas)
         outputs.extend(self._finished_result(finished) for finished in step.finished)
 

@@ -47,6 +47,7 @@ from worker.serve.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.1  # how often an idle engine thread checks for shutdown
+_PREPARING_POLL_S = 0.002  # how often one that waits on a grammar's compile checks
 _CRASHED_EXIT_CODE = 4
 _MAX_FAILURES_IN_A_ROW = 3  # engine failures with no success between them
 _MAX_FRAMES_PER_TURN = 256
@@ -128,8 +129,9 @@ class WorkerServer:
         try:
             while not self._stopping.is_set():
                 outputs: list[ToFrontend] = []
-                # 1. take input; block only while there is nothing to run
-                self._take_input(outputs, block=not self.scheduler.has_work())
+                # 1. take input; block only while there is nothing to run (or
+                # nothing but requests whose grammars compile on their own thread)
+                self._take_input(outputs, block=not self.scheduler.can_run())
                 # 2. admit into free slots, 3. one step: first tokens are sent as
                 # soon as the prefill made them, before the decode
                 outputs.extend(self.scheduler.run_once(send))
@@ -145,8 +147,9 @@ class WorkerServer:
             outputs_socket.close(linger=0)
 
     def _take_input(self, outputs: list[ToFrontend], block: bool) -> None:
+        timeout = _PREPARING_POLL_S if self.scheduler.has_work() else _IDLE_POLL_S
         try:
-            item = self._inbox.get(timeout=_IDLE_POLL_S) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
             while True:
                 self._apply(*item, outputs)
                 item = self._inbox.get_nowait()

@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from protocol import AbortRequest, ErrorCode, GenerateRequest
+from protocol import AbortRequest, ErrorCode, GenerateRequest, GrammarKind
 from protocol.limits import (
     MAX_CHAT_MESSAGES,
+    MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
@@ -108,6 +109,7 @@ def _first_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str
         _sampling_problem(request)
         or _logit_bias_problem(request, limits)
         or _scoring_problem(request)
+        or _grammar_problem(request)
     )
 
 
@@ -214,6 +216,29 @@ def _logit_bias_problem(request: GenerateRequest, limits: RequestLimits) -> tupl
                 f"logit_bias: the bias of token {token_id} must be in [-{limit:g}, {limit:g}], "
                 f"got {value}"
             )
+    return None
+
+
+def _grammar_problem(request: GenerateRequest) -> tuple[str, str] | None:
+    """Its kind and length only: whether llguidance can compile it is known once
+    it compiles, off the engine loop (`worker.engine.grammar`)."""
+    invalid = ErrorCode.INVALID_REQUEST
+    kind, grammar = request.grammar_kind, request.grammar
+    if not kind and not grammar:
+        return None
+    if kind not in GrammarKind.ALL:
+        return invalid, (
+            f"grammar_kind: must be one of {', '.join(GrammarKind.ALL)}, "
+            f"got {kind[:40]!r}{'...' if len(kind) > 40 else ''}"
+        )
+    field = GrammarKind.field(kind)
+    if not grammar:
+        return invalid, f"{field}: the grammar is empty"
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        return invalid, (
+            f"{field}: the grammar is {len(grammar):,} characters; at most "
+            f"{MAX_GRAMMAR_CHARS:,}: send a smaller schema"
+        )
     return None
 
 

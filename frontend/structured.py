@@ -1,0 +1,191 @@
+"""Structured outputs at the frontend: OpenAI's ``response_format`` and vLLM's
+``structured_outputs``, checked and made into the grammar the worker constrains
+the output with (`GenerateRequest.grammar`, in llguidance's format).
+
+A grammar is checked as far as it can be without the model's tokenizer, by
+llguidance's own validation under the limits the worker compiles it with, so
+that a bad schema is a 400 or 422 naming its field before it is queued. A large
+schema takes milliseconds to check, so that runs on a thread, never on the event
+loop, and the latest results are kept. Only llguidance's compilers run here: no
+torch (``llguidance.torch`` is never imported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+
+from frontend.errors import ApiError
+from protocol import GrammarKind
+from protocol.limits import GRAMMAR_LIMITS, MAX_GRAMMAR_CHARS
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # in the type stub only
+
+# JSON as json.dumps writes it, with no other whitespace: a model, above all one
+# with random weights, could otherwise pad it without end. A schema's own
+# "x-guidance" options override these (llguidance's JSON options).
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+STRUCTURED_OUTPUTS = {
+    "json": GrammarKind.JSON,
+    "regex": GrammarKind.REGEX,
+    "choice": GrammarKind.CHOICE,
+    "grammar": GrammarKind.GRAMMAR,
+}
+_MAX_MESSAGE_CHARS = 300  # of llguidance's complaint, quoted back
+
+
+@dataclass(frozen=True)
+class GrammarSource:
+    """What a body asks its output to follow, before it is compiled."""
+
+    kind: str  # a GrammarKind
+    value: Any  # a schema (an object, or its JSON text), a regex, choices or a grammar
+    param: str  # where it was in the body, for errors
+
+
+async def grammar_fields(
+    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+) -> dict[str, str]:
+    """The `GenerateRequest` fields (``grammar_kind``, ``grammar``) for what the
+    body asks, none for unconstrained text. Raises ApiError naming the field: 422
+    for an invalid one, 400 for one this server does not support."""
+    source = grammar_source(response_format, structured_outputs)
+    if source is None:
+        return {}
+    grammar, problem = await asyncio.to_thread(compile_grammar, source.kind, source.value)
+    if problem is not None:
+        field = GrammarKind.field(source.kind)
+        if problem.startswith("Unimplemented"):  # a JSON Schema keyword llguidance lacks
+            raise ApiError(400, f"{source.param}: {problem}", "unsupported", field)
+        raise ApiError(422, f"{source.param}: {problem}", "invalid_request", field)
+    return {"grammar_kind": source.kind, "grammar": grammar}
+
+
+def grammar_source(
+    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+) -> GrammarSource | None:
+    """Checks the shape of both fields (cheap); None when the output is free."""
+    from_format = _response_format(response_format) if response_format is not None else None
+    if structured_outputs is None:
+        return from_format
+    if from_format is not None:
+        raise _invalid(
+            "structured_outputs", "send either response_format or structured_outputs, not both"
+        )
+    return _structured_outputs(structured_outputs)
+
+
+def _response_format(value: dict[str, Any]) -> GrammarSource | None:
+    kind = value.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise ApiError(
+            400 if isinstance(kind, str) else 422,
+            f"response_format.type: must be one of {', '.join(RESPONSE_FORMATS)}, got "
+            f"{_preview(kind)}",
+            "unsupported" if isinstance(kind, str) else "invalid_request",
+            "response_format",
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSource(GrammarKind.JSON_OBJECT, {"type": "object"}, "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _invalid("response_format.json_schema", "must be an object with a schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise _invalid("response_format.json_schema.schema", "must be a JSON Schema object")
+    return GrammarSource(GrammarKind.JSON_SCHEMA, schema, "response_format.json_schema.schema")
+
+
+def _structured_outputs(value: dict[str, Any]) -> GrammarSource:
+    unknown = [key for key in value if key not in STRUCTURED_OUTPUTS]
+    if unknown:
+        raise ApiError(
+            400,
+            f"structured_outputs: {', '.join(_preview(key) for key in unknown[:5])} "
+            f"not supported; send one of {', '.join(STRUCTURED_OUTPUTS)}",
+            "unsupported",
+            "structured_outputs",
+        )
+    given = [key for key in STRUCTURED_OUTPUTS if value.get(key) is not None]
+    if len(given) != 1:
+        raise _invalid(
+            "structured_outputs",
+            f"set exactly one of {', '.join(STRUCTURED_OUTPUTS)}, got {len(given)}",
+        )
+    key = given[0]
+    item, param = value[key], f"structured_outputs.{key}"
+    if key == "json":
+        if isinstance(item, str):
+            try:
+                item = json.loads(item)
+            except ValueError as exc:
+                raise _invalid(param, f"is not JSON: {exc}") from None
+        if not isinstance(item, dict):
+            raise _invalid(param, "must be a JSON Schema object, or its JSON text")
+    elif key == "choice":
+        if not (item and isinstance(item, list) and all(isinstance(c, str) and c for c in item)):
+            raise _invalid(param, "must be a list of non-empty strings")
+    elif not (isinstance(item, str) and item):
+        raise _invalid(param, "must be a non-empty string")
+    return GrammarSource(STRUCTURED_OUTPUTS[key], item, param)
+
+
+def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
+    """llguidance's grammar for ``value`` and, if it cannot be used, why. Runs on
+    a thread: serialising a schema and checking it both take time."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        return "", f"{len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
+    return _checked_grammar(kind, text)
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
+    try:
+        if kind in (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT, GrammarKind.JSON):
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        elif kind == GrammarKind.REGEX:
+            grammar = llguidance.LLMatcher.grammar_from_regex(text)
+        elif kind == GrammarKind.CHOICE:  # a JSON list of strings
+            grammar = llguidance.grammar_from("choice", text)
+        else:  # Lark, or GBNF made into Lark
+            grammar = llguidance.grammar_from("grammar", text)
+    except ValueError as exc:
+        return "", _short(str(exc))
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        return "", f"its grammar is {len(grammar):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
+    limits = llguidance.LLParserLimits(**GRAMMAR_LIMITS, verbose_errors=False)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, None, limits=limits
+    )
+    return (grammar, None) if not is_error else ("", _short(messages[0]))
+
+
+def _invalid(param: str, message: str) -> ApiError:
+    field = param.split(".")[0]
+    return ApiError(422, f"{param}: {message}", "invalid_request", field)
+
+
+def _preview(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
+def _short(message: str) -> str:
+    message = " ".join(message.split())
+    if len(message) <= _MAX_MESSAGE_CHARS:
+        return message
+    return message[: _MAX_MESSAGE_CHARS - 3] + "..."

@@ -1,0 +1,221 @@
+"""Grammars in the worker (`worker.engine.grammar`), on the torch-free fake engine:
+compiled off the engine loop and kept, refused by field name, advanced by every
+token (resumed ones too), ended where the grammar ends, failed alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+import jsonschema
+import llguidance
+import pytest
+
+from protocol import ErrorCode, ErrorResult, GenerateRequest, GenerateResult, ToFrontend
+from tests.resume import assert_every_resume_is_exact
+from worker.engine import fake_engine
+from worker.engine.fake_engine import FakeEngine, expected_text, fake_grammar_tokenizer
+from worker.engine.grammar import MAX_COMPILED, Grammars
+from worker.engine.interface import RequestRejected
+from worker.serve.scheduler import Scheduler
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "word": {"type": "string", "maxLength": 5},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["word", "count", "flags"],
+    "additionalProperties": False,
+}
+
+
+def json_grammar(schema: object) -> str:
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+
+
+def constrained(
+    request_id: str, grammar: str, kind: str = "json_schema", **kwargs: object
+) -> GenerateRequest:
+    fields: dict[str, object] = {"max_new_tokens": 120, "grammar_kind": kind, "grammar": grammar}
+    fields.update(kwargs)
+    return GenerateRequest(request_id, f"prompt {request_id}", **fields)  # type: ignore[arg-type]
+
+
+def run(scheduler: Scheduler) -> dict[str, GenerateResult | ErrorResult]:
+    finals: dict[str, GenerateResult | ErrorResult] = {}
+    for _ in range(10_000):
+        if not scheduler.has_work():
+            return finals
+        for output in scheduler.run_once():
+            if isinstance(output, (GenerateResult, ErrorResult)):
+                finals[output.request_id] = output
+    raise AssertionError("the scheduler did not drain")
+
+
+def test_the_fake_follows_a_schema_and_ends_where_it_ends() -> None:
+    scheduler = Scheduler(FakeEngine(2), 8)
+    scheduler.submit(constrained("a", json_grammar(SCHEMA)))
+    scheduler.submit(GenerateRequest("free", "unconstrained", 12))
+    finals = run(scheduler)
+    result = finals["a"]
+    assert isinstance(result, GenerateResult) and result.finish_reason == "stop"
+    jsonschema.validate(json.loads(result.text), SCHEMA)
+    assert result.completion_tokens == len(result.text)  # one token a character
+    free = finals["free"]
+    assert isinstance(free, GenerateResult) and free.text == expected_text("unconstrained", 12)
+
+
+def test_a_slow_compile_holds_up_neither_the_batch_nor_the_queue_behind_it() -> None:
+    released = threading.Event()
+
+    def slow_tokenizer() -> llguidance.LLTokenizer:
+        assert released.wait(10)
+        return fake_grammar_tokenizer()
+
+    engine = FakeEngine(2)
+    engine.grammars = Grammars(slow_tokenizer)
+    scheduler = Scheduler(engine, 8)
+    scheduler.submit(GenerateRequest("running", "already running", 30))
+    scheduler.run_once()
+    scheduler.submit(constrained("slow", json_grammar(SCHEMA)))
+    scheduler.submit(GenerateRequest("behind", "queued behind it", 3))
+    outputs: list[ToFrontend] = []
+    for _ in range(10):
+        outputs += scheduler.run_once()
+    assert scheduler.num_steps == 11 and scheduler.num_queued == 1  # only the slow one waits
+    assert {o.request_id for o in outputs if isinstance(o, GenerateResult)} == {"behind"}
+    released.set()
+    finals = run(scheduler)
+    assert isinstance(finals["slow"], GenerateResult)
+    assert finals["slow"].finish_reason == "stop"
+
+
+def test_with_only_a_compile_pending_the_loop_may_wait_for_input() -> None:
+    released = threading.Event()
+    engine = FakeEngine(2)
+    engine.grammars = Grammars(lambda: released.wait(10) and fake_grammar_tokenizer())
+    scheduler = Scheduler(engine, 8)
+    scheduler.submit(constrained("slow", json_grammar(SCHEMA)))
+    assert scheduler.has_work() and not scheduler.can_run()
+    assert scheduler.run_once() == []
+    released.set()
+    assert isinstance(run(scheduler)["slow"], GenerateResult)
+
+
+def test_a_grammar_sent_again_compiles_once_and_the_kept_ones_are_bounded() -> None:
+    engine = FakeEngine(1)
+    assert engine.grammars is not None
+    compiles = []
+    compile_ = engine.grammars._compile
+
+    def counting(grammar: str) -> llguidance.LLMatcher:
+        compiles.append(grammar)
+        return compile_(grammar)
+
+    engine.grammars._compile = counting  # type: ignore[method-assign]
+    scheduler = Scheduler(engine, 8)
+    grammar = llguidance.LLMatcher.grammar_from_regex("[a-z]{3}")
+    for i in range(3):
+        scheduler.submit(constrained(f"r{i}", grammar, "regex"))
+    assert all(isinstance(r, GenerateResult) for r in run(scheduler).values())
+    assert compiles == [grammar]
+    for i in range(MAX_COMPILED + 5):
+        engine.grammars.matcher(
+            constrained(f"x{i}", llguidance.LLMatcher.grammar_from_regex(f"x{i}"))
+        )
+    assert len(engine.grammars._compiled) == MAX_COMPILED
+
+
+@pytest.mark.parametrize(
+    ("kind", "grammar", "named"),
+    [
+        ("json_schema", '{"grammars": [{"json_schema": {"type": "strin"}}]}', "response_format:"),
+        ("regex", llguidance.LLMatcher.grammar_from_regex("a("), "structured_outputs:"),
+        ("grammar", "start: nowhere", "structured_outputs:"),
+        ("grammar", "not a grammar at all {", "structured_outputs:"),
+    ],
+)
+def test_a_grammar_the_worker_cannot_compile_fails_only_its_request(
+    kind: str, grammar: str, named: str
+) -> None:
+    scheduler = Scheduler(FakeEngine(2), 8)
+    scheduler.submit(constrained("bad", grammar, kind))
+    scheduler.submit(GenerateRequest("good", "fine", 4))
+    finals = run(scheduler)
+    error = finals["bad"]
+    assert isinstance(error, ErrorResult) and error.code == ErrorCode.INVALID_REQUEST
+    assert error.message.startswith(f"{named} the grammar cannot be used"), error.message
+    assert isinstance(finals["good"], GenerateResult)
+    assert scheduler.num_failures_in_a_row == 0
+
+
+def test_an_engine_without_grammars_refuses_one_clearly() -> None:
+    engine = FakeEngine(1)
+    engine.grammars = None
+    with pytest.raises(RequestRejected) as caught:
+        engine.admit([constrained("r", json_grammar(SCHEMA))])
+    assert caught.value.code == ErrorCode.UNSUPPORTED
+    assert caught.value.message.startswith("response_format: fake cannot constrain its output")
+
+
+def test_a_token_the_grammar_refuses_mid_stream_fails_that_request_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fake_engine, "fake_constrained_token", lambda token_id, allowed: ord("~"))
+    scheduler = Scheduler(FakeEngine(2), 8)
+    scheduler.submit(constrained("bad", json_grammar(SCHEMA)))
+    scheduler.submit(GenerateRequest("good", "fine", 6))
+    finals = run(scheduler)
+    error = finals["bad"]
+    assert isinstance(error, ErrorResult) and error.code == ErrorCode.INVALID_REQUEST
+    assert error.message.startswith("response_format: the output could not follow the grammar")
+    assert isinstance(finals["good"], GenerateResult)
+    assert scheduler.num_failures_in_a_row == 0
+
+
+def test_resumed_tokens_advance_the_grammar_and_the_stream_continues_exactly() -> None:
+    request = constrained("r", json_grammar(SCHEMA), stream=True)
+    result = assert_every_resume_is_exact(lambda: FakeEngine(1), request)
+    jsonschema.validate(json.loads(result.text), SCHEMA)
+
+
+def test_a_resume_the_grammar_could_not_have_streamed_is_refused() -> None:
+    request = constrained("r", json_grammar(SCHEMA), resume_token_ids=[ord("[")])
+    with pytest.raises(RequestRejected) as caught:
+        FakeEngine(1).admit([request])
+    assert caught.value.message.startswith("resume_token_ids: token 0 (91) is not one the grammar")
+
+
+def test_the_grammar_ends_the_output_within_min_tokens() -> None:
+    choice = llguidance.grammar_from("choice", json.dumps(["ok"]))
+    scheduler = Scheduler(FakeEngine(1), 8)
+    scheduler.submit(constrained("r", choice, "choice", min_tokens=10, max_new_tokens=20))
+    result = run(scheduler)["r"]
+    assert isinstance(result, GenerateResult)
+    assert (result.text, result.finish_reason) == ("ok", "stop")
+
+
+def test_where_the_grammar_may_end_its_end_token_ends_the_output_unseen() -> None:
+    # "[0-9]+" may end after any digit: the fake's end-of-sequence token (0), which
+    # comes first when it wraps around past the digits, ends it, and is no text.
+    regex = llguidance.LLMatcher.grammar_from_regex("[0-9]+")
+    request = constrained("r", regex, "regex", ignore_eos=True, stream=True)
+    engine = FakeEngine(1)
+    engine.admit([request])
+    finished = []
+    while engine.num_active():
+        finished += engine.step().finished
+    (result,) = finished
+    assert result.finish_reason == "stop" and result.text.isdigit()
+    assert result.token_ids[-1] == 0 and len(result.text) == len(result.token_ids) - 1
+
+
+def test_a_copy_of_a_request_shares_the_compiled_grammar() -> None:
+    engine = FakeEngine(2)
+    request = constrained("a", json_grammar(SCHEMA))
+    engine.admit([request, dataclasses.replace(request, request_id="b")])
+    assert engine.grammars is not None and len(engine.grammars._compiled) == 1

@@ -1,0 +1,232 @@
+"""Structured outputs over HTTP: response_format and structured_outputs checked
+by the frontend (each error names its field), and served by the fake engine,
+which follows a grammar deterministically, through a worker's death too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from frontend.errors import ApiError
+from frontend.structured import grammar_fields
+from protocol.limits import MAX_GRAMMAR_CHARS
+from tests.stack import Stack, live_stack, openai_client, running_stack
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with live_stack(tmp_path_factory.mktemp("stack")) as stack:
+        yield stack
+
+
+@pytest.fixture
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    with openai_client(stack) as client:
+        yield client
+
+
+def _fields(response_format: Any = None, structured_outputs: Any = None) -> dict[str, str]:
+    return asyncio.run(grammar_fields(response_format, structured_outputs))
+
+
+def test_text_asks_for_no_grammar_and_each_kind_names_its_source() -> None:
+    assert _fields({"type": "text"}) == {}
+    assert _fields() == {}
+    kinds = {
+        "json_object": _fields({"type": "json_object"}),
+        "json_schema": _fields(PERSON_FORMAT),
+        "json": _fields(structured_outputs={"json": json.dumps(PERSON)}),
+        "regex": _fields(structured_outputs={"regex": "[0-9]+"}),
+        "choice": _fields(structured_outputs={"choice": ["yes", "no"]}),
+        "grammar": _fields(structured_outputs={"grammar": 'root ::= "a" | "b"'}),  # GBNF
+    }
+    for kind, fields in kinds.items():
+        assert fields["grammar_kind"] == kind
+        assert 0 < len(fields["grammar"]) <= MAX_GRAMMAR_CHARS
+
+
+@pytest.mark.parametrize(
+    ("response_format", "structured_outputs", "status", "param", "message"),
+    [
+        ({"type": "xml"}, None, 400, "response_format", "response_format.type: must be one of"),
+        ({"type": 1}, None, 422, "response_format", "response_format.type"),
+        ({"type": "json_schema"}, None, 422, "response_format", "response_format.json_schema"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+            None,
+            422,
+            "response_format",
+            "response_format.json_schema.schema: Invalid type: strin",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"schema": {"not": {"type": "null"}}}},
+            None,
+            400,
+            "response_format",
+            "Unimplemented keys",
+        ),
+        (None, {"regex": "a("}, 422, "structured_outputs", "structured_outputs.regex:"),
+        (None, {"choice": ["a", ""]}, 422, "structured_outputs", "structured_outputs.choice"),
+        (None, {"json": "{"}, 422, "structured_outputs", "structured_outputs.json: is not JSON"),
+        (None, {"json": "[]"}, 422, "structured_outputs", "must be a JSON Schema object"),
+        (None, {"grammar": "start: nowhere"}, 422, "structured_outputs", "unknown name"),
+        (None, {"regex": "a", "choice": ["a"]}, 422, "structured_outputs", "exactly one"),
+        (None, {}, 422, "structured_outputs", "exactly one of json, regex, choice, grammar"),
+        (None, {"structural_tag": "x"}, 400, "structured_outputs", "'structural_tag' not supp"),
+        ({"type": "json_object"}, {"regex": "a"}, 422, "structured_outputs", "not both"),
+        (
+            None,
+            {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)},
+            422,
+            "structured_outputs",
+            f"at most {MAX_GRAMMAR_CHARS:,}",
+        ),
+    ],
+)
+def test_each_bad_grammar_is_refused_naming_its_field(
+    response_format: Any, structured_outputs: Any, status: int, param: str, message: str
+) -> None:
+    with pytest.raises(ApiError) as caught:
+        _fields(response_format, structured_outputs)
+    assert (caught.value.status, caught.value.param) == (status, param)
+    assert message in caught.value.message
+
+
+def test_the_frontend_checks_grammars_without_torch_or_llguidance_torch() -> None:
+    code = (
+        "import asyncio, sys; from frontend.structured import grammar_fields; "
+        "asyncio.run(grammar_fields({'type': 'json_object'}, None)); "
+        "assert 'torch' not in sys.modules and 'llguidance.torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("response_format", {"type": "json_schema", "json_schema": {}}, "response_format"),
+        ("structured_outputs", {"regex": "("}, "structured_outputs"),
+    ],
+)
+def test_over_http_a_bad_grammar_names_its_field(
+    stack: Stack, endpoint: str, field: str, value: Any, param: str
+) -> None:
+    body: dict[str, Any] = {"model": "fake", field: value, "max_tokens": 4}
+    if endpoint == "/v1/completions":
+        body["prompt"] = "hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    response = httpx.post(f"{stack.url}{endpoint}", json=body, timeout=10)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param), error
+
+
+def test_completions_follow_a_json_schema(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model="fake",
+        prompt="a person:",
+        max_tokens=100,
+        extra_body={"response_format": PERSON_FORMAT},
+    )
+    (choice,) = completion.choices
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.text), PERSON)
+
+
+def test_chat_follows_json_object_and_a_stream_is_the_same_answer(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "answer in JSON"}]
+    reply = client.chat.completions.create(
+        model="fake", messages=messages, response_format={"type": "json_object"}, max_tokens=50
+    )
+    content = reply.choices[0].message.content
+    assert content is not None and isinstance(json.loads(content), dict)
+    assert reply.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(
+        model="fake",
+        messages=messages,
+        response_format={"type": "json_object"},
+        max_tokens=50,
+        stream=True,
+    )
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert streamed == content
+
+
+@pytest.mark.parametrize(
+    ("structured_outputs", "check"),
+    [
+        ({"regex": "[0-9]{3}-[a-z]{2,4}"}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2,4}", text)),
+        ({"choice": ["tea", "café", "milk"]}, lambda text: text in ("tea", "café", "milk")),
+        ({"grammar": 'start: "(" /[xy]{1,3}/ ")"'}, lambda text: re.fullmatch(r"\([xy]+\)", text)),
+        ({"json": {"type": "integer"}}, lambda text: isinstance(json.loads(text), int)),
+    ],
+)
+def test_structured_outputs_are_followed(
+    client: openai.OpenAI, structured_outputs: dict[str, Any], check: Any
+) -> None:
+    completion = client.completions.create(
+        model="fake",
+        prompt="go",
+        max_tokens=40,
+        extra_body={"structured_outputs": structured_outputs},
+    )
+    (choice,) = completion.choices
+    assert check(choice.text), choice.text
+    assert choice.finish_reason == "stop"
+
+
+def test_a_constrained_stream_cut_by_a_worker_kill_continues_exactly(tmp_path: Path) -> None:
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 6}
+    body = {
+        "model": "fake",
+        "prompt": "a constrained stream that outlives its worker",
+        "max_tokens": 200,
+        "stream": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    }
+
+    def stream(stack: Stack, kill_after: int | None) -> str:
+        texts = []
+        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as reply:
+            for line in reply.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choices = json.loads(line[6:])["choices"]
+                texts.append(choices[0]["text"])
+                if len(texts) == kill_after:
+                    stack.signal_worker(signal.SIGKILL)
+        return "".join(texts)
+
+    with running_stack(tmp_path, {"FAKE_STEP_DELAY_S": "0.03"}) as stack:
+        stack.wait_live()
+        uninterrupted = stream(stack, None)
+        resumed = stream(stack, kill_after=12)
+        assert "replaying 1 requests" in stack.log("supervisor")
+    jsonschema.validate(json.loads(uninterrupted), schema)
+    assert resumed == uninterrupted

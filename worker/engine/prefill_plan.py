@@ -1,0 +1,69 @@
+"""Which context tokens of the newcomers still prefilling go into the model this
+step (chunked prefill, `PREFILL_CHUNK_TOKENS`)."""
+
+from __future__ import annotations
+
+from worker.engine.prefix_cache import PrefixCache
+from worker.engine.sequence import Sequence
+
+# A sequence and the context positions [start, end) to run into its slot.
+Chunk = tuple[Sequence, int, int]
+
+
+def plan_chunks(
+    prefilling: list[tuple[Sequence, int]],
+    block: int,
+    holds_up_streams: bool,
+    cache: PrefixCache | None,
+) -> list[Chunk]:
+    """This step's chunks for ``prefilling`` (each newcomer with how many of its
+    context tokens are in its slot, oldest first): up to ``block`` more context
+    tokens in all; every token when no stream would be held up
+    (``holds_up_streams`` False), since then one large prefill is the fastest.
+    Two kinds go in whole whatever the budget: a resumed sequence, whose client
+    is already waiting mid-stream (it is a running stream itself, and the sooner
+    every resumed one is back the shorter the stall its worker's death caused),
+    and a prompt to be scored (its scores need every position's hidden state at
+    once).
+
+    A chunk inside a prompt ends on a multiple of ``block``: the engine prefills
+    a prompt in those blocks whatever the chunks (a prompt's attention over a
+    block differs in its last bits from the same positions' over another split),
+    so a prompt's keys are the same whether it went in beside streams, alone, or
+    resumed after a worker's death; which is also what lets the prefix cache
+    share them. A newcomer whose next rows an older one computes this step waits
+    for them (`_waits_for_shared_rows`)."""
+    budget = block
+    chunks: list[Chunk] = []
+    for seq, done in prefilling:
+        if cache is not None and _waits_for_shared_rows(seq, done, chunks, cache):
+            continue
+        end = len(seq.context_token_ids)
+        if holds_up_streams and not (seq.is_resumed or seq.wants_prompt_logprobs):
+            end = min(end, done + budget)
+            if end < len(seq.prompt_token_ids):
+                end = end // block * block
+            if end <= done:
+                continue
+        chunks.append((seq, done, end))
+        budget -= end - done
+    return chunks
+
+
+def _waits_for_shared_rows(
+    seq: Sequence, done: int, chunks: list[Chunk], cache: PrefixCache
+) -> bool:
+    """Whether ``seq``'s next rows are being computed this step by an older
+    newcomer whose prompt begins the same way: it takes them from that slot next
+    step instead of computing them twice (the n choices of one request, a burst
+    of requests with one system prompt)."""
+    if seq.wants_prompt_logprobs:
+        return False
+    for other, _, end in chunks:
+        if not other.wants_prompt_logprobs:
+            written = min(end, len(other.prompt_token_ids))
+            rows = other.prompt_token_ids[:written]
+            is_whole = written == len(other.prompt_token_ids)
+            if cache.num_shared(seq.prompt_token_ids, rows, is_whole) > done:
+                return True
+    return False
