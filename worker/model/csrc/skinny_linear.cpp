@@ -68,6 +68,8 @@ constexpr int64_t kBlock = 256;
 // 8 rows twice as slow as 4, on AVX-512 half as fast again).
 constexpr int64_t kRowGroup = 4;
 
+constexpr int64_t kPrefetchAhead = 2048;  // bytes ahead in a panel's stream
+
 // Panels multiplied side by side for M input rows: enough vectors of weights in
 // flight to keep several multiply-add chains going, with M accumulators each, the
 // weight vectors themselves and a broadcast in registers, up to 8 vectors.
@@ -115,6 +117,9 @@ __attribute__((always_inline)) inline void float_panels(const float* x, const W*
     Vec acc[M][V] = {};
     for (int64_t k = k0; k < k1; ++k) {
       Vec a[V];
+      UNROLLED
+      for (int64_t g = 0; g < G; ++g)
+        __builtin_prefetch(reinterpret_cast<const char*>(w[g] + k * kPanel) + kPrefetchAhead);
       UNROLLED
       for (int64_t g = 0; g < G; ++g)
         UNROLLED
@@ -225,6 +230,8 @@ __attribute__((always_inline)) inline void integer_panels(const int16_t* xq, con
   for (int64_t g = 0; g < G; ++g) w[g] = packed + (p + g) * K * kPanel;
   for (int64_t k = 0; k < K; k += 2) {
     IVec a[V];
+    UNROLLED
+    for (int64_t g = 0; g < G; ++g) __builtin_prefetch(w[g] + k * kPanel + kPrefetchAhead);
     UNROLLED
     for (int64_t g = 0; g < G; ++g)
       UNROLLED
