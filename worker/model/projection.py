@@ -16,10 +16,10 @@ token's keys then do not depend on whether it was prefilled or decoded, nor on
 which worker computed them, and a resumed stream continues bit for bit. The
 rule: stored in fewer bytes than float32, the kernel (it reads half or a quarter
 of the bytes: on a 2-vCPU Intel Xeon with AVX-512 and VNNI, the LM head
-(50257 x 768) at 8 rows took 7.7 ms in float16, 1.6 in int8, against oneDNN's
-8.0 on the float32 copy, timed in turns on a shared machine, docs/performance.md);
-in float32, oneDNN where torch packs for it (10.0 ms in the kernel there). On another CPU the float32 choice
-may cost speed (the old kernel led on an AMD EPYC); it is kept for exactness.
+(50257 x 768) at 8 rows took 3.6 ms in float16, 1.7 in int8, against oneDNN's
+8.1 on the float32 copy, docs/performance.md); in float32, oneDNN where torch
+packs for it: the kernel is a little faster at 8 rows there (7.2 ms) but runs
+prefill's GEMMs in 8-row calls, about half as fast as oneDNN's.
 Within either path a row's product does not depend on its batchmates: the
 kernel sums each row in the same order whatever the rows, and oneDNN does for 2
 rows or more (a lone row, which it multiplies another way, goes in as two).
