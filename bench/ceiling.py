@@ -87,7 +87,7 @@ def decode_cost(engine: TorchEngine, batch: int, context: int) -> StepCost:
     for layer in gpt2.layers:
         projections += [layer.attn, layer.proj, layer.fc, layer.out]
         norms += [*layer.ln_1, *layer.ln_2]
-    weights = sum(p.stored_weight.numel() for p in projections)
+    weights = sum(p.out_features * p.in_features for p in projections)
     weight_bytes = sum(p.decode_bytes for p in projections) + sum(_nbytes(norm) for norm in norms)
     kv_per_row = 2 * config.n_layer * context * config.n_embd  # keys and values read
     attention_flops = 2 * kv_per_row  # q.k and p.v: one multiply-add per element

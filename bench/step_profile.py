@@ -23,8 +23,12 @@ OVERHEAD = "Python and dispatch overhead"
 
 def _section(name: str, shapes: list[list[int]], vocab_size: int) -> str:
     op = name.removeprefix("aten::")
-    if op in ("mkldnn_linear", "mkldnn::_linear_pointwise", "minibatch::skinny_linear"):
+    if op in ("mkldnn_linear", "mkldnn::_linear_pointwise"):
         return "LM head" if shapes[1][:1] == [vocab_size] else "layer projections"
+    if op.startswith("minibatch_") and op.endswith("::packed_linear"):
+        # The weight in panels: (panels, in, columns), or (panels, in / 2, columns, 2).
+        panels, _, columns = shapes[1][:3]
+        return "LM head" if panels * columns >= vocab_size else "layer projections"
     if op in ("to_mkldnn", "_to_dense"):
         return "oneDNN layout conversions"
     if op in ("_to_copy", "copy_"):

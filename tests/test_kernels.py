@@ -27,6 +27,7 @@ from worker.model.kernels import (  # noqa: E402
     library_path,
     load_kernels,
     runnable_isas,
+    unpack_weight,
 )
 from worker.model.precision import (  # noqa: E402
     MODES,
@@ -198,6 +199,38 @@ def test_skinny_linear_reads_each_stored_format(
     torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("format", WEIGHT_FORMATS)
+def test_a_packed_weight_unpacks_to_itself_with_zero_padded_panels(
+    kernels: Kernels, format: str
+) -> None:
+    _, weight, _ = operands(1, 64, 37)
+    weight, _ = stored(weight, format)
+    packed = kernels.pack_weight(weight)
+    columns = getattr(torch.ops, f"minibatch_{kernels.isa}").panel_columns()
+    assert packed.shape[0] == -(-37 // columns) and packed.shape[2] == columns
+    assert packed.dtype == weight.dtype
+    assert torch.equal(unpack_weight(packed, 37), weight)
+    padded = unpack_weight(packed, packed.shape[0] * columns)
+    assert not padded[37:].any()
+
+
+@pytest.mark.parametrize("format", WEIGHT_FORMATS)
+def test_each_row_of_the_kernel_is_bit_for_bit_the_same_whatever_its_batch(
+    kernels: Kernels, format: str
+) -> None:
+    """Each output is one chain over k, whatever the number of rows (and so the
+    panels taken together): exact resumes rely on it, in every build."""
+    x, weight, bias = operands(MAX_ROWS, 768, 2305)
+    weight, scale = stored(weight, format)
+    packed = kernels.pack_weight(weight)
+    together = kernels.packed_linear(x, packed, 2305, scale, bias)
+    for start in range(MAX_ROWS):
+        for num_rows in range(1, MAX_ROWS - start + 1):
+            rows = x[start : start + num_rows]
+            alone = kernels.packed_linear(rows, packed, 2305, scale, bias)
+            assert torch.equal(alone, together[start : start + num_rows]), (start, num_rows)
+
+
 @pytest.mark.parametrize(
     ("x", "weight", "message"),
     [
@@ -232,12 +265,13 @@ def test_projection_on_the_kernel_path_takes_every_row_count_in_calls_of_its_row
 
     def counting_kernel(
         rows: torch.Tensor,
-        weight: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
         scale: torch.Tensor | None,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         kernel_rows.append(rows.shape[0])
-        return kernel(rows, weight, scale, bias)
+        return kernel(rows, packed, out_features, scale, bias)
 
     projection.skinny_linear = counting_kernel
     y = projection(x.view(num_rows, 1, 64))  # leading dims are kept
@@ -272,6 +306,22 @@ def test_a_rows_product_does_not_depend_on_its_batchmates(path: str, format: str
     for num_rows in (1, 2, 3, MAX_ROWS, MAX_ROWS + 1, 17):
         assert torch.equal(projection(x[:num_rows]), together[:num_rows]), num_rows
     assert torch.equal(projection(x[5:6]), together[5:6])
+
+
+@pytest.mark.parametrize("format", WEIGHT_FORMATS)
+def test_a_projection_on_the_kernel_path_keeps_only_the_packed_copy(format: str) -> None:
+    _, weight, bias = operands(3, 64, 96)
+    projection = Projection(weight, bias, format)
+    if projection.skinny_linear is None:
+        pytest.skip("no kernels built")
+    projection_module.decode_path(projection)
+    if projection.decode_path == "kernel":
+        assert projection.packed_weight is not None and projection._stored_weight is None
+        assert projection.decode_bytes >= projection.packed_weight.nbytes
+    else:
+        assert projection.packed_weight is None and projection._stored_weight is not None
+    expected, _ = stored(weight, format)
+    assert torch.equal(projection.stored_weight, expected)
 
 
 def test_projection_without_the_kernel_uses_onednn(monkeypatch: pytest.MonkeyPatch) -> None:

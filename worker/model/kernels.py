@@ -1,10 +1,12 @@
 """The decode step's CPU kernels (``csrc/``), built once per instruction set and
 loaded for the best one this CPU runs.
 
-``skinny_linear`` is the matrix product for 1 to 8 rows and ``decode_attention``
-one new token per row against that row's cached keys and values. Both read
-weights or cache stored in float32, float16 or bfloat16 (and ``skinny_linear``
-int8, multiplied in integers where the ISA has them) and compute in float32.
+``packed_linear`` is the matrix product for 1 to 8 rows, on a weight packed once
+by ``pack_weight`` into the build's panels (``csrc/skinny_linear.cpp``), and
+``decode_attention`` one new token per row against that row's cached keys and
+values. Both read weights or cache stored in float32, float16 or bfloat16 (and
+``packed_linear`` int8, multiplied in integers where the ISA has them) and compute
+in float32.
 
 ``python -m worker.model.kernels`` (run by ``make install`` and the worker image's
 build) compiles one library per ISA in ``ISAS`` that this compiler targets, into
@@ -66,10 +68,13 @@ _COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=fast", "-fPIC", "-fopenmp",
 class Kernels:
     isa: str  # the ISA of the build loaded, a key of ISAS
     int8_products: str  # "vnni", "integer" (vpmaddwd) or "float" (widened)
-    # (x (M, in), weight (out, in), scale (out,) | None, bias (out,) | None) -> (M, out);
+    # weight (out, in) -> the same weight in this build's panels, for packed_linear.
+    pack_weight: Callable[[torch.Tensor], torch.Tensor]
+    # (x (M, in), packed, out, scale (out,) | None, bias (out,) | None) -> (M, out);
     # y = (x @ weight.T) * scale + bias, with x, scale, bias and y float32.
-    skinny_linear: Callable[
-        [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor
+    packed_linear: Callable[
+        [torch.Tensor, torch.Tensor, int, torch.Tensor | None, torch.Tensor | None],
+        torch.Tensor,
     ]
     # (q (R, H, D), keys (R, H, L, D), values (R, H, L, D), lengths (R,)) -> (R, H, D)
     decode_attention: Callable[
@@ -78,6 +83,29 @@ class Kernels:
 
     def describe(self) -> str:
         return f"{self.isa} kernels, int8 products {self.int8_products}"
+
+    def skinny_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``packed_linear`` on ``weight`` (out, in) packed for this one call; a
+        weight used more than once is packed once (see Projection)."""
+        return self.packed_linear(x, self.pack_weight(weight), weight.shape[0], scale, bias)
+
+
+def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A weight packed by ``Kernels.pack_weight`` in its natural (out, in) layout
+    again (a copy): float panels (P, in, C), int8 ones (P, in / 2, C, 2)."""
+    if packed.dim() == 4:  # int8 column pairs
+        panels, pairs, columns, _ = packed.shape
+        natural = packed.permute(0, 2, 1, 3).reshape(panels * columns, pairs * 2)
+    else:
+        panels, in_features, columns = packed.shape
+        natural = packed.permute(0, 2, 1).reshape(panels * columns, in_features)
+    return natural[:out_features].contiguous()
 
 
 class KernelIsaError(ConfigError):
@@ -244,7 +272,8 @@ def _load(isa: str) -> Kernels | None:
     kernels = Kernels(
         isa=isa,
         int8_products=ops.int8_products(),
-        skinny_linear=ops.skinny_linear,
+        pack_weight=ops.pack_weight,
+        packed_linear=ops.packed_linear,
         decode_attention=ops.decode_attention,
     )
     logger.info("decode kernels: %s on %s", kernels.describe(), cpu_summary())

@@ -5,7 +5,8 @@ On CPU, decode's products are tall and skinny (a few rows against a wide weight)
 and bound by reading the weights; prefill's are ordinary GEMMs, bound by compute.
 Two implementations can multiply: this project's own kernel
 (``worker/csrc/skinny_linear.cpp``), which reads the weight once in its stored
-format (float32, float16, bfloat16 or int8) and widens it in registers (int8:
+format (float32, float16, bfloat16 or int8), packed at construction into panels
+of output columns for broadcast multiply-adds, and widens it in registers (int8:
 multiplies in integers), up to ``MAX_ROWS`` rows a call, and oneDNN's inner
 product on a float32 copy pre-packed for it (``torch.ops.mkldnn._reorder_linear_weight``,
 as torch's own compiler packs CPU weights). Each projection takes one of them
@@ -15,10 +16,10 @@ token's keys then do not depend on whether it was prefilled or decoded, nor on
 which worker computed them, and a resumed stream continues bit for bit. The
 rule: stored in fewer bytes than float32, the kernel (it reads half or a quarter
 of the bytes: on a 2-vCPU Intel Xeon with AVX-512 and VNNI, the LM head
-(50257 x 768) at 8 rows took 6.7 ms in float16, 2.4 in int8, against oneDNN's
-7.2 on the float32 copy, `bench.kernel_bench`); in float32, oneDNN where torch
-packs for it (10.2 ms in the kernel there). On another CPU the float32 choice
-may cost speed (the old kernel led on an AMD EPYC); it is kept for exactness.
+(50257 x 768) at 8 rows took 3.6 ms in float16, 1.7 in int8, against oneDNN's
+8.1 on the float32 copy, docs/performance.md); in float32, oneDNN where torch
+packs for it: the kernel is a little faster at 8 rows there (7.2 ms) but runs
+prefill's GEMMs in 8-row calls, about half as fast as oneDNN's.
 Within either path a row's product does not depend on its batchmates: the
 kernel sums each row in the same order whatever the rows, and oneDNN does for 2
 rows or more (a lone row, which it multiplies another way, goes in as two).
@@ -37,7 +38,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from worker.model.kernels import LANES, MAX_ROWS, load_kernels
+from worker.model.kernels import LANES, MAX_ROWS, load_kernels, unpack_weight
 from worker.model.precision import has_bfloat16_products
 
 logger = logging.getLogger(__name__)
@@ -94,13 +95,14 @@ class Projection:
         self.bias = None if bias is None else bias.detach().contiguous()
         self.out_features, self.in_features = (int(n) for n in weight.shape)
         self.scale: torch.Tensor | None = None
+        self._stored_weight: torch.Tensor | None
         if stored == "int8":
-            self.stored_weight, self.scale = quantize_int8(weight)
+            self._stored_weight, self.scale = quantize_int8(weight)
             # The weight as the kernel sees it, for the paths that are not the kernel.
-            widened = (self.stored_weight.float() * self.scale[:, None]).to(weight.dtype)
+            widened = (self._stored_weight.float() * self.scale[:, None]).to(weight.dtype)
         else:
-            self.stored_weight = weight.to(getattr(torch, stored)).contiguous()
-            widened = self.stored_weight.to(weight.dtype)
+            self._stored_weight = weight.to(getattr(torch, stored)).contiguous()
+            widened = self._stored_weight.to(weight.dtype)
         is_cpu = weight.device.type == "cpu"
         # The packing is a private op of torch's (its compiler's): a build without
         # it falls back to F.linear rather than failing to load. oneDNN packs
@@ -117,10 +119,10 @@ class Projection:
         )
         self.bfloat16_products = bfloat16_products and self.is_packed
         if self.bfloat16_products:
-            assert self.stored_weight.dtype == torch.bfloat16, (
+            assert self._stored_weight.dtype == torch.bfloat16, (
                 "bfloat16 products need bfloat16 weights"
             )
-            widened = self.stored_weight
+            widened = self._stored_weight
         # Packed for oneDNN on CPU (for a decode-sized batch; it takes any), else
         # as F.linear takes it; only one copy is kept.
         self.dense_weight = (
@@ -129,14 +131,37 @@ class Projection:
             else widened
         )
         fits_kernel = is_cpu and weight.dtype == torch.float32 and self.in_features % LANES == 0
-        kernels = load_kernels() if fits_kernel else None
-        self.skinny_linear = None if kernels is None else kernels.skinny_linear
+        self.kernels = load_kernels() if fits_kernel else None
+        self.skinny_linear = None if self.kernels is None else self.kernels.packed_linear
         self.decode_path: DecodePath = decode_path(self)
+        # The kernel's copy, packed once into its panels; it replaces the natural
+        # layout (`stored_weight` unpacks it again, a copy, for the rare reader).
+        self.packed_weight: torch.Tensor | None = None
+        if self.decode_path == "kernel":
+            self.pack()
+
+    def pack(self) -> None:
+        assert self.kernels is not None and self._stored_weight is not None
+        self.packed_weight = self.kernels.pack_weight(self._stored_weight)
+        self._stored_weight = None
+
+    @property
+    def stored_weight(self) -> torch.Tensor:
+        """The weight as stored, (out, in), whichever copy is kept."""
+        if self._stored_weight is not None:
+            return self._stored_weight
+        assert self.packed_weight is not None
+        return unpack_weight(self.packed_weight, self.out_features)
 
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:
         """(N, in) -> (N, out) through the skinny kernel, N <= MAX_ROWS."""
         assert self.skinny_linear is not None
-        return self.skinny_linear(rows.contiguous(), self.stored_weight, self.scale, self.bias)
+        if self.packed_weight is None:  # a projection moved onto the kernel path
+            self.pack()
+        assert self.packed_weight is not None
+        return self.skinny_linear(
+            rows.contiguous(), self.packed_weight, self.out_features, self.scale, self.bias
+        )
 
     def dense(self, rows: torch.Tensor) -> torch.Tensor:
         """(N, in) -> (N, out) through oneDNN (or F.linear off the CPU), any N."""
@@ -158,7 +183,8 @@ class Projection:
     def decode_bytes(self) -> int:
         """The bytes a decode step reads of this projection's weight, scale and bias."""
         if self.decode_path == "kernel":
-            read = [self.stored_weight, self.scale, self.bias]
+            weight = self.packed_weight if self.packed_weight is not None else self._stored_weight
+            read = [weight, self.scale, self.bias]
         else:  # the packed copy's storage is opaque, but its size is its shape's
             read = [self.dense_weight, self.bias]
         return sum(t.numel() * t.element_size() for t in read if t is not None)

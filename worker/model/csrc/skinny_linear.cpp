@@ -1,34 +1,43 @@
 // y = (x @ w.T) * scale + bias for the few rows of a decode step (1 to 8 of them),
 // with w stored as float32, float16, bfloat16 or int8 and x, y, scale, bias float32.
 //
-// At that size a product is bound by streaming w from memory. This kernel reads w
-// once, in its natural (out, in) row-major layout: it takes a few weight rows at a
-// time and uses each loaded vector of them against every input row while it sits
-// in a register, so the input rows stay in cache and only w streams from memory.
-// The hardware prefetcher keeps those few streams ahead on its own: on a 2-vCPU
-// Xeon (AVX-512), a software prefetch 4 to 16 rows ahead made the LM head at one
-// row up to 2.6x slower, and 2 rows ahead gained nothing.
+// At that size a product is bound by streaming w from memory, and, at 8 rows, by
+// the instructions spent on each weight loaded. So w is packed once, when the
+// engine builds its weights (pack_weight), into panels of kPanel output columns
+// (two vectors on AVX-512, one on AVX2 and the baseline):
 //
-// Floating-point weights are widened to float32 in registers (vec.h), so a step
-// reads half (16-bit) or a quarter (int8) of float32's bytes. int8 weights, on
-// AVX2 and AVX-512, are multiplied in integers instead: each input row is
-// quantized on the fly to int16 with one scale of its own, and pairs of int16
-// products are summed into int32 lanes (vpmaddwd, or AVX512-VNNI's vpdpwssd, one
-// instruction for 32 weights). 14-bit activations keep the rounding of x far below
-// the int8 weights' own, and the int32 sums cannot overflow for K up to 16384.
+//   float32, float16, bfloat16: [N / kPanel][K][kPanel]
+//   int8:                       [N / kPanel][K / 2][kPanel][2]
 //
-// Each output is one dependency chain per (weight row, input row), summed over k
-// in the same order whatever the number of rows, and finished by one explicit
-// fused multiply-add (a tile of another size could otherwise contract it
-// differently): a row's result does not depend on its batchmates, which exact
-// resumes rely on.
+// the last panel padded with zero columns. For each k the kernel loads one row of
+// a panel, kPanel columns of w[:, k] (widened to float32 in registers, vec.h), and
+// multiplies it with x[m, k] broadcast, for each input row m, into M accumulators
+// per vector: no horizontal sums, each weight converted once for all rows, and one
+// contiguous stream per panel. Threads take whole panels. At few rows, when one
+// panel's accumulators are too few chains to hide the multiply-add's latency,
+// several panels are taken side by side.
+//
+// int8 weights, on AVX2 and AVX-512, are multiplied in integers: each input row is
+// quantized on the fly to int16 with one scale of its own, and a 32-bit broadcast
+// of a pair of them, (x[m, k], x[m, k + 1]), is multiplied with the panel's
+// column pairs (w[n, k], w[n, k + 1]) and summed into int32 lanes (vpmaddwd, or
+// AVX512-VNNI's vpdpwssd). 14-bit activations keep the rounding of x far below the
+// int8 weights' own, and the int32 sums cannot overflow for K up to 16384.
+//
+// Each output is one lane: one dependency chain over k (in blocks of kBlock k's
+// for floats), in the same order whatever the number of rows or how many panels
+// are taken together, finished by one
+// explicit fused multiply-add with its scale and bias: a row's result does not
+// depend on its batchmates, which exact resumes rely on.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -42,46 +51,126 @@ namespace {
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kMinColumnsPerThread = 256;
 
-// Weight rows per pass for M input rows: as many as fit the registers, with
-// R * M accumulators, R weight vectors and one input vector live at once (and one
-// register spare), up to 8. On AVX2 that is 1 row at M = 8, on AVX-512 3.
-constexpr int64_t RowsFor(int64_t M) {
-  const int64_t fit = (kVectorRegisters - 2) / (M + 1);
-  return fit > 8 ? 8 : (fit < 1 ? 1 : fit);
+// Vectors of output columns per panel: two where there are registers for 2 * 8
+// accumulators, weights and a broadcast (AVX-512's 32), else one.
+constexpr int64_t kPanelVectors = kVectorRegisters >= 32 ? 2 : 1;
+constexpr int64_t kPanel = kPanelVectors * kLanes;
+
+// Floating-point sums run over blocks of kBlock k's, each block's chain added to
+// the output's total in turn: a fixed split (the same for every number of rows)
+// that keeps float32's rounding over K = 3072 near that of a short chain's.
+constexpr int64_t kBlock = 256;
+
+// More rows than this go in two groups over the same panels, the second reading
+// them from cache: each group's tile then holds several panels' weight vectors
+// and its broadcasts serve all of them, where an 8-row tile has registers for
+// one panel only and spends a broadcast on every multiply-add (on AVX2 that made
+// 8 rows twice as slow as 4, on AVX-512 half as fast again).
+constexpr int64_t kRowGroup = 4;
+
+constexpr int64_t kPrefetchAhead = 2048;  // bytes ahead in a panel's stream
+
+// Panels multiplied side by side for M input rows: enough vectors of weights in
+// flight to keep several multiply-add chains going, with M accumulators each, the
+// weight vectors themselves and a broadcast in registers, up to 8 vectors.
+constexpr int64_t PanelsFor(int64_t M) {
+  int64_t vectors = (kVectorRegisters - 2) / (M + 1);
+  vectors = vectors > 8 ? 8 : vectors;
+  const int64_t panels = vectors / kPanelVectors;
+  return panels < 1 ? 1 : panels;
 }
 
-// Output columns [n, n + R) for M input rows.
-template <typename W, int64_t M, int64_t R>
-__attribute__((always_inline)) inline void dot_rows(const float* x, const W* rows,
-                                                    const float* scale, const float* bias,
-                                                    float* y, int64_t K, int64_t N, int64_t n) {
-  Vec acc[R][M] = {};
-  for (int64_t k = 0; k < K; k += kLanes) {
-    Vec a[R];
-    UNROLLED
-    for (int64_t r = 0; r < R; ++r) {
-      a[r] = load(rows + r * K + k);
-    }
-    UNROLLED
-    for (int64_t m = 0; m < M; ++m) {
-      const Vec xm = load(x + m * K + k);
+// The columns of the last panel below N, each fma(sum, scale, bias): out of line,
+// since it runs once a product, and inlined into every tile it made the build
+// several times larger and slower.
+__attribute__((noinline)) void finish_partial(const Vec& sums, const float* scale,
+                                              const float* bias, float* y_row, int64_t N,
+                                              int64_t n) {
+  for (int64_t i = 0; n + i < N; ++i)
+    y_row[n + i] = std::fma(sums[i], scale ? scale[n + i] : 1.f, bias ? bias[n + i] : 0.f);
+}
+
+// y[m, n .. n + kLanes) from one vector of accumulators: fma(acc, scale, bias),
+// columns past N dropped (the last panel's padding).
+__attribute__((always_inline)) inline void finish(Vec acc, const float* scale, const float* bias,
+                                                  float* y_row, int64_t N, int64_t n) {
+  if (n + kLanes > N) return finish_partial(acc, scale, bias, y_row, N, n);
+  const Vec s = scale ? load(scale + n) : 1.f - Vec{};
+  const Vec b = bias ? load(bias + n) : Vec{};
+  store(y_row + n, fma(acc, s, b));
+}
+
+// G panels from panel p on, for M input rows.
+template <typename W, int64_t M, int64_t G>
+__attribute__((always_inline)) inline void float_panels(const float* x, const W* packed,
+                                                        const float* scale, const float* bias,
+                                                        float* y, int64_t K, int64_t N,
+                                                        int64_t p) {
+  constexpr int64_t V = G * kPanelVectors;
+  Vec total[M][V] = {};
+  asm volatile("" : : "r"(&total[0][0]) : "memory");
+  const W* w[G];
+  UNROLLED
+  for (int64_t g = 0; g < G; ++g) w[g] = packed + (p + g) * K * kPanel;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    const int64_t k1 = k0 + kBlock < K ? k0 + kBlock : K;
+    Vec acc[M][V] = {};
+    for (int64_t k = k0; k < k1; ++k) {
+      Vec a[V];
       UNROLLED
-      for (int64_t r = 0; r < R; ++r) acc[r][m] += a[r] * xm;
+      for (int64_t g = 0; g < G; ++g)
+        __builtin_prefetch(reinterpret_cast<const char*>(w[g] + k * kPanel) + kPrefetchAhead);
+      UNROLLED
+      for (int64_t g = 0; g < G; ++g)
+        UNROLLED
+        for (int64_t v = 0; v < kPanelVectors; ++v)
+          a[g * kPanelVectors + v] = load(w[g] + k * kPanel + v * kLanes);
+      UNROLLED
+      for (int64_t m = 0; m < M; ++m) {
+        const Vec xm = broadcast(x + m * K + k);
+        UNROLLED
+        for (int64_t v = 0; v < V; ++v) acc[m][v] += a[v] * xm;
+      }
     }
+    UNROLLED
+    for (int64_t m = 0; m < M; ++m)
+      UNROLLED
+      for (int64_t v = 0; v < V; ++v) total[m][v] += acc[m][v];
+    // The totals live in memory, not registers: at 8 rows the block's
+    // accumulators need every register (kept there, they spilled the loop's).
+    asm volatile("" : : "r"(&total[0][0]) : "memory");
   }
   UNROLLED
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = 0; r < R; ++r)
-      y[m * N + n + r] = std::fma(sum(acc[r][m]), scale ? scale[n + r] : 1.f, bias ? bias[n + r] : 0.f);
+    UNROLLED
+    for (int64_t v = 0; v < V; ++v)
+      finish(total[m][v], scale, bias, y + m * N, N, p * kPanel + v * kLanes);
 }
 
 template <typename W, int64_t M>
-void float_columns(const float* x, const W* w, const float* scale, const float* bias, float* y,
-                   int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int64_t R = RowsFor(M);
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) dot_rows<W, M, R>(x, w + n * K, scale, bias, y, K, N, n);
-  for (; n < n1; ++n) dot_rows<W, M, 1>(x, w + n * K, scale, bias, y, K, N, n);
+void float_columns(const float* x, const W* packed, const float* scale, const float* bias,
+                   float* y, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  if constexpr (M > kRowGroup) {
+    // The first kRowGroup rows, then the rest on the same panels, which the
+    // first group's pass left in cache.
+    constexpr int64_t G = PanelsFor(kRowGroup), R = M - kRowGroup;
+    const float* x_rest = x + kRowGroup * K;
+    float* y_rest = y + kRowGroup * N;
+    int64_t p = p0;
+    for (; p + G <= p1; p += G) {
+      float_panels<W, kRowGroup, G>(x, packed, scale, bias, y, K, N, p);
+      float_panels<W, R, G>(x_rest, packed, scale, bias, y_rest, K, N, p);
+    }
+    for (; p < p1; ++p) {
+      float_panels<W, kRowGroup, 1>(x, packed, scale, bias, y, K, N, p);
+      float_panels<W, R, 1>(x_rest, packed, scale, bias, y_rest, K, N, p);
+    }
+  } else {
+    constexpr int64_t G = PanelsFor(M);
+    int64_t p = p0;
+    for (; p + G <= p1; p += G) float_panels<W, M, G>(x, packed, scale, bias, y, K, N, p);
+    for (; p < p1; ++p) float_panels<W, M, 1>(x, packed, scale, bias, y, K, N, p);
+  }
 }
 
 #if defined(__AVX2__) || (defined(__AVX512F__) && defined(__AVX512BW__))
@@ -92,11 +181,11 @@ constexpr int64_t kMaxIntegerK = 16384;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 typedef __m512i IVec;
-constexpr int64_t kIntLanes = 32;  // int16 values a register
+// kLanes columns' pairs of int8 weights, as int16.
 inline IVec load_weights(const int8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline IVec load_activations(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline IVec broadcast_pair(int32_t pair) { return _mm512_set1_epi32(pair); }
 inline IVec dot_add(IVec acc, IVec w, IVec x) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpwssd_epi32(acc, w, x);
@@ -104,64 +193,100 @@ inline IVec dot_add(IVec acc, IVec w, IVec x) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
 #endif
 }
-inline int32_t integer_sum(IVec v) { return _mm512_reduce_add_epi32(v); }
+inline Vec to_floats(IVec v) { return bit_cast<Vec>(_mm512_cvtepi32_ps(v)); }
 #else
 typedef __m256i IVec;
-constexpr int64_t kIntLanes = 16;
 inline IVec load_weights(const int8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline IVec load_activations(const int16_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
+inline IVec broadcast_pair(int32_t pair) { return _mm256_set1_epi32(pair); }
 inline IVec dot_add(IVec acc, IVec w, IVec x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
 }
-inline int32_t integer_sum(IVec v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(s);
-}
+inline Vec to_floats(IVec v) { return bit_cast<Vec>(_mm256_cvtepi32_ps(v)); }
 #endif
 
-template <int64_t M, int64_t R>
-__attribute__((always_inline)) inline void integer_dot_rows(const int16_t* xq, const float* x_scale,
-                                                            const int8_t* rows, const float* scale,
-                                                            const float* bias, float* y, int64_t K,
-                                                            int64_t N, int64_t n) {
-  IVec acc[R][M];
-  for (int64_t r = 0; r < R; ++r)
+// finish_partial for integer sums, whose scale is the row's times the column's.
+__attribute__((noinline)) void integer_finish_partial(const Vec& sums, float x_scale,
+                                                      const float* scale, const float* bias,
+                                                      float* y_row, int64_t N, int64_t n) {
+  for (int64_t i = 0; n + i < N; ++i)
+    y_row[n + i] = std::fma(sums[i], x_scale * scale[n + i], bias ? bias[n + i] : 0.f);
+}
+
+template <int64_t M, int64_t G>
+__attribute__((always_inline)) inline void integer_panels(const int16_t* xq, const float* x_scale,
+                                                          const int8_t* packed, const float* scale,
+                                                          const float* bias, float* y, int64_t K,
+                                                          int64_t N, int64_t p) {
+  constexpr int64_t V = G * kPanelVectors;
+  IVec acc[M][V];
+  UNROLLED
+  for (int64_t m = 0; m < M; ++m)
     UNROLLED
-    for (int64_t m = 0; m < M; ++m) acc[r][m] = IVec{};
-  for (int64_t k = 0; k < K; k += kIntLanes) {
-    IVec a[R];
+    for (int64_t v = 0; v < V; ++v) acc[m][v] = IVec{};
+  const int8_t* w[G];
+  UNROLLED
+  for (int64_t g = 0; g < G; ++g) w[g] = packed + (p + g) * K * kPanel;
+  for (int64_t k = 0; k < K; k += 2) {
+    IVec a[V];
     UNROLLED
-    for (int64_t r = 0; r < R; ++r) {
-      a[r] = load_weights(rows + r * K + k);
-    }
+    for (int64_t g = 0; g < G; ++g) __builtin_prefetch(w[g] + k * kPanel + kPrefetchAhead);
+    UNROLLED
+    for (int64_t g = 0; g < G; ++g)
+      UNROLLED
+      for (int64_t v = 0; v < kPanelVectors; ++v)
+        a[g * kPanelVectors + v] = load_weights(w[g] + k * kPanel + v * 2 * kLanes);
     UNROLLED
     for (int64_t m = 0; m < M; ++m) {
-      const IVec xm = load_activations(xq + m * K + k);
+      int32_t pair;
+      std::memcpy(&pair, xq + m * K + k, sizeof(pair));
+      const IVec xm = broadcast_pair(pair);
       UNROLLED
-      for (int64_t r = 0; r < R; ++r) acc[r][m] = dot_add(acc[r][m], a[r], xm);
+      for (int64_t v = 0; v < V; ++v) acc[m][v] = dot_add(acc[m][v], a[v], xm);
     }
   }
   UNROLLED
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = 0; r < R; ++r)
-      y[m * N + n + r] = std::fma(static_cast<float>(integer_sum(acc[r][m])),
-                                  x_scale[m] * scale[n + r], bias ? bias[n + r] : 0.f);
+    UNROLLED
+    for (int64_t v = 0; v < V; ++v) {
+      // fma(sum, x_scale[m] * scale[n], bias[n]), as finish does for float sums.
+      const int64_t n = p * kPanel + v * kLanes;
+      const Vec sums = to_floats(acc[m][v]);
+      float* y_row = y + m * N;
+      if (n + kLanes <= N) {
+        const Vec s = load(scale + n) * x_scale[m];
+        store(y_row + n, fma(sums, s, bias ? load(bias + n) : Vec{}));
+      } else {
+        integer_finish_partial(sums, x_scale[m], scale, bias, y_row, N, n);
+      }
+    }
 }
 
 template <int64_t M>
-void integer_columns(const int16_t* xq, const float* x_scale, const int8_t* w, const float* scale,
-                     const float* bias, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int64_t R = RowsFor(M);
-  int64_t n = n0;
-  for (; n + R <= n1; n += R)
-    integer_dot_rows<M, R>(xq, x_scale, w + n * K, scale, bias, y, K, N, n);
-  for (; n < n1; ++n) integer_dot_rows<M, 1>(xq, x_scale, w + n * K, scale, bias, y, K, N, n);
+void integer_columns(const int16_t* xq, const float* x_scale, const int8_t* packed,
+                     const float* scale, const float* bias, float* y, int64_t K, int64_t N,
+                     int64_t p0, int64_t p1) {
+  if constexpr (M > kRowGroup) {  // in two groups of rows, as float_columns
+    constexpr int64_t G = PanelsFor(kRowGroup), R = M - kRowGroup;
+    const int16_t* xq_rest = xq + kRowGroup * K;
+    const float* x_scale_rest = x_scale + kRowGroup;
+    float* y_rest = y + kRowGroup * N;
+    int64_t p = p0;
+    for (; p + G <= p1; p += G) {
+      integer_panels<kRowGroup, G>(xq, x_scale, packed, scale, bias, y, K, N, p);
+      integer_panels<R, G>(xq_rest, x_scale_rest, packed, scale, bias, y_rest, K, N, p);
+    }
+    for (; p < p1; ++p) {
+      integer_panels<kRowGroup, 1>(xq, x_scale, packed, scale, bias, y, K, N, p);
+      integer_panels<R, 1>(xq_rest, x_scale_rest, packed, scale, bias, y_rest, K, N, p);
+    }
+  } else {
+    constexpr int64_t G = PanelsFor(M);
+    int64_t p = p0;
+    for (; p + G <= p1; p += G) integer_panels<M, G>(xq, x_scale, packed, scale, bias, y, K, N, p);
+    for (; p < p1; ++p) integer_panels<M, 1>(xq, x_scale, packed, scale, bias, y, K, N, p);
+  }
 }
 
 // Each row of x as int16 with one scale, so that x[m] ~= xq[m] * x_scale[m].
@@ -178,6 +303,27 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* x_s
 }
 #else
 #define HAS_INTEGER_PRODUCTS 0
+
+// int8 weights widened to float32, one column at a time over the packed pairs (a
+// build without SIMD integer products: the scalar loop is its speed anyway).
+void widened_int8_columns(int64_t M, const float* x, const int8_t* packed, const float* scale,
+                          const float* bias, float* y, int64_t K, int64_t N, int64_t p0,
+                          int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* w = packed + p * K * kPanel;
+    for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) {
+      const int64_t n = p * kPanel + c;
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; k += 2) {
+          acc += static_cast<float>(w[k * kPanel + 2 * c]) * x[m * K + k];
+          acc += static_cast<float>(w[k * kPanel + 2 * c + 1]) * x[m * K + k + 1];
+        }
+        y[m * N + n] = std::fma(acc, scale[n], bias ? bias[n] : 0.f);
+      }
+    }
+  }
+}
 #endif
 
 // Dispatch on the number of rows, a template parameter so that tiles are fixed.
@@ -193,11 +339,16 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* x_s
     default: { constexpr int64_t kM = 8; CALL; break; } \
   }
 
+int64_t panels_of(int64_t N) { return (N + kPanel - 1) / kPanel; }
+int64_t panels_per_thread() {
+  return (kMinColumnsPerThread + kPanel - 1) / kPanel;
+}
+
 template <typename W>
-void float_product(int64_t M, const float* x, const W* w, const float* scale, const float* bias,
-                   float* y, int64_t K, int64_t N) {
-  at::parallel_for(0, N, kMinColumnsPerThread, [&](int64_t n0, int64_t n1) {
-    FOR_ROWS(M, (float_columns<W, kM>(x, w, scale, bias, y, K, N, n0, n1)));
+void float_product(int64_t M, const float* x, const W* packed, const float* scale,
+                   const float* bias, float* y, int64_t K, int64_t N) {
+  at::parallel_for(0, panels_of(N), panels_per_thread(), [&](int64_t p0, int64_t p1) {
+    FOR_ROWS(M, (float_columns<W, kM>(x, packed, scale, bias, y, K, N, p0, p1)));
   });
 }
 
@@ -208,46 +359,86 @@ const float* optional_floats(const std::optional<at::Tensor>& t, int64_t n, cons
   return t->data_ptr<float>();
 }
 
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
+bool is_weight_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kChar;
+}
+
+// w (N, K) in its natural layout, as the panels packed_linear reads (see the top).
+at::Tensor pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
+  TORCH_CHECK(is_weight_type(weight.scalar_type()),
+              "skinny_linear takes a float32, float16, bfloat16 or int8 weight");
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const bool pairs = weight.scalar_type() == at::kChar;
+  TORCH_CHECK(!pairs || K % 2 == 0, "an int8 weight needs an even in_features");
+  const int64_t P = panels_of(N);
+  at::Tensor packed = pairs ? at::zeros({P, K / 2, kPanel, 2}, weight.options())
+                            : at::zeros({P, K, kPanel}, weight.options());
+  const int64_t size = weight.element_size();
+  const char* from = static_cast<const char*>(weight.data_ptr());
+  char* to = static_cast<char*>(packed.data_ptr());
+  at::parallel_for(0, P, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) {
+        const char* row = from + (p * kPanel + c) * K * size;
+        char* panel = to + p * K * kPanel * size;
+        for (int64_t k = 0; k < K; ++k) {
+          // float: [k][c]; int8: [k / 2][c][k % 2]
+          const int64_t at = pairs ? (k / 2) * 2 * kPanel + 2 * c + k % 2 : k * kPanel + c;
+          std::memcpy(panel + at * size, row + k * size, size);
+        }
+      }
+  });
+  return packed;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          const std::optional<at::Tensor>& scale,
                          const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x and weight must be 2-D");
-  const auto stored = weight.scalar_type();
+  const auto stored = packed.scalar_type();
+  const bool pairs = stored == at::kChar;
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "skinny_linear takes float32 x");
-  TORCH_CHECK(stored == at::kFloat || stored == at::kHalf || stored == at::kBFloat16 ||
-                  stored == at::kChar,
+  TORCH_CHECK(is_weight_type(stored),
               "skinny_linear takes a float32, float16, bfloat16 or int8 weight");
-  TORCH_CHECK(stored != at::kChar || scale.has_value(), "an int8 weight needs its scale");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "x and weight must be contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(!pairs || scale.has_value(), "an int8 weight needs its scale");
+  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous(), "x and weight must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "skinny_linear takes 1 to ", kMaxRows, " rows, got ", M);
-  TORCH_CHECK(weight.size(1) == K && K % 32 == 0, "in_features must match and be a multiple of 32");
+  TORCH_CHECK(packed.dim() == (pairs ? 4 : 3) && packed.size(0) == panels_of(N) &&
+                  packed.size(2) == kPanel && (!pairs || packed.size(3) == 2),
+              "weight must be packed by this build's pack_weight for ", N, " out_features");
+  TORCH_CHECK(packed.size(1) * (pairs ? 2 : 1) == K && K % 32 == 0,
+              "in_features must match and be a multiple of 32");
   const float* s = optional_floats(scale, N, "scale");
   const float* b = optional_floats(bias, N, "bias");
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   switch (stored) {
-    case at::kHalf: float_product(M, xp, weight.data_ptr<c10::Half>(), s, b, yp, K, N); break;
+    case at::kHalf: float_product(M, xp, packed.data_ptr<c10::Half>(), s, b, yp, K, N); break;
     case at::kBFloat16:
-      float_product(M, xp, weight.data_ptr<c10::BFloat16>(), s, b, yp, K, N);
+      float_product(M, xp, packed.data_ptr<c10::BFloat16>(), s, b, yp, K, N);
       break;
     case at::kChar: {
-      const int8_t* w = weight.data_ptr<int8_t>();
+      const int8_t* w = packed.data_ptr<int8_t>();
 #if HAS_INTEGER_PRODUCTS
       TORCH_CHECK(K <= kMaxIntegerK, "int8 products take in_features up to ", kMaxIntegerK);
       std::vector<int16_t> xq(M * K);
       float x_scale[kMaxRows];
       quantize_rows(xp, M, K, xq.data(), x_scale);
-      at::parallel_for(0, N, kMinColumnsPerThread, [&](int64_t n0, int64_t n1) {
-        FOR_ROWS(M, (integer_columns<kM>(xq.data(), x_scale, w, s, b, yp, K, N, n0, n1)));
+      at::parallel_for(0, panels_of(N), panels_per_thread(), [&](int64_t p0, int64_t p1) {
+        FOR_ROWS(M, (integer_columns<kM>(xq.data(), x_scale, w, s, b, yp, K, N, p0, p1)));
       });
 #else
-      float_product(M, xp, w, s, b, yp, K, N);
+      at::parallel_for(0, panels_of(N), panels_per_thread(), [&](int64_t p0, int64_t p1) {
+        widened_int8_columns(M, xp, w, s, b, yp, K, N, p0, p1);
+      });
 #endif
       break;
     }
-    default: float_product(M, xp, weight.data_ptr<float>(), s, b, yp, K, N);
+    default: float_product(M, xp, packed.data_ptr<float>(), s, b, yp, K, N);
   }
   return y;
 }
@@ -266,16 +457,25 @@ std::string int8_products() {
 }
 
 int64_t vector_lanes() { return kLanes; }
+int64_t panel_columns() { return kPanel; }
 
 }  // namespace
 
 // Registered ops, so that torch's profiler sees them by name and shapes. Each
 // build has its own namespace (MINIBATCH_OPS, e.g. minibatch_avx2), so that a test
-// can load every build this CPU runs side by side.
+// can load every build this CPU runs side by side; a weight packed by one build is
+// for that build's packed_linear only (the panels' width is the build's).
 TORCH_LIBRARY_FRAGMENT(MINIBATCH_OPS, m) {
-  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("pack_weight(Tensor weight) -> Tensor");
+  m.def(
+      "packed_linear(Tensor x, Tensor packed, int out_features, Tensor? scale, Tensor? bias) "
+      "-> Tensor");
   m.def("int8_products() -> str", &int8_products);
   m.def("vector_lanes() -> int", &vector_lanes);
+  m.def("panel_columns() -> int", &panel_columns);
 }
 
-TORCH_LIBRARY_IMPL(MINIBATCH_OPS, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
+TORCH_LIBRARY_IMPL(MINIBATCH_OPS, CPU, m) {
+  m.impl("pack_weight", &pack_weight);
+  m.impl("packed_linear", &packed_linear);
+}

@@ -108,6 +108,19 @@ inline Vec load(const int8_t* p) {
 #endif
 }
 
+// kLanes copies of *p, loaded straight into a register: one load, no arithmetic.
+// (`Vec{} + *p` costs an add and a shuffle for each copy, since adding zero is
+// not an identity for -0: in an 8-row tile those took the multiply-adds' ports.)
+inline Vec broadcast(const float* p) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return bit_cast<Vec>(_mm512_set1_ps(*p));
+#elif defined(__AVX2__)
+  return bit_cast<Vec>(_mm256_broadcast_ss(p));
+#else
+  return *p - Vec{};  // x - 0 is x for every x, so this folds to a copy
+#endif
+}
+
 inline void store(float* p, Vec v) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   _mm512_storeu_ps(p, bit_cast<__m512>(v));
@@ -115,6 +128,20 @@ inline void store(float* p, Vec v) {
   _mm256_storeu_ps(p, bit_cast<__m256>(v));
 #else
   __builtin_memcpy(p, &v, sizeof(v));
+#endif
+}
+
+// a * b + c in each lane, rounded once, as std::fma rounds one float: the packed
+// kernel finishes a partial panel's columns with std::fma and the others with this.
+inline Vec fma(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return bit_cast<Vec>(_mm512_fmadd_ps(bit_cast<__m512>(a), bit_cast<__m512>(b), bit_cast<__m512>(c)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  return bit_cast<Vec>(_mm256_fmadd_ps(bit_cast<__m256>(a), bit_cast<__m256>(b), bit_cast<__m256>(c)));
+#else
+  Vec r;
+  for (int64_t i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
 #endif
 }
 
