@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 
 import jsonschema
 import llguidance
@@ -46,10 +47,16 @@ def constrained(
 
 
 def run(scheduler: Scheduler) -> dict[str, GenerateResult | ErrorResult]:
+    """Run until every request is answered; while only grammar compiles are
+    pending, wait for them, as the server's loop does."""
     finals: dict[str, GenerateResult | ErrorResult] = {}
-    for _ in range(10_000):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
         if not scheduler.has_work():
             return finals
+        if not scheduler.can_run():
+            time.sleep(0.001)
+            continue
         for output in scheduler.run_once():
             if isinstance(output, (GenerateResult, ErrorResult)):
                 finals[output.request_id] = output
