@@ -318,6 +318,7 @@ def test_a_projection_on_the_kernel_path_keeps_only_the_packed_copy(format: str)
     if projection.decode_path == "kernel":
         assert projection.packed_weight is not None and projection._stored_weight is None
         assert projection.decode_bytes >= projection.packed_weight.nbytes
+        assert projection._dense_weight is None  # no float32 copy beside it
     else:
         assert projection.packed_weight is None and projection._stored_weight is not None
     expected, _ = stored(weight, format)

@@ -94,15 +94,13 @@ class Projection:
         self.stored = stored
         self.bias = None if bias is None else bias.detach().contiguous()
         self.out_features, self.in_features = (int(n) for n in weight.shape)
+        self.compute_dtype = weight.dtype
         self.scale: torch.Tensor | None = None
         self._stored_weight: torch.Tensor | None
         if stored == "int8":
             self._stored_weight, self.scale = quantize_int8(weight)
-            # The weight as the kernel sees it, for the paths that are not the kernel.
-            widened = (self._stored_weight.float() * self.scale[:, None]).to(weight.dtype)
         else:
             self._stored_weight = weight.to(getattr(torch, stored)).contiguous()
-            widened = self._stored_weight.to(weight.dtype)
         is_cpu = weight.device.type == "cpu"
         # The packing is a private op of torch's (its compiler's): a build without
         # it falls back to F.linear rather than failing to load. oneDNN packs
@@ -122,14 +120,6 @@ class Projection:
             assert self._stored_weight.dtype == torch.bfloat16, (
                 "bfloat16 products need bfloat16 weights"
             )
-            widened = self._stored_weight
-        # Packed for oneDNN on CPU (for a decode-sized batch; it takes any), else
-        # as F.linear takes it; only one copy is kept.
-        self.dense_weight = (
-            torch.ops.mkldnn._reorder_linear_weight(widened.contiguous(), PACKED_FOR_ROWS)
-            if self.is_packed
-            else widened
-        )
         fits_kernel = is_cpu and weight.dtype == torch.float32 and self.in_features % LANES == 0
         self.kernels = load_kernels() if fits_kernel else None
         self.skinny_linear = None if self.kernels is None else self.kernels.packed_linear
@@ -137,8 +127,39 @@ class Projection:
         # The kernel's copy, packed once into its panels; it replaces the natural
         # layout (`stored_weight` unpacks it again, a copy, for the rare reader).
         self.packed_weight: torch.Tensor | None = None
+        self._dense_weight: torch.Tensor | None = None
         if self.decode_path == "kernel":
             self.pack()
+        else:
+            self._dense_weight = self._dense_copy()
+
+    def _dense_copy(self) -> torch.Tensor:
+        """The weight as oneDNN (or F.linear) multiplies it: widened to the
+        compute dtype (int8 times its scales), bfloat16 for bfloat16 products, and
+        on CPU packed for oneDNN (for a decode-sized batch; it takes any)."""
+        stored = self.stored_weight
+        if self.bfloat16_products:
+            widened = stored
+        elif self.scale is not None:
+            widened = (stored.float() * self.scale[:, None]).to(self.compute_dtype)
+        else:
+            widened = stored.to(self.compute_dtype)
+        if self.is_packed:
+            packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(
+                widened.contiguous(), PACKED_FOR_ROWS
+            )
+            return packed
+        return widened
+
+    @property
+    def dense_weight(self) -> torch.Tensor:
+        """oneDNN's copy: made at load where oneDNN multiplies, else on first use
+        (a benchmark setting the paths side by side): a projection on the kernel
+        never reads it, and keeping it would hold a float32 copy of every weight
+        stored in fewer bytes."""
+        if self._dense_weight is None:
+            self._dense_weight = self._dense_copy()
+        return self._dense_weight
 
     def pack(self) -> None:
         assert self.kernels is not None and self._stored_weight is not None
