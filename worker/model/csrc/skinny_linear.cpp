@@ -13,9 +13,11 @@
 // a panel, kPanel columns of w[:, k] (widened to float32 in registers, vec.h), and
 // multiplies it with x[m, k] broadcast, for each input row m, into M accumulators
 // per vector: no horizontal sums, each weight converted once for all rows, and one
-// contiguous stream per panel. Threads take whole panels. At few rows, when one
-// panel's accumulators are too few chains to hide the multiply-add's latency,
-// several panels are taken side by side.
+// contiguous stream per panel, prefetched ahead. Threads take whole panels. The
+// panels taken side by side are as many as the registers hold for the rows'
+// accumulators (more panels: more multiply-adds per broadcast); more than
+// kRowGroup rows go in two groups over the same panels, the second group reading
+// them from cache, so that 8 rows do not leave room for one panel only.
 //
 // int8 weights, on AVX2 and AVX-512, are multiplied in integers: each input row is
 // quantized on the fly to int16 with one scale of its own, and a 32-bit broadcast
@@ -25,10 +27,10 @@
 // int8 weights' own, and the int32 sums cannot overflow for K up to 16384.
 //
 // Each output is one lane: one dependency chain over k (in blocks of kBlock k's
-// for floats), in the same order whatever the number of rows or how many panels
-// are taken together, finished by one
-// explicit fused multiply-add with its scale and bias: a row's result does not
-// depend on its batchmates, which exact resumes rely on.
+// for floats), in the same order whatever the number of rows, their group, or
+// how many panels are taken together, finished by one explicit fused
+// multiply-add with its scale and bias: a row's result does not depend on its
+// batchmates, which exact resumes rely on.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
