@@ -164,8 +164,8 @@ def as_the_kernel_multiplies(x: torch.Tensor, kernels: Kernels, format: str) -> 
 
 
 @pytest.mark.parametrize("num_rows", range(1, MAX_ROWS + 1))
-# Out features that leave every remainder of the kernel's row blocks (4 and 8),
-# and a width of one vector.
+# Out features that leave a partial last panel (panels are 8 columns on AVX2, 32
+# on AVX-512), a single column, and a width of one vector.
 @pytest.mark.parametrize("shape", [(32, 1), (64, 37), (768, 2305), (3072, 70)])
 @pytest.mark.parametrize("has_bias", [True, False])
 def test_skinny_linear_matches_f_linear(
