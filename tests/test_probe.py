@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from protocol import Heartbeat, Hello, Ping, decode_to_worker, encode
-from worker.launch.probe import local_endpoint, main
+from worker.launch.probe import ProbeFailed, local_endpoint, main, probe
 from worker.serve.config import WorkerConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -161,3 +161,38 @@ def test_endpoint_defaults_to_worker_environment(
     monkeypatch.setenv("WORKER_ENDPOINT", "tcp://worker:5555")
     monkeypatch.setenv("WORKER_BIND", stand_in.endpoint.replace("127.0.0.1", "*"))
     assert main(["--timeout-s", "5"]) == 0
+
+
+class _HandshakeFailsBeforeSend(zmq.Socket[bytes]):
+    """A socket whose ``connect`` returns only after the worker has refused its
+    handshake: the order a busy machine can produce between the probe's connect and
+    its send. libzmq then drops the connection's pipe, and a DEALER without a pipe
+    blocks in ``send``."""
+
+    def connect(self, addr: str) -> None:  # type: ignore[override]
+        monitor_addr = f"inproc://monitor-{id(self)}"
+        self.monitor(monitor_addr, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        with zmq.Socket(self.context, zmq.PAIR) as monitor:
+            monitor.connect(monitor_addr)
+            super().connect(addr)
+            assert monitor.poll(5000), "the handshake did not fail"
+            self.disable_monitor()
+        self.getsockopt(zmq.EVENTS)  # lets the socket see its pipe go
+
+
+class _HandshakeFailsBeforeSendContext(zmq.Context[zmq.Socket[bytes]]):
+    _socket_class = _HandshakeFailsBeforeSend
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_handshake_before_the_ping_fails_the_probe_instead_of_hanging() -> None:
+    public_key, secret_key = zmq.curve_keypair()
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as curve_worker:
+        curve_worker.setsockopt(zmq.LINGER, 0)
+        curve_worker.setsockopt(zmq.CURVE_SERVER, 1)
+        curve_worker.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
+        port = curve_worker.bind_to_random_port("tcp://127.0.0.1")
+        # A plain probe against a CURVE worker: the mechanisms differ.
+        with _HandshakeFailsBeforeSendContext() as probe_context:
+            with pytest.raises(ProbeFailed, match="no Hello"):
+                probe(f"tcp://127.0.0.1:{port}", 1, probe_context)

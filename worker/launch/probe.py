@@ -55,7 +55,15 @@ def probe(
             socket.connect(endpoint)
         except zmq.ZMQError as exc:
             raise ProbeFailed(f"cannot connect to {endpoint!r}: {exc}") from exc
-        socket.send(ping("probe"))
+        try:
+            socket.send(ping("probe"), zmq.NOBLOCK)
+        except zmq.Again:
+            # libzmq drops a connection whose handshake failed and does not try
+            # again; a DEALER left with none would wait in a blocking send forever.
+            raise ProbeFailed(
+                f"no Hello from a worker at {endpoint}: it refused the connection's "
+                "handshake; check that this client's CURVE settings match the worker's"
+            ) from None
         hello = wait_for_hello(socket, timeout_s)
     except ProtocolError as exc:
         raise ProbeFailed(f"the process at {endpoint} answered, but: {exc}") from exc
