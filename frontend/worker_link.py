@@ -5,11 +5,17 @@ A worker process that dies has its TCP connection closed by its kernel at once;
 the monitor reports that, and the link is dead without waiting for heartbeats to
 stop. Heartbeat timeouts remain for what a closed socket cannot show: a frozen
 or hung process, or a network partition.
+
+libzmq gives up on a connection whose handshake failed (a CURVE key the worker
+does not allow, CURVE on one side only) and never tries it again, so a worker
+restarted with this frontend's key allowed would never hear from it. The link
+connects again itself, every `HANDSHAKE_RETRY_S`, and says once why it cannot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import typing
 from typing import Protocol
@@ -26,6 +32,13 @@ from protocol.liveness import Liveness, Verdict
 from protocol.peer import worker_socket
 
 log = logging.getLogger(__name__)
+
+HANDSHAKE_RETRY_S = 1.0
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 class LinkEvents(Protocol):
@@ -62,8 +75,9 @@ class WorkerLink:
         self._num_done = 0
         self._socket = worker_socket(context, endpoint, config.curve, is_immediate=True)
         self._monitor = self._socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
         )
+        self._is_refused = False  # the last handshake failed, and that was logged
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -144,7 +158,40 @@ class WorkerLink:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._is_refused:
+                    log.info("worker %s accepted this frontend's handshake", self.endpoint)
+                    self._is_refused = False
                 self._events.on_connected(self)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.liveness.on_disconnected()
                 self._events.on_disconnected(self)
+            elif event["event"] & _HANDSHAKE_FAILED:
+                if not self._is_refused:
+                    self._log_refusal(zmq.Event(event["event"]))
+                    self._is_refused = True
+                await asyncio.sleep(HANDSHAKE_RETRY_S)
+                self._connect_again()
+
+    def _log_refusal(self, event: zmq.Event) -> None:
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            cause = (
+                "the worker does not allow this frontend's CURVE key: add the public "
+                "key of CURVE_CLIENT_SECRET_KEY to the worker's CURVE_CLIENT_KEYS, or "
+                "check CURVE_SERVER_PUBLIC_KEY"
+            )
+        else:
+            cause = "set CURVE keys on both the worker and the frontend, or on neither"
+        log.error(
+            "worker %s refused this frontend's handshake (%s): %s; trying again every %gs",
+            self.endpoint,
+            event.name,
+            cause,
+            HANDSHAKE_RETRY_S,
+        )
+
+    def _connect_again(self) -> None:
+        # A DEALER ignores a connect to an endpoint it still lists, and it lists
+        # the one libzmq gave up on (suppressed: should libzmq have dropped it).
+        with contextlib.suppress(zmq.ZMQError):
+            self._socket.disconnect(self.endpoint)
+        self._socket.connect(self.endpoint)

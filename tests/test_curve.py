@@ -92,6 +92,29 @@ def test_a_peer_without_an_allowed_key_gets_nothing_and_the_worker_serves_on(
         assert stack.processes["worker"].poll() is None
 
 
+def test_a_frontend_refused_at_first_reaches_the_worker_restarted_with_its_key(
+    tmp_path: Path, keys: Path
+) -> None:
+    other_keys = tmp_path / "other"
+    assert main([str(other_keys)]) == 0
+    overrides = {**curve_env(keys), "CURVE_CLIENT_KEYS": str(other_keys / "client.key")}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_until(
+            lambda: "refused this frontend's handshake" in stack.log("frontend"),
+            "the frontend to report the refusal",
+        )
+        assert "CURVE_CLIENT_KEYS" in stack.log("frontend")
+        assert stack.health().json()["status"] != "ok"
+        stack.kill("worker")
+        stack.env["CURVE_CLIENT_KEYS"] = str(keys / "client.key")
+        stack.start("worker", "worker.serve.main")
+        stack.wait_live(timeout_s=20)
+        body = {"prompt": "let in", "max_new_tokens": 3}
+        response = httpx.post(f"{stack.url}/generate", json=body, timeout=30)
+        assert response.json()["text"] == expected_text("let in", 3)
+        assert stack.log("frontend").count("refused this frontend's handshake") == 1
+
+
 @pytest.mark.parametrize(
     ("module", "given", "missing"),
     [

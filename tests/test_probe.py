@@ -186,13 +186,15 @@ class _HandshakeFailsBeforeSendContext(zmq.Context[zmq.Socket[bytes]]):
 
 @pytest.mark.timeout(30)
 def test_a_refused_handshake_before_the_ping_fails_the_probe_instead_of_hanging() -> None:
-    public_key, secret_key = zmq.curve_keypair()
+    _, secret_key = zmq.curve_keypair()
     with zmq.Context() as context, context.socket(zmq.ROUTER) as curve_worker:
         curve_worker.setsockopt(zmq.LINGER, 0)
         curve_worker.setsockopt(zmq.CURVE_SERVER, 1)
         curve_worker.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
         port = curve_worker.bind_to_random_port("tcp://127.0.0.1")
         # A plain probe against a CURVE worker: the mechanisms differ.
-        with _HandshakeFailsBeforeSendContext() as probe_context:
-            with pytest.raises(ProbeFailed, match="no Hello"):
-                probe(f"tcp://127.0.0.1:{port}", 1, probe_context)
+        with (
+            _HandshakeFailsBeforeSendContext() as probe_context,
+            pytest.raises(ProbeFailed, match="no Hello"),
+        ):
+            probe(f"tcp://127.0.0.1:{port}", 1, probe_context)
