@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -127,6 +128,36 @@ def test_the_build_directory_does_not_depend_on_where_the_sources_are(
     assert build_directory() == here
     (copy / "vec.h").write_text((copy / "vec.h").read_text() + "\n// changed\n")
     assert build_directory() != here
+
+
+# What a CPU with AVX2, FMA and F16C alone (x86-64-v3, a Zen 3 EPYC) cannot run:
+# AVX-512's registers (zmm, the upper 16 xmm/ymm, the masks) and the instructions
+# it added for narrower vectors too, and dot products (VNNI, bfloat16) in either
+# encoding.
+_BEYOND_AVX2 = re.compile(
+    r"%zmm|%[xy]mm(1[6-9]|2\d|3[01])\b|%k[0-7]\b|\b(vpternlog|vpermt2|vpermi2|vpcompress|"
+    r"vcompress|vpexpand|vexpand|vrndscale|vscalef|vgetexp|vgetmant|vfixupimm|vpconflict|"
+    r"vplzcnt|vpabsq|vpmullq|vpmov[dqw][bdw]|vcvt[tu]?[pqs][sdq]2u|vcvtu|kmov|kor|kand|"
+    r"vpdp|vdpbf16|vcvtne)"
+)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 builds only")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_the_builds_for_cpus_without_avx512_hold_nothing_an_avx2_cpu_lacks(isa: str) -> None:
+    """An image built on an AVX-512 machine runs on an AVX2-only one: its AVX2 and
+    baseline builds must not fault there with an illegal instruction."""
+    assert library_path(isa).exists(), "run `python -m worker.model.kernels`"
+    disassembly = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(library_path(isa))],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "vfmadd" in disassembly or isa == "baseline"  # the disassembly is real
+    found = sorted({line.strip() for line in disassembly.splitlines() if _BEYOND_AVX2.search(line)})
+    assert not found, f"the {isa} build holds code past AVX2: {found[:5]}"
 
 
 # --- skinny_linear ------------------------------------------------------------------
