@@ -250,7 +250,8 @@ def test_each_row_of_the_kernel_is_bit_for_bit_the_same_whatever_its_batch(
     kernels: Kernels, format: str
 ) -> None:
     """Each output is one chain over k, whatever the number of rows (and so the
-    panels taken together): exact resumes rely on it, in every build."""
+    panels taken together, and a decode step's tiles or a prefill's row groups):
+    exact resumes rely on it, in every build."""
     x, weight, bias = operands(MAX_ROWS, 768, 2305)
     weight, scale = stored(weight, format)
     packed = kernels.pack_weight(weight)
@@ -260,12 +261,19 @@ def test_each_row_of_the_kernel_is_bit_for_bit_the_same_whatever_its_batch(
             rows = x[start : start + num_rows]
             alone = kernels.packed_linear(rows, packed, 2305, scale, bias)
             assert torch.equal(alone, together[start : start + num_rows]), (start, num_rows)
+    # A prefill's rows, in one call, row groups and a short last one (9 to 43 rows).
+    for num_rows in (MAX_ROWS + 1, 2 * MAX_ROWS + 3, 43):
+        many, _, _ = operands(num_rows, 768, 2305, seed=1)
+        prefill = kernels.packed_linear(many, packed, 2305, scale, bias)
+        for i in range(0, num_rows, MAX_ROWS):
+            decode = kernels.packed_linear(many[i : i + MAX_ROWS], packed, 2305, scale, bias)
+            assert torch.equal(prefill[i : i + MAX_ROWS], decode), (num_rows, i)
 
 
 @pytest.mark.parametrize(
     ("x", "weight", "message"),
     [
-        (torch.zeros(MAX_ROWS + 1, 16), torch.zeros(4, 16), f"1 to {MAX_ROWS} rows"),
+        (torch.zeros(0, 16), torch.zeros(4, 16), "1 row or more"),
         (torch.zeros(2, 48), torch.zeros(4, 48), "multiple of 32"),
         (torch.zeros(2, 16), torch.zeros(4, 32), "in_features must match"),
         (torch.zeros(16, 2).t(), torch.zeros(4, 16), "contiguous"),
@@ -282,11 +290,11 @@ def test_skinny_linear_rejects_what_it_cannot_compute(
 
 
 @pytest.mark.parametrize("num_rows", [1, MAX_ROWS, MAX_ROWS + 1, 40])
-def test_projection_on_the_kernel_path_takes_every_row_count_in_calls_of_its_rows(
+def test_projection_on_the_kernel_path_takes_every_row_count_in_one_call(
     num_rows: int,
 ) -> None:
     """Prefill's rows too, so that a token's keys do not depend on whether it was
-    prefilled or decoded."""
+    prefilled or decoded; in one call, which reads the weight once."""
     x, weight, bias = operands(num_rows, 64, 96)
     projection = Projection(weight, bias, "float16")
     assert projection.decode_path == "kernel"
@@ -308,8 +316,7 @@ def test_projection_on_the_kernel_path_takes_every_row_count_in_calls_of_its_row
     y = projection(x.view(num_rows, 1, 64))  # leading dims are kept
     assert y.shape == (num_rows, 1, 96)
     torch.testing.assert_close(y[:, 0], F.linear(x, projection.stored_weight.float(), bias))
-    full, rest = divmod(num_rows, MAX_ROWS)
-    assert kernel_rows == [MAX_ROWS] * full + ([rest] if rest else [])
+    assert kernel_rows == [num_rows]
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIRECTORY = Path(__file__).with_name("csrc")
 SOURCES = ("skinny_linear.cpp", "decode_attention.cpp")
 # The kernels' limits; the C++ checks them too.
-MAX_ROWS = 8  # skinny_linear's rows
+MAX_ROWS = 8  # skinny_linear's rows in a decode step's tiles; more go in row groups
 LANES = 32  # skinny_linear's in_features must be a multiple of this
 HEAD_DIMS = (16, 32, 64, 128)  # decode_attention's head_dim
 

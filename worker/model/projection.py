@@ -7,7 +7,7 @@ Two implementations can multiply: this project's own kernel
 (``worker/csrc/skinny_linear.cpp``), which reads the weight once in its stored
 format (float32, float16, bfloat16 or int8), packed at construction into panels
 of output columns for broadcast multiply-adds, and widens it in registers (int8:
-multiplies in integers), up to ``MAX_ROWS`` rows a call, and oneDNN's inner
+multiplies in integers), any number of rows in one call, and oneDNN's inner
 product on a float32 copy pre-packed for it (``torch.ops.mkldnn._reorder_linear_weight``,
 as torch's own compiler packs CPU weights). Each projection takes one of them
 for every row count, prefill's and decode's alike (`decode_path`), by a rule
@@ -18,8 +18,8 @@ rule: stored in fewer bytes than float32, the kernel (it reads half or a quarter
 of the bytes: on a 2-vCPU Intel Xeon with AVX-512 and VNNI, the LM head
 (50257 x 768) at 8 rows took 3.6 ms in float16, 1.7 in int8, against oneDNN's
 8.1 on the float32 copy, docs/performance.md); in float32, oneDNN where torch
-packs for it: the kernel is a little faster at 8 rows there (7.2 ms) but runs
-prefill's GEMMs in 8-row calls, about half as fast as oneDNN's.
+packs for it: the kernel is a little faster at 8 rows there (7.2 ms), but
+prefill's GEMMs are compute-bound and oneDNN's are faster.
 Within either path a row's product does not depend on its batchmates: the
 kernel sums each row in the same order whatever the rows, and oneDNN does for 2
 rows or more (a lone row, which it multiplies another way, goes in as two).
@@ -175,7 +175,7 @@ class Projection:
         return unpack_weight(self.packed_weight, self.out_features)
 
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        """(N, in) -> (N, out) through the skinny kernel, N <= MAX_ROWS."""
+        """(N, in) -> (N, out) through the skinny kernel, any N."""
         assert self.skinny_linear is not None
         if self.packed_weight is None:  # a projection moved onto the kernel path
             self.pack()
@@ -215,13 +215,9 @@ class Projection:
         num_rows = rows.shape[0]
         if num_rows == 0:
             y = rows.new_empty(0, self.out_features)
-        elif self.decode_path == "kernel" and num_rows <= MAX_ROWS:
-            y = self.kernel(rows)  # a decode step: no copy into a joined output
         elif self.decode_path == "kernel":
-            # Prefill's rows, MAX_ROWS a call: each row's product is decode's.
-            y = torch.cat(
-                [self.kernel(rows[i : i + MAX_ROWS]) for i in range(0, num_rows, MAX_ROWS)]
-            )
+            # Prefill's rows too, in one call: each row's product is decode's.
+            y = self.kernel(rows)
         elif self.is_packed:
             # A lone row goes in as two, more than MAX_ROWS as a padded count.
             padded = (

@@ -1,5 +1,6 @@
 // y = (x @ w.T) * scale + bias for the few rows of a decode step (1 to 8 of them),
-// with w stored as float32, float16, bfloat16 or int8 and x, y, scale, bias float32.
+// with w stored as float32, float16, bfloat16 or int8 and x, y, scale, bias float32;
+// and for the many rows of a prefill, each row as it would be in a decode step.
 //
 // At that size a product is bound by streaming w from memory, and, at 8 rows, by
 // the instructions spent on each weight loaded. So w is packed once, when the
@@ -17,7 +18,9 @@
 // panels taken side by side are as many as the registers hold for the rows'
 // accumulators (more panels: more multiply-adds per broadcast); more than
 // kRowGroup rows go in two groups over the same panels, the second group reading
-// them from cache, so that 8 rows do not leave room for one panel only.
+// them from cache, so that 8 rows do not leave room for one panel only. More than
+// kMaxRows rows (a prefill) go the same way in as many groups as they fill: each
+// set of panels is read from memory once for all of them, not once per 8 rows.
 //
 // int8 weights, on AVX2 and AVX-512, are multiplied in integers: each input row is
 // quantized on the fly to int16 with one scale of its own, and a 32-bit broadcast
@@ -41,6 +44,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -175,6 +179,37 @@ void float_columns(const float* x, const W* packed, const float* scale, const fl
   }
 }
 
+// tile(rows, m) for M rows in groups of kRowGroup from m = 0, the last group
+// smaller (rows: the group's size, as a type). Over the same panels, which stay in
+// cache from one group to the next; a call of up to kMaxRows rows runs these very
+// tiles, so a row's result is the same either way.
+template <typename Tile>
+__attribute__((always_inline)) inline void row_groups(int64_t M, Tile tile) {
+  int64_t m = 0;
+  for (; m + kRowGroup <= M; m += kRowGroup) tile(std::integral_constant<int64_t, kRowGroup>{}, m);
+  switch (M - m) {
+    case 1: tile(std::integral_constant<int64_t, 1>{}, m); break;
+    case 2: tile(std::integral_constant<int64_t, 2>{}, m); break;
+    case 3: tile(std::integral_constant<int64_t, 3>{}, m); break;
+    default: break;
+  }
+}
+
+template <typename W>
+void float_many_rows(int64_t M, const float* x, const W* packed, const float* scale,
+                     const float* bias, float* y, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  constexpr int64_t G = PanelsFor(kRowGroup);
+  int64_t p = p0;
+  for (; p + G <= p1; p += G)
+    row_groups(M, [&](auto rows, int64_t m) {
+      float_panels<W, decltype(rows)::value, G>(x + m * K, packed, scale, bias, y + m * N, K, N, p);
+    });
+  for (; p < p1; ++p)
+    row_groups(M, [&](auto rows, int64_t m) {
+      float_panels<W, decltype(rows)::value, 1>(x + m * K, packed, scale, bias, y + m * N, K, N, p);
+    });
+}
+
 #if defined(__AVX2__) || (defined(__AVX512F__) && defined(__AVX512BW__))
 #define HAS_INTEGER_PRODUCTS 1
 
@@ -291,6 +326,24 @@ void integer_columns(const int16_t* xq, const float* x_scale, const int8_t* pack
   }
 }
 
+// More than kMaxRows rows, as float_many_rows.
+void integer_many_rows(int64_t M, const int16_t* xq, const float* x_scale, const int8_t* packed,
+                       const float* scale, const float* bias, float* y, int64_t K, int64_t N,
+                       int64_t p0, int64_t p1) {
+  constexpr int64_t G = PanelsFor(kRowGroup);
+  int64_t p = p0;
+  for (; p + G <= p1; p += G)
+    row_groups(M, [&](auto rows, int64_t m) {
+      integer_panels<decltype(rows)::value, G>(xq + m * K, x_scale + m, packed, scale, bias,
+                                                 y + m * N, K, N, p);
+    });
+  for (; p < p1; ++p)
+    row_groups(M, [&](auto rows, int64_t m) {
+      integer_panels<decltype(rows)::value, 1>(xq + m * K, x_scale + m, packed, scale, bias,
+                                                 y + m * N, K, N, p);
+    });
+}
+
 // Each row of x as int16 with one scale, so that x[m] ~= xq[m] * x_scale[m].
 void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* x_scale) {
   for (int64_t m = 0; m < M; ++m) {
@@ -350,6 +403,7 @@ template <typename W>
 void float_product(int64_t M, const float* x, const W* packed, const float* scale,
                    const float* bias, float* y, int64_t K, int64_t N) {
   at::parallel_for(0, panels_of(N), panels_per_thread(), [&](int64_t p0, int64_t p1) {
+    if (M > kMaxRows) return float_many_rows(M, x, packed, scale, bias, y, K, N, p0, p1);
     FOR_ROWS(M, (float_columns<W, kM>(x, packed, scale, bias, y, K, N, p0, p1)));
   });
 }
@@ -407,7 +461,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(!pairs || scale.has_value(), "an int8 weight needs its scale");
   TORCH_CHECK(x.is_contiguous() && packed.is_contiguous(), "x and weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "skinny_linear takes 1 to ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(M >= 1, "skinny_linear takes 1 row or more, got ", M);
   TORCH_CHECK(packed.dim() == (pairs ? 4 : 3) && packed.size(0) == panels_of(N) &&
                   packed.size(2) == kPanel && (!pairs || packed.size(3) == 2),
               "weight must be packed by this build's pack_weight for ", N, " out_features");
@@ -428,10 +482,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 #if HAS_INTEGER_PRODUCTS
       TORCH_CHECK(K <= kMaxIntegerK, "int8 products take in_features up to ", kMaxIntegerK);
       std::vector<int16_t> xq(M * K);
-      float x_scale[kMaxRows];
-      quantize_rows(xp, M, K, xq.data(), x_scale);
+      std::vector<float> x_scale(M);
+      quantize_rows(xp, M, K, xq.data(), x_scale.data());
+      const int16_t* q = xq.data();
+      const float* qs = x_scale.data();
       at::parallel_for(0, panels_of(N), panels_per_thread(), [&](int64_t p0, int64_t p1) {
-        FOR_ROWS(M, (integer_columns<kM>(xq.data(), x_scale, w, s, b, yp, K, N, p0, p1)));
+        if (M > kMaxRows) return integer_many_rows(M, q, qs, w, s, b, yp, K, N, p0, p1);
+        FOR_ROWS(M, (integer_columns<kM>(q, qs, w, s, b, yp, K, N, p0, p1)));
       });
 #else
       at::parallel_for(0, panels_of(N), panels_per_thread(), [&](int64_t p0, int64_t p1) {
