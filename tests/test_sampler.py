@@ -63,6 +63,19 @@ def test_a_draw_depends_only_on_the_seed_and_the_output_position() -> None:
     assert len({first[0], first[1], first[2]}) == 3  # a new position or seed: new noise
 
 
+def test_a_plain_sampled_row_draws_the_same_beside_a_row_that_filters() -> None:
+    """top_k or top_p in one row sends the batch down the filtering path; the
+    rows that filter nothing must draw there what they draw without it."""
+    sampler = Sampler(CPU)
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(0))
+    plain = request("plain", [0], temperature=1.0)
+    for filtering in (request("k", [0], top_k=5), request("p", [0], top_p=0.5)):
+        for position in range(20):
+            alone = sampler.sample(logits[:1], [plain], [7], [position])
+            beside = sampler.sample(logits, [plain, filtering], [7, 3], [position, position])
+            assert beside[0] == alone[0], (filtering.request_id, position)
+
+
 def test_temperatures_below_1e_5_are_greedy() -> None:
     # Dividing logits by 1e-39 overflows to NaN, whose argmax is always token 0.
     for temperature, greedy in [(0.0, True), (1e-39, True), (9e-6, True), (1e-5, False)]:

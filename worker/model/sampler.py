@@ -125,17 +125,16 @@ class Sampler:
             return (scaled + gumbel).argmax(dim=-1)
         top_k = to_device([r.top_k for r in requests], device)
         top_p = to_device([r.top_p for r in requests], device)
-        # Filter in descending order; the draw happens in that order too, so no
-        # scatter back to vocabulary order is needed until the very end.
+        # Which tokens each row keeps is found in descending order ...
         ordered, order = scaled.sort(dim=-1, descending=True)  # (S, V)
         rank = torch.arange(vocab_size, device=device)
         keep_k = torch.where(top_k > 0, top_k, vocab_size)
         removed = rank[None, :] >= keep_k[:, None]
-        ordered = ordered.masked_fill(removed, float("-inf"))
-        probs = ordered.softmax(dim=-1)
+        probs = ordered.masked_fill(removed, float("-inf")).softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the top token always).
         mass_before = probs.cumsum(dim=-1) - probs
-        removed = (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
-        ordered = ordered.masked_fill(removed, float("-inf"))
-        choice = (ordered + gumbel).argmax(dim=-1, keepdim=True)  # (S, 1) ranks
-        return order.gather(-1, choice)[:, 0]
+        removed |= (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
+        # ... and the draw is made in vocabulary order, as above: a row that
+        # filters nothing draws what it would in a batch where no row filters.
+        removed = torch.zeros_like(removed).scatter_(-1, order, removed)
+        return (scaled.masked_fill(removed, float("-inf")) + gumbel).argmax(dim=-1)
