@@ -138,12 +138,27 @@ def test_staggered_budgets_finish_in_budget_order() -> None:
 
 def test_a_full_queue_pushes_back() -> None:
     scheduler = Scheduler(FakeEngine(1), max_queue_depth=3)
-    for i in range(3):
+    for i in range(4):  # one for the free slot, three to wait
         scheduler.submit(_request(i))
     with pytest.raises(QueueFull, match="queue is full"):
-        scheduler.submit(_request(3))
-    scheduler.run_once()  # one request moves into the slot, freeing queue space
-    scheduler.submit(_request(3))
+        scheduler.submit(_request(4))
+    scheduler.run_once()  # one request in the slot, three waiting: still full
+    with pytest.raises(QueueFull):
+        scheduler.submit(_request(4))
+    scheduler.abort([_request(1).request_id])  # one fewer waiting
+    scheduler.submit(_request(4))
+
+
+def test_a_burst_that_free_slots_take_is_not_refused_as_queued() -> None:
+    """Requests that the next iteration admits into free slots do not wait: 8
+    slots and a queue of 4 take 12 at once (an n=8 request on an idle worker)."""
+    scheduler = Scheduler(FakeEngine(8), max_queue_depth=4)
+    for i in range(12):
+        scheduler.submit(_request(i))
+    with pytest.raises(QueueFull):
+        scheduler.submit(_request(12))
+    finals = _finals(_run(scheduler))
+    assert sorted(finals) == sorted(_request(i).request_id for i in range(12))
 
 
 def test_a_request_id_already_known_is_not_run_twice() -> None:

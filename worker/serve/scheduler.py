@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
-    """The queue holds MAX_QUEUE_DEPTH requests; the caller must push back."""
+    """MAX_QUEUE_DEPTH requests wait beyond those the free slots take; the caller
+    must push back."""
 
 
 class Scheduler:
@@ -67,7 +68,9 @@ class Scheduler:
         if self.is_known(request.request_id):
             log.warning("request %s is already queued or running; ignored", request.request_id)
             return
-        if len(self._queue) >= self.max_queue_depth:
+        # Requests that the next iteration admits into free slots are not waiting.
+        num_free = self.engine.capacity - self.engine.num_active()
+        if len(self._queue) - num_free >= self.max_queue_depth:
             raise QueueFull(
                 f"the worker's queue is full ({self.max_queue_depth} requests waiting); retry later"
             )
