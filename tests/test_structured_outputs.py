@@ -268,6 +268,24 @@ def test_json_object_outputs_are_objects(
         assert all(matcher.accept(token_id) for token_id in result.token_ids)
 
 
+def test_the_end_token_is_allowed_only_where_the_grammar_may_end(new_engine: Any) -> None:
+    """<|endoftext|> is the model's stop token, not seven characters of text that
+    a JSON string or a regex's dot would take: made the likeliest token, it must
+    still wait for a complete output."""
+    eos = {"logit_bias_token_ids": [50256], "logit_bias_values": [100.0]}
+    requests = [
+        constrained("object", "json_object", {"type": "object"}, 40, **eos),
+        constrained("string", "json_schema", {"type": "string", "minLength": 3}, 40, **eos),
+        constrained("dots", "regex", r".{5,9}", 40, **eos),
+    ]
+    finished = run_schedule(new_engine(), {0: requests})
+    for name, result in finished.items():
+        assert "<|endoftext|>" not in result.text, (name, result.text)
+        if result.finish_reason == "stop" and name != "dots":
+            json.loads(result.text)
+    assert re.fullmatch(r".{5,9}", finished["dots"].text, re.DOTALL), finished["dots"].text
+
+
 @pytest.mark.parametrize("sampling", [{}, {"seed": 11, **SAMPLED}], ids=["greedy", "sampled"])
 def test_regex_choice_and_grammar_outputs_match(new_engine: Any, sampling: dict[str, Any]) -> None:
     checks = {

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask
+from tokenizers import AddedToken, Tokenizer
 
 from protocol import ErrorCode, GenerateRequest, GrammarKind
 from protocol.limits import GRAMMAR_LIMITS
@@ -67,7 +68,28 @@ def hf_grammar_tokenizer(
     model's (a model may have more rows than the tokenizer has tokens) and the
     tokenizer's (a small test model may have fewer; masks are cut to the model's)."""
     num_tokens = max(vocab_size, backend.get_vocab_size(True))
-    return llguidance.LLTokenizer(backend.to_str(), n_vocab=num_tokens, eos_token=eos_token_id)
+    return llguidance.LLTokenizer(
+        _with_eos_special(backend.to_str(), eos_token_id),
+        n_vocab=num_tokens,
+        eos_token=eos_token_id,
+    )
+
+
+def _with_eos_special(tokenizer_json: str, eos_token_id: int | None) -> str:
+    """The tokenizer, with its end token marked special where it was not (the
+    synthetic model's GPT-2 BPE does not mark it): llguidance reads an unmarked
+    one as text, and '<|endoftext|>' would then fit inside a JSON string or a
+    regex's dot and end the output there, unfinished."""
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    eos = None if eos_token_id is None else tokenizer.id_to_token(eos_token_id)
+    if eos is None or any(
+        added.content == eos and added.special
+        for added in tokenizer.get_added_tokens_decoder().values()
+    ):
+        return tokenizer_json
+    tokenizer.add_special_tokens([AddedToken(eos, special=True)])
+    assert tokenizer.token_to_id(eos) == eos_token_id  # marked, not added anew
+    return str(tokenizer.to_str())
 
 
 class GrammarMatcher:
