@@ -17,9 +17,12 @@ which worker computed them, and a resumed stream continues bit for bit. The
 rule: stored in fewer bytes than float32, the kernel (it reads half or a quarter
 of the bytes: on a 2-vCPU Intel Xeon with AVX-512 and VNNI, the LM head
 (50257 x 768) at 8 rows took 3.6 ms in float16, 1.7 in int8, against oneDNN's
-8.1 on the float32 copy, docs/performance.md); in float32, oneDNN where torch
-packs for it: the kernel is a little faster at 8 rows there (7.2 ms), but
-prefill's GEMMs are compute-bound and oneDNN's are faster.
+8.1 on the float32 copy, docs/performance.md); in float32, the kernel too where
+its build has AVX-512 (on that Xeon it read the float32 LM head at 8 rows in
+1.06x the time to read it, oneDNN in 1.20x, and a 128-row prefill chunk's
+projections took 5.60 ms against oneDNN's 5.55), else oneDNN where torch packs
+for it (a prefill on the AVX2 build is not measured against oneDNN's on an
+AVX2-only CPU).
 Within either path a row's product does not depend on its batchmates: the
 kernel sums each row in the same order whatever the rows, and oneDNN does for 2
 rows or more (a lone row, which it multiplies another way, goes in as two).
@@ -234,10 +237,12 @@ class Projection:
 
 def decode_path(projection: Projection) -> DecodePath:
     """The path ``projection`` multiplies through, for every row count: the kernel
-    where it is built and the weight is stored in fewer bytes than float32, or no
-    packed oneDNN copy exists; oneDNN otherwise (see the module's docstring)."""
+    where it is built and the weight is stored in fewer bytes than float32, or the
+    build has AVX-512, or no packed oneDNN copy exists; oneDNN otherwise (see the
+    module's docstring)."""
     if projection.skinny_linear is None or projection.bfloat16_products:
         return "onednn"
     if projection.stored != "float32" or not projection.is_packed:
         return "kernel"
-    return "onednn"
+    assert projection.kernels is not None
+    return "kernel" if projection.kernels.isa.startswith("avx512") else "onednn"
