@@ -64,9 +64,17 @@ async def read_json_object(request: Request) -> dict[str, Any]:
 
 
 def _check_media_type(content_type: str | None) -> None:
-    # Parameters such as "; charset=utf-8" are allowed; JSON is UTF-8 anyway.
-    media_type = (content_type or "").partition(";")[0].strip().lower()
-    if media_type != JSON_MEDIA_TYPE:
+    # Parameters such as "; charset=utf-8" are allowed; another charset is not,
+    # since the body is read as UTF-8 (as JSON must be, RFC 8259).
+    media_type, _, parameters = (content_type or "").partition(";")
+    charsets = [
+        value.strip().strip('"').lower()
+        for name, _, value in (p.partition("=") for p in parameters.split(";"))
+        if name.strip().lower() == "charset"
+    ]
+    if media_type.strip().lower() != JSON_MEDIA_TYPE or any(
+        c not in ("utf-8", "utf8") for c in charsets
+    ):
         got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
         raise ApiError(
             415,

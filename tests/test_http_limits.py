@@ -132,7 +132,10 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(stack: Stack) -> Non
     assert json.loads(body)["error"]["code"] == "request_too_large"
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "application/x-www-form-urlencoded", "application/json; charset=UTF-16"],
+)
 def test_a_body_that_is_not_json_gets_415_saying_what_to_send(
     stack: Stack, content_type: str
 ) -> None:
