@@ -59,9 +59,13 @@ def test_context_overflow_is_422_with_both_numbers_and_the_limit(
         }
         # 2 layers x {K, V} x 8 slots x 4 heads x 64 positions x 16 head_dim, float32
         assert metrics["minibatch_worker_kv_cache_bytes"] == 2 * 2 * 8 * 4 * 64 * 16 * 4
-        assert metrics["minibatch_worker_matmul_shapes"] > 0  # the prefill just run
         assert metrics["minibatch_worker_rss_bytes"] > metrics["minibatch_worker_kv_cache_bytes"]
-        assert "kernels" in stack.health().json()["workers"][0]["compute"]
+        compute = stack.health().json()["workers"][0]["compute"]
+        assert "kernels" in compute
+        # oneDNN's shapes from the prefill just run; none where every product is
+        # on the kernel (float32 too, on an AVX-512 build).
+        shapes = metrics["minibatch_worker_matmul_shapes"]
+        assert shapes > 0 if "on onednn" in compute else shapes == 0, compute
 
 
 def test_echoed_logprobs_over_http_match_hf_on_the_same_weights(
