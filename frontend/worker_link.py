@@ -9,7 +9,9 @@ or hung process, or a network partition.
 libzmq gives up on a connection whose handshake failed (a CURVE key the worker
 does not allow, CURVE on one side only) and never tries it again, so a worker
 restarted with this frontend's key allowed would never hear from it. The link
-connects again itself, every `HANDSHAKE_RETRY_S`, and says once why it cannot.
+connects again itself, after 1 s, then twice as long each time up to
+`HANDSHAKE_RETRY_MAX_S` (each refusal is a warning in the worker's log), and
+says once why it cannot.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from protocol.peer import worker_socket
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_RETRY_S = 1.0
+HANDSHAKE_RETRY_MAX_S = 10.0
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -77,7 +79,7 @@ class WorkerLink:
         self._monitor = self._socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
         )
-        self._is_refused = False  # the last handshake failed, and that was logged
+        self._retry_after_s = 0.0  # 0 while no handshake has failed since the last success
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -158,18 +160,18 @@ class WorkerLink:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if self._is_refused:
+                if self._retry_after_s:
                     log.info("worker %s accepted this frontend's handshake", self.endpoint)
-                    self._is_refused = False
+                    self._retry_after_s = 0.0
                 self._events.on_connected(self)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.liveness.on_disconnected()
                 self._events.on_disconnected(self)
             elif event["event"] & _HANDSHAKE_FAILED:
-                if not self._is_refused:
+                if not self._retry_after_s:
                     self._log_refusal(zmq.Event(event["event"]))
-                    self._is_refused = True
-                await asyncio.sleep(HANDSHAKE_RETRY_S)
+                self._retry_after_s = min(2 * self._retry_after_s or 1.0, HANDSHAKE_RETRY_MAX_S)
+                await asyncio.sleep(self._retry_after_s)
                 self._connect_again()
 
     def _log_refusal(self, event: zmq.Event) -> None:
@@ -182,11 +184,11 @@ class WorkerLink:
         else:
             cause = "set CURVE keys on both the worker and the frontend, or on neither"
         log.error(
-            "worker %s refused this frontend's handshake (%s): %s; trying again every %gs",
+            "worker %s refused this frontend's handshake (%s): %s; trying again, at most %gs apart",
             self.endpoint,
             event.name,
             cause,
-            HANDSHAKE_RETRY_S,
+            HANDSHAKE_RETRY_MAX_S,
         )
 
     def _connect_again(self) -> None:
