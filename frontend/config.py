@@ -22,6 +22,12 @@ class FrontendConfig(WorkerClientConfig):
         "MAX_INFLIGHT_REQUESTS", 1024, "requests accepted and not yet answered, at most"
     )
     request_timeout_s: float = setting("REQUEST_TIMEOUT_S", 120.0, "answer 504 after this long")
+    max_worker_deaths: int = setting(
+        "MAX_WORKER_DEATHS",
+        3,
+        "a request in flight on this many workers that died is answered with "
+        "workers_died (500) instead of being replayed again (it may be what kills them)",
+    )
     max_request_bytes: int = setting(
         "MAX_REQUEST_BYTES", 1024 * 1024, "largest request body; 413 beyond it"
     )
@@ -60,6 +66,7 @@ class FrontendConfig(WorkerClientConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require_positive(self, "port", "max_new_tokens_limit", "max_inflight_requests")
+        require_positive(self, "max_worker_deaths")
         require_positive(self, "request_timeout_s", "max_request_bytes", "body_timeout_s")
         require_positive(self, "header_timeout_s", "keep_alive_timeout_s", "max_connections")
         if self.port > 65535:

@@ -9,7 +9,8 @@ another worker is live), the requests it held are replayed on the others:
   and never on every live worker at once when two or more are live. A poison
   request kills one worker at a time and no innocent suspect with it.
 A request in flight on two workers that died before it made progress there, or
-on three workers that died, is answered with an error and not replayed again.
+on MAX_WORKER_DEATHS workers that died (3 by default), is answered with an error
+and not replayed again.
 So an innocent request beside a poison one (it made progress, or it is new) is
 never failed for it: it can die without progress only once before it runs.
 
@@ -28,14 +29,14 @@ from protocol import AbortRequest, ErrorCode, ErrorResult
 
 log = logging.getLogger(__name__)
 
-# Workers that died while a request was in flight on them, after which the request
-# is failed rather than replayed again: two that died before it made progress
-# there, or three in all.
+# Workers that died before a request made progress there, after which it is failed
+# rather than replayed again (deaths in all: the frontend's MAX_WORKER_DEATHS).
 MAX_DEATHS_WITHOUT_PROGRESS = 2
-MAX_WORKER_DEATHS = 3
 
 
-def release(table: InFlightTable, link: WorkerLink, why: str, is_death: bool) -> int:
+def release(
+    table: InFlightTable, link: WorkerLink, why: str, is_death: bool, max_worker_deaths: int
+) -> int:
     """Take back every request ``link`` holds, to send elsewhere, and say how
     many. After a death, those that made progress there go first in line, the
     rest become suspects, and those that were in flight on too many dead workers
@@ -56,7 +57,7 @@ def release(table: InFlightTable, link: WorkerLink, why: str, is_death: bool) ->
             entry.num_deaths_without_progress += 1
         if (
             entry.num_deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS
-            or entry.num_worker_deaths >= MAX_WORKER_DEATHS
+            or entry.num_worker_deaths >= max_worker_deaths
         ):
             log.error(
                 "request %s was in flight on %d workers that died; failing it",

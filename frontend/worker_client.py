@@ -170,7 +170,7 @@ class WorkerClient:
         dispatch(self._table, self._pool.links())
 
     def _release(self, link: WorkerLink, why: str, is_death: bool) -> None:
-        if release(self._table, link, why, is_death):
+        if release(self._table, link, why, is_death, self.config.max_worker_deaths):
             self._dispatch()
 
     def _check_liveness(self, link: WorkerLink) -> None:

@@ -224,6 +224,8 @@ def _overrides(model_dir: Path, num_workers: int) -> dict[str, str]:
         "PREFILL_CHUNK_TOKENS": "8",
         # Kills come from the test alone, not from a busy machine's slow step.
         "STEP_TIMEOUT_S": "30",
+        # Nor from a request: a long stream may be in flight at every kill.
+        "MAX_WORKER_DEATHS": str(NUM_KILLS + 1),
     }
 
 

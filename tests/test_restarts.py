@@ -208,6 +208,25 @@ def test_a_stream_cut_by_a_worker_kill_continues_where_it_stopped(tmp_path: Path
         assert "replaying 1 requests" in stack.log("supervisor")
 
 
+def test_max_worker_deaths_bounds_the_replays_of_a_request_that_made_progress(
+    tmp_path: Path,
+) -> None:
+    overrides = {"FAKE_STEP_DELAY_S": "0.03", "MAX_WORKER_DEATHS": "1"}
+    with running_stack(tmp_path, overrides) as stack:
+        stack.wait_live()
+        body = {"prompt": "one death is enough", "max_new_tokens": 80, "stream": True}
+        events: list[tuple[str, dict[str, object]]] = []
+        with httpx.stream("POST", f"{stack.url}/generate", json=body, timeout=60) as response:
+            for event, text in sse_events(response):
+                events.append((event, json.loads(text)))
+                if len(events) == 10:
+                    stack.signal_worker(signal.SIGKILL)
+        event, data = events[-1]
+        assert event == "error", events[-1]
+        assert "in flight on 1 workers that died" in str(data)
+        assert "failing it" in stack.log("supervisor")
+
+
 def test_a_frontend_the_worker_timed_out_resends_what_the_worker_dropped(tmp_path: Path) -> None:
     overrides = {"FRONTEND_TIMEOUT_S": "0.5", "FAKE_STEP_DELAY_S": "0.02"}
     with running_stack(tmp_path, overrides, supervised=False) as stack:
