@@ -25,6 +25,7 @@ from worker.model.kernels import (  # noqa: E402
     build_directory,
     chosen_isa,
     cpu_flags,
+    l2_cache_bytes,
     library_path,
     load_kernels,
     runnable_isas,
@@ -319,20 +320,36 @@ def test_projection_on_the_kernel_path_takes_every_row_count_in_one_call(
     assert kernel_rows == [num_rows]
 
 
+@pytest.mark.parametrize("l2_mib", [1, 2])
 @pytest.mark.parametrize("format", WEIGHT_FORMATS)
 @pytest.mark.parametrize("isa", ["avx512_vnni", "avx512", "avx2", "baseline"])
 def test_each_projection_takes_one_path_by_a_rule_not_a_timing(
-    format: str, isa: str, monkeypatch: pytest.MonkeyPatch
+    format: str, isa: str, l2_mib: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every worker on a machine then chooses alike, and a replay on another
     worker continues bit for bit: the kernel, but for float32 where its build
-    has no AVX-512 (there its prefill is not measured against oneDNN's)."""
+    has no AVX-512 (there its prefill is not measured against oneDNN's) or a
+    core's L2 is under 2 MiB (there oneDNN's prefill is the faster)."""
     if isa not in runnable_isas():
         pytest.skip(f"this CPU does not run the {isa} build")
     monkeypatch.setenv("KERNEL_ISA", isa)
+    monkeypatch.setattr(projection_module, "l2_cache_bytes", lambda: l2_mib * 1024 * 1024)
     _, weight, bias = operands(3, 64, 96)
-    expected = "onednn" if format == "float32" and not isa.startswith("avx512") else "kernel"
+    float32_on_kernel = isa.startswith("avx512") and l2_mib >= 2
+    expected = "onednn" if format == "float32" and not float32_on_kernel else "kernel"
     assert Projection(weight, bias, format).decode_path == expected
+
+
+def test_the_l2_size_is_read_from_sysfs_where_linux_reports_it() -> None:
+    sysfs = Path("/sys/devices/system/cpu/cpu0/cache")
+    if not sysfs.exists():
+        pytest.skip("no cache sizes in sysfs here")
+    levels = {(index / "level").read_text().strip(): index for index in sysfs.glob("index*")}
+    if "2" not in levels:
+        pytest.skip("sysfs reports no L2 here")
+    size = l2_cache_bytes()
+    assert size is not None and size % 1024 == 0
+    assert f"{size // 1024}K" == (levels["2"] / "size").read_text().strip()
 
 
 @pytest.mark.parametrize("path", ["kernel", "onednn"])

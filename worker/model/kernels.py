@@ -126,6 +126,24 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def l2_cache_bytes() -> int | None:
+    """One core's L2 cache in bytes, as Linux reports it in sysfs, else None."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() != "2":
+                continue
+            size = (index / "size").read_text().strip()  # "1024K", "2048K", "2M"
+        except OSError:
+            continue
+        units = {"K": 1024, "M": 1024 * 1024}
+        try:
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (ValueError, IndexError):
+            return None
+    return None
+
+
 def runnable_isas() -> list[str]:
     """The ISAS this CPU runs, best first ("baseline" always)."""
     if platform.machine() != "x86_64":

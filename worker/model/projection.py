@@ -18,11 +18,13 @@ rule: stored in fewer bytes than float32, the kernel (it reads half or a quarter
 of the bytes: on a 2-vCPU Intel Xeon with AVX-512 and VNNI, the LM head
 (50257 x 768) at 8 rows took 3.6 ms in float16, 1.7 in int8, against oneDNN's
 8.1 on the float32 copy, docs/performance.md); in float32, the kernel too where
-its build has AVX-512 (on that Xeon it read the float32 LM head at 8 rows in
-1.06x the time to read it, oneDNN in 1.20x, and a 128-row prefill chunk's
-projections took 5.60 ms against oneDNN's 5.55), else oneDNN where torch packs
-for it (a prefill on the AVX2 build is not measured against oneDNN's on an
-AVX2-only CPU).
+its build has AVX-512 and a core's L2 holds 2 MiB (on that Xeon, 2 MiB, it read
+the float32 LM head at 8 rows in 1.06x the time to read it, oneDNN in 1.20x,
+and a 128-row prefill chunk's projections took 5.60 ms against oneDNN's 5.55;
+on an AMD EPYC with AVX-512 and 1 MiB, where a group of a wide projection's
+float32 panels for a prefill's rows spills out of L2, 6.26 against 4.92 ms, and
+8 rows 0.97x oneDNN's time), else oneDNN where torch packs for it (a prefill on
+the AVX2 build is not measured against oneDNN's on an AVX2-only CPU).
 Within either path a row's product does not depend on its batchmates: the
 kernel sums each row in the same order whatever the rows, and oneDNN does for 2
 rows or more (a lone row, which it multiplies another way, goes in as two).
@@ -41,12 +43,15 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from worker.model.kernels import LANES, MAX_ROWS, load_kernels, unpack_weight
+from worker.model.kernels import LANES, MAX_ROWS, l2_cache_bytes, load_kernels, unpack_weight
 from worker.model.precision import has_bfloat16_products
 
 logger = logging.getLogger(__name__)
 
 INT8_MAX = 127
+# The L2 a core needs for float32 on the kernel to keep up with oneDNN in prefill:
+# the kernel runs each group of rows over a set of panels while they are in L2.
+FLOAT32_KERNEL_MIN_L2 = 2 * 1024 * 1024
 # The rows oneDNN's copy is packed for: a full decode batch of the kernel's.
 PACKED_FOR_ROWS = MAX_ROWS
 
@@ -238,11 +243,12 @@ class Projection:
 def decode_path(projection: Projection) -> DecodePath:
     """The path ``projection`` multiplies through, for every row count: the kernel
     where it is built and the weight is stored in fewer bytes than float32, or the
-    build has AVX-512, or no packed oneDNN copy exists; oneDNN otherwise (see the
-    module's docstring)."""
+    build has AVX-512 and the L2 holds FLOAT32_KERNEL_MIN_L2, or no packed oneDNN
+    copy exists; oneDNN otherwise (see the module's docstring)."""
     if projection.skinny_linear is None or projection.bfloat16_products:
         return "onednn"
     if projection.stored != "float32" or not projection.is_packed:
         return "kernel"
     assert projection.kernels is not None
-    return "kernel" if projection.kernels.isa.startswith("avx512") else "onednn"
+    has_room = (l2_cache_bytes() or 0) >= FLOAT32_KERNEL_MIN_L2
+    return "kernel" if projection.kernels.isa.startswith("avx512") and has_room else "onednn"
