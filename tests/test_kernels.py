@@ -25,7 +25,6 @@ from worker.model.kernels import (  # noqa: E402
     build_directory,
     chosen_isa,
     cpu_flags,
-    cpu_vendor,
     l2_cache_bytes,
     library_path,
     load_kernels,
@@ -63,7 +62,6 @@ def kernels(request: pytest.FixtureRequest) -> Kernels:
 # --- which build runs ---------------------------------------------------------------
 
 AVX2_ONLY = frozenset({"sse2", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"})
-AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"})
 
 
 def test_the_kernels_loaded_are_the_best_build_this_cpu_runs(
@@ -75,9 +73,9 @@ def test_the_kernels_loaded_are_the_best_build_this_cpu_runs(
     flags = cpu_flags()
     if platform.machine() != "x86_64":
         assert loaded.isa == "baseline"
-    elif flags >= AVX512 | {"avx512_vnni"} and cpu_vendor() != "AuthenticAMD":
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"} <= flags:
         assert loaded.isa == "avx512_vnni" and loaded.int8_products == "vnni"
-    elif flags >= AVX512:
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags:
         assert loaded.isa == "avx512" and loaded.int8_products == "integer"
     elif AVX2_ONLY - {"sse2"} <= flags:
         assert loaded.isa == "avx2" and loaded.int8_products == "integer"
@@ -100,26 +98,6 @@ def test_an_avx2_cpu_gets_the_avx2_build_and_is_refused_avx512(
     monkeypatch.setenv("KERNEL_ISA", "sse9")
     with pytest.raises(KernelIsaError, match="not one of avx512_vnni, avx512, avx2, baseline"):
         chosen_isa()
-
-
-@pytest.mark.parametrize(
-    "vendor, expected",
-    [
-        ("GenuineIntel", ["avx512_vnni", "avx512", "avx2", "baseline"]),
-        ("AuthenticAMD", ["avx512", "avx512_vnni", "avx2", "baseline"]),
-    ],
-)
-def test_an_amd_cpu_with_vnni_prefers_the_avx512_build(
-    vendor: str, expected: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """AMD's cores run vpdpwssd no faster than a multiply and an add."""
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(kernels_module, "cpu_flags", lambda: AVX2_ONLY | AVX512 | {"avx512_vnni"})
-    monkeypatch.setattr(kernels_module, "cpu_vendor", lambda: vendor)
-    monkeypatch.delenv("KERNEL_ISA", raising=False)
-    assert runnable_isas() == expected and chosen_isa() == expected[0]
-    monkeypatch.setenv("KERNEL_ISA", "avx512_vnni")
-    assert chosen_isa() == "avx512_vnni"
 
 
 def test_a_worker_without_built_kernels_serves_without_them_and_never_compiles(

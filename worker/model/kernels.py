@@ -13,10 +13,9 @@ build) compiles one library per ISA in ``ISAS`` that this compiler targets, into
 ``KERNELS_DIR`` (default ``~/.cache/minibatch-llm/kernels``), in a directory named
 after the torch version and a digest of the sources and flags: any checkout or
 container with the same sources loads the same build. A worker never compiles.
-It loads the library for ``chosen_isa()``: the fastest of ``ISAS`` that this CPU
-runs (its flags in ``/proc/cpuinfo``; see ``runnable_isas``), or ``KERNEL_ISA``
-where that is set (to compare builds on one machine; an ISA this CPU cannot run
-is refused with what to set).
+It loads the library for ``chosen_isa()``: the best of ``ISAS`` that this CPU
+reports (``/proc/cpuinfo``), or ``KERNEL_ISA`` where that is set (to compare
+builds on one machine; an ISA this CPU cannot run is refused with what to set).
 Where no library was built, the worker says so and decode runs on oneDNN and SDPA,
 slower.
 """
@@ -114,28 +113,17 @@ class KernelIsaError(ConfigError):
 
 
 @functools.cache
-def _cpuinfo_field(name: str) -> str:
-    """The first value of ``name`` in /proc/cpuinfo (x86 Linux), else ""; read once
-    a field (every projection asks which build to load)."""
+def cpu_flags() -> frozenset[str]:
+    """The feature flags the kernel reports for this CPU (x86 Linux), else none;
+    read once (every projection asks which build to load)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                field, _, value = line.partition(":")
-                if field.strip() == name:
-                    return value.strip()
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return ""
-
-
-def cpu_flags() -> frozenset[str]:
-    """The feature flags the kernel reports for this CPU, else none."""
-    return frozenset(_cpuinfo_field("flags").split())
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor as cpuid reports it ("GenuineIntel", "AuthenticAMD"), else ""."""
-    return _cpuinfo_field("vendor_id")
+    return frozenset()
 
 
 @functools.cache
@@ -157,25 +145,15 @@ def l2_cache_bytes() -> int | None:
 
 
 def runnable_isas() -> list[str]:
-    """The ISAS this CPU runs, the fastest here first ("baseline" always, last).
-
-    The order of ISAS but on AMD's cores, which run AVX512-VNNI's vpdpwssd no
-    faster than the vpmaddwd and vpaddd it replaces: on a 2-vCPU AMD EPYC (Zen 5)
-    the avx512 build's int8 LM head at 8 rows took 1.65 ms against the VNNI
-    build's 2.19, and bench.precision_bench's int8 ran 1.66x float32 against
-    1.48x (docs/performance.md), so there the avx512 build comes first."""
+    """The ISAS this CPU runs, best first ("baseline" always)."""
     if platform.machine() != "x86_64":
         return ["baseline"]
     flags = cpu_flags()
-    runnable = [isa for isa, (_, needs) in ISAS.items() if needs <= flags]
-    if cpu_vendor() == "AuthenticAMD" and "avx512" in runnable:
-        runnable.remove("avx512")
-        runnable.insert(0, "avx512")
-    return runnable
+    return [isa for isa, (_, needs) in ISAS.items() if needs <= flags]
 
 
 def chosen_isa() -> str:
-    """KERNEL_ISA if set (and runnable here), else the fastest ISA this CPU runs."""
+    """KERNEL_ISA if set (and runnable here), else the best ISA this CPU runs."""
     runnable = runnable_isas()
     asked = os.environ.get("KERNEL_ISA", "")
     if not asked:
@@ -193,7 +171,15 @@ def chosen_isa() -> str:
 
 def cpu_summary() -> str:
     """The CPU model and the ISA flags that matter here, for logs and bench reports."""
-    model = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
     interesting = ["avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16"]
     interesting += ["amx_bf16", "amx_int8"]
     flags = cpu_flags()
