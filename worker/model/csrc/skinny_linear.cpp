@@ -78,13 +78,21 @@ constexpr int64_t kPrefetchAhead = 2048;  // bytes ahead in a panel's stream
 
 // Panels multiplied side by side for M input rows: enough vectors of weights in
 // flight to keep several multiply-add chains going, with M accumulators each, the
-// weight vectors themselves and a broadcast in registers, up to 8 vectors.
-constexpr int64_t PanelsFor(int64_t M) {
-  int64_t vectors = (kVectorRegisters - 2) / (M + 1);
+// weight vectors themselves, a broadcast and ``spare_registers`` more in
+// registers, up to 8 vectors.
+constexpr int64_t PanelsFor(int64_t M, int64_t spare_registers = 1) {
+  int64_t vectors = (kVectorRegisters - 1 - spare_registers) / (M + 1);
   vectors = vectors > 8 ? 8 : vectors;
   const int64_t panels = vectors / kPanelVectors;
   return panels < 1 ? 1 : panels;
 }
+
+// The integer tile's panels: as PanelsFor, with three registers spare rather
+// than one, for the products vpmaddwd makes before they are added. With 4 rows
+// on AVX-512 the float tile's 3 panels took 31 of the 32 registers, and GCC
+// then kept most of the integer sums on the stack, loading, adding and storing
+// each one every k (the 8-row int8 LM head ran at 2.8x its read time).
+constexpr int64_t IntegerPanelsFor(int64_t M) { return PanelsFor(M, 3); }
 
 // The columns of the last panel below N, each fma(sum, scale, bias): out of line,
 // since it runs once a product, and inlined into every tile it made the build
@@ -305,7 +313,7 @@ void integer_columns(const int16_t* xq, const float* x_scale, const int8_t* pack
                      const float* scale, const float* bias, float* y, int64_t K, int64_t N,
                      int64_t p0, int64_t p1) {
   if constexpr (M > kRowGroup) {  // in two groups of rows, as float_columns
-    constexpr int64_t G = PanelsFor(kRowGroup), R = M - kRowGroup;
+    constexpr int64_t G = IntegerPanelsFor(kRowGroup), R = M - kRowGroup;
     const int16_t* xq_rest = xq + kRowGroup * K;
     const float* x_scale_rest = x_scale + kRowGroup;
     float* y_rest = y + kRowGroup * N;
@@ -319,7 +327,7 @@ void integer_columns(const int16_t* xq, const float* x_scale, const int8_t* pack
       integer_panels<R, 1>(xq_rest, x_scale_rest, packed, scale, bias, y_rest, K, N, p);
     }
   } else {
-    constexpr int64_t G = PanelsFor(M);
+    constexpr int64_t G = IntegerPanelsFor(M);
     int64_t p = p0;
     for (; p + G <= p1; p += G) integer_panels<M, G>(xq, x_scale, packed, scale, bias, y, K, N, p);
     for (; p < p1; ++p) integer_panels<M, 1>(xq, x_scale, packed, scale, bias, y, K, N, p);
@@ -330,7 +338,7 @@ void integer_columns(const int16_t* xq, const float* x_scale, const int8_t* pack
 void integer_many_rows(int64_t M, const int16_t* xq, const float* x_scale, const int8_t* packed,
                        const float* scale, const float* bias, float* y, int64_t K, int64_t N,
                        int64_t p0, int64_t p1) {
-  constexpr int64_t G = PanelsFor(kRowGroup);
+  constexpr int64_t G = IntegerPanelsFor(kRowGroup);
   int64_t p = p0;
   for (; p + G <= p1; p += G)
     row_groups(M, [&](auto rows, int64_t m) {
