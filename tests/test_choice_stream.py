@@ -222,6 +222,10 @@ def failing_worker(tmp_path: Path) -> Iterator[tuple[StandInWorker, Stack]]:
             yield worker, stack
 
 
+def _sent(worker: StandInWorker) -> list[str]:
+    return [m.request_id for m in worker.received if isinstance(m, GenerateRequest)]
+
+
 def _aborted(worker: StandInWorker) -> list[str]:
     return [m.request_id for m in worker.received if isinstance(m, AbortRequest)]
 
@@ -237,7 +241,7 @@ def test_one_choice_failing_mid_stream_ends_it_with_an_error_event(
     assert (error["code"], error["message"]) == ("internal", "the engine failed on it")
     shown = [json.loads(data)["choices"][0]["index"] for data in events[:-2]]
     assert sorted(shown) == [0, 1]
-    sent = [m.request_id for m in worker.received if isinstance(m, GenerateRequest)]
+    sent = _sent(worker)
     assert [wire_id.partition("-")[2] for wire_id in sent] == ["0.1", "1.1"]
     # The choice still running is aborted in the worker.
     worker.wait_for(lambda: _aborted(worker) == [sent[0]], "the first choice aborted")
@@ -251,8 +255,10 @@ def test_one_choice_failing_fails_a_request_that_does_not_stream(
     response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
     assert response.status_code == 500, response.text
     assert response.json()["error"]["message"] == "the engine failed on it"
-    sent = [m.request_id for m in worker.received if isinstance(m, GenerateRequest)]
-    assert len(sent) == 3  # all three went, past the one free slot
+    # All three went, past the one free slot; the third may reach the stand-in
+    # after the second's failure has answered the client.
+    worker.wait_for(lambda: len(_sent(worker)) == 3, "all three choices sent")
+    sent = _sent(worker)
     # The first choice, still running, is aborted (the third too, if its result
     # came in after the error); the one that failed has nothing left to abort.
     worker.wait_for(lambda: sent[0] in _aborted(worker), "the first choice aborted")
