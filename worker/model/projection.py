@@ -23,7 +23,7 @@ the float32 LM head at 8 rows in 1.06x the time to read it, oneDNN in 1.20x,
 and a 128-row prefill chunk's projections took 5.60 ms against oneDNN's 5.55;
 on an AMD EPYC with AVX-512 and 1 MiB, where a group of a wide projection's
 float32 panels for a prefill's rows spills out of L2, 6.26 against 4.92 ms, and
-8 rows 0.97x oneDNN's time), else oneDNN where torch packs for it (a prefill on
+8 rows 0.97x to 1.12x oneDNN's time), else oneDNN where torch packs for it (a prefill on
 the AVX2 build is not measured against oneDNN's on an AVX2-only CPU).
 Within either path a row's product does not depend on its batchmates: the
 kernel sums each row in the same order whatever the rows, and oneDNN does for 2
