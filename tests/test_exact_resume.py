@@ -159,9 +159,12 @@ def _kill_under_load(
         threshold = num_chunks * (kill + 1) // (NUM_KILLS + 1)
 
         def reached(threshold: int = threshold) -> bool:
-            return load.num_chunks >= threshold
+            # Some stream must be mid-way too: on a slow machine the last chunks
+            # can arrive when every stream left has already finished.
+            with load._lock:
+                return load.num_chunks >= threshold and bool(load.midway)
 
-        stack.wait_until(reached, f"{threshold} chunks", 60)
+        stack.wait_until(reached, f"{threshold} chunks with a stream mid-way", 60)
         victim = pick_victim(kill)
         with load._lock:
             midway.append(len(load.midway))
