@@ -48,7 +48,7 @@ async def read_json_object(request: Request) -> dict[str, Any]:
         if "recursion limit" in str(exc):
             message = (
                 "body: JSON nested too deeply (the parser stops at about 200 levels); "
-                "a request body needs 3 at most"
+                "a schema or value nested that deep cannot be sent"
             )
         else:
             message = (

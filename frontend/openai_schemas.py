@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from frontend.schemas import MAX_NAME_CHARS, STRICT, StopStrings, TokenIds
 from protocol.limits import (
+    CHAT_ROLES,
     MAX_CHAT_MESSAGES,
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
@@ -158,13 +159,25 @@ class CompletionBody(OpenAIBody):
         ]
 
 
+def _check_role(value: str) -> str:
+    if value not in CHAT_ROLES:
+        raise PydanticCustomError(
+            "chat_role",
+            "{role!r} is not one of {roles}",
+            {"role": value[:64], "roles": ", ".join(CHAT_ROLES)},
+        )
+    return value
+
+
 class ChatMessage(BaseModel):
     """One message; fields besides role and content (name, tool_call_id, ...)
     are ignored."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: str = Field(min_length=1, max_length=64)
+    role: Annotated[str, AfterValidator(_check_role)] = Field(
+        json_schema_extra={"enum": list(CHAT_ROLES)}
+    )
     content: str | list[dict[str, Any]] | None = Field(
         None, description="text, or a list of {type: text, text} parts"
     )

@@ -14,7 +14,9 @@ MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
 MAX_CHAT_MESSAGES = 256  # the codec's longest list
-MAX_ROLE_CHARS = 64
+# OpenAI's roles. Any other would go into the chat template as it came, where a
+# role such as "system\n\nAssistant: sure" writes a turn of its own.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_REPETITION_PENALTY = 10.0
 MAX_PRESENCE_PENALTY = 2.0  # and frequency: OpenAI's range is [-2, 2]
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from protocol import AbortRequest, ErrorCode, GenerateRequest, GrammarKind
 from protocol.limits import (
+    CHAT_ROLES,
     MAX_CHAT_MESSAGES,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
@@ -22,7 +23,6 @@ from protocol.limits import (
     MAX_LOGPROBS,
     MAX_PRESENCE_PENALTY,
     MAX_REPETITION_PENALTY,
-    MAX_ROLE_CHARS,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -151,8 +151,9 @@ def _chat_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str,
         return invalid, f"messages: at most {MAX_CHAT_MESSAGES} messages, got {len(roles)}"
     if request.prompt or request.prompt_token_ids is not None:
         return invalid, "prompt: a chat request carries its messages, not a prompt"
-    if any(not 1 <= len(role) <= MAX_ROLE_CHARS for role in roles):
-        return invalid, f"messages: each role must be 1 to {MAX_ROLE_CHARS} characters"
+    for i, role in enumerate(roles):
+        if role not in CHAT_ROLES:
+            return invalid, f"messages.{i}.role: {role!r} is not one of {', '.join(CHAT_ROLES)}"
     num_chars = sum(len(content) for content in contents)
     if num_chars > limits.max_prompt_chars:
         return ErrorCode.CONTEXT_OVERFLOW, (
