@@ -153,7 +153,8 @@ def _chat_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str,
         return invalid, "prompt: a chat request carries its messages, not a prompt"
     for i, role in enumerate(roles):
         if role not in CHAT_ROLES:
-            return invalid, f"messages.{i}.role: {role!r} is not one of {', '.join(CHAT_ROLES)}"
+            roles_allowed = ", ".join(CHAT_ROLES)
+            return invalid, f"messages.{i}.role: {role[:64]!r} is not one of {roles_allowed}"
     num_chars = sum(len(content) for content in contents)
     if num_chars > limits.max_prompt_chars:
         return ErrorCode.CONTEXT_OVERFLOW, (
