@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from protocol.limits import CHAT_ROLES
 from tests.stack import Stack, live_stack, openai_client
 from worker.engine.fake_engine import FAKE_VOCAB_SIZE, expected_text
 
@@ -170,6 +171,9 @@ def test_a_role_outside_openais_is_refused_by_name(stack: Stack) -> None:
         error = response.json()["error"]
         assert error["param"] == "messages.1.role"
         assert "is not one of system, developer, user, assistant, tool" in error["message"]
+    every_role = [{"role": role, "content": "x"} for role in CHAT_ROLES]
+    response = httpx.post(f"{stack.url}/tokenize", json={"messages": every_role}, timeout=10)
+    assert response.status_code == 200, response.text
 
 
 def test_tokenize_and_detokenize_as_vllm_shapes_them(stack: Stack) -> None:

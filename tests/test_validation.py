@@ -43,6 +43,10 @@ def test_a_sound_request_passes() -> None:
         _request(prompt="", chat_roles=["system", "user"], chat_contents=["", "hi"], min_tokens=8),
         LIMITS,
     )
+    every_role = ["system", "developer", "user", "assistant", "tool"]
+    check_generate(
+        _request(prompt="", chat_roles=every_role, chat_contents=["x"] * len(every_role)), LIMITS
+    )
     check_generate(_request(prompt="", prompt_token_ids=[0, 999], stop_token_ids=[999]), LIMITS)
     check_generate(
         _request(
