@@ -160,6 +160,34 @@ def test_a_grammar_the_worker_cannot_compile_fails_only_its_request(
     assert scheduler.num_failures_in_a_row == 0
 
 
+NEVER_ENDS = "no output can complete it: some rule never ends"
+
+
+@pytest.mark.parametrize(
+    ("kind", "grammar"),
+    [
+        ("grammar", "start: start"),
+        ("json", json_grammar({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})),
+    ],
+)
+def test_a_grammar_no_output_can_finish_is_refused_in_words(kind: str, grammar: str) -> None:
+    scheduler = Scheduler(FakeEngine(1), 8)
+    scheduler.submit(constrained("endless", grammar, kind))
+    error = run(scheduler)["endless"]
+    assert isinstance(error, ErrorResult) and error.code == ErrorCode.INVALID_REQUEST
+    assert error.message.startswith(f"structured_outputs: the grammar cannot be used: {NEVER_ENDS}")
+
+
+def test_a_rule_that_never_ends_after_the_first_token_fails_in_words() -> None:
+    scheduler = Scheduler(FakeEngine(1), 8)
+    scheduler.submit(constrained("endless", 'start: "a" b\nb: b "x"', "grammar"))
+    error = run(scheduler)["endless"]
+    assert isinstance(error, ErrorResult) and error.code == ErrorCode.INVALID_REQUEST
+    assert error.message.startswith(
+        f"structured_outputs: the output could not follow the grammar: {NEVER_ENDS}"
+    ), error.message
+
+
 def test_an_engine_without_grammars_refuses_one_clearly() -> None:
     engine = FakeEngine(1)
     engine.grammars = None

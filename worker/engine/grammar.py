@@ -113,7 +113,7 @@ class GrammarMatcher:
     @property
     def error(self) -> str:
         """Why the grammar failed, naming the request field."""
-        problem = _short(self.matcher.get_error()) or "the token was not one the grammar allows"
+        problem = _explained(self.matcher.get_error()) or "the token was not one the grammar allows"
         return f"{self.field}: the output could not follow the grammar: {problem}"
 
 
@@ -233,7 +233,7 @@ class Grammars:
             first_step.compute_bitmask()
             matcher = matcher if not first_step.is_error() else first_step
         if matcher.is_error():
-            raise GrammarError(f"the grammar cannot be used: {_short(matcher.get_error())}")
+            raise GrammarError(f"the grammar cannot be used: {_explained(matcher.get_error())}")
         return matcher
 
     def _grammar_tokenizer(self) -> llguidance.LLTokenizer:
@@ -248,6 +248,27 @@ class Grammars:
                         ErrorCode.UNSUPPORTED,
                     ) from None
             return self._tokenizer
+
+
+# What llguidance's terse reasons for stopping (the first word of its error when
+# its errors are not verbose) mean to the client who wrote the grammar.
+_STOP_REASONS = {
+    "NoExtension": "no output can complete it: some rule never ends (as `start: start` "
+    "or a schema whose $ref leads only back to itself)",
+    "ParserTooComplex": "it is too costly to follow within this server's limits",
+    "LexerTooComplex": "its tokens are too costly to match within this server's limits",
+}
+_STOP_REASONS["NoExtensionBias"] = _STOP_REASONS["NoExtension"]
+
+
+def _explained(error: str) -> str:
+    """llguidance's error, with a bare reason for stopping said in words."""
+    words = error.split()
+    if words and words[0] in _STOP_REASONS and words[1:] in ([], ["<non-verbose/>"]):
+        return _STOP_REASONS[words[0]]
+    if error.startswith("Too many items"):  # the parser's step_max_items
+        return f"{_STOP_REASONS['ParserTooComplex']} ({_short(error)})"
+    return _short(error)
 
 
 def _short(message: str) -> str:
