@@ -191,5 +191,16 @@ def test_tokenize_and_detokenize_as_vllm_shapes_them(stack: Stack) -> None:
     assert text.json() == {"prompt": "hi"}
     wrong = httpx.post(f"{stack.url}/detokenize", json={"model": "x", "tokens": [1]}, timeout=10)
     assert wrong.status_code == 404
+    outside = httpx.post(
+        f"{stack.url}/detokenize", json={"tokens": [104, FAKE_VOCAB_SIZE]}, timeout=10
+    )
+    assert outside.status_code == 422, outside.text
+    error = outside.json()["error"]
+    assert error["param"] == "tokens"
+    assert error["message"].startswith(f"tokens: token id {FAKE_VOCAB_SIZE} is outside"), error
+    too_many = httpx.post(f"{stack.url}/detokenize", json={"tokens": [104] * 5000}, timeout=10)
+    assert too_many.status_code == 422, too_many.text
+    error = too_many.json()["error"]
+    assert error["param"] == "tokens" and error["message"].startswith("tokens: 5,000 ids"), error
     version = httpx.get(f"{stack.url}/version", timeout=10).json()
     assert set(version) == {"version"}
