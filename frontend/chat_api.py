@@ -89,10 +89,19 @@ async def chat_completions(request: Request) -> Response:
 
 def conversation(messages: list[ChatMessage]) -> tuple[list[str], list[str]]:
     """Each message's role and its content as text (text parts joined by lines,
-    as vLLM joins them); 400 for content that is not text."""
+    as vLLM joins them); 400 for content that is not text, 422 for none where
+    OpenAI requires some (all but an assistant's, whose turn may be a tool call)."""
     roles, contents = [], []
     for i, message in enumerate(messages):
         content = message.content
+        if content is None and message.role != "assistant":
+            raise ApiError(
+                422,
+                f"messages.{i}.content: a {message.role} message needs content (text, "
+                "or a list of text parts); only an assistant's may be left out",
+                "invalid_request",
+                f"messages.{i}.content",
+            )
         if isinstance(content, list):
             texts = []
             for part in content:

@@ -157,6 +157,27 @@ def test_images_are_refused_by_name(client: openai.OpenAI) -> None:
     assert raised.value.body["param"] == "messages.0.content"
 
 
+def test_only_an_assistant_message_may_leave_its_content_out(stack: Stack) -> None:
+    for user in ({"role": "user"}, {"role": "user", "content": None}):
+        messages = [{"role": "system", "content": "be brief"}, user]
+        response = httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            json={"model": "fake", "messages": messages},
+            timeout=10,
+        )
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["param"] == "messages.1.content"
+        assert error["message"].startswith("messages.1.content: a user message needs content")
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "again"},
+    ]
+    response = httpx.post(f"{stack.url}/tokenize", json={"messages": messages}, timeout=10)
+    assert response.status_code == 200, response.text
+
+
 def test_a_role_outside_openais_is_refused_by_name(stack: Stack) -> None:
     # Roles go into the chat template as sent: this one would write a turn.
     injected = [
