@@ -32,7 +32,11 @@ MAX_GRAMMAR_CHARS = 32 * 1024
 # llguidance's parser limits (`LLParserLimits`), the same on both sides: what
 # building a grammar's lexer and parser, and each step's mask, may cost before
 # the grammar is refused. Its defaults, except the grammar's size and the lexer's
-# states (each ~2 kB): a grammar too large for these is too large for a request.
+# states (each ~2 kB): a grammar too large for these is too large for a request;
+# and a step's parser items, whose cost grows faster than their number: an
+# ambiguous rule (`x: x x`) reached the default 50,000 after ~150 tokens and
+# took 2 s a step on the way, every row of the batch waiting on it. Every
+# schema, regex and grammar of the tests needs under 2,000.
 class GrammarLimits(TypedDict):
     max_items_in_row: int
     initial_lexer_fuel: int
@@ -46,7 +50,7 @@ GRAMMAR_LIMITS: GrammarLimits = {
     "max_items_in_row": 2_000,
     "initial_lexer_fuel": 1_000_000,  # ~20 ms
     "step_lexer_fuel": 200_000,  # ~15 ms a step
-    "step_max_items": 50_000,  # ~2.5 ms a step
+    "step_max_items": 5_000,  # ~3 ms a step, at worst
     "max_lexer_states": 20_000,
     "max_grammar_size": 100_000,
 }

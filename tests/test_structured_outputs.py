@@ -411,3 +411,27 @@ def test_a_grammar_too_costly_for_a_step_fails_its_request_alone(new_engine: Any
     assert str(error).startswith("response_format: the output could not follow the grammar")
     assert "max is 2000" in str(error)
     assert [(seq.request_id, len(seq.token_ids)) for seq in finished] == [("n", 6)]
+
+
+@pytest.mark.parametrize(
+    "grammar", ["start: x+\nx: x x | /[a-z]/", "start: start start | start start start | /[a-z]/"]
+)
+def test_an_ambiguous_grammar_fails_before_its_steps_grow_costly(
+    new_engine: Any, grammar: str
+) -> None:
+    """Each token of an ambiguous rule adds parser items, whose cost grows faster
+    than their number: with llguidance's default limit such a row ran ~150 tokens
+    and took 2 s a step before it failed, every other row waiting on it. It now
+    fails within a few tokens, and its neighbour goes on."""
+    engine = new_engine()
+    engine.admit([constrained("ambiguous", "grammar", grammar), GenerateRequest("n", "hi", 60)])
+    failed, num_steps = [], 0
+    while not failed:
+        failed += engine.step().failed
+        num_steps += 1
+    ((request_id, error),) = failed
+    assert request_id == "ambiguous"
+    assert "it is too costly to follow within this server's limits" in str(error), error
+    assert "<non-verbose/>" not in str(error)
+    assert num_steps <= 30
+    assert [seq.request_id for seq in engine.active_sequences()] == ["n"]

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 MAX_COMPILED = 64  # grammars kept compiled, the most recently used
 _MAX_ERROR_CHARS = 300  # of llguidance's message quoted back to the client
+_NOT_VERBOSE = "<non-verbose/>"  # what llguidance puts in place of its parser's state
 
 
 class GrammarError(Exception):
@@ -252,25 +253,32 @@ class Grammars:
 
 # What llguidance's terse reasons for stopping (the first word of its error when
 # its errors are not verbose) mean to the client who wrote the grammar.
+_NEVER_ENDS = (
+    "no output can complete it: some rule never ends (as `start: start` "
+    "or a schema whose $ref leads only back to itself)"
+)
+_TOO_COSTLY = (
+    "it is too costly to follow within this server's limits (as an ambiguous rule "
+    "like `x: x x`, a rule that never ends or hundreds of optional keys are)"
+)
 _STOP_REASONS = {
-    "NoExtension": "no output can complete it: some rule never ends (as `start: start` "
-    "or a schema whose $ref leads only back to itself)",
-    "ParserTooComplex": "it is too costly to follow within this server's limits",
+    "NoExtension": _NEVER_ENDS,
+    "NoExtensionBias": _NEVER_ENDS,
+    "ParserTooComplex": _TOO_COSTLY,
     "LexerTooComplex": "its tokens are too costly to match within this server's limits",
 }
-_STOP_REASONS["NoExtensionBias"] = _STOP_REASONS["NoExtension"]
 
 
 def _explained(error: str) -> str:
     """llguidance's error, with a bare reason for stopping said in words."""
-    words = error.split()
-    if words and words[0] in _STOP_REASONS and words[1:] in ([], ["<non-verbose/>"]):
+    words = error.replace(_NOT_VERBOSE, "").split()
+    if len(words) == 1 and words[0] in _STOP_REASONS:
         return _STOP_REASONS[words[0]]
-    if error.startswith("Too many items"):  # the parser's step_max_items
-        return f"{_STOP_REASONS['ParserTooComplex']} ({_short(error)})"
+    if "Too many items" in error:  # past GRAMMAR_LIMITS' step_max_items or max_items_in_row
+        return f"{_TOO_COSTLY}; llguidance: {_short(error)}"
     return _short(error)
 
 
 def _short(message: str) -> str:
-    message = " ".join(message.split())
+    message = " ".join(message.replace(_NOT_VERBOSE, "").split())
     return message if len(message) <= _MAX_ERROR_CHARS else message[: _MAX_ERROR_CHARS - 3] + "..."
