@@ -163,8 +163,8 @@ def _check_role(value: str) -> str:
     if value not in CHAT_ROLES:
         raise PydanticCustomError(
             "chat_role",
-            "{role!r} is not one of {roles}",
-            {"role": value[:64], "roles": ", ".join(CHAT_ROLES)},
+            "{role} is not one of {roles}",  # pydantic's templates know no !r
+            {"role": repr(value[:64]), "roles": ", ".join(CHAT_ROLES)},
         )
     return value
 
