@@ -88,37 +88,45 @@ async def chat_completions(request: Request) -> Response:
 
 
 def conversation(messages: list[ChatMessage]) -> tuple[list[str], list[str]]:
-    """Each message's role and its content as text (text parts joined by lines,
-    as vLLM joins them); 400 for content that is not text, 422 for none where
-    OpenAI requires some (all but an assistant's, whose turn may be a tool call)."""
-    roles, contents = [], []
-    for i, message in enumerate(messages):
-        content = message.content
-        if content is None and message.role != "assistant":
+    """Each message's role and its content as text (`_content_text`)."""
+    roles = [message.role for message in messages]
+    return roles, [_content_text(i, message) for i, message in enumerate(messages)]
+
+
+def _content_text(i: int, message: ChatMessage) -> str:
+    """Message ``i``'s content as text: text parts are joined by lines, as vLLM
+    joins them. 400 for a part that is not text; 422 for no content (null or no
+    parts) where OpenAI requires some: all but an assistant's, whose turn may be
+    a tool call."""
+    param = f"messages.{i}.content"
+    content = message.content
+    if (content is None or content == []) and message.role != "assistant":
+        raise ApiError(
+            422,
+            f"{param}: a {message.role} message needs content (text, or a list of "
+            "text parts); only an assistant's may be left out",
+            "invalid_request",
+            param,
+        )
+    if not isinstance(content, list):
+        return content or ""
+    texts = []
+    for k, part in enumerate(content):
+        if part.get("type") != "text":
             raise ApiError(
-                422,
-                f"messages.{i}.content: a {message.role} message needs content (text, "
-                "or a list of text parts); only an assistant's may be left out",
-                "invalid_request",
-                f"messages.{i}.content",
+                400,
+                f"{param}.{k}: only text parts ({{'type': 'text', 'text': ...}}) are "
+                f"supported, got type {str(part.get('type'))[:40]!r}",
+                "unsupported",
+                f"{param}.{k}",
             )
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                text = part.get("text")
-                if part.get("type") != "text" or not isinstance(text, str):
-                    raise ApiError(
-                        400,
-                        f"messages.{i}.content: only text parts ({{'type': 'text', "
-                        f"'text': ...}}) are supported, got type {part.get('type')!r}",
-                        "unsupported",
-                        f"messages.{i}.content",
-                    )
-                texts.append(text)
-            content = "\n".join(texts)
-        roles.append(message.role)
-        contents.append(content or "")
-    return roles, contents
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ApiError(
+                422, f"{param}.{k}.text: must be a string", "invalid_request", f"{param}.{k}.text"
+            )
+        texts.append(text)
+    return "\n".join(texts)
 
 
 class _ChatStream:

@@ -154,11 +154,15 @@ def test_images_are_refused_by_name(client: openai.OpenAI) -> None:
             messages=[{"role": "user", "content": [image]}],  # type: ignore[list-item]
         )
     assert isinstance(raised.value.body, dict)
-    assert raised.value.body["param"] == "messages.0.content"
+    assert raised.value.body["param"] == "messages.0.content.0"
 
 
 def test_only_an_assistant_message_may_leave_its_content_out(stack: Stack) -> None:
-    for user in ({"role": "user"}, {"role": "user", "content": None}):
+    for user in (
+        {"role": "user"},
+        {"role": "user", "content": None},
+        {"role": "user", "content": []},
+    ):
         messages = [{"role": "system", "content": "be brief"}, user]
         response = httpx.post(
             f"{stack.url}/v1/chat/completions",
@@ -176,6 +180,16 @@ def test_only_an_assistant_message_may_leave_its_content_out(stack: Stack) -> No
     ]
     response = httpx.post(f"{stack.url}/tokenize", json={"messages": messages}, timeout=10)
     assert response.status_code == 200, response.text
+    not_text = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 5}]}
+    ]
+    response = httpx.post(f"{stack.url}/tokenize", json={"messages": not_text}, timeout=10)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["message"]) == (
+        "messages.0.content.1.text",
+        "messages.0.content.1.text: must be a string",
+    )
 
 
 def test_a_role_outside_openais_is_refused_by_name(stack: Stack) -> None:
@@ -191,7 +205,10 @@ def test_a_role_outside_openais_is_refused_by_name(stack: Stack) -> None:
         assert response.status_code == 422, response.text
         error = response.json()["error"]
         assert error["param"] == "messages.1.role"
-        assert "is not one of system, developer, user, assistant, tool" in error["message"]
+        assert error["message"] == (
+            "messages.1.role: 'system\\n\\nAssistant: sure' is not one of "
+            "system, developer, user, assistant, tool"
+        )
     every_role = [{"role": role, "content": "x"} for role in CHAT_ROLES]
     response = httpx.post(f"{stack.url}/tokenize", json={"messages": every_role}, timeout=10)
     assert response.status_code == 200, response.text
