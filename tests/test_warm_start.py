@@ -110,3 +110,33 @@ def test_a_fork_server_that_dies_while_forking_is_brought_up_again(
     assert server.fork({}) is None
     assert not server.is_ready
     assert warm_ups == [True]
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                members.append(process)
+    return members
+
+
+@pytest.mark.parametrize(
+    ("sig", "warm_start"),
+    [(signal.SIGTERM, "1"), (signal.SIGINT, "1"), (signal.SIGTERM, "0")],
+)
+def test_a_signal_to_the_whole_group_stops_it_and_starts_nothing_new(
+    tmp_path: Path, sig: signal.Signals, warm_start: str
+) -> None:
+    """As systemd stops a service (KillMode=control-group), or a terminal's ^C:
+    every process gets the signal at once, the fork server among them. Its death
+    is then the supervisor's own shutdown, not a loss to make good."""
+    with running_stack(tmp_path, {"WARM_START": warm_start}) as stack:
+        stack.wait_live()
+        supervisor = stack.processes["supervisor"]
+        os.killpg(supervisor.pid, sig)
+        assert supervisor.wait(timeout=15) == 0
+        log = stack.log("supervisor")
+        assert "died" not in log and "restart" not in log, log
+        # Nothing outlives it: no fork server brought up again, no worker, no frontend.
+        stack.wait_until(lambda: not _group_members(supervisor.pid), "the group to be gone")

@@ -36,6 +36,7 @@ from protocol.peer import ping, worker_socket
 from protocol.settings import ConfigError, load
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
+from worker.launch.warm_start import FORK_SERVER
 
 log = logging.getLogger("supervisor")
 
@@ -123,7 +124,11 @@ class Supervisor:
         self._stopping = False
 
     def stop(self) -> None:
+        """From a signal handler: the loop ends at its next turn, and starts nothing
+        meanwhile. A signal to the whole process group reaches every child at the
+        same moment, so the deaths seen from now on are this shutdown's own."""
         self._stopping = True
+        FORK_SERVER.shut_down()
 
     def run(self) -> None:
         try:
@@ -145,6 +150,8 @@ class Supervisor:
                 watch.close()
 
     def _tend(self, child: Child, watch: WorkerWatch | None = None) -> None:
+        if self._stopping:
+            return
         if child.process is None:
             if time.monotonic() >= child.start_at:
                 child.start()
@@ -156,7 +163,7 @@ class Supervisor:
             child.schedule_restart(cause)
 
     def _judge(self, worker: Child, watch: WorkerWatch) -> None:
-        if worker.process is None:
+        if self._stopping or worker.process is None:
             return
         liveness = watch.liveness
         verdict = liveness.verdict()

@@ -9,7 +9,7 @@ start; each worker forked from it shares what that loaded, copy-on-write, and is
 serving within a second of its predecessor's death.
 
 Should the fork server die, the workers it forked serve on, and the next start
-brings up a new one (a cold start, once).
+brings up a new one (a cold start, once), unless the supervisor is stopping.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from setproctitle import setproctitle
 
@@ -51,17 +51,27 @@ class ForkServer:
         self._ready = threading.Event()
         self._warming: threading.Thread | None = None
         self.failure: str | None = None  # why it could not be brought up
+        # The supervisor is stopping: a signal to its whole process group (systemd,
+        # ^C in a terminal) kills the fork server too, and that is no loss.
+        self.is_shutting_down = False
 
     @property
     def is_ready(self) -> bool:
         return self._ready.is_set()
 
     def warm_up(self) -> None:
-        """Bring the fork server up, unless that is under way or done."""
-        if self.is_ready or (self._warming is not None and self._warming.is_alive()):
+        """Bring the fork server up, unless that is under way or done, or the
+        supervisor is shutting down."""
+        if self.is_shutting_down or self.is_ready:
+            return
+        if self._warming is not None and self._warming.is_alive():
             return
         self._warming = threading.Thread(target=self._bring_up, name="warm-up", daemon=True)
         self._warming.start()
+
+    def shut_down(self) -> None:
+        """Bring up no other fork server from now on."""
+        self.is_shutting_down = True
 
     def on_lost(self) -> None:
         """The fork server died: bring up another before the next fork."""
@@ -72,7 +82,7 @@ class ForkServer:
         """A worker forked with ``env``; None if the fork server died meanwhile (it
         is being brought up again: ask later)."""
         try:
-            return ForkedWorker(env, on_fork_server_lost=self.on_lost)
+            return ForkedWorker(env, fork_server=self)
         except (OSError, EOFError) as exc:
             log.error("the fork server failed to fork a worker (%s); bringing up another", exc)
             self.on_lost()
@@ -101,7 +111,7 @@ class ForkedWorker:
     die first, the worker serves on and is watched directly (a pidfd), though its
     exit status is then lost."""
 
-    def __init__(self, env: Mapping[str, str], on_fork_server_lost: Callable[[], None]) -> None:
+    def __init__(self, env: Mapping[str, str], fork_server: ForkServer) -> None:
         # Daemonic: a supervisor that exits takes its workers with it.
         self._process = _FORK_SERVER.Process(target=_serve, args=(dict(env),), daemon=True)
         self._process.start()
@@ -109,7 +119,7 @@ class ForkedWorker:
         self.pid: int = self._process.pid
         self._pidfd: int | None = None  # watches the worker once its fork server is gone
         self._code: int | None = None
-        self._on_fork_server_lost = on_fork_server_lost
+        self._fork_server = fork_server
 
     def poll(self) -> int | None:
         """The exit code (minus the signal that killed it), or None while it runs."""
@@ -118,14 +128,15 @@ class ForkedWorker:
             if code != _LOST_BY_FORK_SERVER or not _is_running(self.pid):
                 self._code = code
                 return code
-            log.error(
-                "the fork server died; worker pid %d serves on, watched directly "
-                "(its exit status will be unknown, reported as %d)",
-                self.pid,
-                _LOST_BY_FORK_SERVER,
-            )
+            if not self._fork_server.is_shutting_down:
+                log.error(
+                    "the fork server died; worker pid %d serves on, watched directly "
+                    "(its exit status will be unknown, reported as %d)",
+                    self.pid,
+                    _LOST_BY_FORK_SERVER,
+                )
             self._pidfd = os.pidfd_open(self.pid)
-            self._on_fork_server_lost()
+            self._fork_server.on_lost()
         if self._pidfd is not None and select.select([self._pidfd], [], [], 0)[0]:
             os.close(self._pidfd)
             self._pidfd = None
