@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,9 @@ class Accepted:
     started_at: float  # time.monotonic() when the request was accepted
     endpoint: str  # the route that accepted it, for /metrics
     metrics: Metrics
+    # The worker's field -> the endpoint's body's, where it names one its own way:
+    # the worker's errors name the field as the client sent it.
+    field_names: Mapping[str, str]
     results: list[GenerateResult | None] = field(init=False)
     last_token_at: list[float | None] = field(init=False)  # per choice
     is_answered: bool = False
@@ -110,6 +114,7 @@ def accept(
     timeout_s: float,
     metrics: Metrics,
     endpoint: str,
+    field_names: Mapping[str, str],
 ) -> Accepted:
     """Enter a request's ``num_choices`` choices into the in-flight table, or
     raise 503 when they do not all fit."""
@@ -119,7 +124,7 @@ def accept(
         entries = client.submit(choice_requests(request, num_choices), deadline)
     except Overloaded as exc:
         raise ApiError(503, str(exc), "queue_full") from None
-    return Accepted(request.request_id, entries, started_at, endpoint, metrics)
+    return Accepted(request.request_id, entries, started_at, endpoint, metrics, field_names)
 
 
 def abandon(client: WorkerClient, accepted: Accepted) -> None:
@@ -184,7 +189,7 @@ def _take(client: WorkerClient, accepted: Accepted, event: tuple[int, Event]) ->
     if isinstance(message, ErrorResult):
         # One answer per request: a choice's error is the request's, as OpenAI's.
         accepted.cancel(client)
-        raise ApiError.from_worker(message)
+        raise ApiError.from_worker(message, accepted.field_names)
     accepted.on_result(index, message)
     return index, message
 

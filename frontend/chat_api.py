@@ -84,7 +84,8 @@ async def chat_completions(request: Request) -> Response:
 
         return ChoiceStream(chat, _CHUNK, usage, n, chunks)
 
-    return await respond(request, work, ENDPOINT, final, stream, read.headers, n)
+    renamed = {"max_new_tokens": param, "logprobs": "top_logprobs"}
+    return await respond(request, work, ENDPOINT, final, stream, read.headers, n, renamed)
 
 
 def conversation(messages: list[ChatMessage]) -> tuple[list[str], list[str]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -17,7 +19,8 @@ _STATUS_BY_CODE = {
     ErrorCode.INTERNAL: 500,
     ErrorCode.WORKERS_DIED: 500,
 }
-# Worker field -> request field; prompt ids are the request's "prompt".
+# Worker field -> /generate's field, and every endpoint's unless it names the
+# field its own way; prompt ids are the request's "prompt".
 _PARAM_BY_WORKER_FIELD = {
     "prompt": "prompt",
     "prompt_token_ids": "prompt",
@@ -73,14 +76,14 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def from_worker(cls, error: ErrorResult) -> ApiError:
-        """The worker's refusal; its message names the field first ("top_k: ..."),
-        and that field, as the request spells it, becomes ``param``."""
-        field, colon, _ = error.message.partition(":")
-        param = _PARAM_BY_WORKER_FIELD.get(field) if colon else None
-        if error.code == ErrorCode.CONTEXT_OVERFLOW:
-            param = "prompt"
-        return cls(_STATUS_BY_CODE.get(error.code, 500), error.message, error.code, param)
+    def from_worker(cls, error: ErrorResult, field_names: Mapping[str, str]) -> ApiError:
+        """The worker's refusal. Its message names the worker's field first
+        ("top_k: ..."); that field, as the endpoint's body names it (``field_names``,
+        else as /generate's body does), leads the message instead and is ``param``."""
+        field, colon, rest = error.message.partition(":")
+        param = (field_names.get(field) or _PARAM_BY_WORKER_FIELD.get(field)) if colon else None
+        message = error.message if param is None else f"{param}:{rest}"
+        return cls(_STATUS_BY_CODE.get(error.code, 500), message, error.code, param)
 
 
 def error_body(error: ApiError) -> dict[str, object]:

@@ -11,7 +11,7 @@ request, and the shapes of its answer (``final``) and of its stream (``stream``)
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -69,16 +69,19 @@ async def respond(
     stream: StreamAnswer | None = None,
     headers: dict[str, str] | None = None,
     num_choices: int = 1,
+    field_names: Mapping[str, str] | None = None,
 ) -> Response:
     """Run ``work`` to its one answer: ``final``'s JSON, or, when it asked to
     stream and the endpoint streams, ``stream``'s events. ``endpoint`` names it
     in /metrics; ``headers`` go on the answer; ``num_choices`` choices are
-    generated (`frontend.choices`). Raises ApiError (503 when the table has no
-    room for them all; a worker error or 504 before the answer started)."""
+    generated (`frontend.choices`); ``field_names`` are the body's names for the
+    worker's fields where they differ (a worker error names the field). Raises
+    ApiError (503 when the table has no room for them all; a worker error or 504
+    before the answer started)."""
     client: WorkerClient = http_request.app.state.client
     metrics: Metrics = http_request.app.state.metrics
     timeout_s = client.config.request_timeout_s
-    accepted = accept(client, work, num_choices, timeout_s, metrics, endpoint)
+    accepted = accept(client, work, num_choices, timeout_s, metrics, endpoint, field_names or {})
     if work.stream and stream is not None:
         return await stream_response(http_request, client, accepted, stream(accepted), headers)
     try:

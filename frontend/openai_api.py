@@ -103,7 +103,8 @@ async def completions(request: Request) -> Response:
 
         return ChoiceStream(completion, _KIND, usage, n, chunks)
 
-    return await respond(request, work, ENDPOINT, final, stream, read.headers, num_choices)
+    renamed = {"max_new_tokens": "max_tokens"}
+    return await respond(request, work, ENDPOINT, final, stream, read.headers, num_choices, renamed)
 
 
 async def models(request: Request) -> Response:

@@ -23,7 +23,7 @@ from frontend.openai_common import check_model, ignored_fields_headers, log_igno
 from frontend.openai_schemas import ChatMessage
 from frontend.schemas import STRICT, TokenIds, parse_body
 from frontend.worker_client import WorkerClient
-from protocol import ErrorCode, GenerateResult
+from protocol import GenerateResult
 from protocol.limits import MAX_CHAT_MESSAGES
 
 PACKAGE = "minibatch-llm"
@@ -78,7 +78,7 @@ async def tokenize(request: Request) -> Response:
             "token_strs": None,
         }
 
-    return await _ask(request, client, "/tokenize", ignored, final, **fields)
+    return await _ask(request, client, "/tokenize", ignored, final, {}, **fields)
 
 
 async def detokenize(request: Request) -> Response:
@@ -91,24 +91,18 @@ async def detokenize(request: Request) -> Response:
     def final(accepted: Accepted, results: list[GenerateResult]) -> dict[str, Any]:
         return {"prompt": results[0].prompt_text or ""}
 
-    try:
-        return await _ask(
-            request, client, "/detokenize", ignored, final, prompt="", prompt_token_ids=body.tokens
-        )
-    except ApiError as error:
-        raise _named_as_tokens(error, len(body.tokens)) from None
-
-
-def _named_as_tokens(error: ApiError, num_tokens: int) -> ApiError:
-    """The worker checks ``tokens`` as a prompt's ids (only it knows the
-    vocabulary and the context window); its refusal names them as this body does."""
-    if error.code == ErrorCode.CONTEXT_OVERFLOW:
-        message = f"tokens: {num_tokens:,} ids, more than a prompt may hold; send fewer at a time"
-    elif error.message.startswith("prompt_token_ids:"):
-        message = "tokens:" + error.message.removeprefix("prompt_token_ids:")
-    else:
-        return error
-    return ApiError(error.status, message, error.code, "tokens", error.headers)
+    # The worker checks ``tokens`` as a prompt's ids: only it knows the vocabulary.
+    renamed = {"prompt_token_ids": "tokens", "prompt": "tokens"}
+    return await _ask(
+        request,
+        client,
+        "/detokenize",
+        ignored,
+        final,
+        renamed,
+        prompt="",
+        prompt_token_ids=body.tokens,
+    )
 
 
 async def version(request: Request) -> Response:
@@ -135,9 +129,11 @@ async def _ask(
     endpoint: str,
     ignored: list[str],
     final: FinalAnswer,
+    field_names: dict[str, str],
     **fields: Any,
 ) -> Response:
-    """``final``'s answer to a request for no tokens."""
+    """``final``'s answer to a request for no tokens; ``field_names`` as `respond`'s."""
     work = generate_request(client.config, 0, "max_new_tokens", echo=True, **fields)
     log_ignored_fields(work.request_id, ignored)
-    return await respond(request, work, endpoint, final, headers=ignored_fields_headers(ignored))
+    headers = ignored_fields_headers(ignored)
+    return await respond(request, work, endpoint, final, headers=headers, field_names=field_names)

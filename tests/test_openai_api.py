@@ -351,3 +351,46 @@ def test_strict_request_fields_restores_the_422(tmp_path: Path) -> None:
         response = httpx.post(f"{strict.url}/v1/completions", json=body, timeout=10)
     assert response.status_code == 422
     assert "best_of_luck" in response.json()["error"]["message"]
+
+
+def _chat(content: str, **fields: object) -> dict[str, object]:
+    return {"model": "fake", "messages": [{"role": "user", "content": content}], **fields}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "start"),
+    [
+        (
+            "/v1/completions",
+            {"model": "fake", "prompt": [1] * 1020, "max_tokens": 10},
+            "prompt",
+            "prompt: 1,020 tokens and 10 to generate, more than the context window of 1,024",
+        ),
+        (
+            "/v1/completions",
+            {"model": "fake", "prompt": [1, FAKE_VOCAB_SIZE]},
+            "prompt",
+            f"prompt: token id {FAKE_VOCAB_SIZE} is outside the vocabulary",
+        ),
+        (
+            "/v1/chat/completions",
+            _chat("x" * 1000, max_completion_tokens=40),
+            "messages",
+            "messages: 1,01",  # the conversation as its template renders it
+        ),
+        ("/v1/chat/completions", _chat("x" * 2000), "messages", "messages: 2,0"),
+        ("/tokenize", _chat("x" * 1020), "messages", "messages: 1,03"),
+        ("/detokenize", {"tokens": [1] * 1500}, "tokens", "tokens: 1,500 tokens, more than"),
+    ],
+)
+def test_a_worker_refusal_names_the_field_as_the_endpoint_body_does(
+    stack: Stack, path: str, body: dict[str, object], param: str, start: str
+) -> None:
+    """The worker checks what only it can (the vocabulary, the context window) and
+    names its own fields; the client sees them as its body named them."""
+    response = httpx.post(f"{stack.url}{path}", json=body, timeout=30)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(start), error
+    for worker_field in ("max_new_tokens", "prompt_token_ids", "chat_"):
+        assert worker_field not in error["message"], error

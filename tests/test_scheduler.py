@@ -211,7 +211,9 @@ def test_a_rejected_request_fails_alone_and_the_rest_are_admitted() -> None:
     rejected = finals["r1"]
     assert isinstance(rejected, ErrorResult)
     assert rejected.code == ErrorCode.CONTEXT_OVERFLOW
-    assert "8 tokens + max_new_tokens 5,000 > context window 1,024" in rejected.message
+    assert "8 tokens and 5,000 to generate, more than the context window of 1,024 " in (
+        rejected.message
+    )
     assert engine.admitted == ["r0", "r2"]
 
 

@@ -195,7 +195,9 @@ def test_context_overflow_is_rejected_and_the_batch_is_untouched() -> None:
     with pytest.raises(RequestRejected) as rejected:
         engine.admit([request("fits", random_prompt(rng), 5), too_long])
     assert rejected.value.code == ErrorCode.CONTEXT_OVERFLOW
-    assert "100 tokens + max_new_tokens 29 > context window 128" in rejected.value.message
+    assert "100 tokens and 29 to generate, more than the context window of 128 " in (
+        rejected.value.message
+    )
     assert engine.num_active() == 1
     finished = run_schedule(engine, {})
     assert_parity(engine, [live], finished)

@@ -64,7 +64,7 @@ def test_a_sound_request_passes() -> None:
         ({"max_new_tokens": -1}, ErrorCode.INVALID_REQUEST, "max_new_tokens"),
         ({"max_new_tokens": 65}, ErrorCode.INVALID_REQUEST, "max_new_tokens"),
         ({"prompt_token_ids": []}, ErrorCode.INVALID_REQUEST, "prompt_token_ids"),
-        ({"prompt_token_ids": [1] * 57}, ErrorCode.CONTEXT_OVERFLOW, "context window 64"),
+        ({"prompt_token_ids": [1] * 57}, ErrorCode.CONTEXT_OVERFLOW, "prompt: 57 tokens and 8"),
         ({"prompt_token_ids": [1000]}, ErrorCode.INVALID_REQUEST, "prompt_token_ids: token id"),
         ({"stop_token_ids": [5, 10**9]}, ErrorCode.INVALID_REQUEST, "stop_token_ids"),
         ({"resume_token_ids": [1000]}, ErrorCode.INVALID_REQUEST, "resume_token_ids"),

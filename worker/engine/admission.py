@@ -65,7 +65,11 @@ def _prompt(
                 f"vocabulary of {info.vocab_size}",
             )
     if not token_ids:
-        raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
+        raise RequestRejected(
+            request.request_id,
+            ErrorCode.INVALID_REQUEST,
+            f"{prompt_field(request)}: the prompt has no tokens",
+        )
     return token_ids, text
 
 
@@ -93,14 +97,38 @@ def _render_chat(request: GenerateRequest, chat_template: ChatTemplate) -> str:
 
 def _check_context(request: GenerateRequest, num_prompt_tokens: int, info: ModelInfo) -> None:
     # The resumed output is part of max_new_tokens, so it needs no room of its own.
-    limit = info.context_window
-    if num_prompt_tokens + request.max_new_tokens > limit or (
+    if num_prompt_tokens + request.max_new_tokens > info.context_window or (
         request.fit_context and request.max_new_tokens == 0
     ):
         raise RequestRejected(
             request.request_id,
             ErrorCode.CONTEXT_OVERFLOW,
-            f"prompt is {num_prompt_tokens:,} tokens + max_new_tokens "
-            f"{max(1, request.max_new_tokens):,} > context window {limit:,}: "
-            "shorten the prompt or lower max_new_tokens",
+            overflow_message(request, num_prompt_tokens, info.context_window),
         )
+
+
+def prompt_field(request: GenerateRequest) -> str:
+    """What a refusal of the prompt names: a conversation's messages, or the prompt."""
+    return "messages" if request.chat_roles else "prompt"
+
+
+def overflow_message(request: GenerateRequest, num_prompt_tokens: int, window: int) -> str:
+    """Why ``request``'s prompt of ``num_prompt_tokens`` does not fit ``window``, in
+    words that hold for every endpoint: each names the number of tokens to
+    generate its own way (max_tokens, max_completion_tokens, max_new_tokens)."""
+    field = prompt_field(request)
+    if request.fit_context and request.max_new_tokens == 0:
+        return (
+            f"{field}: {num_prompt_tokens:,} tokens leave no room to generate in the "
+            f"context window of {window:,} tokens; shorten it"
+        )
+    if request.max_new_tokens == 0:
+        return (
+            f"{field}: {num_prompt_tokens:,} tokens, more than the context window of "
+            f"{window:,} tokens holds; shorten it"
+        )
+    return (
+        f"{field}: {num_prompt_tokens:,} tokens and {request.max_new_tokens:,} to generate, "
+        f"more than the context window of {window:,} tokens holds; shorten it or ask "
+        "for fewer tokens"
+    )

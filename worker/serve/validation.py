@@ -30,6 +30,7 @@ from protocol.limits import (
     MAX_TOP_K,
 )
 from protocol.wire import MAX_REQUEST_ID_CHARS
+from worker.engine.admission import overflow_message
 from worker.engine.interface import ModelInfo, RequestRejected
 
 
@@ -123,18 +124,14 @@ def _prompt_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[st
         if num_prompt == 0:
             return invalid, "prompt_token_ids: must not be empty"
         if num_prompt + request.max_new_tokens > window:
-            return ErrorCode.CONTEXT_OVERFLOW, (
-                f"prompt is {num_prompt:,} tokens + max_new_tokens "
-                f"{request.max_new_tokens:,} > context window {window:,}: "
-                "shorten the prompt or lower max_new_tokens"
-            )
+            return ErrorCode.CONTEXT_OVERFLOW, overflow_message(request, num_prompt, window)
     elif not request.prompt:
         return invalid, "prompt: must not be empty"
     elif len(request.prompt) > limits.max_prompt_chars:
         return ErrorCode.CONTEXT_OVERFLOW, (
-            f"prompt is {len(request.prompt):,} characters: more tokens than the context "
+            f"prompt: {len(request.prompt):,} characters, more tokens than the context "
             f"window ({window:,} tokens of at most {limits.max_token_chars} characters) "
-            "holds; shorten the prompt"
+            "holds; shorten it"
         )
     return None
 
@@ -160,7 +157,7 @@ def _chat_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str,
         return ErrorCode.CONTEXT_OVERFLOW, (
             f"messages: {num_chars:,} characters, more tokens than the context window "
             f"({limits.context_window:,} tokens of at most {limits.max_token_chars} "
-            "characters) holds; shorten the conversation"
+            "characters) holds; shorten it"
         )
     return None
 
