@@ -51,14 +51,16 @@ async def read_json_object(request: Request) -> dict[str, Any]:
                 "a schema or value nested that deep cannot be sent"
             )
         else:
-            message = (
-                f"body: invalid JSON ({exc}); send one JSON object in UTF-8 "
-                "(an escape such as \\ud800 alone is no character)"
-            )
+            message = f"body: invalid JSON ({exc}); send one JSON object in UTF-8"
+            if "surrogate" in str(exc) or "hex escape" in str(exc):
+                message += (
+                    ": an escape \\ud800 to \\udfff is half of a character, sent with "
+                    "its other half or not at all"
+                )
         raise ApiError(422, message, "invalid_request") from None
     if not isinstance(value, dict):
         raise ApiError(
-            422, f"body: must be a JSON object, got {_json_type(value)}", "invalid_request"
+            422, f"body: must be a JSON object, got {json_kind_of(value)}", "invalid_request"
         )
     return value
 
@@ -142,7 +144,16 @@ def _too_large(config: FrontendConfig, what: str) -> ApiError:
     )
 
 
-def _json_type(value: object) -> str:
-    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number"
-    )
+def json_kind_of(value: object) -> str:
+    """The JSON type of a parsed ``value``, as a sentence names it: "an array"."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"

@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
-from frontend.body import read_json_object
+from frontend.body import json_kind_of, read_json_object
 from frontend.errors import ApiError
 from protocol.limits import MAX_SEED, MAX_STOP_STRINGS, MAX_TOKEN_ID
 
@@ -61,29 +61,35 @@ _UNION_ARM = re.compile(r"(str|int|float|bool|(list|dict)\[.*\])$")
 
 
 def describe(error: ValidationError) -> tuple[str, str | None]:
-    """One readable sentence per field at fault ('max_new_tokens: Input should be
-    ...'), the first MAX_REPORTED_ERRORS of them, and the first such field. For a
+    """One readable sentence per field at fault, in JSON's words
+    ('max_new_tokens: must be an integer, got a string'), the first
+    MAX_REPORTED_ERRORS of them, and the first such field. For a
     union, a value of the wrong type is one sentence naming the accepted types,
-    and a value of the right type is described by its own arm's complaint alone."""
+    and a value of the right type is described by its own arm's complaint alone
+    (an array's bad item, say)."""
+    # field -> (where, the union arm that failed there or None, pydantic's error)
     by_field: dict[str, list[tuple[str, str | None, dict[str, Any]]]] = {}
     for item in error.errors(include_url=False):
         loc = item["loc"]
         arm_at = next((i for i, part in enumerate(loc) if _is_arm(part)), len(loc))
         field = ".".join(_name(part) for part in loc[:arm_at]) or "body"
         where = ".".join(_name(part) for part in loc if not _is_arm(part)) or "body"
-        arm = str(loc[arm_at]).replace("constrained-", "") if arm_at < len(loc) else None
+        # Only an arm refused at the union itself refuses the value's type.
+        is_union_type_error = arm_at == len(loc) - 1 and item["type"].endswith("_type")
+        arm = str(loc[arm_at]).replace("constrained-", "") if is_union_type_error else None
         by_field.setdefault(field, []).append((where, arm, dict(item)))
     sentences = []
     params = []
     for field, items in by_field.items():
-        specific = [(w, i) for w, arm, i in items if arm is None or not i["type"].endswith("_type")]
+        specific = [(where, item) for where, arm, item in items if arm is None]
         if specific:
-            sentences += [f"{where}: {item['msg']}" for where, item in specific]
+            sentences += [f"{where}: {_complaint(item)}" for where, item in specific]
             params.append(specific[0][0])
         else:
-            arms = " or ".join(dict.fromkeys(arm or "?" for _, arm, _ in items))
-            got = type(items[0][2]["input"]).__name__
-            sentences.append(f"{field}: must be {arms}, got {_JSON_TYPES.get(got, got)}")
+            kinds = [_json_kind(arm or "?") for arm in dict.fromkeys(arm for _, arm, _ in items)]
+            either = " or ".join([", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
+            got = json_kind_of(items[0][2]["input"])
+            sentences.append(f"{field}: must be {either}, got {got}")
             params.append(field)
     param = params[0] if params and params[0] != "body" else None
     num_unreported = len(sentences) - MAX_REPORTED_ERRORS
@@ -92,7 +98,43 @@ def describe(error: ValidationError) -> tuple[str, str | None]:
     return "; ".join(sentences), param
 
 
-_JSON_TYPES = {"dict": "object", "list": "array", "str": "string", "NoneType": "null"}
+# What each of pydantic's type errors asks for, in JSON's words: "Input should be
+# a valid dictionary or instance of ChatMessage" says nothing to a client.
+_KIND_BY_ERROR_TYPE = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "true or false",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+# A union's arm as pydantic names it ("list[int]"), singular and plural.
+_KIND_BY_ARM = {
+    "str": ("a string", "strings"),
+    "int": ("an integer", "integers"),
+    "float": ("a number", "numbers"),
+    "bool": ("true or false", "booleans"),
+}
+
+
+def _complaint(item: Any) -> str:
+    kind = _KIND_BY_ERROR_TYPE.get(item["type"])
+    if kind is None:
+        return str(item["msg"])
+    return f"must be {kind}, got {json_kind_of(item['input'])}"
+
+
+def _json_kind(arm: str, is_plural: bool = False) -> str:
+    """ "list[list[int]]" as "an array of arrays of integers"."""
+    if arm.startswith("list[") and arm.endswith("]"):
+        items = _json_kind(arm[len("list[") : -1], is_plural=True)
+        return f"arrays of {items}" if is_plural else f"an array of {items}"
+    if arm.startswith("dict["):
+        return "objects" if is_plural else "an object"
+    singular, plural = _KIND_BY_ARM.get(arm, (arm, arm))
+    return plural if is_plural else singular
 
 
 def _is_arm(part: str | int) -> bool:

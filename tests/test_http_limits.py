@@ -239,6 +239,33 @@ def test_a_body_that_is_not_one_json_object_gets_a_short_422(
     assert len(response.content) < 1000
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            b'{"prompt": "hi"',
+            "body: invalid JSON (EOF while parsing an object at line 1 column 15); "
+            "send one JSON object in UTF-8",
+        ),
+        (
+            b'{"prompt": "\\udc00"}',
+            "body: invalid JSON (lone leading surrogate in hex escape at line 1 column 18); "
+            "send one JSON object in UTF-8: an escape \\ud800 to \\udfff is half of a "
+            "character, sent with its other half or not at all",
+        ),
+    ],
+)
+def test_invalid_json_is_told_what_is_wrong_and_only_that(
+    stack: Stack, content: bytes, message: str
+) -> None:
+    """The hint about lone surrogates only where one is the fault."""
+    response = httpx.post(
+        f"{stack.url}/generate", content=content, headers={"Content-Type": JSON}, timeout=GIVE_UP_S
+    )
+    assert response.status_code == 422
+    assert response.json()["error"]["message"] == message
+
+
 def test_a_body_that_stalls_gets_408(stack: Stack) -> None:
     with connect(stack) as sock:
         started = time.monotonic()

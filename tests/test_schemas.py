@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from frontend.errors import ApiError
-from frontend.openai_schemas import CompletionBody
+from frontend.openai_schemas import ChatBody, CompletionBody
 from frontend.schemas import (
     MAX_REPORTED_ERRORS,
     GenerateBody,
@@ -22,9 +22,45 @@ def test_a_message_names_the_first_few_fields_and_counts_the_rest() -> None:
     with pytest.raises(ValidationError) as caught:
         GenerateBody.model_validate({"prompt": 1, **bad})
     message, param = describe(caught.value)
-    assert message.count(": Input should be") == MAX_REPORTED_ERRORS
+    assert message.count(": must be ") == MAX_REPORTED_ERRORS
     assert message.endswith("; and 2 more")
     assert param == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"max_tokens": "16"}, "max_tokens: must be an integer, got a string"),
+        ({"temperature": True}, "temperature: must be a number, got a boolean"),
+        ({"stream_options": 5}, "stream_options: must be an object, got an integer"),
+        (
+            {"prompt": {"a": 1}},
+            "prompt: must be a string, an array of integers, an array of strings or an "
+            "array of arrays of integers, got an object",
+        ),
+        ({"stop": None, "echo": "yes"}, "echo: must be true or false, got a string"),
+        # An array, as one arm asks, with a bad item: the item is at fault.
+        ({"stop": ["a", 5]}, "stop.1: must be a string, got an integer"),
+    ],
+)
+def test_a_type_error_is_told_in_json_words(body: dict[str, object], expected: str) -> None:
+    """Not pydantic's ("Input should be a valid dictionary or instance of
+    StreamOptions", "must be str or list[int]"): the client wrote JSON."""
+    with pytest.raises(ValidationError) as caught:
+        CompletionBody.model_validate({"model": "m", "prompt": "hi", **body})
+    message, param = describe(caught.value)
+    assert message == expected
+    assert param == expected.partition(":")[0]
+
+
+def test_an_array_item_of_the_wrong_type_in_a_chat_message_is_named() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": [5]}]}
+    with pytest.raises(ValidationError) as caught:
+        ChatBody.model_validate(body)
+    assert describe(caught.value) == (
+        "messages.0.content.0: must be an object, got an integer",
+        "messages.0.content.0",
+    )
 
 
 def test_a_long_unknown_field_name_is_shortened() -> None:
