@@ -20,7 +20,7 @@ from frontend.config import FrontendConfig
 from frontend.errors import ApiError, handle_api_error
 from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, Metrics
 from frontend.native_api import generate
-from frontend.openai_api import completions, models
+from frontend.openai_api import completions, models, retrieve_model
 from frontend.openapi import openapi_schema
 from frontend.tokenize_api import detokenize, tokenize, version
 from frontend.worker_client import WorkerClient
@@ -45,6 +45,8 @@ def create_app(config: FrontendConfig) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            # A hub id holds a slash: "openai-community/gpt2".
+            Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/version", version, methods=["GET"]),

@@ -109,13 +109,32 @@ async def completions(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     """List the one served model, as the worker's hello names it."""
+    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """The served model's card (the `openai` client's ``models.retrieve``); 404
+    for any other name."""
+    card = _model_card(request)
+    name = request.path_params["model"]
+    if name != card["id"]:
+        raise ApiError(
+            404,
+            f"model {name[:200]!r} is not served here; this server serves {card['id']!r}",
+            "model_not_found",
+            "model",
+        )
+    return JSONResponse(card)
+
+
+def _model_card(request: Request) -> dict[str, Any]:
+    """The served model as OpenAI describes one; 503 before a worker has said hello."""
     client: WorkerClient = request.app.state.client
-    model = served_model(client)
-    if model is None:
+    name = served_model(client)
+    if name is None:
         raise ApiError(503, f"no model is loaded yet: {client.verdict().reason}", "no_worker")
     created: int = request.app.state.started_at
-    card = {"id": model, "object": "model", "created": created, "owned_by": OWNER}
-    return JSONResponse({"object": "list", "data": [card]})
+    return {"id": name, "object": "model", "created": created, "owned_by": OWNER}
 
 
 def _one_prompt(

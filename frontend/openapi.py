@@ -125,6 +125,9 @@ def openapi_schema() -> dict[str, Any]:
                 "OpenAI-compatible chat completion", "ChatBody", 400, 404, *_BODY_ERRORS, 503, 504
             ),
             "/v1/models": _get("The served model", "application/json", 401, 503),
+            "/v1/models/{model}": _get(
+                "The served model's card", "application/json", 401, 404, 503
+            ),
             "/tokenize": _post(
                 "A prompt's or a conversation's token ids", "TokenizeBody", 404, *_BODY_ERRORS, 503
             ),

@@ -240,6 +240,7 @@ def test_openapi_describes_every_endpoint_and_body_field(stack: Stack) -> None:
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
+        "/v1/models/{model}",
         "/tokenize",
         "/detokenize",
         "/version",

@@ -1,4 +1,5 @@
-"""/v1/completions and /v1/models through the official `openai` client."""
+"""/v1/completions, /v1/models and /v1/models/{model} through the official `openai`
+client."""
 
 from __future__ import annotations
 
@@ -31,6 +32,21 @@ def client(stack: Stack) -> Iterator[openai.OpenAI]:
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [model.id for model in models.data] == ["fake"]
+
+
+def test_models_retrieve_gives_the_served_model_and_404_for_another(
+    client: openai.OpenAI,
+) -> None:
+    listed = client.models.list().data[0]
+    assert client.models.retrieve("fake") == listed
+    for name in ("gpt-4o", "openai-community/gpt2"):  # a hub id holds a slash
+        with pytest.raises(openai.NotFoundError) as raised:
+            client.models.retrieve(name)
+        assert isinstance(raised.value.body, dict)
+        assert raised.value.body["code"] == "model_not_found"
+        assert raised.value.body["message"] == (
+            f"model {name!r} is not served here; this server serves 'fake'"
+        )
 
 
 def test_completion(client: openai.OpenAI) -> None:
