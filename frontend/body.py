@@ -1,4 +1,5 @@
-"""Reading a request body within the frontend's limits: its media type, its size
+"""Reading a request body within the frontend's limits: its media type and
+encoding (none: bodies come uncompressed), its size
 (MAX_REQUEST_BYTES), the time it takes to arrive (BODY_TIMEOUT_S), and its JSON
 shape. Everything here is cheap and runs before pydantic sees the body.
 
@@ -34,6 +35,7 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     beyond MAX_REQUEST_BYTES, 408 past BODY_TIMEOUT_S, 422 for anything but an object."""
     config: FrontendConfig = request.app.state.config
     _check_media_type(request.headers.get("content-type"))
+    _check_content_encoding(request.headers.get("content-encoding"))
     declared = request.headers.get("content-length")
     if declared is not None and int(declared) > config.max_request_bytes:
         refusal = _too_large(config, f"the body's Content-Length, {int(declared):,} bytes,")
@@ -84,6 +86,20 @@ def _check_media_type(content_type: str | None) -> None:
             "unsupported_media_type",
             headers=CLOSE,
         )
+
+
+def _check_content_encoding(content_encoding: str | None) -> None:
+    # Nothing here decompresses a body (a gzip bomb is a small body that is not);
+    # read as it came, a compressed one would be called invalid JSON.
+    if content_encoding is None or content_encoding.strip().lower() in ("", "identity"):
+        return
+    raise ApiError(
+        415,
+        f"got Content-Encoding {content_encoding[:64]!r}; this server reads bodies as "
+        "they are sent: send it uncompressed, without a Content-Encoding",
+        "unsupported_media_type",
+        headers={**CLOSE, "Accept-Encoding": "identity"},  # RFC 7694's answer
+    )
 
 
 async def _read(request: Request, config: FrontendConfig) -> bytes:

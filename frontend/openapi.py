@@ -42,7 +42,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
         404: "unknown model",
         408: "the body did not arrive within BODY_TIMEOUT_S",
         413: "the body is over MAX_REQUEST_BYTES",
-        415: "the body is not Content-Type: application/json",
+        415: "the body is not Content-Type: application/json, or is compressed",
         422: "an invalid request; the message names the field",
         503: "no live worker, or the queue is full: retry after Retry-After seconds",
         504: "no answer within REQUEST_TIMEOUT_S",

@@ -7,6 +7,7 @@ its limit for a reason other than time: a hang, a status, or a size.
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import threading
@@ -151,6 +152,21 @@ def test_a_body_that_is_not_json_gets_415_saying_what_to_send(
     error = response.json()["error"]
     assert "-H 'Content-Type: application/json'" in error["message"]
     assert content_type in error["message"]
+
+
+def test_a_compressed_body_gets_415_asking_for_it_uncompressed(stack: Stack) -> None:
+    headers = {"Content-Type": JSON, "Content-Encoding": "gzip"}
+    content = gzip.compress(b'{"prompt": "hi"}')
+    response = httpx.post(f"{stack.url}/generate", content=content, headers=headers, timeout=10)
+    assert response.status_code == 415
+    assert response.headers["accept-encoding"] == "identity"
+    assert response.json()["error"]["message"] == (
+        "got Content-Encoding 'gzip'; this server reads bodies as they are sent: send it "
+        "uncompressed, without a Content-Encoding"
+    )
+    identity = {"Content-Type": JSON, "Content-Encoding": "identity"}
+    plain = httpx.post(f"{stack.url}/generate", json={"prompt": "hi"}, headers=identity, timeout=10)
+    assert plain.status_code == 200, plain.text
 
 
 def test_no_content_type_gets_415(stack: Stack) -> None:
