@@ -24,7 +24,10 @@ from frontend.worker_client import WorkerClient
 from protocol import GenerateResult
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-NO_FINISH_REASON = "none"  # the request ended in an HTTP error, not a finish
+NO_FINISH_REASON = "none"  # no generation finished: an HTTP error, or a tokenizer call
+# Calls that run the tokenizer, not the model: counted as requests, and kept out
+# of the token and latency metrics, which are the model's.
+TOKENIZER_ENDPOINTS = ("/tokenize", "/detokenize")
 
 _LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -95,7 +98,11 @@ class Metrics:
     ) -> None:
         """One request's answer, whatever its number of choices: one request, with
         its first choice's finish reason; its prompt once; every choice's tokens;
-        the longest of its choices' waits for a slot."""
+        the longest of its choices' waits for a slot. A tokenizer call counts as a
+        request alone."""
+        if endpoint in TOKENIZER_ENDPOINTS:
+            self.count_request(endpoint, 200, NO_FINISH_REASON)
+            return
         self.count_request(endpoint, 200, results[0].finish_reason)
         self.prompt_tokens.inc(results[0].prompt_tokens)
         for result in results:  # each choice looked its prompt up

@@ -19,6 +19,7 @@ from frontend.accepted import Accepted
 from frontend.chat_api import conversation
 from frontend.errors import ApiError
 from frontend.generation import FinalAnswer, generate_request, respond
+from frontend.metrics import TOKENIZER_ENDPOINTS
 from frontend.openai_common import check_model, ignored_fields_headers, log_ignored_fields
 from frontend.openai_schemas import ChatMessage
 from frontend.schemas import STRICT, TokenIds, parse_body
@@ -27,6 +28,7 @@ from protocol import GenerateResult
 from protocol.limits import MAX_CHAT_MESSAGES
 
 PACKAGE = "minibatch-llm"
+TOKENIZE, DETOKENIZE = TOKENIZER_ENDPOINTS
 
 
 class TokenizeBody(BaseModel):
@@ -78,7 +80,7 @@ async def tokenize(request: Request) -> Response:
             "token_strs": None,
         }
 
-    return await _ask(request, client, "/tokenize", ignored, final, {}, **fields)
+    return await _ask(request, client, TOKENIZE, ignored, final, {}, **fields)
 
 
 async def detokenize(request: Request) -> Response:
@@ -96,7 +98,7 @@ async def detokenize(request: Request) -> Response:
     return await _ask(
         request,
         client,
-        "/detokenize",
+        DETOKENIZE,
         ignored,
         final,
         renamed,

@@ -68,6 +68,25 @@ def test_requests_tokens_and_latencies_are_counted(stack: Stack) -> None:
     assert grew("minibatch_e2e_request_latency_seconds_sum") > 0
 
 
+def test_a_tokenizer_call_counts_as_a_request_and_in_no_token_metric(stack: Stack) -> None:
+    before = scrape(stack)
+    for path, body in [("/tokenize", {"prompt": "abcdef"}), ("/detokenize", {"tokens": [97]})]:
+        assert httpx.post(f"{stack.url}{path}", json=body, timeout=10).status_code == 200
+    after = scrape(stack)
+    for path in ("/tokenize", "/detokenize"):
+        labels = {"endpoint": path, "status": "200", "finish_reason": "none"}
+        assert value(after, "minibatch_requests_total", **labels) == (
+            value(before, "minibatch_requests_total", **labels) + 1
+        )
+    for name in (
+        "minibatch_prompt_tokens_total",
+        "minibatch_prefix_cache_queries_total",
+        "minibatch_e2e_request_latency_seconds_count",
+        "minibatch_request_queue_time_seconds_count",
+    ):
+        assert value(after, name) == value(before, name), name
+
+
 def test_worker_gauges_follow_heartbeats(stack: Stack) -> None:
     samples = scrape(stack)
     assert value(samples, "minibatch_worker_up") == 1
