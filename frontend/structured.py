@@ -65,10 +65,10 @@ async def grammar_fields(
         return {}
     grammar, problem = await asyncio.to_thread(compile_grammar, source.kind, source.value)
     if problem is not None:
-        field = GrammarKind.field(source.kind)
+        param = source.param
         if problem.startswith("Unimplemented"):  # a JSON Schema keyword llguidance lacks
-            raise ApiError(400, f"{source.param}: {problem}", "unsupported", field)
-        raise ApiError(422, f"{source.param}: {problem}", "invalid_request", field)
+            raise ApiError(400, f"{param}: {problem}", "unsupported", param)
+        raise ApiError(422, f"{param}: {problem}", "invalid_request", param)
     return {"grammar_kind": source.kind, "grammar": grammar}
 
 
@@ -94,7 +94,7 @@ def _response_format(value: dict[str, Any]) -> GrammarSource | None:
             f"response_format.type: must be one of {', '.join(RESPONSE_FORMATS)}, got "
             f"{_preview(kind)}",
             "unsupported" if isinstance(kind, str) else "invalid_request",
-            "response_format",
+            "response_format.type",
         )
     if kind == "text":
         return None
@@ -175,8 +175,8 @@ def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
 
 
 def _invalid(param: str, message: str) -> ApiError:
-    field = param.split(".")[0]
-    return ApiError(422, f"{param}: {message}", "invalid_request", field)
+    """422 naming the field at fault by its whole path: response_format.json_schema."""
+    return ApiError(422, f"{param}: {message}", "invalid_request", param)
 
 
 def _preview(value: Any) -> str:

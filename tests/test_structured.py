@@ -72,28 +72,40 @@ def test_text_asks_for_no_grammar_and_each_kind_names_its_source() -> None:
 @pytest.mark.parametrize(
     ("response_format", "structured_outputs", "status", "param", "message"),
     [
-        ({"type": "xml"}, None, 400, "response_format", "response_format.type: must be one of"),
-        ({"type": 1}, None, 422, "response_format", "response_format.type"),
-        ({"type": "json_schema"}, None, 422, "response_format", "response_format.json_schema"),
+        ({"type": "xml"}, None, 400, "response_format.type", "must be one of"),
+        ({"type": 1}, None, 422, "response_format.type", "must be one of"),
+        ({"type": "json_schema"}, None, 422, "response_format.json_schema", "with a schema"),
         (
             {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
             None,
             422,
-            "response_format",
+            "response_format.json_schema.schema",
             "response_format.json_schema.schema: Invalid type: strin",
         ),
         (
             {"type": "json_schema", "json_schema": {"schema": {"not": {"type": "null"}}}},
             None,
             400,
-            "response_format",
+            "response_format.json_schema.schema",
             "Unimplemented keys",
         ),
-        (None, {"regex": "a("}, 422, "structured_outputs", "structured_outputs.regex:"),
-        (None, {"choice": ["a", ""]}, 422, "structured_outputs", "structured_outputs.choice"),
-        (None, {"json": "{"}, 422, "structured_outputs", "structured_outputs.json: is not JSON"),
-        (None, {"json": "[]"}, 422, "structured_outputs", "must be a JSON Schema object"),
-        (None, {"grammar": "start: nowhere"}, 422, "structured_outputs", "unknown name"),
+        (None, {"regex": "a("}, 422, "structured_outputs.regex", "structured_outputs.regex:"),
+        (
+            None,
+            {"choice": ["a", ""]},
+            422,
+            "structured_outputs.choice",
+            "structured_outputs.choice",
+        ),
+        (
+            None,
+            {"json": "{"},
+            422,
+            "structured_outputs.json",
+            "structured_outputs.json: is not JSON",
+        ),
+        (None, {"json": "[]"}, 422, "structured_outputs.json", "must be a JSON Schema object"),
+        (None, {"grammar": "start: nowhere"}, 422, "structured_outputs.grammar", "unknown name"),
         (None, {"regex": "a", "choice": ["a"]}, 422, "structured_outputs", "exactly one"),
         (None, {}, 422, "structured_outputs", "exactly one of json, regex, choice, grammar"),
         (None, {"structural_tag": "x"}, 400, "structured_outputs", "'structural_tag' not supp"),
@@ -102,7 +114,7 @@ def test_text_asks_for_no_grammar_and_each_kind_names_its_source() -> None:
             None,
             {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)},
             422,
-            "structured_outputs",
+            "structured_outputs.regex",
             f"at most {MAX_GRAMMAR_CHARS:,}",
         ),
     ],
@@ -113,7 +125,7 @@ def test_each_bad_grammar_is_refused_naming_its_field(
     with pytest.raises(ApiError) as caught:
         _fields(response_format, structured_outputs)
     assert (caught.value.status, caught.value.param) == (status, param)
-    assert message in caught.value.message
+    assert caught.value.message.startswith(f"{param}: ") and message in caught.value.message
 
 
 def test_the_frontend_checks_grammars_without_torch_or_llguidance_torch() -> None:
@@ -129,8 +141,15 @@ def test_the_frontend_checks_grammars_without_torch_or_llguidance_torch() -> Non
 @pytest.mark.parametrize(
     ("field", "value", "param"),
     [
-        ("response_format", {"type": "json_schema", "json_schema": {}}, "response_format"),
-        ("structured_outputs", {"regex": "("}, "structured_outputs"),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {}},
+            "response_format.json_schema.schema",
+        ),
+        ("response_format", {"type": "json_schema"}, "response_format.json_schema"),
+        ("structured_outputs", {"regex": "("}, "structured_outputs.regex"),
+        ("structured_outputs", {"json": "{"}, "structured_outputs.json"),
+        ("structured_outputs", {"regex": "a", "choice": ["b"]}, "structured_outputs"),
     ],
 )
 def test_over_http_a_bad_grammar_names_its_field(
