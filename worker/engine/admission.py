@@ -68,7 +68,7 @@ def _prompt(
         raise RequestRejected(
             request.request_id,
             ErrorCode.INVALID_REQUEST,
-            f"{prompt_field(request)}: the prompt has no tokens",
+            f"{_prompt_field(request)}: it tokenizes to no tokens",
         )
     return token_ids, text
 
@@ -107,7 +107,7 @@ def _check_context(request: GenerateRequest, num_prompt_tokens: int, info: Model
         )
 
 
-def prompt_field(request: GenerateRequest) -> str:
+def _prompt_field(request: GenerateRequest) -> str:
     """What a refusal of the prompt names: a conversation's messages, or the prompt."""
     return "messages" if request.chat_roles else "prompt"
 
@@ -116,7 +116,7 @@ def overflow_message(request: GenerateRequest, num_prompt_tokens: int, window: i
     """Why ``request``'s prompt of ``num_prompt_tokens`` does not fit ``window``, in
     words that hold for every endpoint: each names the number of tokens to
     generate its own way (max_tokens, max_completion_tokens, max_new_tokens)."""
-    field = prompt_field(request)
+    field = _prompt_field(request)
     if request.fit_context and request.max_new_tokens == 0:
         return (
             f"{field}: {num_prompt_tokens:,} tokens leave no room to generate in the "
