@@ -239,30 +239,18 @@ def test_a_long_list_of_bad_token_ids_gets_one_error(stack: Stack) -> None:
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b"[" * 100_000 + b"]" * 100_000, "body: JSON nested too deeply"),
+        (
+            b"[" * 100_000 + b"]" * 100_000,
+            "body: JSON nested too deeply (the parser stops at about 200 levels); a schema "
+            "or value nested that deep cannot be sent",
+        ),
         (b'["prompt"]', "body: must be a JSON object, got an array"),
-        (b'{"prompt": "hi"', "body: invalid JSON"),
-    ],
-)
-def test_a_body_that_is_not_one_json_object_gets_a_short_422(
-    stack: Stack, content: bytes, message: str
-) -> None:
-    response = httpx.post(
-        f"{stack.url}/generate", content=content, headers={"Content-Type": JSON}, timeout=GIVE_UP_S
-    )
-    assert response.status_code == 422
-    assert response.json()["error"]["message"].startswith(message)
-    assert len(response.content) < 1000
-
-
-@pytest.mark.parametrize(
-    ("content", "message"),
-    [
         (
             b'{"prompt": "hi"',
             "body: invalid JSON (EOF while parsing an object at line 1 column 15); "
             "send one JSON object in UTF-8",
         ),
+        # The hint about lone surrogates only where one is the fault.
         (
             b'{"prompt": "\\udc00"}',
             "body: invalid JSON (lone leading surrogate in hex escape at line 1 column 18); "
@@ -271,15 +259,15 @@ def test_a_body_that_is_not_one_json_object_gets_a_short_422(
         ),
     ],
 )
-def test_invalid_json_is_told_what_is_wrong_and_only_that(
+def test_a_body_that_is_not_one_json_object_gets_a_short_422_that_says_why(
     stack: Stack, content: bytes, message: str
 ) -> None:
-    """The hint about lone surrogates only where one is the fault."""
     response = httpx.post(
         f"{stack.url}/generate", content=content, headers={"Content-Type": JSON}, timeout=GIVE_UP_S
     )
     assert response.status_code == 422
     assert response.json()["error"]["message"] == message
+    assert len(response.content) < 1000
 
 
 def test_a_body_that_stalls_gets_408(stack: Stack) -> None:
