@@ -18,7 +18,7 @@ from frontend.auth import ApiKeyMiddleware
 from frontend.chat_api import chat_completions
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError, handle_api_error
-from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, Metrics
+from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, UNROUTED, Metrics
 from frontend.native_api import generate
 from frontend.openai_api import completions, models, retrieve_model
 from frontend.openapi import openapi_schema
@@ -75,8 +75,15 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     # Every error that reaches here is the request's one answer: count it once.
     request_metrics: Metrics = request.app.state.metrics
-    request_metrics.count_request(request.url.path, exc.status, NO_FINISH_REASON)
+    request_metrics.count_request(_route_path(request), exc.status, NO_FINISH_REASON)
     return await handle_api_error(request, exc)
+
+
+def _route_path(request: Request) -> str:
+    """The route's path as declared ("/v1/models/{model:path}"), not as requested:
+    a label per requested path would let any client grow /metrics without bound."""
+    route = request.scope.get("route")
+    return route.path if isinstance(route, Route) else UNROUTED
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -28,6 +28,7 @@ NO_FINISH_REASON = "none"  # no generation finished: an HTTP error, or a tokeniz
 # Calls that run the tokenizer, not the model: counted as requests, and kept out
 # of the token and latency metrics, which are the model's.
 TOKENIZER_ENDPOINTS = ("/tokenize", "/detokenize")
+UNROUTED = "other"  # the endpoint label of a request refused before it was routed
 
 _LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

@@ -87,6 +87,20 @@ def test_a_tokenizer_call_counts_as_a_request_and_in_no_token_metric(stack: Stac
         assert value(after, name) == value(before, name), name
 
 
+def test_errors_are_labelled_by_route_not_by_the_path_asked_for(stack: Stack) -> None:
+    """Else each name asked for would be a series of its own, for ever."""
+    before = scrape(stack)
+    for name in ("a", "b", "c" * 1000):
+        assert httpx.get(f"{stack.url}/v1/models/{name}", timeout=10).status_code == 404
+    after = scrape(stack)
+    route = "/v1/models/{model:path}"
+    labels = {"endpoint": route, "status": "404", "finish_reason": "none"}
+    counted = value(after, "minibatch_requests_total", **labels)
+    assert counted - value(before, "minibatch_requests_total", **labels) == 3
+    endpoints = {dict(labels).get("endpoint", "") for _, labels in after}
+    assert {e for e in endpoints if e.startswith("/v1/models/")} == {route}
+
+
 def test_worker_gauges_follow_heartbeats(stack: Stack) -> None:
     samples = scrape(stack)
     assert value(samples, "minibatch_worker_up") == 1
