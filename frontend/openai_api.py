@@ -22,6 +22,7 @@ from frontend.logprobs import TokenScore, completion_logprobs, unpack
 from frontend.openai_common import (
     Envelope,
     UsageStream,
+    check_model,
     openai_request,
     read_openai_request,
     results_usage,
@@ -116,14 +117,7 @@ async def retrieve_model(request: Request) -> Response:
     """The served model's card (the `openai` client's ``models.retrieve``); 404
     for any other name."""
     card = _model_card(request)
-    name = request.path_params["model"]
-    if name != card["id"]:
-        raise ApiError(
-            404,
-            f"model {name[:200]!r} is not served here; this server serves {card['id']!r}",
-            "model_not_found",
-            "model",
-        )
+    check_model(request.app.state.client, request.path_params["model"])
     return JSONResponse(card)
 
 

@@ -91,10 +91,15 @@ def check_model(client: WorkerClient, name: str) -> None:
     if model is not None and name != model:
         raise ApiError(
             404,
-            f"model {name!r} is not served here; this server serves {model!r}",
+            f"model {_quoted(name)} is not served here; this server serves {model!r}",
             "model_not_found",
             "model",
         )
+
+
+def _quoted(name: str, max_chars: int = 200) -> str:
+    """A client's name quoted back, cut short: it may be any length."""
+    return repr(name) if len(name) <= max_chars else f"{name[:max_chars]!r}..."
 
 
 def openai_request(

@@ -49,6 +49,15 @@ def test_models_retrieve_gives_the_served_model_and_404_for_another(
         )
 
 
+def test_a_long_model_name_is_quoted_back_cut_short(stack: Stack) -> None:
+    body = {"model": "B" * 500_000, "prompt": "hi"}
+    response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert response.status_code == 404
+    assert response.json()["error"]["message"] == (
+        f"model {'B' * 200!r}... is not served here; this server serves 'fake'"
+    )
+
+
 def test_completion(client: openai.OpenAI) -> None:
     completion = client.completions.create(model="fake", prompt="hello", max_tokens=7)
     assert completion.object == "text_completion"
