@@ -18,6 +18,7 @@ from frontend.auth import ApiKeyMiddleware
 from frontend.chat_api import chat_completions
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError, handle_api_error
+from frontend.framing import AmbiguousFramingMiddleware
 from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, UNROUTED, Metrics
 from frontend.native_api import generate
 from frontend.openai_api import completions, models, retrieve_model
@@ -56,7 +57,7 @@ def create_app(config: FrontendConfig) -> Starlette:
             Route("/openapi.json", openapi, methods=["GET"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
-        middleware=[Middleware(ApiKeyMiddleware, api_key=config.api_key)] if config.api_key else [],
+        middleware=_middleware(config),
         lifespan=lifespan,
     )
     app.state.config = config
@@ -64,6 +65,14 @@ def create_app(config: FrontendConfig) -> Starlette:
     app.state.metrics = Metrics(client)
     app.state.started_at = int(time.time())
     return app
+
+
+def _middleware(config: FrontendConfig) -> list[Middleware]:
+    """Framing first: a request it refuses reaches nothing else."""
+    middleware = [Middleware(AmbiguousFramingMiddleware)]
+    if config.api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
+    return middleware
 
 
 def _client(request: Request) -> WorkerClient:

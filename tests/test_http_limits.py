@@ -270,6 +270,27 @@ def test_a_body_that_is_not_one_json_object_gets_a_short_422_that_says_why(
     assert len(response.content) < 1000
 
 
+def test_a_body_framed_two_ways_is_refused_and_its_connection_closed(stack: Stack) -> None:
+    """Content-Length and Transfer-Encoding at once: request smuggling's start."""
+    body = b'{"prompt": "hi"}'
+    with connect(stack) as sock:
+        sock.sendall(
+            head(
+                "/generate",
+                f"Content-Type: {JSON}",
+                "Content-Length: 5",
+                "Transfer-Encoding: chunked",
+            )
+            + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        )
+        status, headers, answer = read_response(sock)  # returns once the server closes
+    assert status == 400
+    assert headers["connection"] == "close"
+    assert json.loads(answer)["error"]["message"].startswith(
+        "the request has both Content-Length and Transfer-Encoding; send one"
+    )
+
+
 def test_a_body_that_stalls_gets_408(stack: Stack) -> None:
     with connect(stack) as sock:
         started = time.monotonic()
