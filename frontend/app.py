@@ -99,7 +99,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     """Unknown paths and wrong methods, in the same error shape as everything else."""
     assert isinstance(exc, HTTPException)
     message = f"{request.method} {request.url.path}: {exc.detail}; see GET /openapi.json"
-    return await handle_api_error(request, ApiError(exc.status_code, message))
+    # A 405's Allow header names the methods the path takes.
+    headers = dict(exc.headers or {})
+    return await handle_api_error(request, ApiError(exc.status_code, message, headers=headers))
 
 
 def _status(client: WorkerClient) -> dict[str, Any]:

@@ -339,3 +339,15 @@ def read_kept_alive_response(sock: socket.socket) -> bytes:
 def _length(data: bytes) -> int:
     header_block = data.partition(b"\r\n\r\n")[0].lower()
     return int(header_block.split(b"content-length:")[1].split(b"\r\n")[0])
+
+
+def test_an_unknown_path_or_method_gets_the_usual_error_shape(stack: Stack) -> None:
+    missing = httpx.get(f"{stack.url}/v2/completions", timeout=10)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == (
+        "GET /v2/completions: Not Found; see GET /openapi.json"
+    )
+    wrong_method = httpx.get(f"{stack.url}/v1/completions", timeout=10)
+    assert wrong_method.status_code == 405
+    assert wrong_method.headers["allow"] == "POST"  # as RFC 9110 asks of a 405
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
