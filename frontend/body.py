@@ -28,6 +28,7 @@ SEND_JSON = f"send a JSON object with the header 'Content-Type: {JSON_MEDIA_TYPE
 CLOSE = {"Connection": "close"}
 DRAIN_FACTOR = 4
 DRAIN_TIMEOUT_S = 1.0
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:
@@ -44,7 +45,8 @@ async def read_json_object(request: Request) -> dict[str, Any]:
         raise refusal
     body = await _read(request, config)
     try:
-        value = pydantic_core.from_json(body, allow_inf_nan=False)
+        # RFC 8259 lets a parser ignore a byte order mark, and some editors write one.
+        value = pydantic_core.from_json(body.removeprefix(UTF8_BOM), allow_inf_nan=False)
     except ValueError as exc:
         # The parser (jiter) bounds nesting itself, so deep nesting costs nothing.
         if "recursion limit" in str(exc):

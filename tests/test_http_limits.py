@@ -351,3 +351,10 @@ def test_an_unknown_path_or_method_gets_the_usual_error_shape(stack: Stack) -> N
     assert wrong_method.status_code == 405
     assert wrong_method.headers["allow"] == "POST"  # as RFC 9110 asks of a 405
     assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_after_a_utf8_byte_order_mark_is_read(stack: Stack) -> None:
+    content = b'\xef\xbb\xbf{"prompt": "hi", "max_new_tokens": 2}'
+    headers = {"Content-Type": JSON}
+    response = httpx.post(f"{stack.url}/generate", content=content, headers=headers, timeout=10)
+    assert response.status_code == 200, response.text
