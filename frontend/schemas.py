@@ -10,8 +10,11 @@ that every accepted value fits the wire encoding. The OpenAI bodies are in
 
 from __future__ import annotations
 
+import difflib
 import re
 import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -60,35 +63,49 @@ class GenerateBody(BaseModel):
 _UNION_ARM = re.compile(r"(str|int|float|bool|(list|dict)\[.*\])$")
 
 
-def describe(error: ValidationError) -> tuple[str, str | None]:
+@dataclass(frozen=True)
+class _Fault:
+    """One of pydantic's errors, placed."""
+
+    where: str  # the dotted path, union arms left out
+    arm: str | None  # the union arm ("list[int]") the value was tried as, if any
+    refuses_type: bool  # that arm refused the value's type, not a part of the value
+    past_arm: tuple[tuple[int, int | str], ...]  # the path inside the arm, comparable
+    item: dict[str, Any]
+
+
+def describe(error: ValidationError, fields: Sequence[str] = ()) -> tuple[str, str | None]:
     """One readable sentence per field at fault, in JSON's words
     ('max_new_tokens: must be an integer, got a string'), the first
-    MAX_REPORTED_ERRORS of them, and the first such field. For a
-    union, a value of the wrong type is one sentence naming the accepted types,
-    and a value of the right type is described by its own arm's complaint alone
-    (an array's bad item, say)."""
-    # field -> (where, the union arm that failed there or None, pydantic's error)
-    by_field: dict[str, list[tuple[str, str | None, dict[str, Any]]]] = {}
+    MAX_REPORTED_ERRORS of them, and the first such field. For a union, a value
+    of no arm's type is one sentence naming the accepted types, and one of an
+    arm's type is told that arm's complaint alone (an array's bad item, say). An
+    unknown top-level field is told the nearest of ``fields`` (the body's), or
+    all of them."""
+    by_field: dict[str, list[_Fault]] = {}
     for item in error.errors(include_url=False):
         loc = item["loc"]
         arm_at = next((i for i, part in enumerate(loc) if _is_arm(part)), len(loc))
         field = ".".join(_name(part) for part in loc[:arm_at]) or "body"
         where = ".".join(_name(part) for part in loc if not _is_arm(part)) or "body"
-        # Only an arm refused at the union itself refuses the value's type.
-        is_union_type_error = arm_at == len(loc) - 1 and item["type"].endswith("_type")
-        arm = str(loc[arm_at]).replace("constrained-", "") if is_union_type_error else None
-        by_field.setdefault(field, []).append((where, arm, dict(item)))
+        arm = str(loc[arm_at]).replace("constrained-", "") if arm_at < len(loc) else None
+        refuses_type = arm_at == len(loc) - 1 and item["type"].endswith("_type")
+        past_arm = tuple((0, p) if isinstance(p, int) else (1, str(p)) for p in loc[arm_at + 1 :])
+        by_field.setdefault(field, []).append(
+            _Fault(where, arm, refuses_type, past_arm, dict(item))
+        )
     sentences = []
     params = []
-    for field, items in by_field.items():
-        specific = [(where, item) for where, arm, item in items if arm is None]
+    for field, faults in by_field.items():
+        specific = [fault for fault in faults if not fault.refuses_type]
         if specific:
-            sentences += [f"{where}: {_complaint(item)}" for where, item in specific]
-            params.append(specific[0][0])
+            specific = _furthest_arm(specific)
+            sentences += [f"{f.where}: {_complaint(f.item, fields)}" for f in specific]
+            params.append(specific[0].where)
         else:
-            kinds = [_json_kind(arm or "?") for arm in dict.fromkeys(arm for _, arm, _ in items)]
+            kinds = [_json_kind(arm or "?") for arm in dict.fromkeys(f.arm for f in faults)]
             either = " or ".join([", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
-            got = json_kind_of(items[0][2]["input"])
+            got = json_kind_of(faults[0].item["input"])
             sentences.append(f"{field}: must be {either}, got {got}")
             params.append(field)
     param = params[0] if params and params[0] != "body" else None
@@ -96,6 +113,17 @@ def describe(error: ValidationError) -> tuple[str, str | None]:
     if num_unreported > 0:
         sentences = [*sentences[:MAX_REPORTED_ERRORS], f"and {num_unreported} more"]
     return "; ".join(sentences), param
+
+
+def _furthest_arm(faults: list[_Fault]) -> list[_Fault]:
+    """The faults of the one union arm the value got furthest through: for a
+    prompt [1, 2.0], list[int]'s complaint about item 1, not list[str]'s about
+    item 0. On a tie, the arm the union names first."""
+    arms = list(dict.fromkeys(fault.arm for fault in faults))
+    if len(arms) == 1:
+        return faults
+    furthest = max(arms, key=lambda arm: min(f.past_arm for f in faults if f.arm == arm))
+    return [fault for fault in faults if fault.arm == furthest]
 
 
 # What each of pydantic's type errors asks for, in JSON's words: "Input should be
@@ -119,7 +147,12 @@ _KIND_BY_ARM = {
 }
 
 
-def _complaint(item: Any) -> str:
+def _complaint(item: Any, fields: Sequence[str]) -> str:
+    if item["type"] == "extra_forbidden" and len(item["loc"]) == 1 and fields:
+        nearest = difflib.get_close_matches(str(item["loc"][0]), fields, n=1)
+        if nearest:
+            return f"not a field of this body; did you mean {nearest[0]}?"
+        return f"not a field of this body, whose fields are {', '.join(fields)}"
     kind = _KIND_BY_ERROR_TYPE.get(item["type"])
     if kind is None:
         return str(item["msg"])
@@ -191,7 +224,7 @@ async def parse_body(
     try:
         return schema.model_validate(value), ignored
     except ValidationError as exc:
-        message, param = describe(exc)
+        message, param = describe(exc, list(schema.model_fields))
         raise ApiError(422, message, "invalid_request", param) from None
 
 

@@ -41,6 +41,9 @@ def test_a_message_names_the_first_few_fields_and_counts_the_rest() -> None:
         ({"stop": None, "echo": "yes"}, "echo: must be true or false, got a string"),
         # An array, as one arm asks, with a bad item: the item is at fault.
         ({"stop": ["a", 5]}, "stop.1: must be a string, got an integer"),
+        # As the arm that got furthest (list[int], to item 1) tells it alone.
+        ({"prompt": [1, 2.0]}, "prompt.1: must be an integer, got a number"),
+        ({"prompt": [[1], ["a"]]}, "prompt.1.0: must be an integer, got a string"),
     ],
 )
 def test_a_type_error_is_told_in_json_words(body: dict[str, object], expected: str) -> None:
@@ -61,6 +64,20 @@ def test_an_array_item_of_the_wrong_type_in_a_chat_message_is_named() -> None:
         "messages.0.content.0: must be an object, got an integer",
         "messages.0.content.0",
     )
+
+
+def test_an_unknown_field_is_told_the_nearest_field_or_all_of_them() -> None:
+    fields = list(GenerateBody.model_fields)
+    with pytest.raises(ValidationError) as caught:
+        GenerateBody.model_validate({"prompt": "hi", "max_tokens": 4})
+    assert describe(caught.value, fields) == (
+        "max_tokens: not a field of this body; did you mean max_new_tokens?",
+        "max_tokens",
+    )
+    with pytest.raises(ValidationError) as caught:
+        GenerateBody.model_validate({"prompt": "hi", "colour": "blue"})
+    message, _ = describe(caught.value, fields)
+    assert message == f"colour: not a field of this body, whose fields are {', '.join(fields)}"
 
 
 def test_a_long_unknown_field_name_is_shortened() -> None:
