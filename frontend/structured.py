@@ -36,6 +36,18 @@ JSON_OPTIONS: JsonCompileOptions = {
     "key_separator": ": ",
 }
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# vLLM's other structured_outputs fields, and the values this server honours as
+# asked: with one grammar engine there is no fallback to disable, and JSON comes
+# without free whitespace whichever disable_any_whitespace says (see JSON_OPTIONS).
+# Clients that send vLLM's defaults send these.
+VLLM_OPTIONS: dict[str, tuple[object, ...]] = {
+    "json_object": (None, False, True),
+    "disable_fallback": (False, True),
+    "disable_any_whitespace": (False, True),
+    "disable_additional_properties": (False,),
+    "whitespace_pattern": (None,),
+    "structural_tag": (None,),
+}
 STRUCTURED_OUTPUTS = {
     "json": GrammarKind.JSON,
     "regex": GrammarKind.REGEX,
@@ -110,7 +122,8 @@ def _response_format(value: dict[str, Any]) -> GrammarSource | None:
 
 
 def _structured_outputs(value: dict[str, Any]) -> GrammarSource:
-    unknown = [key for key in value if key not in STRUCTURED_OUTPUTS]
+    _check_vllm_options(value)
+    unknown = [key for key in value if key not in STRUCTURED_OUTPUTS and key not in VLLM_OPTIONS]
     if unknown:
         raise ApiError(
             400,
@@ -119,6 +132,8 @@ def _structured_outputs(value: dict[str, Any]) -> GrammarSource:
             "unsupported",
             "structured_outputs",
         )
+    if value.get("json_object") is True:  # vLLM's spelling of response_format json_object
+        value = {**value, "json_object": None, "json": {"type": "object"}}
     given = [key for key in STRUCTURED_OUTPUTS if value.get(key) is not None]
     if len(given) != 1:
         raise _invalid(
@@ -141,6 +156,21 @@ def _structured_outputs(value: dict[str, Any]) -> GrammarSource:
     elif not (isinstance(item, str) and item):
         raise _invalid(param, "must be a non-empty string")
     return GrammarSource(STRUCTURED_OUTPUTS[key], item, param)
+
+
+def _check_vllm_options(value: dict[str, Any]) -> None:
+    """400 for a vLLM option at a value that asks for more than this server does."""
+    for key, allowed in VLLM_OPTIONS.items():
+        # By identity: 1 == True, and 1 is not a boolean.
+        if key in value and not any(value[key] is option for option in allowed):
+            shown = " or ".join(json.dumps(option) for option in allowed)
+            raise ApiError(
+                400,
+                f"structured_outputs.{key}: only {shown} is supported here, got "
+                f"{_preview(value[key])}",
+                "unsupported",
+                f"structured_outputs.{key}",
+            )
 
 
 def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:

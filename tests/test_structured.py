@@ -69,6 +69,23 @@ def test_text_asks_for_no_grammar_and_each_kind_names_its_source() -> None:
         assert 0 < len(fields["grammar"]) <= MAX_GRAMMAR_CHARS
 
 
+def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
+    """As a client that sends all of vLLM's defaults sends them."""
+    defaults = {
+        "json_object": None,
+        "disable_fallback": False,
+        "disable_any_whitespace": False,
+        "disable_additional_properties": False,
+        "whitespace_pattern": None,
+        "structural_tag": None,
+    }
+    assert _fields(structured_outputs={"choice": ["a"], **defaults})["grammar_kind"] == "choice"
+    as_vllm = {**defaults, "json_object": True}  # vLLM's spelling of any JSON object
+    assert _fields(structured_outputs=as_vllm) == _fields(
+        structured_outputs={"json": {"type": "object"}}
+    )
+
+
 @pytest.mark.parametrize(
     ("response_format", "structured_outputs", "status", "param", "message"),
     [
@@ -108,8 +125,37 @@ def test_text_asks_for_no_grammar_and_each_kind_names_its_source() -> None:
         (None, {"grammar": "start: nowhere"}, 422, "structured_outputs.grammar", "unknown name"),
         (None, {"regex": "a", "choice": ["a"]}, 422, "structured_outputs", "exactly one"),
         (None, {}, 422, "structured_outputs", "exactly one of json, regex, choice, grammar"),
-        (None, {"structural_tag": "x"}, 400, "structured_outputs", "'structural_tag' not supp"),
+        (
+            None,
+            {"structural_tag": "x"},
+            400,
+            "structured_outputs.structural_tag",
+            "only null is supported here",
+        ),
+        (None, {"guided_json": {}}, 400, "structured_outputs", "'guided_json' not supp"),
         ({"type": "json_object"}, {"regex": "a"}, 422, "structured_outputs", "not both"),
+        (
+            None,
+            {"choice": ["a"], "whitespace_pattern": " *"},
+            400,
+            "structured_outputs.whitespace_pattern",
+            "only null is supported here",
+        ),
+        (
+            None,
+            {"regex": "a", "disable_additional_properties": True},
+            400,
+            "structured_outputs.disable_additional_properties",
+            "only false is supported here",
+        ),
+        (
+            None,
+            {"regex": "a", "disable_fallback": 1},
+            400,
+            "structured_outputs.disable_fallback",
+            "only false or true is supported here, got 1",
+        ),
+        (None, {"json_object": True, "regex": "a"}, 422, "structured_outputs", "exactly one"),
         (
             None,
             {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)},
