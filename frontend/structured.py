@@ -132,15 +132,18 @@ def _structured_outputs(value: dict[str, Any]) -> GrammarSource:
             "unsupported",
             "structured_outputs",
         )
-    if value.get("json_object") is True:  # vLLM's spelling of response_format json_object
-        value = {**value, "json_object": None, "json": {"type": "object"}}
     given = [key for key in STRUCTURED_OUTPUTS if value.get(key) is not None]
+    if value.get("json_object") is True:  # vLLM's spelling of response_format json_object
+        given.append("json_object")
     if len(given) != 1:
         raise _invalid(
             "structured_outputs",
-            f"set exactly one of {', '.join(STRUCTURED_OUTPUTS)}, got {len(given)}",
+            f"set exactly one of {', '.join(STRUCTURED_OUTPUTS)} (or json_object true), "
+            f"got {len(given)}",
         )
     key = given[0]
+    if key == "json_object":
+        return GrammarSource(GrammarKind.JSON_OBJECT, {"type": "object"}, "structured_outputs")
     item, param = value[key], f"structured_outputs.{key}"
     if key == "json":
         if isinstance(item, str):

@@ -81,9 +81,7 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
     }
     assert _fields(structured_outputs={"choice": ["a"], **defaults})["grammar_kind"] == "choice"
     as_vllm = {**defaults, "json_object": True}  # vLLM's spelling of any JSON object
-    assert _fields(structured_outputs=as_vllm) == _fields(
-        structured_outputs={"json": {"type": "object"}}
-    )
+    assert _fields(structured_outputs=as_vllm) == _fields({"type": "json_object"})
 
 
 @pytest.mark.parametrize(
@@ -156,6 +154,7 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
             "only false or true is supported here, got 1",
         ),
         (None, {"json_object": True, "regex": "a"}, 422, "structured_outputs", "exactly one"),
+        (None, {"json_object": True, "json": {}}, 422, "structured_outputs", "got 2"),
         (
             None,
             {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)},
