@@ -13,6 +13,8 @@ from protocol import Logprobs
 
 # JSON has no -inf; vLLM reports a token the model rules out as -9999.0 too.
 _FLOOR = -9999.0
+# What a token's text holds for bytes that are only part of a character.
+_REPLACED = "\N{REPLACEMENT CHARACTER}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,19 +50,53 @@ def unpack(logprobs: Logprobs | None) -> list[TokenScore]:
     return scores
 
 
-def completion_logprobs(scores: list[TokenScore], text_offset: int = 0) -> dict[str, Any]:
-    """OpenAI's completions logprobs, token texts at offsets from ``text_offset``.
-    As OpenAI's, each top_logprobs entry also holds the token itself."""
-    offsets = []
-    for score in scores:
-        offsets.append(text_offset)
-        text_offset += len(score.text)
+def completion_logprobs(scores: list[TokenScore], text: str, text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions logprobs for the tokens that make ``text``, which
+    starts at ``text_offset`` of the choice's whole text. As OpenAI's, each
+    top_logprobs entry also holds the token itself."""
     return {
         "tokens": [score.text for score in scores],
         "token_logprobs": [score.logprob for score in scores],
         "top_logprobs": [_top_map(score) for score in scores],
-        "text_offset": offsets,
+        "text_offset": token_offsets([score.text for score in scores], text, text_offset),
     }
+
+
+def token_offsets(token_texts: list[str], text: str, start: int = 0) -> list[int]:
+    """Where each token begins in ``text``, the tokens' text (plus ``start``).
+
+    A token may hold only some of a character's bytes: alone, those decode to
+    U+FFFD, which ``text`` does not hold, and summing the tokens' lengths would
+    put every later token too far. A token that begins a split character is
+    placed where its whole part ends (the character's start), the tokens that
+    continue it there too, and the text goes on after the first whole text found
+    past it: k such tokens make at most k characters."""
+    offsets = []
+    pos = 0
+    num_partial = 0  # tokens in a split character so far
+    for token_text in token_texts:
+        if num_partial:
+            tail = token_text.lstrip(_REPLACED)  # whatever whole text follows the bytes
+            found = -1
+            if tail and _REPLACED not in tail:
+                found = text.find(tail, pos, pos + num_partial + len(token_text))
+            offsets.append(start + min(pos, len(text)))
+            if found >= 0:
+                if tail == token_text:  # not part of the character: it begins after it
+                    offsets[-1] = start + found
+                pos, num_partial = found + len(tail), 0
+            else:
+                num_partial += 1
+            continue
+        offsets.append(start + min(pos, len(text)))
+        if text.startswith(token_text, pos):
+            pos += len(token_text)
+            continue
+        whole = token_text.rstrip(_REPLACED)  # the " " of a " \xf0\x9f" token
+        if whole and text.startswith(whole, pos):
+            pos += len(whole)
+        num_partial = 1
+    return offsets
 
 
 def chat_logprobs(scores: list[TokenScore]) -> dict[str, Any]:

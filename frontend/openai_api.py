@@ -86,7 +86,7 @@ async def completions(request: Request) -> Response:
             scores = unpack(prompt_logprobs) if body.echo else []
             for part in output_logprobs:
                 scores += unpack(part)
-            logprobs = completion_logprobs(scores)
+            logprobs = completion_logprobs(scores, text)
         return _choice(index, text, logprobs, result.finish_reason)
 
     def final(accepted: Accepted, results: list[GenerateResult]) -> dict[str, Any]:
@@ -205,9 +205,9 @@ class _CompletionStream:
     def _frame(self, text: str, finish_reason: str | None) -> str:
         logprobs = None
         if self.wants_logprobs:
-            logprobs = completion_logprobs(self.pending, self.text_offset)
-            self.text_offset += sum(len(score.text) for score in self.pending)
+            logprobs = completion_logprobs(self.pending, text, self.text_offset)
             self.pending = []
+        self.text_offset += len(text)
         choice = _choice(self.index, text, logprobs, finish_reason)
         return sse_frame(self.completion.wrap(_KIND, [choice], self.usage.so_far()))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -105,6 +106,41 @@ def test_echoed_logprobs_over_http_match_hf_on_the_same_weights(
     assert generated is not None and abs(generated - reference[-1].max().item()) < 1e-4
     assert chat.choices[0].message.content and chat.usage is not None
     assert chat.usage.prompt_tokens == len(gpt2_tokenizer().encode("User: Hi\n\nAssistant:").ids)
+
+
+def test_text_offsets_point_into_the_text_where_tokens_split_characters(
+    tmp_path: Path, small_model_dir: Path
+) -> None:
+    """GPT-2 writes an emoji as three byte tokens; the offsets after it are where
+    the text is, streamed or not."""
+    prompt = "héllo wörld 🎉 ok"
+    overrides = {"MODEL_ID": str(small_model_dir), "DEVICE": "cpu"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live(timeout_s=120)
+        body = {"model": str(small_model_dir), "prompt": prompt, "max_tokens": 0, "echo": True}
+        body["logprobs"] = 0
+        answer = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30).json()
+        streamed = httpx.post(
+            f"{stack.url}/v1/completions", json={**body, "stream": True}, timeout=30
+        ).text
+    (choice,) = answer["choices"]
+    logprobs = choice["logprobs"]
+    assert choice["text"] == prompt
+    assert "\N{REPLACEMENT CHARACTER}" in "".join(logprobs["tokens"])  # the emoji's bytes
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"], strict=True):
+        if "\N{REPLACEMENT CHARACTER}" not in token:
+            assert prompt[offset:].startswith(token), (token, offset)
+    assert logprobs["text_offset"][-1] == prompt.index(" ok")
+    streamed_offsets = [
+        offset
+        for line in streamed.splitlines()
+        if line.startswith("data: {")
+        for chunk in [json.loads(line.removeprefix("data: "))]
+        for choice in chunk["choices"]
+        if choice["logprobs"]
+        for offset in choice["logprobs"]["text_offset"]
+    ]
+    assert streamed_offsets == logprobs["text_offset"]
 
 
 def test_the_prefix_cache_over_http_counts_what_it_served(
