@@ -143,6 +143,17 @@ def test_text_offsets_point_into_the_text_where_tokens_split_characters(
     assert streamed_offsets == logprobs["text_offset"]
 
 
+def test_eos_generated_past_counts_but_is_no_text(tmp_path: Path, small_model_dir: Path) -> None:
+    overrides = {"MODEL_ID": str(small_model_dir), "DEVICE": "cpu"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live(timeout_s=120)
+        body = {"model": str(small_model_dir), "prompt": "Hi", "max_tokens": 4, "temperature": 0}
+        body.update(ignore_eos=True, logit_bias={"50256": 100})  # EOS, every time
+        answer = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30).json()
+    assert answer["choices"][0]["text"] == ""
+    assert answer["usage"]["completion_tokens"] == 4
+
+
 def test_the_prefix_cache_over_http_counts_what_it_served(
     tmp_path: Path, small_model_dir: Path
 ) -> None:

@@ -189,18 +189,26 @@ def test_eos_ends_the_sequence() -> None:
     assert seq.final_text() == "ab"
 
 
-def test_ignore_eos_generates_through_eos_until_length() -> None:
-    seq = make(max_new_tokens=5, ignore_eos=True)
-    feed(seq, b"ab\x00cd")
+def test_ignore_eos_generates_through_eos_until_length_and_leaves_its_text_out() -> None:
+    seq = make(max_new_tokens=5, ignore_eos=True, stream=True)
+    deltas = feed(seq, b"ab\x00cd")
     assert seq.finish_reason == "length"
     assert len(seq.output_token_ids) == 5
+    assert "".join(deltas) == seq.final_text() == "abcd"
+
+
+def test_a_sequence_resumed_past_an_ignored_eos_has_the_same_text() -> None:
+    seq = make(max_new_tokens=6, ignore_eos=True, stream=True)
+    seq.resume(list(b"ab\x00"), num_chars_shown=2)
+    assert "".join(feed(seq, b"cde")) == "cde"
+    assert seq.final_text() == "abcde"
 
 
 def test_ignore_eos_still_honours_stop_token_ids() -> None:
     seq = make(ignore_eos=True, stop_token_ids=[ord("c")])
     feed(seq, b"ab\x00cd")
     assert seq.finish_reason == "stop"
-    assert seq.final_text() == "ab\x00"
+    assert seq.final_text() == "ab"
 
 
 def test_length_finishes_at_max_new_tokens() -> None:

@@ -206,7 +206,7 @@ class Sequence:
     def final_text(self) -> str:
         """The whole output text (stop token and stop string excluded)."""
         if not self._tracks_text:
-            return self._tokenizer.decode(self.output_token_ids[: self._num_text_tokens])
+            return self._decode_output(self.output_token_ids[: self._num_text_tokens])
         self._extend_text(flush=True)
         return self._text
 
@@ -233,12 +233,21 @@ class Sequence:
         pending = self.output_token_ids[self._num_settled_tokens : self._num_text_tokens]
         if not pending:
             return False
-        piece = self._tokenizer.decode(pending)
+        piece = self._decode_output(pending)
         if piece.endswith(_REPLACEMENT_CHAR) and len(pending) < _MAX_PENDING_TOKENS and not flush:
             return False
         self._text += piece
         self._num_settled_tokens = self._num_text_tokens
         return True
+
+    def _decode_output(self, token_ids: list[int]) -> str:
+        """Output tokens as text, the end-of-sequence token's left out: generated
+        past (ignore_eos), it is a marker, not the text "<|endoftext|>", which
+        would tokenize to other tokens. vLLM and llama.cpp's servers leave it out too."""
+        eos = self._tokenizer.eos_token_id
+        if eos is not None and eos in token_ids:
+            token_ids = [token_id for token_id in token_ids if token_id != eos]
+        return self._tokenizer.decode(token_ids)
 
     def _cut_at_stop_string(self, num_chars_before: int) -> bool:
         """Cut the text before the earliest stop string in it; return whether cut.
