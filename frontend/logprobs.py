@@ -50,7 +50,9 @@ def unpack(logprobs: Logprobs | None) -> list[TokenScore]:
     return scores
 
 
-def completion_logprobs(scores: list[TokenScore], text: str, text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    scores: list[TokenScore], text: str, text_offset: int = 0
+) -> dict[str, Any]:
     """OpenAI's completions logprobs for the tokens that make ``text``, which
     starts at ``text_offset`` of the choice's whole text. As OpenAI's, each
     top_logprobs entry also holds the token itself."""
