@@ -14,7 +14,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from frontend.schemas import MAX_NAME_CHARS, STRICT, StopStrings, TokenIds
+from frontend.field_errors import short_name
+from frontend.schemas import STRICT, StopStrings, TokenIds
 from protocol.limits import (
     CHAT_ROLES,
     MAX_CHAT_MESSAGES,
@@ -47,11 +48,10 @@ def _count_logit_bias(value: Any) -> Any:
 def _check_logit_bias_keys(value: dict[str, float]) -> dict[str, float]:
     for key in value:
         if _TOKEN_ID_KEY.fullmatch(key) is None or int(key) > MAX_TOKEN_ID:
-            shown = key if len(key) <= MAX_NAME_CHARS else key[: MAX_NAME_CHARS - 3] + "..."
             raise PydanticCustomError(
                 "logit_bias_key",
                 "keys must be token ids, decimal integers 0 to {limit}; got '{key}'",
-                {"limit": MAX_TOKEN_ID, "key": shown},
+                {"limit": MAX_TOKEN_ID, "key": short_name(key)},
             )
     return value
 

@@ -6,13 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from frontend.errors import ApiError
+from frontend.field_errors import MAX_REPORTED_ERRORS, describe
 from frontend.openai_schemas import ChatBody, CompletionBody
-from frontend.schemas import (
-    MAX_REPORTED_ERRORS,
-    GenerateBody,
-    check_num_fields,
-    describe,
-)
+from frontend.schemas import GenerateBody, check_num_fields
 
 
 def test_a_message_names_the_first_few_fields_and_counts_the_rest() -> None:

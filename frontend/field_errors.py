@@ -1,0 +1,138 @@
+"""Body errors told in JSON's words: pydantic's validation errors as one sentence
+per field at fault ("max_new_tokens: must be an integer, got a string"), and
+the names a client sent quoted back cut short, since they may be any length."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from frontend.body import json_kind_of
+
+MAX_REPORTED_ERRORS = 5
+MAX_NAME_CHARS = 40  # of a field name quoted back: an unknown one may be any length
+
+# pydantic names the arm of a union it tried in an error's location: "list[str]".
+_UNION_ARM = re.compile(r"(str|int|float|bool|(list|dict)\[.*\])$")
+
+
+@dataclass(frozen=True)
+class _Fault:
+    """One of pydantic's errors, placed."""
+
+    where: str  # the dotted path, union arms left out
+    arm: str | None  # the union arm ("list[int]") the value was tried as, if any
+    refuses_type: bool  # that arm refused the value's type, not a part of the value
+    past_arm: tuple[tuple[int, int | str], ...]  # the path inside the arm, comparable
+    item: dict[str, Any]
+
+
+def describe(error: ValidationError, fields: Sequence[str] = ()) -> tuple[str, str | None]:
+    """One readable sentence per field at fault, in JSON's words
+    ('max_new_tokens: must be an integer, got a string'), the first
+    MAX_REPORTED_ERRORS of them, and the first such field. For a union, a value
+    of no arm's type is one sentence naming the accepted types, and one of an
+    arm's type is told that arm's complaint alone (an array's bad item, say). An
+    unknown top-level field is told the nearest of ``fields`` (the body's), or
+    all of them."""
+    by_field: dict[str, list[_Fault]] = {}
+    for item in error.errors(include_url=False):
+        loc = item["loc"]
+        arm_at = next((i for i, part in enumerate(loc) if _is_arm(part)), len(loc))
+        field = ".".join(short_name(part) for part in loc[:arm_at]) or "body"
+        where = ".".join(short_name(part) for part in loc if not _is_arm(part)) or "body"
+        arm = str(loc[arm_at]).replace("constrained-", "") if arm_at < len(loc) else None
+        refuses_type = arm_at == len(loc) - 1 and item["type"].endswith("_type")
+        past_arm = tuple((0, p) if isinstance(p, int) else (1, str(p)) for p in loc[arm_at + 1 :])
+        by_field.setdefault(field, []).append(
+            _Fault(where, arm, refuses_type, past_arm, dict(item))
+        )
+    sentences = []
+    params = []
+    for field, faults in by_field.items():
+        specific = [fault for fault in faults if not fault.refuses_type]
+        if specific:
+            specific = _furthest_arm(specific)
+            sentences += [f"{f.where}: {_complaint(f.item, fields)}" for f in specific]
+            params.append(specific[0].where)
+        else:
+            kinds = [_json_kind(arm or "?") for arm in dict.fromkeys(f.arm for f in faults)]
+            either = " or ".join([", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
+            got = json_kind_of(faults[0].item["input"])
+            sentences.append(f"{field}: must be {either}, got {got}")
+            params.append(field)
+    param = params[0] if params and params[0] != "body" else None
+    num_unreported = len(sentences) - MAX_REPORTED_ERRORS
+    if num_unreported > 0:
+        sentences = [*sentences[:MAX_REPORTED_ERRORS], f"and {num_unreported} more"]
+    return "; ".join(sentences), param
+
+
+def _furthest_arm(faults: list[_Fault]) -> list[_Fault]:
+    """The faults of the one union arm the value got furthest through: for a
+    prompt [1, 2.0], list[int]'s complaint about item 1, not list[str]'s about
+    item 0. On a tie, the arm the union names first."""
+    arms = list(dict.fromkeys(fault.arm for fault in faults))
+    if len(arms) == 1:
+        return faults
+    furthest = max(arms, key=lambda arm: min(f.past_arm for f in faults if f.arm == arm))
+    return [fault for fault in faults if fault.arm == furthest]
+
+
+# What each of pydantic's type errors asks for, in JSON's words: "Input should be
+# a valid dictionary or instance of ChatMessage" says nothing to a client.
+_KIND_BY_ERROR_TYPE = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "true or false",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+# A union's arm as pydantic names it ("list[int]"), singular and plural.
+_KIND_BY_ARM = {
+    "str": ("a string", "strings"),
+    "int": ("an integer", "integers"),
+    "float": ("a number", "numbers"),
+    "bool": ("true or false", "booleans"),
+}
+
+
+def _complaint(item: Any, fields: Sequence[str]) -> str:
+    if item["type"] == "extra_forbidden" and len(item["loc"]) == 1 and fields:
+        nearest = difflib.get_close_matches(str(item["loc"][0]), fields, n=1)
+        if nearest:
+            return f"not a field of this body; did you mean {nearest[0]}?"
+        return f"not a field of this body, whose fields are {', '.join(fields)}"
+    kind = _KIND_BY_ERROR_TYPE.get(item["type"])
+    if kind is None:
+        return str(item["msg"])
+    return f"must be {kind}, got {json_kind_of(item['input'])}"
+
+
+def _json_kind(arm: str, is_plural: bool = False) -> str:
+    """ "list[list[int]]" as "an array of arrays of integers"."""
+    if arm.startswith("list[") and arm.endswith("]"):
+        items = _json_kind(arm[len("list[") : -1], is_plural=True)
+        return f"arrays of {items}" if is_plural else f"an array of {items}"
+    if arm.startswith("dict["):
+        return "objects" if is_plural else "an object"
+    singular, plural = _KIND_BY_ARM.get(arm, (arm, arm))
+    return plural if is_plural else singular
+
+
+def _is_arm(part: str | int) -> bool:
+    return isinstance(part, str) and _UNION_ARM.fullmatch(part) is not None
+
+
+def short_name(part: str | int) -> str:
+    """A field name (or path part) quoted back, cut to MAX_NAME_CHARS."""
+    name = str(part)
+    return name if len(name) <= MAX_NAME_CHARS else name[: MAX_NAME_CHARS - 3] + "..."
