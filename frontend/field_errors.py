@@ -132,7 +132,7 @@ def _is_arm(part: str | int) -> bool:
     return isinstance(part, str) and _UNION_ARM.fullmatch(part) is not None
 
 
-def short_name(part: str | int) -> str:
-    """A field name (or path part) quoted back, cut to MAX_NAME_CHARS."""
+def short_name(part: str | int, max_chars: int = MAX_NAME_CHARS) -> str:
+    """A name the client sent (a field, a path part, a model), cut to ``max_chars``."""
     name = str(part)
-    return name if len(name) <= MAX_NAME_CHARS else name[: MAX_NAME_CHARS - 3] + "..."
+    return name if len(name) <= max_chars else name[: max_chars - 3] + "..."

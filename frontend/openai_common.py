@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 from starlette.requests import Request
 
 from frontend.errors import ApiError
+from frontend.field_errors import short_name
 from frontend.generation import generate_request
 from frontend.openai_schemas import OpenAIBody
 from frontend.schemas import name_fields, parse_body
@@ -21,6 +22,8 @@ from frontend.worker_client import WorkerClient
 from protocol import GenerateRequest, GenerateResult
 
 log = logging.getLogger(__name__)
+
+MAX_MODEL_NAME_CHARS = 200  # of a model name quoted back: a hub id may be long
 
 # Names the request fields that were ignored, so that a client can see a typo.
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
@@ -91,15 +94,11 @@ def check_model(client: WorkerClient, name: str) -> None:
     if model is not None and name != model:
         raise ApiError(
             404,
-            f"model {_quoted(name)} is not served here; this server serves {model!r}",
+            f"model {short_name(name, MAX_MODEL_NAME_CHARS)!r} is not served here; "
+            f"this server serves {model!r}",
             "model_not_found",
             "model",
         )
-
-
-def _quoted(name: str, max_chars: int = 200) -> str:
-    """A client's name quoted back, cut short: it may be any length."""
-    return repr(name) if len(name) <= max_chars else f"{name[:max_chars]!r}..."
 
 
 def openai_request(

@@ -54,7 +54,7 @@ def test_a_long_model_name_is_quoted_back_cut_short(stack: Stack) -> None:
     response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
     assert response.status_code == 404
     assert response.json()["error"]["message"] == (
-        f"model {'B' * 200!r}... is not served here; this server serves 'fake'"
+        f"model {'B' * 197 + '...'!r} is not served here; this server serves 'fake'"
     )
 
 
