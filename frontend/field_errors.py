@@ -136,3 +136,9 @@ def short_name(part: str | int, max_chars: int = MAX_NAME_CHARS) -> str:
     """A name the client sent (a field, a path part, a model), cut to ``max_chars``."""
     name = str(part)
     return name if len(name) <= max_chars else name[: max_chars - 3] + "..."
+
+
+def printable(text: str) -> str:
+    """``text`` as printable ASCII, for a header or a log line: a client's newline
+    would otherwise start a forged log line, and a NUL make the log binary."""
+    return text.encode("unicode_escape").decode("ascii")

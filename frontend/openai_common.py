@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 from starlette.requests import Request
 
 from frontend.errors import ApiError
-from frontend.field_errors import short_name
+from frontend.field_errors import printable, short_name
 from frontend.generation import generate_request
 from frontend.openai_schemas import OpenAIBody
 from frontend.schemas import name_fields, parse_body
@@ -52,9 +52,8 @@ def ignored_fields_headers(ignored: list[str]) -> dict[str, str]:
     """The response header that names the ignored fields, if any."""
     if not ignored:
         return {}
-    # A header value must be ASCII: escape whatever a field name holds.
-    named = name_fields(ignored).encode("ascii", "backslashreplace").decode()
-    return {IGNORED_FIELDS_HEADER: "".join(c if c.isprintable() else "?" for c in named)}
+    # A header value must be printable ASCII: escape whatever a field name holds.
+    return {IGNORED_FIELDS_HEADER: printable(name_fields(ignored))}
 
 
 def log_ignored_fields(request_id: str, ignored: list[str]) -> None:
@@ -63,7 +62,7 @@ def log_ignored_fields(request_id: str, ignored: list[str]) -> None:
             "request %s: ignored %d unknown fields: %s",
             request_id,
             len(ignored),
-            name_fields(ignored),
+            printable(name_fields(ignored)),
         )
 
 

@@ -321,6 +321,19 @@ def test_unknown_fields_are_ignored_and_named(stack: Stack) -> None:
     )
 
 
+def test_an_ignored_field_name_is_escaped_in_the_header_and_the_log(stack: Stack) -> None:
+    """A newline in a name would otherwise forge a log line; a NUL make the log binary."""
+    forged = "zz\n2026-12-03 13:00:00,000 supervisor ERROR: forged\x00é"
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 1, forged: 1}
+    response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert response.status_code == 200, response.text
+    escaped = "zz\\n2026-12-03 13:00:00,000 supervisor..."
+    assert response.headers[IGNORED_FIELDS_HEADER] == escaped
+    log = stack.log("frontend")
+    assert f"ignored 1 unknown fields: {escaped}" in log
+    assert "\n2026-12-03 13:00:00,000 supervisor ERROR: forged" not in log
+
+
 def test_a_known_field_of_the_wrong_type_is_still_a_422(stack: Stack) -> None:
     body = {"model": "fake", "prompt": "hi", "min_tokens": "3", "whatever": 1}
     response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
