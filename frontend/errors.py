@@ -18,6 +18,7 @@ _STATUS_BY_CODE = {
     ErrorCode.QUEUE_FULL: 503,
     ErrorCode.INTERNAL: 500,
     ErrorCode.WORKERS_DIED: 500,
+    ErrorCode.SHUTTING_DOWN: 503,
 }
 # Worker field -> /generate's field, and every endpoint's unless it names the
 # field its own way; prompt ids are the request's "prompt".

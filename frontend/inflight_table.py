@@ -86,6 +86,18 @@ class InFlightTable:
             entry.link = None
         return entries
 
+    def take_unheld(self) -> list[InFlight]:
+        """Every request no worker holds, in order, now in no line (still in the
+        table, to be resolved)."""
+        entries = sorted(self.waiting + self.suspects, key=lambda entry: entry.order)
+        self.waiting.clear()
+        self.suspects.clear()
+        return entries
+
+    def all_entries(self) -> list[InFlight]:
+        """Every request in the table, in accept order."""
+        return sorted(self._by_request_id.values(), key=lambda entry: entry.order)
+
     def requeue(self, entry: InFlight, is_suspect: bool = False) -> None:
         """Put a request no worker holds back in line, at its place by accept order."""
         line = self.suspects if is_suspect else self.waiting

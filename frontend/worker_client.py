@@ -14,6 +14,7 @@ and dropped its requests) holds none of them, and they are sent again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Iterable, Sequence
@@ -25,10 +26,22 @@ from frontend.inflight_table import InFlightTable
 from frontend.replay import release
 from frontend.worker_link import WorkerLink
 from frontend.worker_pool import WorkerPool
-from protocol import AbortRequest, GenerateRequest, Hello, Ping, TokenDelta, encode
+from protocol import (
+    AbortRequest,
+    ErrorCode,
+    ErrorResult,
+    GenerateRequest,
+    Hello,
+    Ping,
+    TokenDelta,
+    encode,
+)
 from protocol.liveness import Verdict
 
 log = logging.getLogger(__name__)
+
+# How long before a stopping frontend's connections are cut it answers what is left.
+_ANSWER_BEFORE_CUT_S = 1.0
 
 
 class WorkerClient:
@@ -39,12 +52,45 @@ class WorkerClient:
         self.num_worker_restarts = 0
         self._table = InFlightTable(config.max_inflight_requests)
         self._pool = WorkerPool(config, self)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.is_shutting_down = False
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await self._pool.start()
 
     async def close(self) -> None:
         await self._pool.close()
+
+    def shut_down_soon(self, grace_s: float) -> None:
+        """From a signal handler: `shut_down` at the event loop's next turn."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.shut_down, grace_s)
+
+    def shut_down(self, grace_s: float) -> None:
+        """The frontend is stopping, and has ``grace_s`` before its connections are
+        cut (uvicorn's graceful-shutdown timeout). Requests go on while a worker is
+        live; once none is (a signal to the whole process group stops the workers
+        too), what no worker holds is answered at once, and a second before the
+        cut, whatever is left: 503, or a stream's error event, not a cut connection."""
+        if self.is_shutting_down or self._loop is None:
+            return
+        self.is_shutting_down = True
+        log.info("shutting down: %d requests in flight", self.num_inflight)
+        self._loop.call_later(max(0.0, grace_s - _ANSWER_BEFORE_CUT_S), self._end_all, grace_s)
+        self._dispatch()
+
+    def _end_all(self, grace_s: float) -> None:
+        entries = self._table.all_entries()
+        if entries:
+            log.warning("shutting down: ending %d requests that did not finish", len(entries))
+        why = f"it did not finish within the {grace_s:g} s this frontend had to stop"
+        for entry in entries:
+            link = entry.link
+            self._table.resolve(entry, _shutting_down(entry, why))
+            if link is not None:
+                link.send(AbortRequest(entry.wire_id))
+                link.on_done()
 
     # --- requests -------------------------------------------------------------------
 
@@ -167,6 +213,11 @@ class WorkerClient:
     # --- sending and replay --------------------------------------------------------------
 
     def _dispatch(self) -> None:
+        if self.is_shutting_down and not self.verdict().is_live:
+            # Its workers are stopping too: what none holds now will never run.
+            for entry in self._table.take_unheld():
+                self._table.resolve(entry, _shutting_down(entry, "no worker is left to run it"))
+            return
         dispatch(self._table, self._pool.links())
 
     def _release(self, link: WorkerLink, why: str, is_death: bool) -> None:
@@ -190,3 +241,12 @@ class WorkerClient:
         if link.held and not verdict.is_live and is_any_other_live:
             # Frozen, hung or cut off: a live worker runs its requests meanwhile.
             self._release(link, f"is {verdict.state.value}", is_death=True)
+
+
+def _shutting_down(entry: InFlight, why: str) -> ErrorResult:
+    return ErrorResult(
+        entry.wire_id,
+        ErrorCode.SHUTTING_DOWN,
+        f"this frontend is shutting down and {why}; retry it, on another instance or "
+        "on this one once it is back",
+    )

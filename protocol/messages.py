@@ -28,6 +28,8 @@ class ErrorCode:
     # 500, from the frontend: the request was in flight on two workers that died, so
     # it may be what kills them; it is not replayed a third time.
     WORKERS_DIED = "workers_died"
+    # 503, from the frontend: it is stopping, and no worker held the request.
+    SHUTTING_DOWN = "shutting_down"
 
     ALL: ClassVar[tuple[str, ...]] = (
         INVALID_REQUEST,
@@ -36,6 +38,7 @@ class ErrorCode:
         QUEUE_FULL,
         INTERNAL,
         WORKERS_DIED,
+        SHUTTING_DOWN,
     )
 
 

@@ -1,0 +1,111 @@
+"""A frontend told to stop (SIGTERM) lets its requests go on while a worker is
+live, for uvicorn's graceful-shutdown timeout; what is left is answered, a 503
+to retry elsewhere or a stream's error event, never a connection cut."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from frontend.main import GRACEFUL_SHUTDOWN_S
+from tests.sse import sse_events
+from tests.stack import Stack, running_stack
+
+STEP_DELAY_S = 0.05
+CAPACITY = 2
+SHORT = 20  # tokens: 1 s of generation
+LONG = 400  # tokens: 20 s, longer than the grace
+OVERRIDES = {"FAKE_STEP_DELAY_S": str(STEP_DELAY_S), "MAX_BATCH_SIZE": str(CAPACITY)}
+
+Events = list[tuple[str | None, str]]
+
+
+class Background:
+    """A call on a thread of its own, and what it returned."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.answer: Any = None
+        self._thread = threading.Thread(target=self._run, args=(call,))
+        self._thread.start()
+
+    def _run(self, call: Callable[[], Any]) -> None:
+        self.answer = call()
+
+    def result(self) -> Any:
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive(), "no answer within 30 s"
+        return self.answer
+
+
+def _stream(stack: Stack, num_tokens: int) -> Events:
+    body = {"prompt": "stream", "max_new_tokens": num_tokens, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/generate", json=body, timeout=30) as response:
+        return list(sse_events(response))
+
+
+def _plain(stack: Stack, num_tokens: int) -> httpx.Response:
+    body = {"prompt": "plain", "max_new_tokens": num_tokens}
+    return httpx.post(f"{stack.url}/generate", json=body, timeout=30)
+
+
+def _error_code(events: Events) -> str | None:
+    event, data = events[-1]
+    return str(json.loads(data)["error"]["code"]) if event == "error" else None
+
+
+def test_a_stopping_frontend_finishes_what_runs_and_what_waits(tmp_path: Path) -> None:
+    """As minibatch-serve stops: the frontends first, their workers still live."""
+    with running_stack(tmp_path, OVERRIDES, supervised=False) as stack:
+        stack.wait_live()
+        streams = [Background(lambda: _stream(stack, SHORT)) for _ in range(CAPACITY)]
+        stack.wait_for_health("running", lambda h: h["active"] == CAPACITY)
+        waiting = [Background(lambda: _plain(stack, SHORT)) for _ in range(2)]
+        stack.wait_for_health("waiting", lambda h: h["queued"] == 2)
+        stack.processes["frontend"].send_signal(signal.SIGTERM)
+        for stream in streams:
+            events = stream.result()
+            assert [event for event, _ in events].count("token") == SHORT
+            assert events[-1][0] == "done", events[-1]
+        for plain in waiting:
+            assert plain.result().status_code == 200, plain.result().text
+        stack.processes["frontend"].wait(timeout=GRACEFUL_SHUTDOWN_S)
+
+
+def test_what_is_left_when_the_grace_ends_is_answered_not_cut(tmp_path: Path) -> None:
+    with running_stack(tmp_path, OVERRIDES, supervised=False) as stack:
+        stack.wait_live()
+        streams = [Background(lambda: _stream(stack, LONG)) for _ in range(CAPACITY)]
+        stack.wait_for_health("running", lambda h: h["active"] == CAPACITY)
+        waiting = Background(lambda: _plain(stack, LONG))
+        stack.wait_for_health("waiting", lambda h: h["queued"] == 1)
+        stopped_at = time.monotonic()
+        stack.processes["frontend"].send_signal(signal.SIGTERM)
+        for stream in streams:
+            assert _error_code(stream.result()) == "shutting_down"
+        refused = waiting.result()
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "shutting_down"
+        assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S
+        stack.processes["frontend"].wait(timeout=GRACEFUL_SHUTDOWN_S)
+        assert "shutting down: ending 3 requests that did not finish" in stack.log("frontend")
+
+
+def test_streams_end_with_an_error_at_once_when_their_worker_stops_too(tmp_path: Path) -> None:
+    """As a signal to the whole process group stops them (systemd, ^C)."""
+    with running_stack(tmp_path, OVERRIDES, supervised=False) as stack:
+        stack.wait_live()
+        streams = [Background(lambda: _stream(stack, LONG)) for _ in range(CAPACITY)]
+        stack.wait_for_health("running", lambda h: h["active"] == CAPACITY)
+        stopped_at = time.monotonic()
+        for name in ("frontend", "worker"):
+            stack.processes[name].send_signal(signal.SIGTERM)
+        for stream in streams:
+            assert _error_code(stream.result()) == "shutting_down"
+        assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S / 2
