@@ -86,11 +86,8 @@ class WorkerClient:
             log.warning("shutting down: ending %d requests that did not finish", len(entries))
         why = f"it did not finish within the {grace_s:g} s this frontend had to stop"
         for entry in entries:
-            link = entry.link
-            self._table.resolve(entry, _shutting_down(entry, why))
-            if link is not None:
-                link.send(AbortRequest(entry.wire_id))
-                link.on_done()
+            entry.post(_shutting_down(entry, why))
+        self.cancel(entries)  # out of the table, and aborted in the workers that run them
 
     # --- requests -------------------------------------------------------------------
 

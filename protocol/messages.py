@@ -28,7 +28,7 @@ class ErrorCode:
     # 500, from the frontend: the request was in flight on two workers that died, so
     # it may be what kills them; it is not replayed a third time.
     WORKERS_DIED = "workers_died"
-    # 503, from the frontend: it is stopping, and no worker held the request.
+    # 503, from the frontend: it is stopping, and the request could not be finished.
     SHUTTING_DOWN = "shutting_down"
 
     ALL: ClassVar[tuple[str, ...]] = (
