@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -28,6 +28,8 @@ from frontend.worker_client import WorkerClient
 from frontend.worker_link import WorkerLink
 from protocol.liveness import WorkerState
 
+Endpoint = Callable[[Request], Awaitable[Response]]
+
 
 def create_app(config: FrontendConfig) -> Starlette:
     client = WorkerClient(config)
@@ -45,9 +47,9 @@ def create_app(config: FrontendConfig) -> Starlette:
             Route("/generate", generate, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models", _counted(models), methods=["GET"]),
             # A hub id holds a slash: "openai-community/gpt2".
-            Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+            Route("/v1/models/{model:path}", _counted(retrieve_model), methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/version", version, methods=["GET"]),
@@ -86,6 +88,20 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     request_metrics: Metrics = request.app.state.metrics
     request_metrics.count_request(_route_path(request), exc.status, NO_FINISH_REASON)
     return await handle_api_error(request, exc)
+
+
+def _counted(endpoint: Endpoint) -> Endpoint:
+    """An API route whose answers no generation metric counts: its successes count
+    in minibatch_requests_total as its refusals do (`_api_error`). Probes' and
+    scrapers' routes (/health, /metrics...) count only when refused."""
+
+    async def counted(request: Request) -> Response:
+        response = await endpoint(request)
+        request_metrics: Metrics = request.app.state.metrics
+        request_metrics.count_request(_route_path(request), response.status_code, NO_FINISH_REASON)
+        return response
+
+    return counted
 
 
 def _route_path(request: Request) -> str:

@@ -87,6 +87,25 @@ def test_a_tokenizer_call_counts_as_a_request_and_in_no_token_metric(stack: Stac
         assert value(after, name) == value(before, name), name
 
 
+def test_model_listings_count_as_requests_like_their_refusals(stack: Stack) -> None:
+    model = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    before = scrape(stack)
+    assert httpx.get(f"{stack.url}/v1/models", timeout=10).status_code == 200
+    assert httpx.get(f"{stack.url}/v1/models/{model}", timeout=10).status_code == 200
+    assert httpx.get(f"{stack.url}/health", timeout=10).status_code == 200
+    after = scrape(stack)
+
+    def grew(endpoint: str) -> float:
+        labels = {"endpoint": endpoint, "status": "200", "finish_reason": "none"}
+        return value(after, "minibatch_requests_total", **labels) - value(
+            before, "minibatch_requests_total", **labels
+        )
+
+    assert grew("/v1/models") == 1
+    assert grew("/v1/models/{model:path}") == 1
+    assert grew("/health") == 0  # probes are not requests
+
+
 def test_errors_are_labelled_by_route_not_by_the_path_asked_for(stack: Stack) -> None:
     """Else each name asked for would be a series of its own, for ever."""
     before = scrape(stack)
