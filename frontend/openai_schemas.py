@@ -11,7 +11,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from frontend.field_errors import short_name
@@ -208,9 +216,12 @@ class ChatBody(OpenAIBody):
             *super()._checks(),
             ("tools", not self.tools, "tool calling is not supported"),
             ("tool_choice", self.tool_choice in (None, "none"), "tool calling is not supported"),
-            (
-                "top_logprobs",
-                self.top_logprobs is None or bool(self.logprobs),
-                "top_logprobs needs logprobs: true",
-            ),
         ]
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """An invalid request (422), not an unsupported one: OpenAI's rule."""
+        if value is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("needs_logprobs", "set logprobs to true to use it")
+        return value

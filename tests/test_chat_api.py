@@ -109,6 +109,16 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     ]
 
 
+def test_top_logprobs_without_logprobs_is_an_invalid_request(stack: Stack) -> None:
+    for logprobs in ({}, {"logprobs": False}):
+        body = {"model": "fake", "messages": MESSAGES, "top_logprobs": 2, **logprobs}
+        response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=10)
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_request", "top_logprobs")
+        assert error["message"] == "top_logprobs: set logprobs to true to use it"
+
+
 def test_chat_continuous_usage_counts_every_chunk(stack: Stack) -> None:
     body = {
         "model": "fake",
