@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from protocol import ErrorCode, ErrorResult
+from protocol import ErrorCode, ErrorResult, GrammarKind
 
 RETRY_AFTER_S = 1
 
@@ -40,8 +40,7 @@ _PARAM_BY_WORKER_FIELD = {
     "logit_bias": "logit_bias",
     "logprobs": "logprobs",
     "prompt_logprobs": "logprobs",
-    "response_format": "response_format",
-    "structured_outputs": "structured_outputs",
+    **{GrammarKind.field(kind): GrammarKind.field(kind) for kind in GrammarKind.ALL},
 }
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",

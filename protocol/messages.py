@@ -57,9 +57,19 @@ class GrammarKind:
 
     @staticmethod
     def field(kind: str) -> str:
-        """The request field a grammar of ``kind`` came from."""
-        is_format = kind in (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT)
-        return "response_format" if is_format else "structured_outputs"
+        """The request field a grammar of ``kind`` came from, by its whole path as
+        the OpenAI endpoints name it in their own errors."""
+        return _GRAMMAR_FIELDS.get(kind, "structured_outputs")
+
+
+_GRAMMAR_FIELDS = {
+    GrammarKind.JSON_SCHEMA: "response_format.json_schema.schema",
+    GrammarKind.JSON_OBJECT: "response_format",
+    GrammarKind.JSON: "structured_outputs.json",
+    GrammarKind.REGEX: "structured_outputs.regex",
+    GrammarKind.CHOICE: "structured_outputs.choice",
+    GrammarKind.GRAMMAR: "structured_outputs.grammar",
+}
 
 
 # --- frontend -> worker ---------------------------------------------------------

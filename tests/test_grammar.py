@@ -140,10 +140,14 @@ def test_a_grammar_sent_again_compiles_once_and_the_kept_ones_are_bounded() -> N
 @pytest.mark.parametrize(
     ("kind", "grammar", "named"),
     [
-        ("json_schema", '{"grammars": [{"json_schema": {"type": "strin"}}]}', "response_format:"),
-        ("regex", llguidance.LLMatcher.grammar_from_regex("a("), "structured_outputs:"),
-        ("grammar", "start: nowhere", "structured_outputs:"),
-        ("grammar", "not a grammar at all {", "structured_outputs:"),
+        (
+            "json_schema",
+            '{"grammars": [{"json_schema": {"type": "strin"}}]}',
+            "response_format.json_schema.schema:",
+        ),
+        ("regex", llguidance.LLMatcher.grammar_from_regex("a("), "structured_outputs.regex:"),
+        ("grammar", "start: nowhere", "structured_outputs.grammar:"),
+        ("grammar", "not a grammar at all {", "structured_outputs.grammar:"),
     ],
 )
 def test_a_grammar_the_worker_cannot_compile_fails_only_its_request(
@@ -175,7 +179,8 @@ def test_a_grammar_no_output_can_finish_is_refused_in_words(kind: str, grammar: 
     scheduler.submit(constrained("endless", grammar, kind))
     error = run(scheduler)["endless"]
     assert isinstance(error, ErrorResult) and error.code == ErrorCode.INVALID_REQUEST
-    assert error.message.startswith(f"structured_outputs: the grammar cannot be used: {NEVER_ENDS}")
+    field = "structured_outputs.grammar" if kind == "grammar" else "structured_outputs.json"
+    assert error.message.startswith(f"{field}: the grammar cannot be used: {NEVER_ENDS}")
 
 
 def test_a_rule_that_never_ends_after_the_first_token_fails_in_words() -> None:
@@ -184,7 +189,7 @@ def test_a_rule_that_never_ends_after_the_first_token_fails_in_words() -> None:
     error = run(scheduler)["endless"]
     assert isinstance(error, ErrorResult) and error.code == ErrorCode.INVALID_REQUEST
     assert error.message.startswith(
-        f"structured_outputs: the output could not follow the grammar: {NEVER_ENDS}"
+        f"structured_outputs.grammar: the output could not follow the grammar: {NEVER_ENDS}"
     ), error.message
 
 
@@ -194,7 +199,9 @@ def test_an_engine_without_grammars_refuses_one_clearly() -> None:
     with pytest.raises(RequestRejected) as caught:
         engine.admit([constrained("r", json_grammar(SCHEMA))])
     assert caught.value.code == ErrorCode.UNSUPPORTED
-    assert caught.value.message.startswith("response_format: fake cannot constrain its output")
+    assert caught.value.message.startswith(
+        "response_format.json_schema.schema: fake cannot constrain its output"
+    )
 
 
 def test_a_token_the_grammar_refuses_mid_stream_fails_that_request_alone(
@@ -207,7 +214,9 @@ def test_a_token_the_grammar_refuses_mid_stream_fails_that_request_alone(
     finals = run(scheduler)
     error = finals["bad"]
     assert isinstance(error, ErrorResult) and error.code == ErrorCode.INVALID_REQUEST
-    assert error.message.startswith("response_format: the output could not follow the grammar")
+    assert error.message.startswith(
+        "response_format.json_schema.schema: the output could not follow the grammar"
+    )
     assert isinstance(finals["good"], GenerateResult)
     assert scheduler.num_failures_in_a_row == 0
 

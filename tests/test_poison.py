@@ -142,7 +142,12 @@ def test_a_refusal_by_the_worker_names_the_request_field(tmp_path: Path) -> None
                         "json_schema": {"schema": COSTLY_SCHEMA},
                     },
                 },
-                "response_format",
+                "response_format.json_schema.schema",
+            ),
+            (
+                "/v1/completions",
+                {"prompt": "p", "structured_outputs": {"grammar": "start: start"}},
+                "structured_outputs.grammar",
             ),
         ]
         for path, body, param in cases:

@@ -408,7 +408,9 @@ def test_a_grammar_too_costly_for_a_step_fails_its_request_alone(new_engine: Any
         finished += output.finished
     ((request_id, error),) = failed
     assert request_id == "costly"
-    assert str(error).startswith("response_format: the output could not follow the grammar")
+    assert str(error).startswith(
+        "response_format.json_schema.schema: the output could not follow the grammar"
+    )
     assert "max is 2000" in str(error)
     assert [(seq.request_id, len(seq.token_ids)) for seq in finished] == [("n", 6)]
 

@@ -167,12 +167,16 @@ def test_a_sound_request_passes() -> None:
         ),
         ({"grammar_kind": "yaml", "grammar": "x"}, ErrorCode.INVALID_REQUEST, "grammar_kind"),
         ({"grammar": "start: /a/"}, ErrorCode.INVALID_REQUEST, "grammar_kind: must be one of"),
-        ({"grammar_kind": "json_schema"}, ErrorCode.INVALID_REQUEST, "response_format: the"),
-        ({"grammar_kind": "choice"}, ErrorCode.INVALID_REQUEST, "structured_outputs: the"),
+        (
+            {"grammar_kind": "json_schema"},
+            ErrorCode.INVALID_REQUEST,
+            "response_format.json_schema.schema: the",
+        ),
+        ({"grammar_kind": "choice"}, ErrorCode.INVALID_REQUEST, "structured_outputs.choice: the"),
         (
             {"grammar_kind": "regex", "grammar": "x" * (MAX_GRAMMAR_CHARS + 1)},
             ErrorCode.INVALID_REQUEST,
-            f"structured_outputs: the grammar is {MAX_GRAMMAR_CHARS + 1:,} characters",
+            f"structured_outputs.regex: the grammar is {MAX_GRAMMAR_CHARS + 1:,} characters",
         ),
     ],
 )
