@@ -105,16 +105,48 @@ _KIND_BY_ARM = {
 }
 
 
+# Each of pydantic's range errors as a bound the client can aim at: its words
+# ("List should have at most 4 items after validation, not 5") are its own.
+_BOUND_BY_ERROR_TYPE = {
+    "greater_than_equal": ("ge", "at least {}"),
+    "greater_than": ("gt", "more than {}"),
+    "less_than_equal": ("le", "at most {}"),
+    "less_than": ("lt", "less than {}"),
+    "too_long": ("max_length", "at most {} items"),
+    "too_short": ("min_length", "at least {} items"),
+    "string_too_long": ("max_length", "at most {} characters"),
+    "string_too_short": ("min_length", "at least {} characters"),
+}
+
+
 def _complaint(item: Any, fields: Sequence[str]) -> str:
     if item["type"] == "extra_forbidden" and len(item["loc"]) == 1 and fields:
         nearest = difflib.get_close_matches(str(item["loc"][0]), fields, n=1)
         if nearest:
             return f"not a field of this body; did you mean {nearest[0]}?"
         return f"not a field of this body, whose fields are {', '.join(fields)}"
+    if item["type"] in _BOUND_BY_ERROR_TYPE:
+        return _out_of_bounds(item)
     kind = _KIND_BY_ERROR_TYPE.get(item["type"])
     if kind is None:
         return str(item["msg"])
     return f"must be {kind}, got {json_kind_of(item['input'])}"
+
+
+def _out_of_bounds(item: Any) -> str:
+    """'must be at most 2, got 2.5'; 'must have at most 4 items, got 5'."""
+    key, bound = _BOUND_BY_ERROR_TYPE[item["type"]]
+    limit = item["ctx"][key]
+    value = item["input"]
+    if limit == 1 and item["type"] in ("too_short", "string_too_short"):
+        return "must not be empty"
+    if item["type"] in ("too_long", "too_short"):
+        bound = bound.replace("items", "item") if limit == 1 else bound
+        return f"must have {bound.format(limit)}, got {item['ctx']['actual_length']}"
+    if item["type"].startswith("string_"):
+        return f"must be {bound.format(f'{limit:,}')}, got {len(value):,}"
+    shown = f"{limit:g}" if isinstance(limit, float) else str(limit)
+    return f"must be {bound.format(shown)}, got {short_name(value)}"
 
 
 def _json_kind(arm: str, is_plural: bool = False) -> str:

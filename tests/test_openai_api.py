@@ -271,8 +271,8 @@ def test_a_logit_bias_of_minus_100_moves_greedy_off_its_token(client: openai.Ope
     ("logit_bias", "message"),
     [
         ({str(FAKE_VOCAB_SIZE): 1}, f"logit_bias: token id {FAKE_VOCAB_SIZE} is outside"),
-        ({"65": 100.5}, "logit_bias.65: Input should be less than or equal to 100"),
-        ({"65": -101}, "logit_bias.65: Input should be greater than or equal to -100"),
+        ({"65": 100.5}, "logit_bias.65: must be at most 100, got 100.5"),
+        ({"65": -101}, "logit_bias.65: must be at least -100, got -101"),
         ({"A": 1}, "logit_bias: keys must be token ids, decimal integers"),
         ({"065": 1}, "logit_bias: keys must be token ids"),
         ({str(i): 1 for i in range(301)}, "logit_bias: at most 300 entries, got 301"),

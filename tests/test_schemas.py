@@ -52,6 +52,35 @@ def test_a_type_error_is_told_in_json_words(body: dict[str, object], expected: s
     assert param == expected.partition(":")[0]
 
 
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"temperature": 2.5}, "temperature: must be at most 2, got 2.5"),
+        ({"top_p": 0}, "top_p: must be more than 0, got 0"),
+        ({"n": 9}, "n: must be at most 8, got 9"),
+        ({"stop": ["a"] * 5}, "stop: must have at most 4 items, got 5"),
+        ({"logit_bias": {"7": -101}}, "logit_bias.7: must be at least -100, got -101"),
+    ],
+)
+def test_a_value_out_of_range_is_told_its_bound(body: dict[str, object], expected: str) -> None:
+    """Not pydantic's "List should have at most 4 items after validation, not 5"."""
+    with pytest.raises(ValidationError) as caught:
+        CompletionBody.model_validate({"model": "m", "prompt": "hi", **body})
+    assert describe(caught.value) == (expected, expected.partition(":")[0])
+
+
+def test_a_length_out_of_range_is_told_its_bound() -> None:
+    with pytest.raises(ValidationError) as caught:
+        ChatBody.model_validate({"model": "m", "messages": []})
+    assert describe(caught.value) == ("messages: must not be empty", "messages")
+    with pytest.raises(ValidationError) as caught:
+        GenerateBody.model_validate({"prompt": "hi", "request_id": "r" * 200})
+    assert describe(caught.value) == (
+        "request_id: must be at most 128 characters, got 200",
+        "request_id",
+    )
+
+
 def test_an_array_item_of_the_wrong_type_in_a_chat_message_is_named() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": [5]}]}
     with pytest.raises(ValidationError) as caught:
