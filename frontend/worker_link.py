@@ -105,6 +105,10 @@ class WorkerLink:
         return None if hello is None else hello.instance_id
 
     def verdict(self) -> Verdict:
+        # A busy event loop (a burst of large bodies to validate) can leave the
+        # worker's heartbeats unread past the timeout: that is no silence.
+        if not self._socket.closed and typing.cast(int, self._socket.get(zmq.EVENTS)) & zmq.POLLIN:
+            self.liveness.on_frames_waiting()
         return self.liveness.verdict()
 
     def send(self, message: ToWorker) -> bool:

@@ -4,7 +4,9 @@ Shared by the frontend (to decide when to replay) and the local supervisor (to
 decide when to replace the worker).
 
 - dead: its connection closed (the process is gone: its kernel closed the
-  socket), or no heartbeat for HEARTBEAT_TIMEOUT_S (frozen, hung, partitioned);
+  socket), or no heartbeat for HEARTBEAT_TIMEOUT_S (frozen, hung, partitioned),
+  counted from when frames from it last waited to be read, so that a judge too
+  busy to read them does not take its own deafness for the worker's silence;
 - hung: heartbeats arrive, work is pending, but the step counter has not moved
   for STEP_TIMEOUT_S (a step that never returns);
 - live: otherwise, once a hello has named the instance.
@@ -78,6 +80,13 @@ class Liveness:
             self._last_progress_at = now
         self.last_heartbeat = heartbeat
         self._last_seen_at = now
+
+    def on_frames_waiting(self) -> None:
+        """The worker's frames wait unread on this side (its event loop was busy):
+        the worker is not silent, only not yet listened to. Its heartbeats among
+        them will say how it is doing once read."""
+        if self.hello is not None:
+            self._last_seen_at = self._clock()
 
     def verdict(self) -> Verdict:
         if self.hello is None:

@@ -32,6 +32,19 @@ def test_silence_past_the_heartbeat_timeout_means_dead() -> None:
     assert "HEARTBEAT_TIMEOUT_S=3" in verdict.reason
 
 
+def test_frames_waiting_unread_are_no_silence() -> None:
+    """A judge too busy to read its socket has not heard silence; once the frames
+    are read and none follow, the timeout counts from when they last waited."""
+    clock = Clock()
+    liveness = Liveness(3, 10, clock)
+    liveness.on_hello(_hello())
+    clock.now += 5
+    liveness.on_frames_waiting()
+    assert liveness.verdict().is_live
+    clock.now += 3.1
+    assert liveness.verdict().state is WorkerState.DEAD
+
+
 def test_heartbeats_without_progress_on_pending_work_mean_hung() -> None:
     clock = Clock()
     liveness = Liveness(3, 10, clock)

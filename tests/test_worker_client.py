@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import zmq
@@ -115,3 +118,49 @@ def test_the_next_request_goes_out_while_the_running_one_takes_its_last_step() -
             context.term()
 
     asyncio.run(drill())
+
+
+def _heartbeating_worker(endpoint_ready: queue.Queue[str], stop: threading.Event) -> None:
+    """A worker on a thread of its own: greets the first ping, then heartbeats
+    every 50 ms, whatever the frontend's event loop is doing."""
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    endpoint_ready.put(f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}")
+    peer, _ = socket.recv_multipart()
+    socket.send_multipart([peer, encode(Hello("stand-in", "fake", False, 1, 1024, 16, 1 << 20))])
+    while not stop.wait(0.05):
+        heartbeat = Heartbeat("stand-in", num_steps=1, num_queued=0, num_active=0)
+        socket.send_multipart([peer, encode(heartbeat)])
+    socket.close()
+    context.term()
+
+
+def test_a_busy_event_loop_does_not_take_unread_heartbeats_for_silence() -> None:
+    """The loop blocked past HEARTBEAT_TIMEOUT_S (a burst of large bodies to
+    validate) while the worker kept sending heartbeats: they wait unread, and the
+    worker is still live when the loop looks again, before it reads them."""
+    endpoint_ready: queue.Queue[str] = queue.Queue()
+    stop = threading.Event()
+    worker = threading.Thread(target=_heartbeating_worker, args=(endpoint_ready, stop))
+    worker.start()
+
+    async def drill() -> None:
+        env = {"WORKER_ENDPOINT": endpoint_ready.get(timeout=5), "HEARTBEAT_TIMEOUT_S": "0.5"}
+        client = WorkerClient(load(FrontendConfig, [], env))
+        await client.start()
+        try:
+            while not client.verdict().is_live:
+                await asyncio.sleep(0.01)
+            time.sleep(1.0)  # the loop blocked: nothing is read meanwhile
+            assert client.verdict().is_live
+            (link,) = client.workers()
+            assert link.was_live
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(drill())
+    finally:
+        stop.set()
+        worker.join()
