@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -64,6 +65,7 @@ def create_app(config: FrontendConfig) -> Starlette:
     )
     app.state.config = config
     app.state.client = client
+    app.state.large_body_turn = asyncio.Lock()  # see frontend.schemas.LARGE_BODY_BYTES
     app.state.metrics = Metrics(client)
     app.state.started_at = int(time.time())
     return app

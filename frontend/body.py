@@ -1,7 +1,7 @@
 """Reading a request body within the frontend's limits: its media type and
 encoding (none: bodies come uncompressed), its size
 (MAX_REQUEST_BYTES), the time it takes to arrive (BODY_TIMEOUT_S), and its JSON
-shape. Everything here is cheap and runs before pydantic sees the body.
+shape. Everything here runs before pydantic sees the body.
 
 A refusal here is sent with ``Connection: close``: the rest of the body is
 unread, and closing is the only way not to read (or wait for) it. A body at most
@@ -31,9 +31,10 @@ DRAIN_TIMEOUT_S = 1.0
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
-async def read_json_object(request: Request) -> dict[str, Any]:
-    """The body as a JSON object, or an ApiError: 415 for another media type, 413
-    beyond MAX_REQUEST_BYTES, 408 past BODY_TIMEOUT_S, 422 for anything but an object."""
+async def read_json_body(request: Request) -> bytes:
+    """The body's bytes, once its headers and size pass, or an ApiError: 415 for
+    another media type, 413 beyond MAX_REQUEST_BYTES, 408 past BODY_TIMEOUT_S.
+    `json_object` parses them."""
     config: FrontendConfig = request.app.state.config
     _check_media_type(request.headers.get("content-type"))
     _check_content_encoding(request.headers.get("content-encoding"))
@@ -43,7 +44,11 @@ async def read_json_object(request: Request) -> dict[str, Any]:
         if int(declared) <= DRAIN_FACTOR * config.max_request_bytes:
             await _drain(request.stream(), config)
         raise refusal
-    body = await _read(request, config)
+    return await _read(request, config)
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """``body`` parsed as a JSON object, or a 422 ApiError saying why it is not one."""
     try:
         # RFC 8259 lets a parser ignore a byte order mark, and some editors write one.
         value = pydantic_core.from_json(body.removeprefix(UTF8_BOM), allow_inf_nan=False)

@@ -7,6 +7,7 @@ unchanged, streaming, logprobs, echo, ``n`` and ``best_of`` included.
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from starlette.requests import Request
@@ -151,7 +152,8 @@ def _one_prompt(
         return _one_prompt(prompt[0])
     if not prompt:
         raise ApiError(422, "prompt: must not be empty", "invalid_request", "prompt")
-    return "", [int(token_id) for token_id in prompt]  # type: ignore[arg-type]
+    # Already checked to be ints; copying half a million of them costs ~30 ms.
+    return "", typing.cast("list[int]", prompt)
 
 
 def _choice(

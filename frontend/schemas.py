@@ -10,13 +10,14 @@ wire encoding. The OpenAI bodies are in `frontend.openai_schemas`.
 
 from __future__ import annotations
 
+import asyncio
 import typing
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
-from frontend.body import read_json_object
+from frontend.body import json_object, read_json_body
 from frontend.errors import ApiError
 from frontend.field_errors import MAX_REPORTED_ERRORS, describe, short_name
 from protocol.limits import MAX_SEED, MAX_STOP_STRINGS, MAX_TOKEN_ID
@@ -84,13 +85,36 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+# Bodies this large are parsed and validated one per turn of the event loop: a
+# megabyte of token ids takes ~40 ms, and a burst of them woken in the same turn
+# would hold up /health, every other request and the workers' heartbeats for
+# seconds. A thread would not help: pydantic keeps the GIL, and the loop would
+# then wait for it after every system call.
+LARGE_BODY_BYTES = 64 * 1024
+
+
 async def parse_body(
     request: Request, schema: type[Body], ignore_unknown: bool = False
 ) -> tuple[Body, list[str]]:
     """The request's JSON body as ``schema``, and the unknown fields ignored (with
     ``ignore_unknown``; else they are refused), or an error: 422 naming the bad
-    fields, or what `read_json_object` refuses (408, 413, 415)."""
-    value = await read_json_object(request)
+    fields, or what `read_json_body` refuses (408, 413, 415)."""
+    body = await read_json_body(request)
+    if len(body) < LARGE_BODY_BYTES:
+        return decode_body(body, schema, ignore_unknown)
+    turn: asyncio.Lock = request.app.state.large_body_turn
+    async with turn:
+        try:
+            return decode_body(body, schema, ignore_unknown)
+        finally:
+            await asyncio.sleep(0)  # the next large body waits for the loop's next turn
+
+
+def decode_body(
+    body: bytes, schema: type[Body], ignore_unknown: bool = False
+) -> tuple[Body, list[str]]:
+    """`parse_body` once the bytes are in."""
+    value = json_object(body)
     ignored: list[str] = []
     if ignore_unknown:
         value = drop_unknown(value, schema, ignored)

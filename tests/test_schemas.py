@@ -1,14 +1,23 @@
-"""Request-body validation costs little and says little, whatever the body holds."""
+"""Request-body validation costs little and says little, whatever the body holds,
+and large bodies hold up nothing else for long."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
+from types import SimpleNamespace
+
 import pytest
 from pydantic import ValidationError
+from starlette.requests import Request
 
+from frontend.config import FrontendConfig
 from frontend.errors import ApiError
 from frontend.field_errors import MAX_REPORTED_ERRORS, describe
 from frontend.openai_schemas import ChatBody, CompletionBody
-from frontend.schemas import GenerateBody, check_num_fields
+from frontend.schemas import LARGE_BODY_BYTES, GenerateBody, check_num_fields, parse_body
+from protocol.settings import load
 
 
 def test_a_message_names_the_first_few_fields_and_counts_the_rest() -> None:
@@ -131,3 +140,46 @@ def test_a_nested_object_is_counted_against_its_own_schema() -> None:
 
 def test_a_few_unknown_fields_are_left_to_pydantic() -> None:
     check_num_fields({"prompt": "hi", "promt": "typo"}, GenerateBody)
+
+
+def test_large_bodies_are_validated_one_per_turn_of_the_event_loop() -> None:
+    """A burst of large bodies, ~40 ms each to validate, must not hold the loop
+    for all of them at once: between one and the next, the loop goes round (so
+    /health and the workers' heartbeats are served). Small bodies go at once."""
+    large = json.dumps({"model": "m", "prompt": [1] * (LARGE_BODY_BYTES // 2)}).encode()
+    small = json.dumps({"model": "m", "prompt": [1, 2, 3]}).encode()
+    app = SimpleNamespace(
+        state=SimpleNamespace(config=load(FrontendConfig, [], {}), large_body_turn=asyncio.Lock())
+    )
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "headers": [(b"content-type", b"application/json")],
+        "app": app,
+    }
+    turns = 0
+
+    async def parse(body: bytes) -> int:
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await parse_body(Request(scope, receive), CompletionBody, ignore_unknown=True)
+        return turns
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0)
+            turns += 1
+
+    async def burst() -> tuple[list[int], list[int]]:
+        counter = asyncio.create_task(count_turns())
+        await asyncio.sleep(0)
+        large_done = await asyncio.gather(*(parse(large) for _ in range(4)))
+        small_done = await asyncio.gather(*(parse(small) for _ in range(4)))
+        counter.cancel()
+        return large_done, small_done
+
+    large_done, small_done = asyncio.run(burst())
+    assert all(later > earlier for earlier, later in itertools.pairwise(large_done))
+    assert len(set(small_done)) == 1
