@@ -125,6 +125,17 @@ class OpenAIBody(BaseModel):
         "(a list of strings) or grammar (Lark or GBNF)",
     )
 
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        """Usage chunks of a stream that is not asked for: an invalid request, as
+        OpenAI and vLLM refuse it, not options silently dropped."""
+        if value is not None and not info.data.get("stream"):
+            raise PydanticCustomError("needs_stream", "set stream to true to use it")
+        return value
+
     def unsupported(self) -> tuple[str, str] | None:
         """The first parameter set to a value this server cannot honour, with why."""
         for param, is_ok, message in self._checks():

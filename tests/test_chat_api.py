@@ -119,6 +119,22 @@ def test_top_logprobs_without_logprobs_is_an_invalid_request(stack: Stack) -> No
         assert error["message"] == "top_logprobs: set logprobs to true to use it"
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "asked"),
+    [("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "hi"})],
+)
+def test_stream_options_without_stream_is_an_invalid_request(
+    stack: Stack, endpoint: str, asked: dict[str, object]
+) -> None:
+    for stream in ({}, {"stream": False}):
+        body = {"model": "fake", **asked, "stream_options": {"include_usage": True}, **stream}
+        response = httpx.post(f"{stack.url}{endpoint}", json=body, timeout=10)
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_request", "stream_options")
+        assert error["message"] == "stream_options: set stream to true to use it"
+
+
 def test_chat_continuous_usage_counts_every_chunk(stack: Stack) -> None:
     body = {
         "model": "fake",

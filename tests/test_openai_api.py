@@ -310,6 +310,7 @@ def test_unknown_fields_are_ignored_and_named(stack: Stack) -> None:
         "model": "fake",
         "prompt": "hi",
         "max_tokens": 2,
+        "stream": True,
         "stream_options": {"include_usage": True, "nonsense": 1},
         "best_of_luck": True,
     }
