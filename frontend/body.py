@@ -36,7 +36,7 @@ async def read_json_body(request: Request) -> bytes:
     another media type, 413 beyond MAX_REQUEST_BYTES, 408 past BODY_TIMEOUT_S.
     `json_object` parses them."""
     config: FrontendConfig = request.app.state.config
-    _check_media_type(request.headers.get("content-type"))
+    _check_media_type(request.headers.getlist("content-type"))
     _check_content_encoding(request.headers.get("content-encoding"))
     declared = request.headers.get("content-length")
     if declared is not None and int(declared) > config.max_request_bytes:
@@ -74,7 +74,17 @@ def json_object(body: bytes) -> dict[str, Any]:
     return value
 
 
-def _check_media_type(content_type: str | None) -> None:
+def _check_media_type(content_types: list[str]) -> None:
+    if len(content_types) > 1:
+        # One header field, as RFC 9110 has it: a proxy in front might read the
+        # other one, and then the two would not be answering the same request.
+        raise ApiError(
+            415,
+            f"got {len(content_types)} Content-Type headers; send one: {SEND_JSON}",
+            "unsupported_media_type",
+            headers=CLOSE,
+        )
+    content_type = content_types[0] if content_types else None
     # Parameters such as "; charset=utf-8" are allowed; another charset is not,
     # since the body is read as UTF-8 (as JSON must be, RFC 8259).
     media_type, _, parameters = (content_type or "").partition(";")

@@ -169,6 +169,18 @@ def test_a_compressed_body_gets_415_asking_for_it_uncompressed(stack: Stack) -> 
     assert plain.status_code == 200, plain.text
 
 
+def test_two_content_type_headers_get_415(stack: Stack) -> None:
+    """The first one is JSON, but a proxy in front might have read the second."""
+    response = httpx.post(
+        f"{stack.url}/generate",
+        content=b'{"prompt": "hi", "max_new_tokens": 2}',
+        headers=[("Content-Type", JSON), ("Content-Type", "text/plain")],
+        timeout=GIVE_UP_S,
+    )
+    assert response.status_code == 415
+    assert response.json()["error"]["message"].startswith("got 2 Content-Type headers; send one")
+
+
 def test_no_content_type_gets_415(stack: Stack) -> None:
     response = httpx.post(
         f"{stack.url}/v1/completions", content=b'{"model": "fake"}', timeout=GIVE_UP_S
