@@ -51,27 +51,36 @@ def json_object(body: bytes) -> dict[str, Any]:
     """``body`` parsed as a JSON object, or a 422 ApiError saying why it is not one."""
     try:
         # RFC 8259 lets a parser ignore a byte order mark, and some editors write one.
-        value = pydantic_core.from_json(body.removeprefix(UTF8_BOM), allow_inf_nan=False)
+        value = parse_json(body.removeprefix(UTF8_BOM))
     except ValueError as exc:
-        # The parser (jiter) bounds nesting itself, so deep nesting costs nothing.
-        if "recursion limit" in str(exc):
-            message = (
-                "body: JSON nested too deeply (the parser stops at about 200 levels); "
-                "a schema or value nested that deep cannot be sent"
-            )
-        else:
-            message = f"body: invalid JSON ({exc}); send one JSON object in UTF-8"
-            if "surrogate" in str(exc) or "hex escape" in str(exc):
-                message += (
-                    ": an escape \\ud800 to \\udfff is half of a character, sent with "
-                    "its other half or not at all"
-                )
-        raise ApiError(422, message, "invalid_request") from None
+        raise ApiError(422, f"body: {exc}", "invalid_request") from None
     if not isinstance(value, dict):
         raise ApiError(
             422, f"body: must be a JSON object, got {json_kind_of(value)}", "invalid_request"
         )
     return value
+
+
+def parse_json(text: bytes | str) -> Any:
+    """``text`` parsed, or a ValueError whose message says why in a client's words.
+    The parser (jiter) bounds nesting itself, so deep nesting costs nothing;
+    Python's own json module would recurse until it raised RecursionError."""
+    try:
+        return pydantic_core.from_json(text, allow_inf_nan=False)
+    except ValueError as exc:
+        if "recursion limit" in str(exc):
+            message = (
+                "JSON nested too deeply (the parser stops at about 200 levels); nothing "
+                "nested that deep can be sent"
+            )
+        else:
+            message = f"invalid JSON ({exc})"
+            if "surrogate" in str(exc) or "hex escape" in str(exc):
+                message += (
+                    ": an escape \\ud800 to \\udfff is half of a character, sent with "
+                    "its other half or not at all"
+                )
+        raise ValueError(message) from None
 
 
 def _check_media_type(content_types: list[str]) -> None:

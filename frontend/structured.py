@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 
+from frontend.body import parse_json
 from frontend.errors import ApiError
 from protocol import GrammarKind
 from protocol.limits import GRAMMAR_LIMITS, MAX_GRAMMAR_CHARS
@@ -148,7 +149,7 @@ def _structured_outputs(value: dict[str, Any]) -> GrammarSource:
     if key == "json":
         if isinstance(item, str):
             try:
-                item = json.loads(item)
+                item = parse_json(item)
             except ValueError as exc:
                 raise _invalid(param, f"is not JSON: {exc}") from None
         if not isinstance(item, dict):

@@ -251,21 +251,20 @@ def test_a_long_list_of_bad_token_ids_gets_one_error(stack: Stack) -> None:
     [
         (
             b"[" * 100_000 + b"]" * 100_000,
-            "body: JSON nested too deeply (the parser stops at about 200 levels); a schema "
-            "or value nested that deep cannot be sent",
+            "body: JSON nested too deeply (the parser stops at about 200 levels); nothing "
+            "nested that deep can be sent",
         ),
         (b'["prompt"]', "body: must be a JSON object, got an array"),
         (
             b'{"prompt": "hi"',
-            "body: invalid JSON (EOF while parsing an object at line 1 column 15); "
-            "send one JSON object in UTF-8",
+            "body: invalid JSON (EOF while parsing an object at line 1 column 15)",
         ),
         # The hint about lone surrogates only where one is the fault.
         (
             b'{"prompt": "\\udc00"}',
-            "body: invalid JSON (lone leading surrogate in hex escape at line 1 column 18); "
-            "send one JSON object in UTF-8: an escape \\ud800 to \\udfff is half of a "
-            "character, sent with its other half or not at all",
+            "body: invalid JSON (lone leading surrogate in hex escape at line 1 column 18): "
+            "an escape \\ud800 to \\udfff is half of a character, sent with its other half "
+            "or not at all",
         ),
     ],
 )

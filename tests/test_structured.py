@@ -120,6 +120,13 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
             "structured_outputs.json: is not JSON",
         ),
         (None, {"json": "[]"}, 422, "structured_outputs.json", "must be a JSON Schema object"),
+        (
+            None,
+            {"json": '{"items":' * 1000 + "{}" + "}" * 1000},
+            422,
+            "structured_outputs.json",
+            "is not JSON: JSON nested too deeply",
+        ),
         (None, {"grammar": "start: nowhere"}, 422, "structured_outputs.grammar", "unknown name"),
         (None, {"regex": "a", "choice": ["a"]}, 422, "structured_outputs", "exactly one"),
         (None, {}, 422, "structured_outputs", "exactly one of json, regex, choice, grammar"),
