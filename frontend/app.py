@@ -18,7 +18,7 @@ from starlette.routing import Route
 from frontend.auth import ApiKeyMiddleware
 from frontend.chat_api import chat_completions
 from frontend.config import FrontendConfig
-from frontend.errors import ApiError, handle_api_error
+from frontend.errors import ApiError, error_response, handle_api_error
 from frontend.framing import AmbiguousFramingMiddleware
 from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, UNROUTED, Metrics
 from frontend.native_api import generate
@@ -27,6 +27,7 @@ from frontend.openapi import openapi_schema
 from frontend.tokenize_api import detokenize, tokenize, version
 from frontend.worker_client import WorkerClient
 from frontend.worker_link import WorkerLink
+from protocol import ErrorCode
 from protocol.liveness import WorkerState
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -59,7 +60,11 @@ def create_app(config: FrontendConfig) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
         ],
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            Exception: _unexpected_error,
+        },
         middleware=_middleware(config),
         lifespan=lifespan,
     )
@@ -90,6 +95,19 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     request_metrics: Metrics = request.app.state.metrics
     request_metrics.count_request(_route_path(request), exc.status, NO_FINISH_REASON)
     return await handle_api_error(request, exc)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    """A bug: the frontend raised where it should have answered. The client still
+    gets the usual error shape, /metrics counts it, and Starlette logs the
+    traceback once this answer is sent."""
+    request_metrics: Metrics = request.app.state.metrics
+    request_metrics.count_request(_route_path(request), 500, NO_FINISH_REASON)
+    message = (
+        f"the frontend failed on this request ({type(exc).__name__}, logged with its "
+        "traceback); retry it, and report it if it happens again"
+    )
+    return error_response(ApiError(500, message, ErrorCode.INTERNAL))
 
 
 def _counted(endpoint: Endpoint) -> Endpoint:

@@ -7,9 +7,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
 
+import frontend.openai_api
+from frontend.app import create_app
+from frontend.config import FrontendConfig
+from protocol.settings import load
 from tests.sse import sse_events
-from tests.stack import Stack, running_stack
+from tests.stack import Stack, free_port, running_stack
 
 CAPACITY = 4
 
@@ -162,3 +167,32 @@ def test_worker_down_and_restart_are_reported(stack: Stack) -> None:
     samples = scrape(stack)
     assert value(samples, "minibatch_worker_up") == 1
     assert value(samples, "minibatch_worker_restarts_total") == 1
+
+
+def test_an_unexpected_exception_is_a_counted_500_in_the_error_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in the frontend still answers as every error does, and /metrics sees it."""
+
+    async def broken(*args: object) -> None:
+        raise RecursionError("injected")
+
+    monkeypatch.setattr(frontend.openai_api, "read_openai_request", broken)
+    app = create_app(
+        load(FrontendConfig, [], {"WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}"})
+    )
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "internal")
+        assert "RecursionError" in error["message"]
+        families = text_string_to_metric_families(client.get("/metrics").text)
+        samples = [s for family in families for s in family.samples]
+    assert any(
+        sample.name == "minibatch_requests_total"
+        and sample.labels["endpoint"] == "/v1/completions"
+        and sample.labels["status"] == "500"
+        and sample.value == 1
+        for sample in samples
+    )
