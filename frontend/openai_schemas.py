@@ -82,6 +82,28 @@ class StreamOptions(BaseModel):
     )
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = STRICT
+
+    name: str | None = Field(None, max_length=64, description="the schema's name")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="the JSON Schema the output follows"
+    )
+    strict: bool | None = Field(None, description="always followed strictly here")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``."""
+
+    model_config = STRICT
+
+    type: str = Field(description="text, json_object or json_schema")
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema")
+
+
 class OpenAIBody(BaseModel):
     """Fields both OpenAI endpoints take."""
 
@@ -114,7 +136,7 @@ class OpenAIBody(BaseModel):
         f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], added to its logit",
     )
     user: str | None = Field(None, description="accepted and ignored")
-    response_format: dict[str, Any] | None = Field(
+    response_format: ResponseFormat | None = Field(
         None,
         description="OpenAI's: {type: text}, {type: json_object}, or {type: json_schema, "
         "json_schema: {name, schema, strict}}: the output follows the schema",

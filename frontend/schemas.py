@@ -15,6 +15,7 @@ import typing
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 from starlette.requests import Request
 
 from frontend.body import json_object, read_json_body
@@ -58,7 +59,7 @@ def check_num_fields(value: dict[str, Any], schema: type[BaseModel], where: str 
     """Refuse an object with more fields than ``schema`` has, naming a few unknown
     ones. pydantic would write one error per unknown field, and a megabyte of
     them is a million errors; counting them here costs almost nothing."""
-    fields = schema.model_fields
+    fields = wire_fields(schema)
     if len(value) > len(fields):
         unknown = [key for key in value if key not in fields]
         named = ", ".join(repr(short_name(key)) for key in unknown[:MAX_REPORTED_ERRORS])
@@ -74,7 +75,13 @@ def check_num_fields(value: dict[str, Any], schema: type[BaseModel], where: str 
     for name, field in fields.items():
         nested = _model_in(field.annotation)
         if nested is not None and isinstance(value.get(name), dict):
-            check_num_fields(value[name], nested, name)
+            check_num_fields(value[name], nested, name if where == "body" else f"{where}.{name}")
+
+
+def wire_fields(schema: type[BaseModel]) -> dict[str, FieldInfo]:
+    """``schema``'s fields by the names a body gives them: a field's alias (the
+    JSON Schema "schema" is ``schema_``, away from pydantic's own attribute)."""
+    return {field.alias or name: field for name, field in schema.model_fields.items()}
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:
@@ -132,7 +139,7 @@ def drop_unknown(
     """``value`` without the fields ``schema`` does not know (in nested objects
     too), whose dotted names are added to ``dropped``. One pass over the keys, so
     a body of a million unknown fields costs a million cheap lookups."""
-    fields = schema.model_fields
+    fields = wire_fields(schema)
     known: dict[str, Any] = {}
     for key, item in value.items():
         if key not in fields:

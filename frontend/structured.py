@@ -28,6 +28,8 @@ from protocol.limits import GRAMMAR_LIMITS, MAX_GRAMMAR_CHARS
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # in the type stub only
 
+    from frontend.openai_schemas import ResponseFormat
+
 # JSON as json.dumps writes it, with no other whitespace: a model, above all one
 # with random weights, could otherwise pad it without end. A schema's own
 # "x-guidance" options override these (llguidance's JSON options).
@@ -68,7 +70,7 @@ class GrammarSource:
 
 
 async def grammar_fields(
-    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+    response_format: ResponseFormat | None, structured_outputs: dict[str, Any] | None
 ) -> dict[str, str]:
     """The `GenerateRequest` fields (``grammar_kind``, ``grammar``) for what the
     body asks, none for unconstrained text. Raises ApiError naming the field: 422
@@ -86,7 +88,7 @@ async def grammar_fields(
 
 
 def grammar_source(
-    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+    response_format: ResponseFormat | None, structured_outputs: dict[str, Any] | None
 ) -> GrammarSource | None:
     """Checks the shape of both fields (cheap); None when the output is free."""
     from_format = _response_format(response_format) if response_format is not None else None
@@ -99,27 +101,31 @@ def grammar_source(
     return _structured_outputs(structured_outputs)
 
 
-def _response_format(value: dict[str, Any]) -> GrammarSource | None:
-    kind = value.get("type")
-    if kind not in RESPONSE_FORMATS:
+def _response_format(value: ResponseFormat) -> GrammarSource | None:
+    if value.type not in RESPONSE_FORMATS:
         raise ApiError(
-            400 if isinstance(kind, str) else 422,
+            400,
             f"response_format.type: must be one of {', '.join(RESPONSE_FORMATS)}, got "
-            f"{_preview(kind)}",
-            "unsupported" if isinstance(kind, str) else "invalid_request",
+            f"{_preview(value.type)}",
+            "unsupported",
             "response_format.type",
         )
-    if kind == "text":
+    if value.type != "json_schema" and value.json_schema is not None:
+        raise _invalid(
+            "response_format.json_schema",
+            f"is for type json_schema, not {value.type}: set type json_schema to follow it",
+        )
+    if value.type == "text":
         return None
-    if kind == "json_object":
+    if value.type == "json_object":
         return GrammarSource(GrammarKind.JSON_OBJECT, {"type": "object"}, "response_format")
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict):
+    if value.json_schema is None:
         raise _invalid("response_format.json_schema", "must be an object with a schema")
-    schema = spec.get("schema")
-    if not isinstance(schema, dict):
+    if value.json_schema.schema_ is None:
         raise _invalid("response_format.json_schema.schema", "must be a JSON Schema object")
-    return GrammarSource(GrammarKind.JSON_SCHEMA, schema, "response_format.json_schema.schema")
+    return GrammarSource(
+        GrammarKind.JSON_SCHEMA, value.json_schema.schema_, "response_format.json_schema.schema"
+    )
 
 
 def _structured_outputs(value: dict[str, Any]) -> GrammarSource:

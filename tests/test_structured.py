@@ -20,6 +20,8 @@ import openai
 import pytest
 
 from frontend.errors import ApiError
+from frontend.openai_common import IGNORED_FIELDS_HEADER
+from frontend.openai_schemas import ResponseFormat
 from frontend.structured import grammar_fields
 from protocol.limits import MAX_GRAMMAR_CHARS
 from tests.stack import Stack, live_stack, openai_client, running_stack
@@ -50,6 +52,9 @@ def client(stack: Stack) -> Iterator[openai.OpenAI]:
 
 
 def _fields(response_format: Any = None, structured_outputs: Any = None) -> dict[str, str]:
+    """What the frontend makes of the two fields, once the body's schema took them."""
+    if response_format is not None:
+        response_format = ResponseFormat.model_validate(response_format)
     return asyncio.run(grammar_fields(response_format, structured_outputs))
 
 
@@ -88,7 +93,13 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
     ("response_format", "structured_outputs", "status", "param", "message"),
     [
         ({"type": "xml"}, None, 400, "response_format.type", "must be one of"),
-        ({"type": 1}, None, 422, "response_format.type", "must be one of"),
+        (
+            {"type": "text", "json_schema": {"schema": PERSON}},
+            None,
+            422,
+            "response_format.json_schema",
+            "is for type json_schema, not text",
+        ),
         ({"type": "json_schema"}, None, 422, "response_format.json_schema", "with a schema"),
         (
             {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
@@ -183,7 +194,8 @@ def test_each_bad_grammar_is_refused_naming_its_field(
 def test_the_frontend_checks_grammars_without_torch_or_llguidance_torch() -> None:
     code = (
         "import asyncio, sys; from frontend.structured import grammar_fields; "
-        "asyncio.run(grammar_fields({'type': 'json_object'}, None)); "
+        "from frontend.openai_schemas import ResponseFormat; "
+        "asyncio.run(grammar_fields(ResponseFormat(type='json_object'), None)); "
         "assert 'torch' not in sys.modules and 'llguidance.torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -199,6 +211,18 @@ def test_the_frontend_checks_grammars_without_torch_or_llguidance_torch() -> Non
             "response_format.json_schema.schema",
         ),
         ("response_format", {"type": "json_schema"}, "response_format.json_schema"),
+        ("response_format", {"type": 1}, "response_format.type"),
+        ("response_format", {}, "response_format.type"),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"schema": PERSON, "strict": "yes"}},
+            "response_format.json_schema.strict",
+        ),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"schema": PERSON, "name": 5}},
+            "response_format.json_schema.name",
+        ),
         ("structured_outputs", {"regex": "("}, "structured_outputs.regex"),
         ("structured_outputs", {"json": "{"}, "structured_outputs.json"),
         ("structured_outputs", {"regex": "a", "choice": ["b"]}, "structured_outputs"),
@@ -216,6 +240,20 @@ def test_over_http_a_bad_grammar_names_its_field(
     assert response.status_code == 422, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"].startswith(param), error
+
+
+def test_a_misplaced_schema_is_named_as_ignored(stack: Stack) -> None:
+    """json_object with a "schema" beside it: the schema is not followed, and the
+    client is told so rather than left to find out from the output."""
+    body = {
+        "model": "fake",
+        "prompt": "hi",
+        "max_tokens": 4,
+        "response_format": {"type": "json_object", "schema": PERSON},
+    }
+    response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers[IGNORED_FIELDS_HEADER] == "response_format.schema"
 
 
 def test_completions_follow_a_json_schema(client: openai.OpenAI) -> None:
