@@ -127,6 +127,8 @@ def _complaint(item: Any, fields: Sequence[str]) -> str:
         return f"not a field of this body, whose fields are {', '.join(fields)}"
     if item["type"] in _BOUND_BY_ERROR_TYPE:
         return _out_of_bounds(item)
+    if item["type"] == "missing":
+        return "required; send it"
     kind = _KIND_BY_ERROR_TYPE.get(item["type"])
     if kind is None:
         return str(item["msg"])

@@ -61,6 +61,14 @@ def test_a_type_error_is_told_in_json_words(body: dict[str, object], expected: s
     assert param == expected.partition(":")[0]
 
 
+def test_a_missing_field_is_told_to_be_sent() -> None:
+    with pytest.raises(ValidationError) as caught:
+        CompletionBody.model_validate({"prompt": "hi", "response_format": {}})
+    message, param = describe(caught.value)
+    assert message == "model: required; send it; response_format.type: required; send it"
+    assert param == "model"
+
+
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
