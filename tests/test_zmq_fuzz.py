@@ -188,3 +188,34 @@ def test_refusals_that_are_never_read_cost_the_worker_little(tmp_path: Path) -> 
         # Greeted in vain at each message after that, it is logged at most once a second.
         assert stack.log("worker").count("stopped reading") < 30
         assert stack.wait_live()["instance_id"] == first["instance_id"]
+
+
+def test_a_peer_that_takes_the_next_routing_ids_cannot_crash_the_worker(tmp_path: Path) -> None:
+    """libzmq aborts when the id it makes up for a new peer is taken. Unseeded, its
+    counter starts at libc's first rand(), 0x6b8b4567, in every process: a peer
+    that claimed the next ids took the worker down with the next connection."""
+    first_unseeded_id = 0x6B8B4567
+    with running_stack(tmp_path, supervised=False) as stack:
+        first = stack.wait_live()
+        (pid,) = stack.worker_pids()
+        context = zmq.Context()
+        claims = [context.socket(zmq.DEALER) for _ in range(64)]
+        try:
+            for k, claim in enumerate(claims):
+                claim.setsockopt(zmq.LINGER, 0)
+                claim.setsockopt(zmq.ROUTING_ID, b"\x00" + (first_unseeded_id + k).to_bytes(4))
+                claim.connect(stack.env["WORKER_ENDPOINT"])
+                claim.send(encode(Ping("claim")))
+                # Greeted once the worker has its id (unless that id was taken, as
+                # by the frontend when unseeded: then the worker ignores it).
+                claim.poll(1000)
+            with _peer(stack) as newcomer:  # no id of its own: libzmq makes one up
+                newcomer.send(encode(Ping("newcomer")))
+                assert newcomer.poll(5000), "the worker did not greet the newcomer"
+        finally:
+            for claim in claims:
+                claim.close(linger=0)
+            context.term()
+        assert _generate(stack, "after", 6) == expected_text("after", 6)
+        assert stack.worker_pids() == [pid]
+        assert stack.wait_live()["instance_id"] == first["instance_id"]

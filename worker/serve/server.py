@@ -14,6 +14,7 @@ If either thread raises, the process ends: nothing stays half alive.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -168,6 +169,7 @@ class WorkerServer:
     # --- I/O thread -------------------------------------------------------------------
 
     def _io_loop(self) -> None:
+        _seed_routing_ids()
         router = self._context.socket(zmq.ROUTER)
         # A peer that sends a larger message is disconnected by ZMQ before any of it
         # is decoded; frontends learn the limit from the hello and never send one.
@@ -250,6 +252,23 @@ class WorkerServer:
             router.close(linger=0)
             outputs.close(linger=0)
             stop_authenticator()
+
+
+def _seed_routing_ids() -> None:
+    """Make the ROUTER's routing ids for peers that set none unguessable.
+
+    libzmq numbers such peers from a counter that starts at libc's rand(), and
+    nothing seeds rand(): every worker would hand out 00 6b8b4567, 00 6b8b4568,
+    and so on. A peer that takes the next of those ids for itself first makes
+    libzmq abort the whole process when the next peer arrives, since its id is
+    already taken. Seeding rand() from the OS, in this process, before the socket
+    is made, leaves nothing to guess from."""
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:  # no C library to load by that name: libzmq seeds nothing there either
+        log.warning("could not seed libc's rand(): ZMQ routing ids stay guessable")
+        return
+    libc.srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "little")))
 
 
 def _resident_bytes() -> int:
