@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
 from typing import Any, TypeVar
+
+# The largest number any setting takes: counts, bytes and seconds all fit (68
+# years of seconds), and so does everything the wire carries of them.
+MAX_SETTING = 2**31 - 1
 
 
 class ConfigError(ValueError):
@@ -121,6 +126,12 @@ def _parse(env: str, raw: str, kind: Any) -> Any:
             raise ConfigError(f"{env} must be 1 or 0 (true or false), got {raw!r}")
         return _BOOLEANS[raw.strip().lower()]
     try:
-        return kind(raw)
+        value = kind(raw)
     except ValueError:
         raise ConfigError(f"{env} must be {kind.__name__}, got {raw!r}") from None
+    # "nan" and "inf" parse as floats, and a huge int as an int: neither makes
+    # sense as a count, a size or seconds, and each fails later, far from here
+    # (a timeout that never fires, a number the wire cannot carry).
+    if not (math.isfinite(value) and abs(value) <= MAX_SETTING):
+        raise ConfigError(f"{env} must be a finite number of at most {MAX_SETTING:,}, got {raw!r}")
+    return value

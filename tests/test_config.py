@@ -34,6 +34,8 @@ def test_environment_sets_values_and_flags_override_them() -> None:
         ({"WORKER_ENDPOINT": "localhost:5555"}, "WORKER_ENDPOINT must be a ZMQ endpoint"),
         ({"DTYPE": "float8"}, "DTYPE must be"),
         ({"DEVICE": "tpu"}, "DEVICE must be"),
+        ({"HEARTBEAT_INTERVAL_S": "nan"}, "HEARTBEAT_INTERVAL_S must be a finite number"),
+        ({"MAX_QUEUE_DEPTH": "9" * 23}, "MAX_QUEUE_DEPTH must be a finite number of at most"),
     ],
 )
 def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str) -> None:
@@ -47,6 +49,10 @@ def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str
         ({"PORT": "99999"}, "PORT must be at most 65535"),
         ({"MAX_NEW_TOKENS_LIMIT": "-1"}, "MAX_NEW_TOKENS_LIMIT must be > 0"),
         ({"REQUEST_TIMEOUT_S": "soon"}, "REQUEST_TIMEOUT_S must be float"),
+        ({"REQUEST_TIMEOUT_S": "nan"}, "REQUEST_TIMEOUT_S must be a finite number"),
+        ({"HEARTBEAT_TIMEOUT_S": "inf"}, "HEARTBEAT_TIMEOUT_S must be a finite number"),
+        ({"MAX_NEW_TOKENS_LIMIT": "1e30"}, "MAX_NEW_TOKENS_LIMIT must be int"),
+        ({"MAX_NEW_TOKENS_LIMIT": str(2**31)}, "MAX_NEW_TOKENS_LIMIT must be a finite number"),
     ],
 )
 def test_a_bad_frontend_value_names_its_variable(env: dict[str, str], message: str) -> None:
