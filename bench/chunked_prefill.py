@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
 
     engine = load_engine(WorkerConfig(model_id="synthetic", max_batch_size=CAPACITY))
+    if args.chunk_tokens < engine.block_tokens:
+        parser.error(f"--chunk-tokens must hold a whole block of {engine.block_tokens} tokens")
     configurations = {
         "streams alone": (args.chunk_tokens, False),
         "long prompts, whole": (0, True),

@@ -119,8 +119,7 @@ def engine_only(args: argparse.Namespace) -> dict[str, Any]:
         def once() -> dict[str, Any]:
             nonlocal num_runs
             num_runs += 1
-            block = engine.prefill_chunk_tokens
-            engine.prefix_cache = PrefixCache(CAPACITY, block) if is_on else None
+            engine.prefix_cache = PrefixCache(CAPACITY, engine.block_tokens) if is_on else None
             return run_continuous(engine, plain_workload(args, f"run{num_runs}"), CAPACITY)
 
         return once

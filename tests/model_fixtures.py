@@ -104,9 +104,10 @@ def tiny_engine(
     mode: str = "float32",
     prefill_chunk_tokens: int = 0,
     prefix_cache: bool = True,
+    block_tokens: int = 0,
 ) -> TorchEngine:
     """On the CPU, in one of worker.model.precision's MODES (the prefix cache is
-    on only with chunked prefill)."""
+    on only with chunked prefill; ``block_tokens``: see `SlotEngine`)."""
     precision = Precision.for_device(torch.device("cpu"), *MODES[mode])
     return TorchEngine(
         tiny_model(seed, eos_scale),
@@ -114,6 +115,7 @@ def tiny_engine(
         precision=precision,
         prefill_chunk_tokens=prefill_chunk_tokens,
         prefix_cache=prefix_cache,
+        block_tokens=block_tokens,
     )
 
 

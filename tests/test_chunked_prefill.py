@@ -61,6 +61,33 @@ def test_a_long_prompt_goes_in_a_chunk_a_step_while_the_streams_decode(
     assert steps_to_first_token == -(-len(long_prompt) // CHUNK)  # ceil(100 / 16) = 7
 
 
+def test_a_chunk_inside_a_prompt_ends_on_a_block_within_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a budget of 16 tokens and blocks of 4: the first newcomer's whole
+    10-token prompt, then the whole blocks of the second's 30 that fit in the 6
+    left; the rest of the second goes in a chunk a step, ending on a block."""
+    engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK, block_tokens=4)
+    chunks: list[list[tuple[int, int]]] = []  # (start, length) per prompt, per call
+    prefill = GPT2.prefill
+
+    def recording(self: GPT2, token_ids, lengths, slots, cache, keep_all=(), starts=None, **kw):  # type: ignore[no-untyped-def]
+        chunks.append(list(zip(starts or [0] * len(lengths), lengths, strict=True)))
+        return prefill(self, token_ids, lengths, slots, cache, keep_all, starts, **kw)
+
+    monkeypatch.setattr(GPT2, "prefill", recording)
+    rng = random.Random(13)
+    engine.admit([request("stream", random_prompt(rng, 4, 4), 30, ignore_eos=True)])
+    engine.step()
+    chunks.clear()
+    engine.admit(
+        [request(name, random_prompt(rng, n, n), 5) for name, n in (("short", 10), ("long", 30))]
+    )
+    for _ in range(3):
+        engine.step()
+    assert chunks == [[(0, 10), (0, 4)], [(4, 16)], [(20, 10)]]
+
+
 def test_a_resumed_request_goes_in_whole_beside_running_streams() -> None:
     """Its client is mid-stream already: chunks would only stretch the stall."""
     model = tiny_model().model

@@ -93,15 +93,17 @@ from worker.model.sampler import Sampler  # noqa: E402
 
 CHUNK = 8
 # Shared prefixes shorter than a block, ending just before, on and after block
-# boundaries, and past three blocks.
+# and chunk boundaries, and past three chunks (blocks of BLOCK, two a chunk).
 SHARED_LENGTHS = [
     1,
+    BLOCK - 1,
+    BLOCK + 1,
     CHUNK - 1,
     CHUNK,
     CHUNK + 1,
     2 * CHUNK - 1,
     2 * CHUNK,
-    2 * CHUNK + 1,
+    2 * CHUNK + BLOCK + 1,
     3 * CHUNK + 1,
 ]
 
@@ -156,9 +158,9 @@ def _run_recording(
 def test_with_the_cache_every_logit_is_the_one_computed_without_it(
     mode: str, paths: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Shared prefixes ending at every point of the blocks, taken in place, copied
-    from a busy slot, waited for, and whole: each token is drawn from the same
-    logits, bit for bit, as with the cache off. Without the decode kernels
+    """Shared prefixes ending at every point of the blocks and chunks, taken in
+    place, copied from a busy slot, waited for, and whole: each token is drawn
+    from the same logits, bit for bit, as with the cache off. Without the decode kernels
     (SDPA), a row's decode logits change in their last bits with its batchmates'
     lengths, cache or not: there the greedy tokens must match."""
     if paths == "kernel":
@@ -171,7 +173,13 @@ def test_with_the_cache_every_logit_is_the_one_computed_without_it(
         arrivals = _shared_prefix_schedule(shared, seed=shared, is_sampled=is_exact)
 
         def engine(prefix_cache: bool) -> TorchEngine:
-            return tiny_engine(4, mode=mode, prefill_chunk_tokens=CHUNK, prefix_cache=prefix_cache)
+            return tiny_engine(
+                4,
+                mode=mode,
+                prefill_chunk_tokens=CHUNK,
+                prefix_cache=prefix_cache,
+                block_tokens=BLOCK,
+            )
 
         without, logits_without = _run_recording(engine(False), arrivals, monkeypatch)
         with_cache, logits_with = _run_recording(engine(True), arrivals, monkeypatch)

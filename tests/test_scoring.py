@@ -49,7 +49,7 @@ def synthetic() -> TorchEngine:
     return TorchEngine(synthetic_model(), capacity=3)
 
 
-@pytest.mark.parametrize("prefill_chunk_tokens", [0, 8])
+@pytest.mark.parametrize("prefill_chunk_tokens", [0, 16])
 def test_logprobs_and_echo_match_hf_log_softmax(
     synthetic: TorchEngine, prefill_chunk_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

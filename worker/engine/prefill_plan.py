@@ -1,5 +1,6 @@
 """Which context tokens of the newcomers still prefilling go into the model this
-step (chunked prefill, `PREFILL_CHUNK_TOKENS`)."""
+step (chunked prefill, `PREFILL_CHUNK_TOKENS`), and the aligned blocks prompts
+are computed in."""
 
 from __future__ import annotations
 
@@ -9,15 +10,28 @@ from worker.engine.sequence import Sequence
 # A sequence and the context positions [start, end) to run into its slot.
 Chunk = tuple[Sequence, int, int]
 
+# A prompt's attention is computed in aligned blocks of this many positions
+# (`GPT2.prefill`): a block's keys then depend only on the tokens up to it, so
+# the prefix cache can reuse any whole block. Small, as vLLM's 16-token blocks,
+# so that a shared prefix leaves little of itself to compute again.
+BLOCK_TOKENS = 16
+
+
+def block_tokens_for(chunk_tokens: int) -> int:
+    """The block for a chunk budget of ``chunk_tokens`` (0: whole prompts): never
+    larger than the budget, which must hold at least one whole block."""
+    return min(BLOCK_TOKENS, chunk_tokens) if chunk_tokens > 0 else BLOCK_TOKENS
+
 
 def plan_chunks(
     prefilling: list[tuple[Sequence, int]],
+    budget: int,
     block: int,
     holds_up_streams: bool,
     cache: PrefixCache | None,
 ) -> list[Chunk]:
     """This step's chunks for ``prefilling`` (each newcomer with how many of its
-    context tokens are in its slot, oldest first): up to ``block`` more context
+    context tokens are in its slot, oldest first): up to ``budget`` more context
     tokens in all; every token when no stream would be held up
     (``holds_up_streams`` False), since then one large prefill is the fastest.
     Two kinds go in whole whatever the budget: a resumed sequence, whose client
@@ -26,14 +40,13 @@ def plan_chunks(
     and a prompt to be scored (its scores need every position's hidden state at
     once).
 
-    A chunk inside a prompt ends on a multiple of ``block``: the engine prefills
-    a prompt in those blocks whatever the chunks (a prompt's attention over a
-    block differs in its last bits from the same positions' over another split),
-    so a prompt's keys are the same whether it went in beside streams, alone, or
+    A chunk inside a prompt ends on a multiple of ``block`` (at most
+    ``budget``): the engine computes a prompt's attention in those blocks
+    whatever the chunks (over another split it differs in its last bits), so a
+    prompt's keys are the same whether it went in beside streams, alone, or
     resumed after a worker's death; which is also what lets the prefix cache
     share them. A newcomer whose next rows an older one computes this step waits
     for them (`_waits_for_shared_rows`)."""
-    budget = block
     chunks: list[Chunk] = []
     for seq, done in prefilling:
         if cache is not None and _waits_for_shared_rows(seq, done, chunks, cache):

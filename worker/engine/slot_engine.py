@@ -21,7 +21,7 @@ from worker.engine.interface import (
     StepOutput,
 )
 from worker.engine.logprobs import TokenLogprob, pack
-from worker.engine.prefill_plan import Chunk, plan_chunks
+from worker.engine.prefill_plan import Chunk, block_tokens_for, plan_chunks
 from worker.engine.prefix_cache import Match, PrefixCache
 from worker.engine.sequence import Sequence, Tokenizer
 
@@ -38,19 +38,26 @@ class SlotEngine(InferenceEngine):
         prefill_chunk_tokens: int = 0,
         prefix_cache: bool = False,
         grammars: Grammars | None = None,
+        block_tokens: int = 0,
     ) -> None:
         """``prefill_chunk_tokens`` > 0: newcomers' contexts are run into their
         slots at most that many tokens per step, between decode steps, so that a
         long prompt does not hold up the running streams (0: whole, at admit).
-        ``prefix_cache``: reuse the rows of prompts seen before (`PrefixCache`);
-        it needs chunked prefill, whose aligned blocks make reused rows exact.
-        ``grammars`` compiles requests' grammars; without it a request with one
-        is refused."""
+        ``prefix_cache``: reuse the rows of prompts seen before (`PrefixCache`),
+        in whole aligned blocks of ``block_tokens`` (0: `block_tokens_for` the
+        chunk budget); it needs chunked prefill. ``grammars`` compiles requests'
+        grammars; without it a request with one is refused."""
         self.info = info
         self.grammars = grammars
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.block_tokens = block_tokens or block_tokens_for(prefill_chunk_tokens)
+        if prefill_chunk_tokens and self.block_tokens > prefill_chunk_tokens:
+            raise ValueError(
+                f"a block of {self.block_tokens} tokens does not fit a chunk of "
+                f"{prefill_chunk_tokens}: prompts could never go in beside streams"
+            )
         self.prefix_cache = (
-            PrefixCache(capacity, prefill_chunk_tokens)
+            PrefixCache(capacity, self.block_tokens)
             if prefix_cache and prefill_chunk_tokens > 0
             else None
         )
@@ -229,7 +236,11 @@ class SlotEngine(InferenceEngine):
             (self._by_id[request_id], done) for request_id, done in self._num_prefilled.items()
         ]
         chunks = plan_chunks(
-            prefilling, self.prefill_chunk_tokens, holds_up_streams, self.prefix_cache
+            prefilling,
+            self.prefill_chunk_tokens,
+            self.block_tokens,
+            holds_up_streams,
+            self.prefix_cache,
         )
         if chunks:
             self._run_chunks(chunks, output)

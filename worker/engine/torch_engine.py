@@ -130,12 +130,13 @@ class TorchEngine(SlotEngine):
         prefill_chunk_tokens: int = 0,
         cuda_graphs: bool = True,
         prefix_cache: bool = True,
+        block_tokens: int = 0,
     ) -> None:
         """``precision`` defaults to the loaded model's own dtype throughout;
         ``gpt2``, the model's weights already made into the engine's, to ``loaded``;
-        ``prefill_chunk_tokens``: see `SlotEngine`; ``cuda_graphs``: on CUDA, decode
-        steps replay graphs captured here (`worker.model.decode_step`);
-        ``prefix_cache``: see `SlotEngine`."""
+        ``prefill_chunk_tokens``, ``prefix_cache`` and ``block_tokens``: see
+        `SlotEngine`; ``cuda_graphs``: on CUDA, decode steps replay graphs
+        captured here (`worker.model.decode_step`)."""
         config = loaded.model.config
         self.precision = precision or Precision.uniform(loaded.model.dtype)
         self.gpt2 = gpt2 or GPT2(loaded.model, self.precision)
@@ -161,6 +162,7 @@ class TorchEngine(SlotEngine):
             prefill_chunk_tokens,
             prefix_cache,
             grammars,
+            block_tokens,
         )
         self.model = loaded.model
         self.device = self.gpt2.device
@@ -180,7 +182,7 @@ class TorchEngine(SlotEngine):
             " (random weights)" if loaded.is_random_weights else "",
             info.compute,
             self.cache.describe(),
-            f"on, blocks of {prefill_chunk_tokens}" if self.prefix_cache else "off",
+            f"on, blocks of {self.block_tokens}" if self.prefix_cache else "off",
         )
 
     def num_matmul_shapes(self) -> int:
@@ -207,7 +209,7 @@ class TorchEngine(SlotEngine):
         in_prompt = [i for i, (_, start, end) in enumerate(prompts) if start < end]
         last: dict[int, torch.Tensor] = {}  # (V,) logits after chunk i
         if in_prompt:
-            after = self._prefill_in_blocks([prompts[i] for i in in_prompt])
+            after = self._prefill_prompts([prompts[i] for i in in_prompt])  # (B, V)
             last.update(zip(in_prompt, after, strict=True))
             if self.prefix_cache is not None:
                 self._keep_prompt_logits([(prompts[i], last[i]) for i in in_prompt])
@@ -246,27 +248,6 @@ class TorchEngine(SlotEngine):
         logits = self._kept_logits[seq.slot : seq.slot + 1].clone()  # (1, V); _choose biases it
         return self._choose(logits, [seq], [self._seeds[seq.slot]])[0]
 
-    def _prefill_in_blocks(self, chunks: list[tuple[Sequence, int, int]]) -> list[torch.Tensor]:
-        """Prefill prompt positions [start, end) of each sequence a block of
-        ``prefill_chunk_tokens`` a forward, at positions that are multiples of it
-        (a prompt to be scored goes in whole, as it always does): a prompt's keys
-        and logits are then the same however its chunks fell. Returns the (V,)
-        logits after each chunk."""
-        block = self.prefill_chunk_tokens
-        last: list[torch.Tensor | None] = [None] * len(chunks)
-        done = [start for _, start, _ in chunks]
-        while todo := [i for i, (_, _, end) in enumerate(chunks) if done[i] < end]:
-            blocks = []
-            for i in todo:
-                seq, _, end = chunks[i]
-                if block and not seq.wants_prompt_logprobs:
-                    end = min(end, (done[i] // block + 1) * block)
-                blocks.append((seq, done[i], end))
-            logits = self._prefill_prompts(blocks)
-            for i, (_, _, end), row in zip(todo, blocks, logits, strict=True):
-                last[i], done[i] = row, end
-        return [row for row in last if row is not None]
-
     def _prefill_prompts(self, chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
         """Prefill prompt positions [start, end) of each sequence (scoring the prompts
         asked for); returns the (B, V) logits after each chunk."""
@@ -279,6 +260,7 @@ class TorchEngine(SlotEngine):
             self.cache,
             keep_all=scored,
             starts=[start for _, start, _ in chunks],
+            block=self.block_tokens,
         )  # (B, V)
         for i, prompt_hidden in zip(scored, hidden, strict=True):
             seq = chunks[i][0]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +116,7 @@ class GPT2:
         cache: SlotKVCache,
         keep_all: Collection[int] = (),
         starts: list[int] | None = None,
+        block: int = 16,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Newcomers' prompts packed end to end in ``token_ids`` (S,), ``lengths[i]``
         tokens for cache slot ``slots[i]`` at positions ``starts[i]`` onwards (0 by
@@ -126,10 +127,13 @@ class GPT2:
 
         Packing instead of padding to the longest prompt means every projection
         runs on real tokens only; attention runs per prompt, so prompts never see
-        each other. Only a prompt's last position feeds its logits, so the last
-        layer computes keys and values for every position (the cache needs them)
-        but attention output and MLP for the last positions alone, except for
-        the prompts in ``keep_all``."""
+        each other, and in aligned blocks of ``block`` positions
+        (`_attend_prompts`), so a prompt's keys are the same however its chunks
+        fall. Only a prompt's last position feeds its logits, so the last layer
+        computes keys and values for every position (the cache needs them) but
+        attention output and MLP for the last positions alone, except for the
+        prompts in ``keep_all``. A chunk that starts past position 0 must start
+        on a multiple of ``block``."""
         starts = starts or [0] * len(lengths)
         ends = itertools.accumulate(lengths)
         spans = [(end - length, end) for end, length in zip(ends, lengths, strict=True)]
@@ -151,7 +155,12 @@ class GPT2:
             for slot, (begin, end), start in zip(slots, spans, starts, strict=True):
                 cache.write_prompt(index, slot, k[0, :, begin:end], v[0, :, begin:end], start)
             attn = self._attend_prompts(
-                q, k, v, spans, kept if is_last_layer else spans, (index, slots, starts, cache)
+                q,
+                k,
+                v,
+                spans,
+                kept if is_last_layer else spans,
+                (index, slots, starts, cache, block),
             )
             if is_last_layer:
                 x = x[[p for start, end in kept for p in range(start, end)]]  # (K, C)
@@ -168,36 +177,51 @@ class GPT2:
         v: torch.Tensor,
         spans: list[tuple[int, int]],
         queries: list[tuple[int, int]],
-        cached: tuple[int, list[int], list[int], SlotKVCache],
+        cached: tuple[int, list[int], list[int], SlotKVCache, int],
     ) -> torch.Tensor:
         """Causal attention within each prompt's span of the packed (1, H, S, D)
         q, k, v, for the query positions ``queries[i]`` (a tail of span i: all of
-        it, or its last position); returns (Q, C). A chunk that starts past
-        position 0 attends to its slot's earlier positions too, read from the
-        cache (``cached``: this layer, and each span's slot and start)."""
-        layer, slots, starts, cache = cached
+        it, or its last position); returns (Q, C). ``cached``: this layer, each
+        span's slot and start position, the cache, and the block.
+
+        SDPA's last bits depend on which queries share a call and on how many
+        keys it reads, so the queries go in aligned blocks of ``block``
+        positions, each block's in a call of its own against the keys up to its
+        end, whatever the chunk around them: a block's keys for the next layer,
+        and so the cache's rows, are then those of any other split of the
+        prompt. The first block attends to its own keys; later ones read every
+        earlier position from the cache, where this chunk's are already."""
+        layer, slots, starts, cache, block = cached
         outputs = []
-        for (begin, end), (first, last), slot, start in zip(
+        for (begin, _), (first, last), slot, start in zip(
             spans, queries, slots, starts, strict=True
         ):
-            query = q[..., first:last, :]
-            if start == 0:
-                keys, values = k[..., begin:end, :], v[..., begin:end, :]
-                causal = last - first > 1
-                outputs.append(
-                    F.scaled_dot_product_attention(query, keys, values, is_causal=causal)
-                )
-                continue
-            # Positions 0..start+end-begin-1 of the slot: earlier chunks', then this one's.
-            length = start + end - begin
-            keys, values = cache.read_slot(layer, slot, length)
-            keys, values = keys.to(q.dtype), values.to(q.dtype)  # the cache may be narrower
-            # Query at packed index i is at position start + (i - begin): it sees
-            # keys up to and including that position.
-            query_positions = start - begin + self.counting[first:last]
-            visible = self.counting[:length][None, :] <= query_positions[:, None]  # (Q, L)
-            outputs.append(F.scaled_dot_product_attention(query, keys, values, attn_mask=visible))
+            offset = start - begin  # position p is at packed index p - offset
+            for position, block_end in _aligned_blocks(first + offset, last + offset, block):
+                query = q[..., position - offset : block_end - offset, :]
+                if position < block:
+                    # The first block: its chunk starts at 0, so ``k`` holds its keys.
+                    keys = k[..., begin : begin + block_end, :]
+                    values = v[..., begin : begin + block_end, :]
+                    causal = block_end - position > 1
+                    outputs.append(
+                        F.scaled_dot_product_attention(query, keys, values, is_causal=causal)
+                    )
+                else:
+                    cached_rows = cache.read_slot(layer, slot, block_end)
+                    outputs.append(self._attend_to_cache(query, position, *cached_rows))
         return self._merge_heads(torch.cat(outputs, dim=2))[0]
+
+    def _attend_to_cache(
+        self, query: torch.Tensor, first: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """SDPA of the (1, H, Q, D) queries at positions first.. against a slot's
+        cached keys and values (1, H, L, D) of positions 0..L-1, each query seeing
+        the keys up to its own position."""
+        keys, values = keys.to(query.dtype), values.to(query.dtype)  # the cache may be narrower
+        query_positions = self.counting[first : first + query.shape[2]]
+        visible = self.counting[: keys.shape[2]][None, :] <= query_positions[:, None]  # (Q, L)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible)
 
     # decode
     def decode(
@@ -317,3 +341,11 @@ class GPT2:
         """(B, V) logits of final hidden states (B, C)."""
         h = F.layer_norm(hidden, (self.width,), *self.ln_f, self.eps)  # (B, C)
         return self.lm_head(h)  # (B, V)
+
+
+def _aligned_blocks(start: int, end: int, block: int) -> Iterator[tuple[int, int]]:
+    """Positions [start, end) cut at the multiples of ``block``, as (start, end) pairs."""
+    while start < end:
+        cut = min((start // block + 1) * block, end)
+        yield start, cut
+        start = cut

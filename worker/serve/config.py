@@ -86,8 +86,8 @@ class WorkerConfig:
         "PREFIX_CACHE",
         True,
         "keep each finished prompt's keys and values in its slot until the slot is needed, "
-        "and reuse them for a later prompt that begins the same way (whole blocks of "
-        "PREFILL_CHUNK_TOKENS; off when that is 0); 0: every prompt computed in full",
+        "and reuse them for a later prompt that begins the same way (whole blocks of 16 "
+        "tokens; off when PREFILL_CHUNK_TOKENS is 0); 0: every prompt computed in full",
     )
     bfloat16_products: bool = setting(
         "BFLOAT16_PRODUCTS",
