@@ -61,13 +61,14 @@ def test_a_long_prompt_goes_in_a_chunk_a_step_while_the_streams_decode(
     assert steps_to_first_token == -(-len(long_prompt) // CHUNK)  # ceil(100 / 16) = 7
 
 
-def test_a_chunk_inside_a_prompt_ends_on_a_block_within_the_budget(
+def test_beside_streams_the_oldest_newcomer_takes_the_budget_and_the_others_a_block(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With a budget of 16 tokens and blocks of 4: the first newcomer's whole
-    10-token prompt, then the whole blocks of the second's 30 that fit in the 6
-    left; the rest of the second goes in a chunk a step, ending on a block."""
-    engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK, block_tokens=4)
+    """With a budget of 16 tokens and blocks of 4: the oldest newcomer's whole
+    6-token prompt, then a block of the next one's 30 and the third's 3-token
+    prompt whole; the 30-token prompt, oldest now, takes the budget next, its
+    chunk ending on a block."""
+    engine = tiny_engine(capacity=4, prefill_chunk_tokens=CHUNK, block_tokens=4)
     chunks: list[list[tuple[int, int]]] = []  # (start, length) per prompt, per call
     prefill = GPT2.prefill
 
@@ -81,11 +82,14 @@ def test_a_chunk_inside_a_prompt_ends_on_a_block_within_the_budget(
     engine.step()
     chunks.clear()
     engine.admit(
-        [request(name, random_prompt(rng, n, n), 5) for name, n in (("short", 10), ("long", 30))]
+        [
+            request(name, random_prompt(rng, length, length), 5)
+            for name, length in (("oldest", 6), ("long", 30), ("short", 3))
+        ]
     )
     for _ in range(3):
         engine.step()
-    assert chunks == [[(0, 10), (0, 4)], [(4, 16)], [(20, 10)]]
+    assert chunks == [[(0, 6), (0, 4), (0, 3)], [(4, 16)], [(20, 10)]]
 
 
 def test_a_resumed_request_goes_in_whole_beside_running_streams() -> None:

@@ -32,8 +32,14 @@ def plan_chunks(
 ) -> list[Chunk]:
     """This step's chunks for ``prefilling`` (each newcomer with how many of its
     context tokens are in its slot, oldest first): up to ``budget`` more context
-    tokens in all; every token when no stream would be held up
-    (``holds_up_streams`` False), since then one large prefill is the fastest.
+    tokens in all, of which each newcomer after the first takes at most a
+    ``block``; every token when no stream would be held up (``holds_up_streams``
+    False), since then one large prefill is the fastest. A step's first tokens
+    leave only once its whole prefill is done, so newer prompts computed beside
+    the oldest's would hold its first token back; and newcomers that went in
+    together would stay in step (the same output lengths end them together and
+    their clients' next requests arrive together), each step then prefilling
+    several of them. A block apiece still moves them along.
     Two kinds go in whole whatever the budget: a resumed sequence, whose client
     is already waiting mid-stream (it is a running stream itself, and the sooner
     every resumed one is back the shorter the stall its worker's death caused),
@@ -53,7 +59,7 @@ def plan_chunks(
             continue
         end = len(seq.context_token_ids)
         if holds_up_streams and not (seq.is_resumed or seq.wants_prompt_logprobs):
-            end = min(end, done + budget)
+            end = min(end, done + (min(budget, block) if chunks else budget))
             if end < len(seq.prompt_token_ids):
                 end = end // block * block
             if end <= done:
