@@ -164,8 +164,10 @@ def _kill_under_load(
             with load._lock:
                 return load.num_chunks >= threshold and bool(load.midway)
 
-        stack.wait_until(reached, f"{threshold} chunks with a stream mid-way", 60)
+        # The victim is looked up first: between seeing a stream mid-way and the
+        # kill, a slow client (an emulated CPU, say) would let the last ones end.
         victim = pick_victim(kill)
+        stack.wait_until(reached, f"{threshold} chunks with a stream mid-way", 60)
         with load._lock:
             midway.append(len(load.midway))
         stack.kill_pid(victim)
