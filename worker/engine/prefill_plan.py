@@ -40,6 +40,7 @@ def plan_chunks(
     together would stay in step (the same output lengths end them together and
     their clients' next requests arrive together), each step then prefilling
     several of them. A block apiece still moves them along.
+
     Two kinds go in whole whatever the budget: a resumed sequence, whose client
     is already waiting mid-stream (it is a running stream itself, and the sooner
     every resumed one is back the shorter the stall its worker's death caused),
