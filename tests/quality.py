@@ -34,6 +34,7 @@ def forced_logits(
             [len(prompt) for prompt in prompts],
             list(range(len(group))),
             cache,
+            block=engine.block_tokens,
         )  # (G, V)
         for step in range(max(len(output) for output in outputs)):
             for row, i in enumerate(group):

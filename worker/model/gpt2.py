@@ -116,7 +116,8 @@ class GPT2:
         cache: SlotKVCache,
         keep_all: Collection[int] = (),
         starts: list[int] | None = None,
-        block: int = 16,
+        *,
+        block: int,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Newcomers' prompts packed end to end in ``token_ids`` (S,), ``lengths[i]``
         tokens for cache slot ``slots[i]`` at positions ``starts[i]`` onwards (0 by
