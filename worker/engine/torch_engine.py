@@ -47,8 +47,8 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     precision = Precision.for_device(device, config.dtype, config.weights, config.bfloat16_products)
     if config.prefix_cache and not config.prefill_chunk_tokens:
         logger.warning(
-            "PREFIX_CACHE is on but PREFILL_CHUNK_TOKENS=0: the prefix cache reuses whole "
-            "prefill blocks, so it is off; set PREFILL_CHUNK_TOKENS > 0 to use it"
+            "PREFIX_CACHE is on but PREFILL_CHUNK_TOKENS=0: the prefix cache takes its rows "
+            "between chunks of prefill, so it is off; set PREFILL_CHUNK_TOKENS > 0 to use it"
         )
     preloaded = _take_preloaded(config, device, precision)
     loaded, gpt2 = preloaded or (_load(config, device, precision), None)
