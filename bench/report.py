@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
+# Settings that hold ATen's, oneDNN's or the kernels' code below the best this CPU
+# runs (to try another machine's code here): a result taken with one of them set
+# shows that code on this machine, so it says so.
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "KERNEL_ISA")
 
 OK = "ok"
 
@@ -147,6 +151,9 @@ def machine() -> dict[str, object]:
         "cores": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
     }
+    held_to = {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)}
+    if held_to:
+        described["isa_held_to"] = held_to
     try:
         import torch  # the load clients run without torch; only the engine needs it
     except ImportError:
@@ -167,6 +174,9 @@ def machine() -> dict[str, object]:
 def describe_machine(described: Mapping[str, object]) -> str:
     """One line naming the machine, for the top of every printed report."""
     isa = f", kernels {described['kernel_isa']}" if "kernel_isa" in described else ""
+    held_to = described.get("isa_held_to")
+    if isinstance(held_to, Mapping):
+        isa += ", code held to " + " ".join(f"{name}={value}" for name, value in held_to.items())
     return f"machine: {described['cpu']}, {described['cores']} cores{isa}"
 
 

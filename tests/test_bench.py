@@ -17,7 +17,15 @@ import zmq
 from bench import fault_drill, load, path_latency
 from bench import stack as bench_stack
 from bench.http_client import NATIVE, OPENAI, HttpTarget
-from bench.report import OK, RequestRecord, latency_stats, summarize
+from bench.report import (
+    ISA_LIMITS,
+    OK,
+    RequestRecord,
+    describe_machine,
+    latency_stats,
+    machine,
+    summarize,
+)
 from bench.stack import free_port
 from bench.zmq_client import ZmqTarget
 from protocol import GenerateRequest
@@ -32,6 +40,18 @@ def test_latency_stats_are_milliseconds_with_interpolated_percentiles() -> None:
     assert stats["p99"] == pytest.approx(99.01)
     assert latency_stats([0.25]) == {"mean": 250, "p50": 250, "p95": 250, "p99": 250}
     assert latency_stats([]) == {}
+
+
+def test_a_result_taken_with_the_code_held_below_the_cpu_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ISA_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    assert "isa_held_to" not in machine()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    described = machine()
+    assert described["isa_held_to"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert describe_machine(described).endswith(", code held to ONEDNN_MAX_CPU_ISA=AVX2")
 
 
 def test_summary_counts_tokens_of_successes_and_failures_by_status() -> None:
