@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import os
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -48,7 +49,7 @@ from bench.report import (
     table,
     write_json,
 )
-from bench.stack import running_stack, stack_env
+from bench.stack import free_port, running_stack, stack_env
 from bench.workload import MAX_NEW_TOKENS_CHOICES
 from protocol import GenerateRequest
 
@@ -223,6 +224,28 @@ def llama_version(llama_server: Path) -> str:
     return version.removeprefix("version: ")
 
 
+def llama_system_info(llama_server: Path, gguf: Path, timeout_s: float = 30.0) -> str:
+    """The CPU features llama-server's build uses on this machine (``AVX2 = 1 |
+    ...``): it logs them only at trace verbosity, before it loads the model, so a
+    start of its own is stopped as soon as the line is read."""
+    command = [str(llama_server), "-lv", "4", "--model", str(gguf)]
+    command += ["--host", "127.0.0.1", "--port", str(free_port())]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    ) as process:
+        deadline = threading.Timer(timeout_s, process.kill)  # a build that never says
+        deadline.start()
+        try:
+            assert process.stdout is not None
+            for line in process.stdout:
+                if "system_info:" in line and "|" in line:
+                    return line.split("|", 1)[1].strip(" |\n")
+        finally:
+            deadline.cancel()
+            process.kill()
+    return "unknown"
+
+
 def check_llama_files(args: argparse.Namespace) -> None:
     """Refuse to start when a llama engine is asked for and its files are missing."""
     missing = [] if Path(args.llama_server).is_file() else [f"llama-server at {args.llama_server}"]
@@ -295,11 +318,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "slots": {},
     }
     if uses_llama:
+        first_llama = next(engine for engine in engines if engine in LLAMA)
         report["llama_server"] = {
             "path": str(args.llama_server),
             "version": llama_version(args.llama_server),
+            "system_info": llama_system_info(args.llama_server, gguf_path(args, first_llama)),
             "gguf": {e: str(gguf_path(args, e)) for e in engines if e in LLAMA},
         }
+        print(f"llama-server's build runs: {report['llama_server']['system_info']}", flush=True)
     for slots in args.slots:
         runs: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}
         lengths: dict[str, list[int]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,26 @@ def test_a_missing_llama_server_is_refused_before_anything_starts(tmp_path: Path
     missing = tmp_path / "llama-server"
     with pytest.raises(SystemExit, match=f"not found: llama-server at {missing}.*LLAMA_SERVER"):
         llama_compare.main(["--llama-server", str(missing), "--gguf-dir", str(tmp_path)])
+
+
+def test_the_report_names_the_cpu_features_llama_servers_build_runs(tmp_path: Path) -> None:
+    """Read from the trace line of a start of its own, which is stopped once read."""
+    fake = tmp_path / "llama-server"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'echo "I cmn  common_param: verbosity = 4"\n'
+        'echo "I cmn  common_param: system_info: n_threads = 2 / 2 | CPU : AVX2 = 1 | FMA = 1 | "\n'
+        "exec sleep 60\n"
+    )
+    fake.chmod(0o755)
+    started = time.monotonic()
+    info = llama_compare.llama_system_info(fake, tmp_path / "model.gguf")
+    assert info == "CPU : AVX2 = 1 | FMA = 1"
+    assert time.monotonic() - started < 30  # not left to run
+
+
+def test_a_build_that_never_says_its_cpu_features_is_reported_unknown(tmp_path: Path) -> None:
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho 'error: unknown argument: -lv'\nexit 1\n")
+    fake.chmod(0o755)
+    assert llama_compare.llama_system_info(fake, tmp_path / "model.gguf") == "unknown"
