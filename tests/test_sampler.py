@@ -51,6 +51,12 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert sample_many(logits, 400, temperature=1.0) == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324])  # 0 once in float32
+def test_a_top_p_too_small_for_float32_still_keeps_the_top_token(top_p: float) -> None:
+    logits = torch.tensor([0.15, 0.5, 0.3, 0.05]).log().tolist()
+    assert sample_many(logits, 100, temperature=1.0, top_p=top_p) == {1}
+
+
 def test_a_draw_depends_only_on_the_seed_and_the_output_position() -> None:
     sampler = Sampler(CPU)
     req = request("x", [0], temperature=1.0)

@@ -131,9 +131,10 @@ class Sampler:
         keep_k = torch.where(top_k > 0, top_k, vocab_size)
         removed = rank[None, :] >= keep_k[:, None]
         probs = ordered.masked_fill(removed, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the top token always).
+        # Keep the smallest prefix whose mass reaches top_p, and the top token
+        # always: a top_p below float32's least number rounds to 0 here.
         mass_before = probs.cumsum(dim=-1) - probs
-        removed |= (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
+        removed[:, 1:] |= ((mass_before >= top_p[:, None]) & (top_p < 1)[:, None])[:, 1:]
         # ... and the draw is made in vocabulary order, as above: a row that
         # filters nothing draws what it would in a batch where no row filters.
         removed = torch.zeros_like(removed).scatter_(-1, order, removed)
