@@ -416,6 +416,32 @@ def test_a_grammar_too_costly_for_a_step_fails_its_request_alone(new_engine: Any
 
 
 @pytest.mark.parametrize(
+    "kind, value",
+    [("choice", json.dumps(["x<|endoftext|>"])), ("regex", r"ab<\|endoftext\|>c")],
+)
+def test_a_grammar_that_asks_for_the_end_tokens_text_fails_saying_so(
+    new_engine: Any, kind: str, value: str
+) -> None:
+    """llguidance offers the end token where the grammar's text spells it, then
+    refuses it: the request fails with a reason that says what to change."""
+    engine = new_engine()
+    engine.admit([constrained("spelled", kind, value), GenerateRequest("n", "hi", 6)])
+    failed, finished = [], []
+    while engine.num_active():
+        output = engine.step()
+        failed += output.failed
+        finished += output.finished
+    ((request_id, error),) = failed
+    assert request_id == "spelled"
+    field = f"structured_outputs.{kind}"
+    assert str(error) == (
+        f"{field}: the grammar asks for '<|endoftext|>' as text, which this model's "
+        "tokenizer keeps for its end token; leave it out of the grammar"
+    )
+    assert [seq.request_id for seq in finished] == ["n"]
+
+
+@pytest.mark.parametrize(
     "grammar", ["start: x+\nx: x x | /[a-z]/", "start: start start | start start start | /[a-z]/"]
 )
 def test_an_ambiguous_grammar_fails_before_its_steps_grow_costly(

@@ -96,14 +96,27 @@ def _with_eos_special(tokenizer_json: str, eos_token_id: int | None) -> str:
 class GrammarMatcher:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int, field: str) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, eos_token_id: int, eos_text: str, field: str
+    ) -> None:
         self.matcher = matcher
         self.eos_token_id = eos_token_id  # allowed where the grammar may end
+        self.eos_text = eos_text  # the end token's text, for errors
         self.field = field  # the request field the grammar came from, for errors
+        self.wants_eos_text = False
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False if the grammar does not allow it, or has
         failed (see `error`)."""
+        # A grammar whose text holds the end token's text (a choice "a<|endoftext|>")
+        # is offered the end token there, as llguidance tokenizes that text, and
+        # then refuses it, as no text: the one way the end token is taken where
+        # the grammar cannot end.
+        self.wants_eos_text = (
+            token_id == self.eos_token_id
+            and not self.matcher.is_error()
+            and not self.matcher.is_accepting()
+        )
         return bool(self.matcher.consume_token(token_id))
 
     @property
@@ -114,6 +127,11 @@ class GrammarMatcher:
     @property
     def error(self) -> str:
         """Why the grammar failed, naming the request field."""
+        if self.wants_eos_text:
+            return (
+                f"{self.field}: the grammar asks for {self.eos_text!r} as text, which this "
+                "model's tokenizer keeps for its end token; leave it out of the grammar"
+            )
         problem = _explained(self.matcher.get_error()) or "the token was not one the grammar allows"
         return f"{self.field}: the output could not follow the grammar: {problem}"
 
@@ -176,8 +194,10 @@ class Grammars:
             compiled = self._compiling(request.grammar).result()
         except GrammarError as exc:
             raise RequestRejected(request.request_id, exc.code, f"{field}: {exc}") from None
-        assert self._tokenizer is not None  # made by the compile
-        return GrammarMatcher(compiled.deep_copy(), self._tokenizer.eos_token, field)
+        tokenizer = self._tokenizer
+        assert tokenizer is not None  # made by the compile
+        eos = tokenizer.eos_token
+        return GrammarMatcher(compiled.deep_copy(), eos, tokenizer.decode_str([eos]), field)
 
     def masks(self, seqs: list[Sequence]) -> TokenMasks | None:
         """The masks of the rows of ``seqs`` that have a grammar and are not
