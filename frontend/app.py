@@ -132,12 +132,13 @@ def _route_path(request: Request) -> str:
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
-    """Unknown paths and wrong methods, in the same error shape as everything else."""
+    """Unknown paths and wrong methods, in the same error shape as everything else,
+    and counted as every refusal is."""
     assert isinstance(exc, HTTPException)
     message = f"{request.method} {request.url.path}: {exc.detail}; see GET /openapi.json"
     # A 405's Allow header names the methods the path takes.
     headers = dict(exc.headers or {})
-    return await handle_api_error(request, ApiError(exc.status_code, message, headers=headers))
+    return await _api_error(request, ApiError(exc.status_code, message, headers=headers))
 
 
 def _status(client: WorkerClient) -> dict[str, Any]:

@@ -125,6 +125,25 @@ def test_errors_are_labelled_by_route_not_by_the_path_asked_for(stack: Stack) ->
     assert {e for e in endpoints if e.startswith("/v1/models/")} == {route}
 
 
+def test_unknown_paths_and_wrong_methods_count_as_refusals(stack: Stack) -> None:
+    before = scrape(stack)
+    assert httpx.get(f"{stack.url}/nope", timeout=10).status_code == 404
+    assert httpx.get(f"{stack.url}/{'x' * 500}", timeout=10).status_code == 404
+    assert httpx.delete(f"{stack.url}/v1/completions", timeout=10).status_code == 405
+    assert httpx.post(f"{stack.url}/health", timeout=10).status_code == 405
+    after = scrape(stack)
+
+    def grew(endpoint: str, status: str) -> float:
+        labels = {"endpoint": endpoint, "status": status, "finish_reason": "none"}
+        return value(after, "minibatch_requests_total", **labels) - value(
+            before, "minibatch_requests_total", **labels
+        )
+
+    assert grew("other", "404") == 2  # one series for every unknown path
+    assert grew("/v1/completions", "405") == 1
+    assert grew("/health", "405") == 1
+
+
 def test_worker_gauges_follow_heartbeats(stack: Stack) -> None:
     samples = scrape(stack)
     assert value(samples, "minibatch_worker_up") == 1
