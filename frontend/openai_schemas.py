@@ -191,12 +191,12 @@ class CompletionBody(OpenAIBody):
         le=MAX_CHOICES,
         description="generate this many (at least n) and answer the n likeliest; not with stream",
     )
-    suffix: str | None = Field(None, description="not supported: only null")
+    suffix: str | None = Field(None, description="not supported: only null or empty")
 
     def _checks(self) -> list[tuple[str, bool, str]]:
         return [
             *super()._checks(),
-            ("suffix", self.suffix is None, "suffix is not supported"),
+            ("suffix", not self.suffix, "suffix is not supported"),  # "" appends nothing
         ]
 
 

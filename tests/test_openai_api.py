@@ -136,6 +136,9 @@ def test_unsupported_value_is_a_400_in_openai_shape(client: openai.OpenAI) -> No
     assert error["param"] == "suffix"
     assert error["type"] == "invalid_request_error"
     assert "not supported" in error["message"]
+    # An empty suffix appends nothing, as no suffix.
+    reply = client.completions.create(model="fake", prompt="hi", suffix="", max_tokens=2)
+    assert reply.choices[0].finish_reason == "length"
 
 
 def test_invalid_value_is_a_422_naming_the_parameter(client: openai.OpenAI) -> None:
