@@ -108,10 +108,9 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False if the grammar does not allow it, or has
         failed (see `error`)."""
-        # A grammar whose text holds the end token's text (a choice "a<|endoftext|>")
-        # is offered the end token there, as llguidance tokenizes that text, and
-        # then refuses it, as no text: the one way the end token is taken where
-        # the grammar cannot end.
+        # llguidance tokenizes the end token's text in a grammar (a choice
+        # "a<|endoftext|>") as the end token, offers it there, then refuses it as
+        # text. Only so is the end token taken where the grammar cannot end.
         self.wants_eos_text = (
             token_id == self.eos_token_id
             and not self.matcher.is_error()
