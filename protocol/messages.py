@@ -217,7 +217,7 @@ class Heartbeat:
     instance_id: str
     num_steps: int
     num_queued: int
-    num_active: int
+    num_active: int  # slots busy; while requests wait, those of the latest step
     num_finished: int = 0
     rss_bytes: int = 0  # the worker process's resident memory; 0 where unknown
     num_matmul_shapes: int = 0  # see the worker's InferenceEngine.num_matmul_shapes

@@ -231,6 +231,24 @@ def test_a_step_failure_fails_the_active_set_resets_and_serving_goes_on() -> Non
         assert result.text == expected_text(f"prompt {later[1]}", 5)
 
 
+def test_a_slot_freed_while_requests_wait_is_reported_busy_until_refilled() -> None:
+    """The next iteration refills it before it steps again: reported idle in
+    between, it would look like a slot left idle under a backlog."""
+    engine = RecordingEngine(2)
+    scheduler = Scheduler(engine, max_queue_depth=100)
+    scheduler.submit(_request(0, max_new_tokens=2))  # finishes in the first step
+    scheduler.submit(_request(1, max_new_tokens=8))
+    scheduler.submit(_request(2, max_new_tokens=1))  # finishes in its first step
+    scheduler.run_once()
+    assert (engine.num_active(), scheduler.num_queued) == (1, 1)
+    assert scheduler.num_busy == 2
+    scheduler.run_once()  # r2 came and went; nothing waits for its slot
+    assert engine.active_at_step == [2, 2]
+    assert scheduler.num_busy == engine.num_active() == 1
+    scheduler.abort(["r1"])
+    assert scheduler.num_busy == 0
+
+
 def test_abort_answers_queued_and_running_requests_and_frees_the_slot() -> None:
     engine = FakeEngine(1)
     scheduler = Scheduler(engine, max_queue_depth=10)

@@ -40,6 +40,11 @@ class Scheduler:
         # Engine failures with no success between them: a worker whose engine fails
         # everything (a poisoned CUDA context, say) must be replaced, not kept.
         self.num_failures_in_a_row = 0
+        # Slots busy, as heartbeats report them (read on another thread): those
+        # of the latest step while requests wait, since the next iteration
+        # refills any slot that step freed before it steps again; else those
+        # active now.
+        self.num_busy = 0
         self._clock = clock
         self._queue: OrderedDict[str, tuple[GenerateRequest, float]] = OrderedDict()
         self._admitted_at: dict[str, tuple[float, float]] = {}  # id -> (arrival, admission)
@@ -90,6 +95,7 @@ class Scheduler:
         for finished in self.engine.abort(running):
             outputs.append(self._finished_result(finished))
         self.num_finished += len(outputs)
+        self._count_busy_unless_refilled()
         return outputs
 
     def run_once(self, send: Callable[[list[ToFrontend]], None] | None = None) -> list[ToFrontend]:
@@ -98,6 +104,7 @@ class Scheduler:
         goes to ``send`` before the decode runs, and the rest is returned."""
         outputs: list[ToFrontend] = []
         if not self.has_work():
+            self.num_busy = 0
             return outputs
         num_free = self.engine.capacity - self.engine.num_active()
         prepared: list[str] = []
@@ -109,10 +116,17 @@ class Scheduler:
         newcomers = [self._queue.pop(request_id) for request_id in prepared]
         # Queue time ends when admission starts; the prefill counts as generation.
         self._admit(newcomers, self._clock(), outputs)
+        self.num_busy = self.engine.num_active()
         if self.engine.num_active() > 0 and self._step(outputs, send):
             self.num_steps += 1
         self._count_finished(outputs)
+        self._count_busy_unless_refilled()
         return outputs
+
+    def _count_busy_unless_refilled(self) -> None:
+        """Slots freed with no request waiting to refill them are idle now."""
+        if not self._queue:
+            self.num_busy = self.engine.num_active()
 
     def _count_finished(self, outputs: list[ToFrontend]) -> None:
         self.num_finished += sum(isinstance(o, (GenerateResult, ErrorResult)) for o in outputs)

@@ -238,7 +238,7 @@ class WorkerServer:
                             # free that one of them takes. Read in the order requests
                             # move (inbox, queue, batch), so none is missed.
                             num_queued=self._inbox.qsize() + self.scheduler.num_queued,
-                            num_active=self.scheduler.engine.num_active(),
+                            num_active=self.scheduler.num_busy,
                             num_finished=self.scheduler.num_finished,
                             rss_bytes=_resident_bytes(),
                             num_matmul_shapes=self.scheduler.engine.num_matmul_shapes(),
