@@ -249,6 +249,24 @@ def test_a_slot_freed_while_requests_wait_is_reported_busy_until_refilled() -> N
     assert scheduler.num_busy == 0
 
 
+class PreparingEngine(RecordingEngine):
+    """Its request "r9" is still being prepared (its grammar compiling)."""
+
+    def prepare(self, request: GenerateRequest) -> bool:
+        return request.request_id != "r9"
+
+
+def test_a_slot_freed_while_only_unprepared_requests_wait_is_reported_idle() -> None:
+    engine = PreparingEngine(2)
+    scheduler = Scheduler(engine, max_queue_depth=100)
+    scheduler.submit(_request(0, max_new_tokens=2))  # finishes in the first step
+    scheduler.submit(_request(1, max_new_tokens=8))
+    scheduler.submit(_request(9))
+    scheduler.run_once()
+    assert (engine.num_active(), scheduler.num_queued) == (1, 1)
+    assert scheduler.num_busy == 1  # no iteration can refill it yet
+
+
 def test_abort_answers_queued_and_running_requests_and_frees_the_slot() -> None:
     engine = FakeEngine(1)
     scheduler = Scheduler(engine, max_queue_depth=10)

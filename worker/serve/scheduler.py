@@ -41,9 +41,9 @@ class Scheduler:
         # everything (a poisoned CUDA context, say) must be replaced, not kept.
         self.num_failures_in_a_row = 0
         # Slots busy, as heartbeats report them (read on another thread): those
-        # of the latest step while requests wait, since the next iteration
-        # refills any slot that step freed before it steps again; else those
-        # active now.
+        # of the latest step while a request waits ready, since the next
+        # iteration refills any slot that step freed before it steps again;
+        # else those active now.
         self.num_busy = 0
         self._clock = clock
         self._queue: OrderedDict[str, tuple[GenerateRequest, float]] = OrderedDict()
@@ -124,8 +124,9 @@ class Scheduler:
         return outputs
 
     def _count_busy_unless_refilled(self) -> None:
-        """Slots freed with no request waiting to refill them are idle now."""
-        if not self._queue:
+        """Slots freed with no request ready to refill them (none waits, or those
+        that wait are still being prepared) are idle now."""
+        if not any(self.engine.prepare(request) for request, _ in self._queue.values()):
             self.num_busy = self.engine.num_active()
 
     def _count_finished(self, outputs: list[ToFrontend]) -> None:
