@@ -320,22 +320,24 @@ def test_projection_on_the_kernel_path_takes_every_row_count_in_one_call(
     assert kernel_rows == [num_rows]
 
 
-@pytest.mark.parametrize("l2_mib", [1, 2])
+@pytest.mark.parametrize("l2_kib", [256, 512, 1024, 2048])
 @pytest.mark.parametrize("format", WEIGHT_FORMATS)
 @pytest.mark.parametrize("isa", ["avx512_vnni", "avx512", "avx2", "baseline"])
 def test_each_projection_takes_one_path_by_a_rule_not_a_timing(
-    format: str, isa: str, l2_mib: int, monkeypatch: pytest.MonkeyPatch
+    format: str, isa: str, l2_kib: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every worker on a machine then chooses alike, and a replay on another
-    worker continues bit for bit: the kernel, but for float32 where its build
-    has no AVX-512 (there its prefill is not measured against oneDNN's) or a
-    core's L2 is under 2 MiB (there oneDNN's prefill is the faster)."""
+    worker continues bit for bit: the kernel, but for float32 where a core's L2
+    cannot hold its build's panels for a group of rows (under 2 MiB for
+    AVX-512, 512 KiB for AVX2: there oneDNN's prefill is the faster), and on
+    the baseline build."""
     if isa not in runnable_isas():
         pytest.skip(f"this CPU does not run the {isa} build")
     monkeypatch.setenv("KERNEL_ISA", isa)
-    monkeypatch.setattr(projection_module, "l2_cache_bytes", lambda: l2_mib * 1024 * 1024)
+    monkeypatch.setattr(projection_module, "l2_cache_bytes", lambda: l2_kib * 1024)
     _, weight, bias = operands(3, 64, 96)
-    float32_on_kernel = isa.startswith("avx512") and l2_mib >= 2
+    min_l2_kib = {"avx512_vnni": 2048, "avx512": 2048, "avx2": 512}.get(isa)
+    float32_on_kernel = min_l2_kib is not None and l2_kib >= min_l2_kib
     expected = "onednn" if format == "float32" and not float32_on_kernel else "kernel"
     assert Projection(weight, bias, format).decode_path == expected
 

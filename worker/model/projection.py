@@ -23,8 +23,11 @@ the float32 LM head at 8 rows in 1.06x the time to read it, oneDNN in 1.20x,
 and a 128-row prefill chunk's projections took 5.60 ms against oneDNN's 5.55;
 on an AMD EPYC with AVX-512 and 1 MiB, where a group of a wide projection's
 float32 panels for a prefill's rows spills out of L2, 6.26 against 4.92 ms, and
-8 rows 0.97x to 1.12x oneDNN's time), else oneDNN where torch packs for it (a prefill on
-the AVX2 build is not measured against oneDNN's on an AVX2-only CPU).
+8 rows 0.97x to 1.12x oneDNN's time); and where its build is AVX2 and the L2
+holds 512 KiB (a group's panels are a sixth as wide: with AVX2 code alone on
+both paths, on a Zen 4 EPYC with 1 MiB, the LM head at 8 rows took 0.75x
+oneDNN's time and a prefill chunk 0.98x, and `bench.engine_bench` ran 1.2x
+faster); else oneDNN where torch packs for it.
 Within either path a row's product does not depend on its batchmates: the
 kernel sums each row in the same order whatever the rows, and oneDNN does for 2
 rows or more (a lone row, which it multiplies another way, goes in as two).
@@ -49,9 +52,16 @@ from worker.model.precision import has_bfloat16_products
 logger = logging.getLogger(__name__)
 
 INT8_MAX = 127
-# The L2 a core needs for float32 on the kernel to keep up with oneDNN in prefill:
-# the kernel runs each group of rows over a set of panels while they are in L2.
-FLOAT32_KERNEL_MIN_L2 = 2 * 1024 * 1024
+# The L2 a core needs, per build, for float32 on the kernel to keep up with oneDNN
+# in prefill: the kernel runs each group of rows over a set of panels while they
+# are in L2. AVX-512's group reads 3 panels of 32 columns (1.2 MB at K = 3072),
+# AVX2's 2 of 8 (196 KB), which half a MiB holds twice over. A build absent
+# here (the baseline) leaves float32 to oneDNN.
+FLOAT32_KERNEL_MIN_L2 = {
+    "avx512_vnni": 2 * 1024 * 1024,
+    "avx512": 2 * 1024 * 1024,
+    "avx2": 512 * 1024,
+}
 # The rows oneDNN's copy is packed for: a full decode batch of the kernel's.
 PACKED_FOR_ROWS = MAX_ROWS
 
@@ -243,12 +253,13 @@ class Projection:
 def decode_path(projection: Projection) -> DecodePath:
     """The path ``projection`` multiplies through, for every row count: the kernel
     where it is built and the weight is stored in fewer bytes than float32, or the
-    build has AVX-512 and the L2 holds FLOAT32_KERNEL_MIN_L2, or no packed oneDNN
-    copy exists; oneDNN otherwise (see the module's docstring)."""
+    L2 holds what the build's FLOAT32_KERNEL_MIN_L2 asks, or no packed oneDNN copy
+    exists; oneDNN otherwise (see the module's docstring)."""
     if projection.skinny_linear is None or projection.bfloat16_products:
         return "onednn"
     if projection.stored != "float32" or not projection.is_packed:
         return "kernel"
     assert projection.kernels is not None
-    has_room = (l2_cache_bytes() or 0) >= FLOAT32_KERNEL_MIN_L2
-    return "kernel" if projection.kernels.isa.startswith("avx512") and has_room else "onednn"
+    min_l2 = FLOAT32_KERNEL_MIN_L2.get(projection.kernels.isa)
+    has_room = min_l2 is not None and (l2_cache_bytes() or 0) >= min_l2
+    return "kernel" if has_room else "onednn"
