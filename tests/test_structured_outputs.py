@@ -232,6 +232,17 @@ def constrained(
     )
 
 
+def run_to_the_end(engine: TorchEngine) -> tuple[list[Any], list[Any]]:
+    """Step until no sequence is active: the requests that failed and those that
+    finished."""
+    failed, finished = [], []
+    while engine.num_active():
+        output = engine.step()
+        failed += output.failed
+        finished += output.finished
+    return failed, finished
+
+
 def test_every_output_follows_its_json_schema(new_engine: Any) -> None:
     requests = []
     for name, schema in SCHEMAS.items():
@@ -401,11 +412,7 @@ def test_a_grammar_too_costly_for_a_step_fails_its_request_alone(new_engine: Any
     schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
     engine = new_engine()
     engine.admit([constrained("costly", "json_schema", schema), GenerateRequest("n", "hi", 6)])
-    failed, finished = [], []
-    while engine.num_active():
-        output = engine.step()
-        failed += output.failed
-        finished += output.finished
+    failed, finished = run_to_the_end(engine)
     ((request_id, error),) = failed
     assert request_id == "costly"
     assert str(error).startswith(
@@ -426,11 +433,7 @@ def test_a_grammar_that_asks_for_the_end_tokens_text_fails_saying_so(
     refuses it: the request fails with a reason that says what to change."""
     engine = new_engine()
     engine.admit([constrained("spelled", kind, value), GenerateRequest("n", "hi", 6)])
-    failed, finished = [], []
-    while engine.num_active():
-        output = engine.step()
-        failed += output.failed
-        finished += output.finished
+    failed, finished = run_to_the_end(engine)
     ((request_id, error),) = failed
     assert request_id == "spelled"
     field = f"structured_outputs.{kind}"
