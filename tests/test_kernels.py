@@ -420,7 +420,7 @@ def test_prefill_row_counts_are_padded_to_few_sizes(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(projection_module, "_matmul_shapes", set())
     x, weight, bias = operands(100, 64, 96)
     projection = Projection(weight, bias, "float32")
-    projection.decode_path = "onednn"  # as where there are no AVX-512 kernels
+    projection.decode_path = "onednn"  # as for float32 where the L2 is too small
     for num_rows in (97, 100, 112, 9):
         torch.testing.assert_close(projection(x[:num_rows]), F.linear(x[:num_rows], weight, bias))
     assert num_matmul_shapes() == 2  # (112, 96, 64) and (16, 96, 64)
