@@ -204,6 +204,7 @@ async def ready(request: Request) -> Response:
     has_room = client.num_inflight < client.config.max_inflight_requests
     is_ready = status["status"] == "ok" and has_room
     if status["status"] == "ok" and not has_room:
+        status["status"] = "full"
         status["reason"] = (
             f"MAX_INFLIGHT_REQUESTS={client.config.max_inflight_requests} requests in flight"
         )

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from bench.stack import REPO_ROOT
+from tests.sse import sse_events
 from tests.stack import Stack, running_stack
 from worker.engine.fake_engine import expected_text
 
@@ -78,6 +79,26 @@ def test_health_names_the_model_counts_the_work_and_is_503_without_a_worker(tmp_
                 h["workers"][0]["finished"] == before["finished"] + 1
                 and h["workers"][0]["steps"] > before["steps"]
             ),
+        )
+
+
+def test_ready_is_503_full_while_max_inflight_requests_are_unanswered(tmp_path: Path) -> None:
+    overrides = {"MAX_INFLIGHT_REQUESTS": "1", "FAKE_STEP_DELAY_S": "0.05"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        assert httpx.get(f"{stack.url}/ready", timeout=5).status_code == 200
+        body = {"prompt": "hold", "max_new_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"{stack.url}/generate", json=body, timeout=30) as held:
+            events = sse_events(held)  # held: a dropped reader would close the stream
+            next(events)
+            ready = httpx.get(f"{stack.url}/ready", timeout=5)
+            assert ready.status_code == 503
+            assert (ready.json()["status"], ready.json()["ready"]) == ("full", False)
+            assert "MAX_INFLIGHT_REQUESTS=1" in ready.json()["reason"]
+            assert stack.health().status_code == 200  # live, only full
+        stack.wait_until(
+            lambda: httpx.get(f"{stack.url}/ready", timeout=5).status_code == 200,
+            "room again once the held stream is aborted",
         )
 
 
