@@ -1,25 +1,59 @@
 #!/usr/bin/env bash
 # Runs pytest on an AVX-512 host as if on an AVX2-only AMD EPYC (Zen 3), for the
-# every-CPU checks where no such machine is at hand: QEMU's user-mode emulator
-# (TCG, which implements no AVX-512 at all) executes every instruction and answers
-# CPUID as an EPYC-Milan, so torch, oneDNN and the decode kernels choose their AVX2
-# code and any AVX-512 instruction left in it stops the run with SIGILL; and
-# /proc/cpuinfo, which worker/model/kernels.py reads, is bind-mounted in a private
-# mount namespace without the AVX-512, AMX and VNNI flags.
+# every-CPU checks where no such machine is at hand. Two ways, each catching what
+# the other cannot:
 #
-# Emulation is slow (torch's own products about 100x), and processes the tests
-# start run natively, so with no arguments it runs the files that test in-process
-# what depends on the instruction set (about 18 minutes on 2 cores); arguments go
-# to pytest instead:
-#   sudo tests/run_as_avx2_cpu.sh
+#   --cpuid  Native speed, the whole suite by default. Every process, the tests'
+#            and those they start (workers, frontends, supervisors), runs with
+#            tests/avx2_cpuid.c preloaded: CPUID reports no AVX-512, VNNI,
+#            AVX-NE-CONVERT or AMX, so torch, oneDNN and cpuinfo choose what they
+#            choose on a Zen 3 (a bfloat16 path that needs AVX-512 fails as it
+#            would there). An AVX-512 instruction run without asking CPUID still
+#            runs, here; the default mode catches that.
+#   (default) QEMU's user-mode emulator (TCG, which implements no AVX-512 at all)
+#            executes every instruction and answers CPUID as an EPYC-Milan, so any
+#            AVX-512 instruction left on a path stops the run with SIGILL. It is
+#            slow (torch's own products about 100x) and does not follow the
+#            processes a test starts (they run natively), so by default it runs
+#            the files that test in-process what depends on the instruction set
+#            (about 11 minutes on 2 cores).
+#
+# In both, /proc/cpuinfo, which worker/model/kernels.py reads, is bind-mounted in
+# a private mount namespace without the AVX-512, AMX and VNNI flags. Arguments
+# after the mode go to pytest:
+#   sudo tests/run_as_avx2_cpu.sh --cpuid
 #   sudo tests/run_as_avx2_cpu.sh tests/test_kernels.py -k int8
-# Needs root (unshare, mount) and qemu-user (Debian: apt-get install qemu-user).
+# Needs root (unshare, mount); --cpuid a C compiler and a CPU with CPUID faulting
+# (`cpuid_fault` in /proc/cpuinfo), the default qemu-user (apt-get install qemu-user).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-command -v qemu-x86_64 >/dev/null || { echo "needs qemu-x86_64: apt-get install qemu-user" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "needs root, for unshare and mount --bind" >&2; exit 2; }
 
+mode=qemu
+if [ "${1:-}" = --cpuid ]; then
+    mode=cpuid
+    shift
+fi
+
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+sed -E '/^flags/ s/ (avx512[a-z0-9_]*|amx[a-z0-9_]*|avx_vnni[a-z0-9_]*|avx_ne_convert)\b//g' \
+    /proc/cpuinfo > "$scratch/cpuinfo"
+
+if [ $mode = cpuid ]; then
+    grep -qw cpuid_fault /proc/cpuinfo \
+        || { echo "this CPU or VM has no CPUID faulting (cpuid_fault): use the QEMU mode" >&2; exit 2; }
+    "${CC:-cc}" -O2 -Wall -shared -fPIC -o "$scratch/avx2_cpuid.so" tests/avx2_cpuid.c -ldl
+    if [ $# = 0 ]; then set -- -q; fi
+    LD_PRELOAD="$scratch/avx2_cpuid.so" unshare --mount sh -c '
+        mount --bind "$0" /proc/cpuinfo &&
+        exec .venv/bin/python -m pytest -p no:cacheprovider -rs "$@"
+    ' "$scratch/cpuinfo" "$@"
+    exit
+fi
+
+command -v qemu-x86_64 >/dev/null || { echo "needs qemu-x86_64: apt-get install qemu-user" >&2; exit 2; }
 if [ $# = 0 ]; then
     set -- -q tests/test_kernels.py tests/test_torch_engine.py tests/test_precision.py \
         tests/test_decode_step.py tests/test_prefix_cache.py tests/test_exact_resume.py \
@@ -27,13 +61,7 @@ if [ $# = 0 ]; then
         tests/test_scoring.py tests/test_slot_engine.py tests/test_model_loader.py \
         tests/test_token_mask.py tests/test_structured_outputs.py
 fi
-
-cpuinfo=$(mktemp)
-trap 'rm -f "$cpuinfo"' EXIT
-sed -E '/^flags/ s/ (avx512[a-z0-9_]*|amx[a-z0-9_]*|avx_vnni[a-z0-9_]*|avx_ne_convert)\b//g' \
-    /proc/cpuinfo > "$cpuinfo"
-
 unshare --mount sh -c '
     mount --bind "$0" /proc/cpuinfo &&
     exec qemu-x86_64 -cpu EPYC-Milan .venv/bin/python -m pytest -p no:cacheprovider -rs "$@"
-' "$cpuinfo" "$@" 2> >(grep -v "TCG doesn.t support requested feature" >&2)
+' "$scratch/cpuinfo" "$@" 2> >(grep -v "TCG doesn.t support requested feature" >&2)
