@@ -13,7 +13,8 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from frontend.errors import ApiError, error_response
+from frontend.errors import ApiError
+from frontend.refusal import refuse
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 SEND_KEY = "send the header 'Authorization: Bearer <key>' (the openai client sends its api_key so)"
@@ -39,7 +40,7 @@ class ApiKeyMiddleware:
             # Close: the body, which nobody will read, need not be sent.
             headers={"WWW-Authenticate": "Bearer", "Connection": "close"},
         )
-        await error_response(error)(scope, receive, send)
+        await refuse(error, scope, receive, send)
 
     def _problem(self, authorization: str | None) -> str | None:
         """What is wrong with the credentials, or None when they are right."""

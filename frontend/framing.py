@@ -13,7 +13,8 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from frontend.errors import ApiError, error_response
+from frontend.errors import ApiError
+from frontend.refusal import refuse
 
 
 class AmbiguousFramingMiddleware:
@@ -31,6 +32,6 @@ class AmbiguousFramingMiddleware:
                     "invalid_request",
                     headers={"Connection": "close"},  # what follows cannot be trusted
                 )
-                await error_response(error)(scope, receive, send)
+                await refuse(error, scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -56,9 +56,24 @@ def test_a_missing_or_wrong_key_gets_401_saying_what_to_send(
     assert KEY not in response.text
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/openapi.json", "/no-such-path"])
-def test_every_other_path_needs_the_key(stack: Stack, path: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "route"),
+    [("/v1/models", "/v1/models"), ("/openapi.json", "/openapi.json"), ("/no-such-path", "other")],
+)
+def test_every_other_path_needs_the_key_and_its_refusal_counts(
+    stack: Stack, path: str, route: str
+) -> None:
+    counted = f'minibatch_requests_total{{endpoint="{route}",finish_reason="none",status="401"}}'
+
+    def count() -> float:
+        for line in httpx.get(f"{stack.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(counted + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = count()
     assert httpx.get(f"{stack.url}{path}", timeout=10).status_code == 401
+    assert count() == before + 1
 
 
 @pytest.mark.parametrize("path", ["/health", "/ready", "/metrics"])

@@ -282,6 +282,7 @@ def test_a_body_that_is_not_one_json_object_gets_a_short_422_that_says_why(
 def test_a_body_framed_two_ways_is_refused_and_its_connection_closed(stack: Stack) -> None:
     """Content-Length and Transfer-Encoding at once: request smuggling's start."""
     body = b'{"prompt": "hi"}'
+    before = request_counts(stack)
     with connect(stack) as sock:
         sock.sendall(
             head(
@@ -298,6 +299,9 @@ def test_a_body_framed_two_ways_is_refused_and_its_connection_closed(stack: Stac
     assert json.loads(answer)["error"]["message"].startswith(
         "the request has both Content-Length and Transfer-Encoding; send one"
     )
+    # Refused before routing, and counted under the route all the same.
+    refused = 'minibatch_requests_total{endpoint="/generate",finish_reason="none",status="400"}'
+    assert request_counts(stack).get(refused, 0) == before.get(refused, 0) + 1
 
 
 def test_a_body_that_stalls_gets_408(stack: Stack) -> None:
