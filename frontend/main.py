@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Sequence
 from types import FrameType
 
@@ -13,7 +12,7 @@ from frontend.app import create_app
 from frontend.config import FrontendConfig
 from frontend.http_protocol import with_header_timeout
 from frontend.worker_client import WorkerClient
-from protocol.settings import ConfigError, load
+from protocol.settings import ConfigError, exit_refusing, load
 
 # What a stopping frontend gives its requests under way to finish.
 GRACEFUL_SHUTDOWN_S = 5
@@ -26,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         config = load(FrontendConfig, argv, description="MiniBatch-LLM HTTP frontend")
     except ConfigError as exc:
-        sys.exit(f"frontend: configuration error: {exc}")
+        exit_refusing("frontend", exc)
     app = create_app(config)
     server_config = uvicorn.Config(
         app,

@@ -6,7 +6,7 @@ workers takes `protocol.client_config`). A field made with `setting` names its
 environment variable; `load` reads the variables, lets command-line flags
 override them (``--max-batch-size 4`` for MAX_BATCH_SIZE) and validates the
 result. A bad value raises `ConfigError` naming the variable, and the entry
-points exit with it. The only module that reads the environment for a config.
+points exit with it (`exit_refusing`). The only module that reads the environment for a config.
 """
 
 from __future__ import annotations
@@ -15,18 +15,31 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 # The largest number any setting takes: counts, bytes and seconds all fit (68
 # years of seconds), and so does everything the wire carries of them.
 MAX_SETTING = 2**31 - 1
 
 
+# The exit code of a process that refuses its configuration (sysexits.h's
+# EX_CONFIG): its supervisor does not start it again, as the same settings fail
+# the same way.
+CONFIG_ERROR_EXIT_CODE = 78
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the variable."""
+
+
+def exit_refusing(process: str, error: ConfigError) -> NoReturn:
+    """Ends ``process`` with ``error``'s message and CONFIG_ERROR_EXIT_CODE."""
+    print(f"{process}: configuration error: {error}", file=sys.stderr)
+    sys.exit(CONFIG_ERROR_EXIT_CODE)
 
 
 def setting(env: str, default: Any, help: str, is_secret: bool = False) -> Any:

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from protocol import GenerateRequest, encode
+from protocol.settings import CONFIG_ERROR_EXIT_CODE
 from tests.stack import Stack, running_stack
 from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
 from worker.launch import child as child_module
@@ -142,6 +143,15 @@ def _exit_code(stack: Stack, timeout_s: float = 20) -> int:
         return stack.processes["supervisor"].wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"the supervisor is still retrying\n{stack.logs()}") from None
+
+
+def test_a_child_that_refuses_its_configuration_is_given_up_on_at_its_first_exit(
+    clock: _Clock,
+) -> None:
+    child = _worker(clock, crash_loop_limit=5)
+    with pytest.raises(CrashLoop, match="worker refused its configuration"):
+        _run_and_die(child, clock, code=CONFIG_ERROR_EXIT_CODE)
+    assert child.num_restarts == 0
 
 
 def test_a_worker_without_hello_by_the_start_deadline_is_replaced_then_given_up_on(

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 
+from protocol.settings import CONFIG_ERROR_EXIT_CODE
 from worker.launch.config import SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER, ForkedWorker
 
@@ -20,7 +21,8 @@ _STOP_GRACE_S = 5.0
 
 
 class CrashLoop(Exception):
-    """A child died before serving CRASH_LOOP_LIMIT times in a row."""
+    """A child died before serving CRASH_LOOP_LIMIT times in a row, or refused its
+    configuration once."""
 
 
 class Child:
@@ -112,13 +114,19 @@ class Child:
         return cause if self.kill_reason is None else f"{cause}: {self.kill_reason}"
 
     def schedule_restart(self, cause: str) -> None:
+        if self.process is not None and self.process.poll() == CONFIG_ERROR_EXIT_CODE:
+            raise CrashLoop(
+                f"{self.name} refused its configuration ({cause}), which would fail the "
+                "same way at every start; its log above names the setting. Fix it and "
+                "start again"
+            )
         self.process = None
         self.num_failed_starts = 0 if self.has_served else self.num_failed_starts + 1
         if self.num_failed_starts >= self.config.crash_loop_limit:
             raise CrashLoop(
                 f"{self.name} died before serving {self.num_failed_starts} times in a row "
                 f"(last: {cause}); its log above says why. Fix that (for a worker, often "
-                "MODEL_ID, WORKER_ENDPOINT, a request that crashes it, or a start slower "
+                "WORKER_ENDPOINT, a request that crashes it, or a start slower "
                 "than WORKER_START_TIMEOUT_S) and start again"
             )
         delay = self.restart_delay_s()

@@ -10,10 +10,11 @@ so a replacement serves within a second. A worker that stops
 sending heartbeats, or sends them without making progress on pending work, is
 killed and replaced: the supervisor watches it over ZMQ exactly as the frontend
 does, and so is a worker that has not said hello within WORKER_START_TIMEOUT_S.
-A child that keeps dying before it ever serves (a bad MODEL_ID, a port in use, a
-request that kills every worker that runs it) is a crash loop: the supervisor
-says so and exits instead of retrying forever. Configuration comes from the
-environment, which both children inherit.
+A child that keeps dying before it ever serves (a port in use, a request that
+kills every worker that runs it) is a crash loop: the supervisor says so and
+exits instead of retrying forever; one that refuses its configuration (exit code
+CONFIG_ERROR_EXIT_CODE: a bad MODEL_ID, a mode the CPU cannot run) ends it at
+once. Configuration comes from the environment, which both children inherit.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from protocol import Heartbeat, Hello, ProtocolError, decode_to_frontend
 from protocol.client_config import WorkerClientConfig
 from protocol.liveness import Liveness, WorkerState
 from protocol.peer import ping, worker_socket
-from protocol.settings import ConfigError, load
+from protocol.settings import ConfigError, exit_refusing, load
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER
@@ -214,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = load(SupervisorConfig, argv, description=__doc__.splitlines()[0])
         supervisor = Supervisor(config)
     except ConfigError as exc:
-        sys.exit(f"supervisor: configuration error: {exc}")
+        exit_refusing("supervisor", exc)
     signal.signal(signal.SIGTERM, lambda *_: supervisor.stop())
     signal.signal(signal.SIGINT, lambda *_: supervisor.stop())
     try:

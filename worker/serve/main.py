@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from protocol.settings import ConfigError, load
+from protocol.settings import ConfigError, exit_refusing, load
 from worker.engine.fake_engine import FAKE_MODEL_NAME, FakeEngine, FakeEngineConfig
 from worker.engine.interface import InferenceEngine
 from worker.serve.config import WorkerConfig
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")
         engine = build_engine(config)
     except ConfigError as exc:  # a bad value, or a model or device that cannot be used
-        sys.exit(f"worker: configuration error: {exc}")
+        exit_refusing("worker", exc)
     server = WorkerServer(Scheduler(engine, config.max_queue_depth), config)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
