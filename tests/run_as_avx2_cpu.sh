@@ -46,6 +46,10 @@ if [ $mode = cpuid ]; then
         || { echo "this CPU or VM has no CPUID faulting (cpuid_fault): use the QEMU mode" >&2; exit 2; }
     "${CC:-cc}" -O2 -Wall -shared -fPIC -o "$scratch/avx2_cpuid.so" tests/avx2_cpuid.c -ldl
     if [ $# = 0 ]; then set -- -q; fi
+    # glibc picks its string routines from CPUID before any preload runs: its
+    # tunables make it pick the AVX2 ones, as on a Zen 3.
+    hwcaps=glibc.cpu.hwcaps=-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD
+    GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}$hwcaps" \
     LD_PRELOAD="$scratch/avx2_cpuid.so" unshare --mount sh -c '
         mount --bind "$0" /proc/cpuinfo &&
         exec .venv/bin/python -m pytest -p no:cacheprovider -rs "$@"
