@@ -6,7 +6,8 @@ workers takes `protocol.client_config`). A field made with `setting` names its
 environment variable; `load` reads the variables, lets command-line flags
 override them (``--max-batch-size 4`` for MAX_BATCH_SIZE) and validates the
 result. A bad value raises `ConfigError` naming the variable, and the entry
-points exit with it (`exit_refusing`). The only module that reads the environment for a config.
+points exit with it (`exit_refusing`). The only module that reads the
+environment for a config.
 """
 
 from __future__ import annotations

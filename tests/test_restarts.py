@@ -158,7 +158,7 @@ def test_after_a_frontend_restart_the_worker_frees_the_lost_slots_and_serves(
 
 
 def test_a_setting_the_worker_refuses_stops_the_stack_at_once_naming_it(tmp_path: Path) -> None:
-    # Three failed starts would each fail the same way, after backoffs of 0.5 and 1 s.
+    # Each of three starts would fail the same way: the first exit ends it.
     with running_stack(tmp_path, {"MAX_BATCH_SIZE": "0", "CRASH_LOOP_LIMIT": "3"}) as stack:
         supervisor = stack.processes["supervisor"]
         try:
