@@ -12,6 +12,7 @@ from frontend.app import create_app
 from frontend.config import FrontendConfig
 from frontend.http_protocol import with_header_timeout
 from frontend.worker_client import WorkerClient
+from protocol.lifeline import follow_supervisor
 from protocol.settings import ConfigError, exit_refusing, load
 
 # What a stopping frontend gives its requests under way to finish.
@@ -22,6 +23,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(name)s: %(message)s"
     )
+    follow_supervisor("frontend")
     try:
         config = load(FrontendConfig, argv, description="MiniBatch-LLM HTTP frontend")
     except ConfigError as exc:

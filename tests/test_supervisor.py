@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import zmq
 
@@ -223,3 +224,20 @@ def test_killing_a_worker_that_answered_requests_is_not_a_crash_loop(tmp_path: P
             time.sleep(1)  # heartbeats (every 0.1 s) tell the supervisor it answered
             stack.signal_worker(signal.SIGKILL)
             stack.wait_live(instance_not=str(live["instance_id"]))
+
+
+def test_a_supervisor_killed_outright_takes_its_frontend_and_workers_with_it(
+    tmp_path: Path,
+) -> None:
+    # SIGKILL (the OOM killer, kill -9) lets the supervisor stop nobody: its
+    # children must notice, or they serve on unsupervised and hold the ports.
+    with running_stack(tmp_path, {"NUM_WORKERS": "2"}) as stack:
+        stack.wait_for_health("both workers live", lambda h: h["workers_live"] == 2, 30)
+        supervisor = stack.processes["supervisor"]
+        children = psutil.Process(supervisor.pid).children(recursive=True)
+        assert len(children) >= 3  # the frontend and two workers, and helpers
+        supervisor.kill()
+        supervisor.wait()
+        _, alive = psutil.wait_procs(children, timeout=20)
+        assert not alive, f"still running: {[p.pid for p in alive]}\n{stack.logs()}"
+        assert "its supervisor" in stack.log("supervisor")  # the children's stderr

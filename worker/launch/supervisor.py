@@ -32,6 +32,7 @@ import zmq
 
 from protocol import Heartbeat, Hello, ProtocolError, decode_to_frontend
 from protocol.client_config import WorkerClientConfig
+from protocol.lifeline import name_supervisor
 from protocol.liveness import Liveness, WorkerState
 from protocol.peer import ping, worker_socket
 from protocol.settings import ConfigError, exit_refusing, load
@@ -211,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s supervisor %(levelname)s: %(message)s"
     )
+    name_supervisor()  # before any child starts: each inherits it
     try:
         config = load(SupervisorConfig, argv, description=__doc__.splitlines()[0])
         supervisor = Supervisor(config)

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from protocol.lifeline import follow_supervisor
 from protocol.settings import ConfigError, exit_refusing, load
 from worker.engine.fake_engine import FAKE_MODEL_NAME, FakeEngine, FakeEngineConfig
 from worker.engine.interface import InferenceEngine
@@ -36,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s worker %(levelname)s %(name)s: %(message)s",
         force=True,  # a worker forked from the fork server inherits its set-up
     )
+    follow_supervisor("worker")
     try:
         config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")
         engine = build_engine(config)
