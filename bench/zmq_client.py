@@ -33,6 +33,10 @@ from protocol.curve import ClientKeys
 from protocol.peer import worker_socket
 
 PING_INTERVAL_S = 1.0
+# The status of a request the worker no longer holds: it greeted this client again,
+# which it does only on first contact (it was replaced, or it timed this client
+# out). Unlike the frontend, this client does not replay it elsewhere.
+LOST = "lost_by_worker"
 
 
 class ZmqTarget:
@@ -103,6 +107,8 @@ class ZmqTarget:
             message = decode_to_frontend(await self._socket.recv())
             now = time.perf_counter()
             if isinstance(message, Hello):
+                if self.hello is not None:
+                    self._lose_waiting(now)
                 self.hello = message
                 if not hello_seen.done():
                     hello_seen.set_result(None)
@@ -127,3 +133,10 @@ class ZmqTarget:
             record.ended_at = now
             del self._waiting[message.request_id]
             done.set_result(None)
+
+    def _lose_waiting(self, now: float) -> None:
+        for record, done in self._waiting.values():
+            record.status = LOST
+            record.ended_at = now
+            done.set_result(None)
+        self._waiting.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -27,9 +28,9 @@ from bench.report import (
     summarize,
 )
 from bench.stack import free_port
-from bench.zmq_client import ZmqTarget
+from bench.zmq_client import LOST, ZmqTarget
 from protocol import GenerateRequest
-from tests.stack import running_stack
+from tests.stack import Stack, running_stack
 from worker.launch.warm_start import WORKER_TITLE
 
 
@@ -162,6 +163,21 @@ def test_http_and_zmq_clients_against_a_fake_stack(tmp_path: Path) -> None:
         args = _args()
         requests = load.workload(args, tag="zmq")
         _check(asyncio.run(_run_zmq(stack.env["WORKER_ENDPOINT"], requests, args)), requests)
+
+
+def test_the_zmq_client_ends_what_a_replaced_worker_held_as_lost(tmp_path: Path) -> None:
+    async def run(stack: Stack) -> list[RequestRecord]:
+        async with ZmqTarget(stack.env["WORKER_ENDPOINT"]) as target:
+            requests = [GenerateRequest(f"held-{i}", "hold", max_new_tokens=500) for i in range(3)]
+            sent = [asyncio.create_task(target.send(request)) for request in requests]
+            await asyncio.sleep(1.0)  # under way: the fake worker takes 0.05 s a step
+            stack.signal_worker(signal.SIGKILL)  # the supervisor starts another at once
+            return await asyncio.wait_for(asyncio.gather(*sent), timeout=30)
+
+    with running_stack(tmp_path, {"FAKE_STEP_DELAY_S": "0.05"}) as stack:
+        stack.wait_live()
+        records = asyncio.run(run(stack))
+    assert [record.status for record in records] == [LOST] * 3
 
 
 def test_http_client_reports_a_refused_request_by_status(tmp_path: Path) -> None:
