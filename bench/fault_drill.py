@@ -306,7 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kills", type=int, default=5, help="SIGKILLs of a worker")
     parser.add_argument("--stops", type=int, default=1, help="SIGSTOPs of a worker")
     parser.add_argument(
-        "--workers", type=int, default=1, help="workers in the stack (NUM_WORKERS of one it starts)"
+        "--workers",
+        type=int,
+        help="workers in the stack: NUM_WORKERS of one it starts (default 1); of a running "
+        "one (--url), by default those live at the start",
     )
     parser.add_argument(
         "--frontends", type=int, default=1, help="NUM_FRONTENDS of the stack it starts"
@@ -348,9 +351,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.sampled:
         for i, body in enumerate(bodies):
             body.update(temperature=0.9, top_p=0.95, seed=args.seed * 100_003 + i)
+    if args.workers is None and not args.url:
+        args.workers = 1
     with contextlib.ExitStack() as exits:
         local = None if args.url else exits.enter_context(local_stack(args))
         urls = args.url or [f"http://127.0.0.1:{args.port + i}" for i in range(args.frontends)]
+        if args.workers is None:  # a running stack: all its workers must be back after each fault
+            args.workers = max(1, len(asyncio.run(_live_instances(urls[0]))))
         for url in urls:
             asyncio.run(_wait_whole(url, args.workers, 300))
         print(f"reference run: {len(bodies)} requests, concurrency {args.concurrency}", flush=True)

@@ -240,6 +240,22 @@ def test_fault_drill_kills_one_of_two_workers_and_loses_nothing(
     assert summary["faults"][0]["worst_stall_s"] is not None
 
 
+def test_fault_drill_against_a_running_stack_waits_for_all_its_workers(tmp_path: Path) -> None:
+    overrides = {"NUM_WORKERS": "2", "FAKE_STEP_DELAY_S": "0.03"}
+    with running_stack(tmp_path, overrides) as stack:
+        stack.wait_for_health("both workers live", lambda h: h["workers_live"] == 2, 30)
+        victim = stack.worker_pids()[0]
+        out = tmp_path / "drill.json"
+        argv = ["--url", stack.url, "--kill-cmd", f"kill -KILL {victim}", "--kills", "1"]
+        argv += ["--stops", "0", "--requests", "24", "--concurrency", "6", "--out", str(out)]
+        with pytest.raises(SystemExit) as exited:
+            fault_drill.main(argv)  # no --workers: the running stack's two
+    summary = json.loads(out.read_text())
+    assert exited.value.code == 0, summary
+    assert summary["workers"] == 2
+    assert (summary["succeeded"], summary["lost"], summary["wrong"]) == (24, 0, 0)
+
+
 def test_a_bench_stack_finds_its_worker_forked_from_the_fork_server(tmp_path: Path) -> None:
     """With warm starts the worker is the fork server's child, under its own title:
     bench.compare_paths reads its CPU time through `Stack.child`."""
