@@ -59,8 +59,9 @@ class FrontendConfig(WorkerClientConfig):
     strict_request_fields: bool = setting(
         "STRICT_REQUEST_FIELDS",
         False,
-        "1: the OpenAI endpoints refuse unknown request fields with 422 instead of "
-        "ignoring them (and naming them in a log line and the X-Ignored-Fields header)",
+        "1: the OpenAI endpoints, /tokenize and /detokenize refuse unknown request fields "
+        "with 422 instead of ignoring them (and naming them in a log line and the "
+        "X-Ignored-Fields header)",
     )
 
     def __post_init__(self) -> None:

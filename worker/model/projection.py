@@ -4,7 +4,7 @@
 On CPU, decode's products are tall and skinny (a few rows against a wide weight)
 and bound by reading the weights; prefill's are ordinary GEMMs, bound by compute.
 Two implementations can multiply: this project's own kernel
-(``worker/csrc/skinny_linear.cpp``), which reads the weight once in its stored
+(``worker/model/csrc/skinny_linear.cpp``), which reads the weight once in its stored
 format (float32, float16, bfloat16 or int8), packed at construction into panels
 of output columns for broadcast multiply-adds, and widens it in registers (int8:
 multiplies in integers), any number of rows in one call, and oneDNN's inner

@@ -56,7 +56,7 @@ class WorkerConfig:
         "a Jinja chat template file for /v1/chat/completions, instead of the model's own "
         "(or, for a model without one, the built-in default)",
     )
-    device: str = setting("DEVICE", "", "cpu or cuda (default: cuda when available)")
+    device: str = setting("DEVICE", "", "cpu, cuda or cuda:N (default: cuda when available)")
     torch_threads: int = setting(
         "TORCH_THREADS",
         0,
