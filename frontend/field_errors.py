@@ -17,8 +17,9 @@ from frontend.body import json_kind_of
 MAX_REPORTED_ERRORS = 5
 MAX_NAME_CHARS = 40  # of a field name quoted back: an unknown one may be any length
 
-# pydantic names the arm of a union it tried in an error's location: "list[str]".
-_UNION_ARM = re.compile(r"(str|int|float|bool|(list|dict)\[.*\])$")
+# pydantic names the arm of a union it tried in an error's location: "list[str]",
+# or "constrained-str" for a string with a bound on its length.
+_UNION_ARM = re.compile(r"(constrained-)?(str|int|float|bool|(list|dict)\[.*\])$")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from frontend.field_errors import short_name
-from frontend.schemas import STRICT, StopStrings, TokenIds
+from frontend.schemas import STRICT, StopStrings, StopTokenIds, TokenIds
 from protocol.limits import (
     CHAT_ROLES,
     MAX_CHAT_MESSAGES,
@@ -115,7 +115,7 @@ class OpenAIBody(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_ID, description="-1 or 0: off")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: StopStrings = None
-    stop_token_ids: TokenIds | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(
         0, ge=0, description="no EOS, stop id or stop string ends the output before this"

@@ -21,12 +21,26 @@ from starlette.requests import Request
 from frontend.body import json_object, read_json_body
 from frontend.errors import ApiError
 from frontend.field_errors import MAX_REPORTED_ERRORS, describe, short_name
-from protocol.limits import MAX_SEED, MAX_STOP_STRINGS, MAX_TOKEN_ID
+from protocol.limits import (
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+)
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 # fail_fast: one error for a long list of bad ids, not one per id.
 TokenIds = Annotated[list[TokenId], Field(fail_fast=True)]
-StopStrings = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)] | None
+# The worker's limits, checked here too: a request past them is refused at once,
+# not after waiting in this frontend for a free slot.
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = (
+    StopString
+    | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)]
+    | None
+)
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -50,7 +64,7 @@ class GenerateBody(BaseModel):
     stop: StopStrings = Field(
         None, description=f"up to {MAX_STOP_STRINGS} strings; output is cut before them"
     )
-    stop_token_ids: TokenIds = Field(default_factory=list)
+    stop_token_ids: StopTokenIds = Field(default_factory=list)
     ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks)")
     stream: bool = Field(False, description="send server-sent events as tokens arrive")
 

@@ -1,7 +1,7 @@
-"""The limits on what a request may ask for, enforced by the worker's own checks
-(`worker.serve.validation`), which trust nothing that reaches its socket, and
-most of them by the frontend's schemas too (a 422 naming the field either way;
-the stop strings' length and the stop ids' count the worker alone checks).
+"""The limits on what a request may ask for, enforced on both sides of the wire:
+by the frontend's schemas (a 422 naming the field, before the request waits for a
+slot) and again by the worker's own checks (`worker.serve.validation`), which
+trust nothing that reaches its socket.
 `MAX_CHOICES` is the frontend's alone: the worker sees each choice as a request
 of its own."""
 

@@ -9,7 +9,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from frontend.config import FrontendConfig
@@ -96,6 +96,30 @@ def test_a_length_out_of_range_is_told_its_bound() -> None:
         "request_id: must be at most 128 characters, got 200",
         "request_id",
     )
+
+
+@pytest.mark.parametrize("schema", [GenerateBody, CompletionBody, ChatBody])
+@pytest.mark.parametrize(
+    ("stops", "expected"),
+    [
+        ({"stop": "x" * 257}, "stop: must be at most 256 characters, got 257"),
+        ({"stop": ["a", "x" * 257]}, "stop.1: must be at most 256 characters, got 257"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids: must have at most 64 items, got 65"),
+    ],
+)
+def test_the_workers_stop_limits_are_checked_here_too(
+    schema: type[BaseModel], stops: dict[str, object], expected: str
+) -> None:
+    # Refused at once, not after waiting in the frontend for a worker's free slot.
+    body = {"model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    fields = {
+        name: body[name] for name in ("model", "prompt", "messages") if name in schema.model_fields
+    }
+    with pytest.raises(ValidationError) as caught:
+        schema.model_validate({**fields, **stops})
+    assert describe(caught.value)[0] == expected
+    at_the_limit = {"stop": ["x" * 256] * 4, "stop_token_ids": list(range(64))}
+    schema.model_validate({**fields, **at_the_limit})
 
 
 def test_an_array_item_of_the_wrong_type_in_a_chat_message_is_named() -> None:
