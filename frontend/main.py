@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from collections.abc import Sequence
 from types import FrameType
 
@@ -26,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     follow_supervisor("frontend")
     try:
         config = load(FrontendConfig, argv, description="MiniBatch-LLM HTTP frontend")
+        check_can_listen(config.host, config.port)
     except ConfigError as exc:
         exit_refusing("frontend", exc)
     app = create_app(config)
@@ -41,6 +44,41 @@ def main(argv: Sequence[str] | None = None) -> None:
         limit_concurrency=config.max_connections,
     )
     _Server(server_config, app.state.client).run()
+
+
+_LISTEN_HINTS = {
+    errno.EADDRINUSE: "stop the program that holds it, or set PORT to a free port",
+    errno.EADDRNOTAVAIL: "set HOST to an address of this machine (0.0.0.0: all of them)",
+    errno.EACCES: "ports below 1024 need privileges; set PORT to 1024 or above",
+}
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Raises ConfigError unless every address uvicorn is about to listen on for
+    (host, port) is free. A port another program holds fails at every start, so it
+    is refused here, naming the setting, rather than by uvicorn's exit, which the
+    supervisor would take for a crash and retry."""
+    try:
+        addresses = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError as exc:
+        raise ConfigError(f"HOST {host!r} is not an address to listen on: {exc}") from exc
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            # As asyncio's server binds: TIME_WAIT is no obstacle, and IPv6 leaves
+            # the same port's IPv4 address to its own socket.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                hint = _LISTEN_HINTS.get(exc.errno or 0, "check HOST and PORT")
+                raise ConfigError(
+                    f"cannot listen on {address[0]} port {port} (HOST, PORT): "
+                    f"{exc.strerror}; {hint}"
+                ) from exc
 
 
 class _Server(uvicorn.Server):

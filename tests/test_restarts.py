@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.sse import sse_events
-from tests.stack import Stack, running_stack
+from tests.stack import Stack, free_port, running_stack
 from worker.engine.fake_engine import expected_text
 
 CAPACITY = 4
@@ -169,6 +171,34 @@ def test_a_setting_the_worker_refuses_stops_the_stack_at_once_naming_it(tmp_path
         log = stack.log("supervisor")
         assert "worker: configuration error: MAX_BATCH_SIZE must be > 0" in log
         assert "giving up: worker refused its configuration (exit code 78)" in log
+        assert "restart #" not in log
+
+
+@pytest.mark.parametrize(
+    ("process", "message"),
+    [
+        ("frontend", "cannot listen on 127.0.0.1 port {port} (HOST, PORT)"),
+        ("worker", "cannot bind tcp://127.0.0.1:{port}"),
+    ],
+)
+def test_a_port_another_program_holds_stops_the_stack_at_once_naming_it(
+    tmp_path: Path, process: str, message: str
+) -> None:
+    port = free_port()
+    setting = {
+        "frontend": {"PORT": str(port)},
+        "worker": {"WORKER_ENDPOINT": f"tcp://127.0.0.1:{port}"},
+    }
+    overrides = {**setting[process], "CRASH_LOOP_LIMIT": "3"}
+    with socket.create_server(("127.0.0.1", port)), running_stack(tmp_path, overrides) as stack:
+        try:
+            code = stack.processes["supervisor"].wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"supervisor still retrying\n{stack.logs()}") from None
+        assert code != 0
+        log = stack.log("supervisor")
+        assert f"{process}: configuration error: {message.format(port=port)}" in log
+        assert f"giving up: {process} refused its configuration (exit code 78)" in log
         assert "restart #" not in log
 
 

@@ -126,8 +126,8 @@ class Child:
             raise CrashLoop(
                 f"{self.name} died before serving {self.num_failed_starts} times in a row "
                 f"(last: {cause}); its log above says why. Fix that (for a worker, often "
-                "WORKER_ENDPOINT, a request that crashes it, or a start slower "
-                "than WORKER_START_TIMEOUT_S) and start again"
+                "a request that crashes it, or a start slower than "
+                "WORKER_START_TIMEOUT_S) and start again"
             )
         delay = self.restart_delay_s()
         self.num_restarts += 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 import time
 from collections.abc import Sequence
 
@@ -48,8 +47,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     try:
         server.serve_forever()
-    except RuntimeError as exc:
-        sys.exit(f"worker: {exc}")
+    except ConfigError as exc:  # its endpoint cannot be bound
+        exit_refusing("worker", exc)
 
 
 if __name__ == "__main__":

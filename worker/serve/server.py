@@ -39,6 +39,7 @@ from protocol import (
     encode,
 )
 from protocol.curve import secure_server
+from protocol.settings import ConfigError
 from worker.serve.config import WorkerConfig
 from worker.serve.peers import MAX_QUEUED_PER_PEER, Peers, sender_request_id
 from worker.serve.scheduler import QueueFull, Scheduler
@@ -87,13 +88,13 @@ class WorkerServer:
         # outlive every send, as a PUSH whose inproc peer has closed blocks forever.
         self._engine_done = threading.Event()
         self._bound = threading.Event()
-        self._io_error: BaseException | None = None
+        self._io_error: ConfigError | None = None
 
     def stop(self) -> None:
         self._stopping.set()
 
     def serve_forever(self) -> None:
-        """Serve until `stop`. Raises RuntimeError if the endpoint cannot be bound; an
+        """Serve until `stop`. Raises ConfigError if the endpoint cannot be bound; an
         unexpected exception in either thread ends the process (see `_exit_on_crash`)."""
         io_thread = threading.Thread(
             target=_exit_on_crash(self._io_loop), name="worker-io", daemon=True
@@ -188,9 +189,9 @@ class WorkerServer:
             router.bind(self.config.listen_endpoint)
             outputs.bind(self._outputs_address)
         except zmq.ZMQError as exc:
-            self._io_error = RuntimeError(
-                f"cannot bind {self.config.listen_endpoint}: {exc}; is another worker "
-                "running there? Set WORKER_ENDPOINT (or WORKER_BIND) to a free address"
+            self._io_error = ConfigError(
+                f"cannot bind {self.config.listen_endpoint}: {exc}; is another program "
+                "listening there? Set WORKER_ENDPOINT (or WORKER_BIND) to a free address"
             )
             self._bound.set()
             router.close(linger=0)
