@@ -298,6 +298,25 @@ def test_a_scored_prompt_neither_takes_nor_leaves_rows() -> None:
 
 
 @pytest.mark.model
+def test_a_prompt_scored_first_leaves_nothing_for_the_next_ones() -> None:
+    """Scoring runs the LM head over every prompt row, so the logits after the
+    prompt are not bit for bit those of a plain prefill: neither they nor its rows
+    may serve the same prompt again, or one that begins with it."""
+    prompt = random_prompt(random.Random(12), 20, 20)
+    for follower in (prompt, [*prompt, 1]):
+        arrivals = {
+            0: [request("scored", prompt, 1, prompt_logprobs=0)],
+            3: [request("next", follower, 2, logprobs=2)],
+        }
+        with_cache = run_schedule(tiny_engine(2, prefill_chunk_tokens=CHUNK), arrivals)
+        without = run_schedule(
+            tiny_engine(2, prefill_chunk_tokens=CHUNK, prefix_cache=False), arrivals
+        )
+        assert with_cache["next"].num_cached_tokens == 0, len(follower)
+        assert with_cache["next"].logprobs == without["next"].logprobs, len(follower)
+
+
+@pytest.mark.model
 def test_after_a_reset_nothing_is_reused() -> None:
     prompt = random_prompt(random.Random(13), 20, 20)
     engine = tiny_engine(2, prefill_chunk_tokens=CHUNK)

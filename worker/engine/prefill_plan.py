@@ -77,10 +77,10 @@ def _waits_for_shared_rows(
     newcomer whose prompt begins the same way: it takes them from that slot next
     step instead of computing them twice (the n choices of one request, a burst
     of requests with one system prompt)."""
-    if seq.wants_prompt_logprobs:
+    if seq.scores_prompt:
         return False
     for other, _, end in chunks:
-        if not other.wants_prompt_logprobs:
+        if not other.scores_prompt:
             written = min(end, len(other.prompt_token_ids))
             rows = other.prompt_token_ids[:written]
             is_whole = written == len(other.prompt_token_ids)

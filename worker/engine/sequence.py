@@ -105,14 +105,17 @@ class Sequence:
         return len(self.output_token_ids) < self.request.min_tokens
 
     @property
+    def scores_prompt(self) -> bool:
+        """This attempt's prefill scores the prompt, before it has and after:
+        asked for, and not delivered by an earlier attempt (whose first delta
+        carried them, with its first token). Such a prompt is computed whole, so
+        its rows and the logits after it are never the prefix cache's."""
+        return self.request.prompt_logprobs is not None and not self.request.resume_token_ids
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
-        """The prefill must score the prompt: asked for, and not delivered by an
-        earlier attempt (whose first delta carried them, with its first token)."""
-        return (
-            self.request.prompt_logprobs is not None
-            and not self.request.resume_token_ids
-            and not self._is_prompt_scored
-        )
+        """The prefill must score the prompt: `scores_prompt`, and not done yet."""
+        return self.scores_prompt and not self._is_prompt_scored
 
     def set_prompt_logprobs(self, scores: list[TokenLogprob]) -> None:
         self.prompt_logprobs = scores

@@ -172,14 +172,14 @@ class SlotEngine(InferenceEngine):
         reusing = [
             seq
             for seq in newcomers
-            if not seq.wants_prompt_logprobs and cache.best_match(seq.prompt_token_ids, free)
+            if not seq.scores_prompt and cache.best_match(seq.prompt_token_ids, free)
         ]
         for seq in reusing + [seq for seq in newcomers if seq not in reusing]:
-            prompt = None if seq.wants_prompt_logprobs else seq.prompt_token_ids
+            prompt = None if seq.scores_prompt else seq.prompt_token_ids
             seq.slot = cache.choose_free_slot(prompt, free)
             free.remove(seq.slot)
             cache.claim(seq.slot, seq.prompt_token_ids)
-            if seq.wants_prompt_logprobs:
+            if seq.scores_prompt:
                 cache.forget(seq.slot)  # scored prompts go in whole, not in blocks
 
     def step(self, on_prefilled: Callable[[StepOutput], None] | None = None) -> StepOutput:
@@ -213,7 +213,7 @@ class SlotEngine(InferenceEngine):
         from those logits and prefills nothing."""
         for request_id, done in list(self._num_prefilled.items()):
             seq = self._by_id[request_id]
-            if seq.wants_prompt_logprobs:
+            if seq.scores_prompt:
                 continue
             match = cache.best_match(seq.prompt_token_ids)
             if match is None or match.num_tokens <= done:
@@ -264,7 +264,7 @@ class SlotEngine(InferenceEngine):
             return
         for seq, _, end in chunks:
             self._num_prefilled[seq.request_id] = end
-            if self.prefix_cache is not None and not seq.wants_prompt_logprobs:
+            if self.prefix_cache is not None and not seq.scores_prompt:
                 written = min(end, len(seq.prompt_token_ids))
                 self.prefix_cache.written(seq.slot, seq.prompt_token_ids, written)
         finished = [seq for seq, _, end in chunks if end == len(seq.context_token_ids)]

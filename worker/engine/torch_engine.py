@@ -230,7 +230,7 @@ class TorchEngine(SlotEngine):
     ) -> None:
         """Keep the logits after each prompt these chunks complete (see `SlotEngine`)."""
         for (seq, _, end), logits in chunks:
-            if end == len(seq.prompt_token_ids) and not seq.wants_prompt_logprobs:
+            if end == len(seq.prompt_token_ids) and not seq.scores_prompt:
                 if self._kept_logits is None:
                     self._kept_logits = logits.new_empty(self.capacity, logits.shape[-1])
                 self._kept_logits[seq.slot] = logits
