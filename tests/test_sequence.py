@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from protocol import GenerateRequest
 from worker.engine.fake_engine import CharTokenizer
 from worker.engine.sequence import Sequence
@@ -33,9 +36,8 @@ def make(
     return Sequence(request, tokenizer.encode("p"), tokenizer, slot=0)
 
 
-def feed(seq: Sequence, text: str | bytes) -> list[str]:
-    """Append the text's tokens one at a time; return the streamed text deltas."""
-    token_ids = list(text.encode() if isinstance(text, str) else text)
+def feed_ids(seq: Sequence, token_ids: list[int]) -> list[str]:
+    """Append the tokens one at a time; return the streamed text deltas."""
     deltas = []
     for token_id in token_ids:
         if seq.finish_reason is not None:
@@ -43,6 +45,11 @@ def feed(seq: Sequence, text: str | bytes) -> list[str]:
         seq.append(token_id)
         deltas.append(seq.take_delta()[1])
     return deltas
+
+
+def feed(seq: Sequence, text: str | bytes) -> list[str]:
+    """Append the text's tokens (its bytes) one at a time; return the streamed deltas."""
+    return feed_ids(seq, list(text.encode() if isinstance(text, str) else text))
 
 
 def test_stop_string_split_across_tokens_cuts_the_output_before_it() -> None:
@@ -165,6 +172,46 @@ def test_stop_string_is_found_when_length_ends_inside_a_held_back_character() ->
     seq.append(2)
     assert seq.finish_reason == "stop"
     assert seq.final_text() == "a"
+
+
+# Byte-level BPE tokens: whole characters, a literal replacement character (GPT-2
+# has one), the pieces of "€" (E2 82 AC) and "😀" (F0 9F 98 80), stray bytes.
+PIECES = {
+    1: b"a",
+    2: "\ufffd".encode(),
+    3: b"\xe2",
+    4: b"\x82",
+    5: b"\xac",
+    6: b"\xe2\x82",
+    7: b"\xf0\x9f",
+    8: b"\x98\x80",
+    9: b"\xff",
+    10: "é".encode(),
+}
+
+
+def test_a_character_split_after_replacement_characters_is_whole() -> None:
+    # Six tokens held (five literal replacement characters and a lead byte):
+    # what is released must not cut the euro sign that the next two complete.
+    tokenizer = BytesVocabTokenizer(PIECES)
+    seq = make(tokenizer, stream=True, stop=["€"])  # type: ignore[arg-type]
+    deltas = feed_ids(seq, [2, 2, 2, 2, 2, 3, 4, 5, 1])
+    assert seq.finish_reason == "stop"
+    assert seq.final_text() == "\ufffd" * 5
+    assert "".join(deltas) == "\ufffd" * 5
+
+
+@settings(max_examples=300)
+@given(st.lists(st.sampled_from(sorted(PIECES)), min_size=6, max_size=24))
+def test_streamed_text_is_the_text_of_all_the_tokens_whatever_the_bytes(
+    token_ids: list[int],
+) -> None:
+    tokenizer = BytesVocabTokenizer(PIECES)
+    seq = make(tokenizer, max_new_tokens=len(token_ids) + 1, stream=True)  # type: ignore[arg-type]
+    deltas = feed_ids(seq, token_ids)
+    seq.abort()
+    deltas.append(seq.take_delta()[1])
+    assert "".join(deltas) == seq.final_text() == tokenizer.decode(token_ids)
 
 
 def test_invalid_utf8_is_released_after_a_few_tokens() -> None:

@@ -237,11 +237,29 @@ class Sequence:
         if not pending:
             return False
         piece = self._decode_output(pending)
-        if piece.endswith(_REPLACEMENT_CHAR) and len(pending) < _MAX_PENDING_TOKENS and not flush:
-            return False
+        num_settling = len(pending)
+        if piece.endswith(_REPLACEMENT_CHAR) and not flush:
+            if len(pending) < _MAX_PENDING_TOKENS:
+                return False
+            # Held long enough (the model wrote a "\ufffd" itself, or bytes that are
+            # no UTF-8): settle the text that no later token can change, keeping
+            # back the tokens of a character that may still complete.
+            num_settling = self._last_character_boundary(pending, piece)
+            piece = self._decode_output(pending[:num_settling])
         self._text += piece
-        self._num_settled_tokens = self._num_text_tokens
+        self._num_settled_tokens += num_settling
         return True
+
+    def _last_character_boundary(self, pending: list[int], text: str) -> int:
+        """The most tokens of ``pending`` (whose text is ``text``) after which no
+        character continues: decoded apart, the two parts give the same text as
+        together, so the bytes after the cut cannot complete one before it. All
+        of them where there is no such cut."""
+        for cut in range(len(pending) - 1, 0, -1):
+            head, tail = self._decode_output(pending[:cut]), self._decode_output(pending[cut:])
+            if tail and head + tail == text:
+                return cut
+        return len(pending)
 
     def _decode_output(self, token_ids: list[int]) -> str:
         """Output tokens as text, the end-of-sequence token's left out: generated
