@@ -8,6 +8,7 @@ unread, and closing is the only way not to read (or wait for) it. A body at most
 `DRAIN_FACTOR` times over the limit is first read to its end and dropped, as
 nginx's lingering close does: closing with unread bytes makes the kernel reset
 the connection, and a client still sending would see the reset, not the 413.
+A client waiting for ``100 Continue`` sends nothing, so it gets its 413 at once.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ async def read_json_body(request: Request) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and int(declared) > config.max_request_bytes:
         refusal = _too_large(config, f"the body's Content-Length, {int(declared):,} bytes,")
-        if int(declared) <= DRAIN_FACTOR * config.max_request_bytes:
+        # A client that sent "Expect: 100-continue" waits for the go-ahead before
+        # its body, and reading would give it one (uvicorn sends the 100 then).
+        expects_go_ahead = request.headers.get("expect", "").lower() == "100-continue"
+        if int(declared) <= DRAIN_FACTOR * config.max_request_bytes and not expects_go_ahead:
             await _drain(request.stream(), config)
         raise refusal
     return await _read(request, config)

@@ -98,6 +98,29 @@ def test_a_declared_100_mb_body_is_refused_at_once_without_reaching_the_worker(
     assert (health["inflight"], health["active"], health["queued"]) == (0, 0, 0)
 
 
+def test_a_client_waiting_to_send_a_body_over_the_limit_gets_413_and_no_go_ahead(
+    stack: Stack,
+) -> None:
+    # Within the size that a client still sending would have drained: one that
+    # waits for "100 Continue" must be told no at once, not invited to upload.
+    declared = 2 * MAX_REQUEST_BYTES
+    with connect(stack) as sock:
+        started = time.monotonic()
+        sock.sendall(
+            head(
+                "/generate",
+                f"Content-Type: {JSON}",
+                f"Content-Length: {declared}",
+                "Expect: 100-continue",
+            )
+        )
+        status, _, answer = read_response(sock)
+        elapsed_s = time.monotonic() - started
+    assert status == 413, answer
+    assert json.loads(answer)["error"]["code"] == "request_too_large"
+    assert elapsed_s < TIMEOUT_S, elapsed_s  # not after waiting out the drain
+
+
 @pytest.mark.parametrize("framing", ["Content-Length", "chunked"])
 def test_a_client_still_sending_a_body_somewhat_over_the_limit_reads_its_413(
     stack: Stack, framing: str
