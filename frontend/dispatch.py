@@ -11,8 +11,9 @@ The choices of one client request (OpenAI's ``n``) go together, to the same
 worker, one frame right after another, so that they reach its queue together
 and it can admit them in one go and prefill their shared prompt once. So a
 worker may be sent up to n - 1 more than its free slots; those wait in its
-queue. A replayed choice goes wherever there is room, with whichever of its
-siblings wait beside it.
+queue, as many as it has room for (a low MAX_QUEUE_DEPTH), the others here. A
+replayed choice goes wherever there is room, with whichever of its siblings
+wait beside it.
 
 Suspects (`frontend.replay`) go first, each on a worker that runs no other
 suspect, and never on every live worker at once when two or more are live.
@@ -48,11 +49,18 @@ def dispatch(table: InFlightTable, links: Collection[WorkerLink]) -> None:
 def _send_with_siblings(table: InFlightTable, link: WorkerLink) -> bool:
     """Send the first waiting request to ``link``, and the other choices of its
     client request that wait right behind it (the line is in accept order, so
-    they do); False if the first could not go."""
+    they do) while the worker's queue has room for them; False if the first could
+    not go. Those that find no room wait here for the next free slot: past its
+    MAX_QUEUE_DEPTH the worker would refuse them."""
     first = table.waiting[0]
     if not _send_first(table, table.waiting, link):
         return False
-    while table.waiting and table.waiting[0].is_sibling(first):
+    assert link.hello is not None  # it is live
+    while (
+        table.waiting
+        and table.waiting[0].is_sibling(first)
+        and -link.free_slots() < link.hello.max_queue_depth
+    ):
         if not _send_first(table, table.waiting, link):
             break
     return True

@@ -300,6 +300,22 @@ def test_every_choice_goes_to_one_worker_even_past_its_free_slots(tmp_path: Path
                 assert [c["text"] for c in answer["choices"]] == [expected_text(prompt, 40)] * 4
 
 
+def test_choices_past_the_workers_queue_room_wait_in_the_frontend(tmp_path: Path) -> None:
+    # 2 slots and room for 1 more in the queue: of 4 choices, 3 go at once and
+    # the last waits here for a slot, rather than being refused by the worker.
+    overrides = {"MAX_BATCH_SIZE": "2", "MAX_QUEUE_DEPTH": "1", "FAKE_STEP_DELAY_S": "0.01"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        with ThreadPoolExecutor(3) as pool:
+            prompts = ["one", "two", "three"]
+            futures = [pool.submit(_complete, stack, prompt=p, n=4, max_tokens=8) for p in prompts]
+            for prompt, future in zip(prompts, futures, strict=True):
+                response = future.result(timeout=60)
+                assert response.status_code == 200, response.text
+                texts = [c["text"] for c in response.json()["choices"]]
+                assert texts == [expected_text(prompt, 8)] * 4
+
+
 def test_choices_on_a_killed_worker_are_replayed_and_resume_exactly(tmp_path: Path) -> None:
     overrides = {"MAX_BATCH_SIZE": "4", "FAKE_STEP_DELAY_S": "0.02"}
     with running_stack(tmp_path, overrides) as stack:
