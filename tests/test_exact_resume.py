@@ -114,11 +114,14 @@ class Load:
         self.model = model
         self.num_chunks = 0
         self.midway: set[int] = set()
+        self.chunks_of: dict[int, int] = {}  # the streams under way: chunks so far
         self._lock = threading.Lock()
 
     def stream(self, index: int, body: dict[str, Any]) -> Stream:
         text, finish_reason = "", None
         logprobs: list[tuple[str, float | None]] = []
+        with self._lock:
+            self.chunks_of[index] = 0
         chunks = self.client.completions.create(model=self.model, stream=True, timeout=60, **body)
         for chunk in chunks:
             choice = chunk.choices[0]
@@ -129,10 +132,17 @@ class Load:
                 logprobs += zip(scores.tokens or [], scores.token_logprobs or [], strict=True)
             with self._lock:
                 self.num_chunks += 1
+                self.chunks_of[index] += 1
                 self.midway.add(index)
         with self._lock:
             self.midway.discard(index)
+            del self.chunks_of[index]
         return text, finish_reason, logprobs
+
+    def have_all_moved_since(self, chunks_then: dict[int, int]) -> bool:
+        """Whether every stream under way has had a chunk since ``chunks_then``."""
+        with self._lock:
+            return all(n > chunks_then.get(i, 0) for i, n in self.chunks_of.items())
 
     def run(
         self, bodies: list[dict[str, Any]], meanwhile: Callable[[], None] = lambda: None
@@ -155,14 +165,22 @@ def _kill_under_load(
     each time once the last victim is ``replaced``; returns how many streams
     were mid-way at each kill."""
     midway = []
+    chunks_at_kill: dict[int, int] = {}
     for kill in range(NUM_KILLS):
         threshold = num_chunks * (kill + 1) // (NUM_KILLS + 1)
 
-        def reached(threshold: int = threshold) -> bool:
+        def reached(
+            threshold: int = threshold, chunks_then: dict[int, int] = chunks_at_kill
+        ) -> bool:
             # Some stream must be mid-way too: on a slow machine the last chunks
-            # can arrive when every stream left has already finished.
+            # can arrive when every stream left has already finished. And every
+            # stream must have moved since the last kill: one killed twice before
+            # it makes progress is taken for a request that kills workers, and
+            # failed (frontend.replay); these kills come from the test alone.
             with load._lock:
-                return load.num_chunks >= threshold and bool(load.midway)
+                if load.num_chunks < threshold or not load.midway:
+                    return False
+            return load.have_all_moved_since(chunks_then)
 
         # The victim is looked up first: between seeing a stream mid-way and the
         # kill, a slow client (an emulated CPU, say) would let the last ones end.
@@ -170,6 +188,7 @@ def _kill_under_load(
         stack.wait_until(reached, f"{threshold} chunks with a stream mid-way", 60)
         with load._lock:
             midway.append(len(load.midway))
+            chunks_at_kill = dict(load.chunks_of)
         stack.kill_pid(victim)
         time.sleep(0.2)
         stack.wait_until(replaced, "a replacement worker", 30)
