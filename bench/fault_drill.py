@@ -47,6 +47,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import psutil
@@ -79,19 +80,23 @@ class Fault:
 
 
 class FaultInjector:
-    """SIGKILL/SIGSTOP the local worker, or run the user's commands for a remote one.
-    With ``supervisor_pid`` only that supervisor's worker is faulted: other stacks
-    may be running on this machine."""
+    """SIGKILL/SIGSTOP a local worker of the stack under test, or run the user's
+    commands for a remote one. Other stacks may be running on this machine: only
+    ``supervisor_pid``'s workers are faulted, or without one, the workers listening
+    on the endpoints that ``url``'s /health names."""
 
-    def __init__(self, args: argparse.Namespace, supervisor_pid: int | None) -> None:
+    def __init__(self, args: argparse.Namespace, supervisor_pid: int | None, url: str) -> None:
         self.args = args
         self.supervisor_pid = supervisor_pid
+        self.url = url
         self.rng = random.Random(args.seed)
 
-    def _worker(self) -> psutil.Process:
-        """One of the local workers, at random."""
+    async def _worker(self) -> psutil.Process:
+        """One of the stack's local workers, at random."""
         if self.supervisor_pid is None:
-            processes = list(psutil.process_iter())
+            listed = cast("list[dict[str, Any]]", (await health(self.url))["workers"])
+            ports = {int(str(worker["endpoint"]).rsplit(":", 1)[1]) for worker in listed}
+            processes = [process for process in psutil.process_iter() if _listens(process, ports)]
         else:
             processes = psutil.Process(self.supervisor_pid).children(recursive=True)
         workers = []
@@ -100,14 +105,14 @@ class FaultInjector:
                 if any(module in " ".join(process.cmdline()) for module in WORKER_MODULES):
                     workers.append(process)
         if not workers:
-            raise RuntimeError("no local worker process found; pass --kill-cmd/--stop-cmd")
+            raise RuntimeError(f"no local worker of {self.url} found; pass --kill-cmd/--stop-cmd")
         return self.rng.choice(sorted(workers, key=lambda process: process.pid))
 
     async def kill(self) -> None:
         if self.args.kill_cmd:
             await _shell(self.args.kill_cmd)
         else:
-            self._worker().send_signal(signal.SIGKILL)
+            (await self._worker()).send_signal(signal.SIGKILL)
 
     async def stop(self, seconds: float) -> None:
         if self.args.stop_cmd:
@@ -115,13 +120,23 @@ class FaultInjector:
             await asyncio.sleep(seconds)
             await _shell(self.args.cont_cmd)
             return
-        worker = self._worker()
+        worker = await self._worker()
         worker.send_signal(signal.SIGSTOP)
         # The supervisor kills it once it is declared dead; if not, let it go on.
         with contextlib.suppress(psutil.TimeoutExpired, psutil.NoSuchProcess):
             worker.wait(timeout=seconds)
         with contextlib.suppress(psutil.NoSuchProcess):
             worker.send_signal(signal.SIGCONT)
+
+
+def _listens(process: psutil.Process, ports: set[int]) -> bool:
+    """Whether ``process`` listens on one of ``ports`` (TCP)."""
+    with contextlib.suppress(psutil.Error):  # gone, a zombie, or not ours to read
+        return any(
+            connection.status == psutil.CONN_LISTEN and connection.laddr.port in ports
+            for connection in process.net_connections(kind="tcp")
+        )
+    return False
 
 
 async def _shell(command: str) -> None:
@@ -216,7 +231,7 @@ def kill_drill(
     print("drill run, with faults:", flush=True)
     started = time.monotonic()
     run = LoadRun(urls, bodies, args.concurrency, args.timeout_s)
-    injector = FaultInjector(args, supervisor_pid)
+    injector = FaultInjector(args, supervisor_pid, urls[0])
     drill = asyncio.run(
         run.run(lambda run: inject_faults(run, faults, injector, args.stop_s, args.workers))
     )

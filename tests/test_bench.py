@@ -3,6 +3,7 @@ HTTP and ZMQ clients against a fake-engine stack, and the poison drill."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import signal
@@ -254,6 +255,21 @@ def test_fault_drill_against_a_running_stack_waits_for_all_its_workers(tmp_path:
     assert exited.value.code == 0, summary
     assert summary["workers"] == 2
     assert (summary["succeeded"], summary["lost"], summary["wrong"]) == (24, 0, 0)
+
+
+def test_fault_drill_at_a_url_faults_that_stacks_workers_and_no_others(tmp_path: Path) -> None:
+    (tmp_path / "drilled").mkdir()
+    (tmp_path / "bystander").mkdir()
+    with (
+        running_stack(tmp_path / "drilled", {"NUM_WORKERS": "2"}) as stack,
+        running_stack(tmp_path / "bystander", {"NUM_WORKERS": "2"}) as bystander,
+    ):
+        for each in (stack, bystander):
+            each.wait_for_health("both workers live", lambda h: h["workers_live"] == 2, 30)
+        args = argparse.Namespace(seed=0, kill_cmd=None, stop_cmd=None)
+        injector = fault_drill.FaultInjector(args, supervisor_pid=None, url=stack.url)
+        picked = {asyncio.run(injector._worker()).pid for _ in range(20)}
+        assert picked <= set(stack.worker_pids()), (picked, bystander.worker_pids())
 
 
 def test_a_bench_stack_finds_its_worker_forked_from_the_fork_server(tmp_path: Path) -> None:
