@@ -114,7 +114,7 @@ class ZmqTarget:
                     hello_seen.set_result(None)
                 continue
             if not isinstance(message, (TokenDelta, GenerateResult, ErrorResult)):
-                continue  # heartbeats
+                continue  # heartbeats, and which requests wait in the queue
             waiting = self._waiting.get(message.request_id)
             if waiting is None:
                 continue

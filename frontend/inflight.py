@@ -16,13 +16,23 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from protocol import ErrorResult, GenerateRequest, GenerateResult, Logprobs, TokenDelta
+from protocol import (
+    Admitted,
+    ErrorResult,
+    GenerateRequest,
+    GenerateResult,
+    Logprobs,
+    TokenDelta,
+    Waiting,
+)
 
 if TYPE_CHECKING:
     from frontend.worker_link import WorkerLink
 
 Final = GenerateResult | ErrorResult
 Event = TokenDelta | GenerateResult | ErrorResult
+# Where a worker holds a request: in its queue, or in a slot since.
+QueueNotice = Waiting | Admitted
 
 _order = itertools.count()
 
@@ -41,6 +51,7 @@ class InFlight:
     num_deaths_without_progress: int = 0  # of those, the ones it made no progress on
     made_progress: bool = False  # it ran a step since it was sent, or since the last death
     is_running: bool = False  # the current attempt has streamed a token: it holds a slot
+    is_waiting: bool = False  # the current attempt waits in its worker's queue (`Waiting`)
     streamed_token_ids: list[int] = field(default_factory=list)
     streamed_text: str = ""
     # Logprobs ride on deltas once each; a replay never sends them again.
@@ -71,7 +82,7 @@ class InFlight:
         (the result still carries the whole text): the frontend sees which requests
         make progress, and where a replay must resume."""
         self.attempt += 1
-        self.is_running = False
+        self.is_running = self.is_waiting = False
         return dataclasses.replace(
             self.request,
             request_id=self.wire_id,
@@ -79,6 +90,12 @@ class InFlight:
             resume_text_len=len(self.streamed_text),
             stream=True,
         )
+
+    @property
+    def is_idle_in_queue(self) -> bool:
+        """Its worker holds it in the queue, where nothing of it runs: nothing but
+        a grammar, which compiles while it waits."""
+        return self.is_waiting and not self.request.grammar
 
     @property
     def ends_this_step(self) -> bool:

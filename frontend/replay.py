@@ -13,6 +13,12 @@ on MAX_WORKER_DEATHS workers that died (3 by default), is answered with an error
 and not replayed again.
 So an innocent request beside a poison one (it made progress, or it is new) is
 never failed for it: it can die without progress only once before it runs.
+A death while the request only waited in its worker's queue (the worker said
+`Waiting`, and no `Admitted` since) is not one without progress: nothing of it
+ran there, unless it has a grammar, which compiles while it waits. It goes back
+in its line as it was, a suspect's trial still a suspect. It still counts toward
+MAX_WORKER_DEATHS, which bounds every request's replays: a poison request's too,
+should its `Admitted` be lost with the worker it kills.
 
 A worker that did not die but holds none of its requests any more (it greeted
 this frontend again) has them all sent again, in their places in line.
@@ -38,9 +44,10 @@ def release(
     table: InFlightTable, link: WorkerLink, why: str, is_death: bool, max_worker_deaths: int
 ) -> int:
     """Take back every request ``link`` holds, to send elsewhere, and say how
-    many. After a death, those that made progress there go first in line, the
-    rest become suspects, and those that were in flight on too many dead workers
-    are failed."""
+    many. After a death, those that made progress there, or only waited in its
+    queue, go back in line, the rest become suspects, and those that were in
+    flight on too many dead workers are failed."""
+    trial = link.trial
     entries = table.take_back(link)
     if not entries:
         return 0
@@ -53,7 +60,7 @@ def release(
             continue
         entry.num_worker_deaths += 1
         made_progress, entry.made_progress = entry.made_progress, False
-        if not made_progress:
+        if not made_progress and not entry.is_idle_in_queue:
             entry.num_deaths_without_progress += 1
         if (
             entry.num_deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS
@@ -68,6 +75,9 @@ def release(
             table.resolve(entry, _quarantined(entry))
         elif made_progress:
             table.requeue(entry)
+        elif entry.is_idle_in_queue:
+            table.requeue(entry, is_suspect=entry is trial)
+            num_suspects += entry is trial
         else:
             num_suspects += 1
             table.requeue(entry, is_suspect=True)

@@ -21,19 +21,21 @@ from collections.abc import Iterable, Sequence
 
 from frontend.config import FrontendConfig
 from frontend.dispatch import dispatch
-from frontend.inflight import Event, InFlight
+from frontend.inflight import Event, InFlight, QueueNotice
 from frontend.inflight_table import InFlightTable
 from frontend.replay import release
 from frontend.worker_link import WorkerLink
 from frontend.worker_pool import WorkerPool
 from protocol import (
     AbortRequest,
+    Admitted,
     ErrorCode,
     ErrorResult,
     GenerateRequest,
     Hello,
     Ping,
     TokenDelta,
+    Waiting,
     encode,
 )
 from protocol.liveness import Verdict
@@ -136,11 +138,13 @@ class WorkerClient:
 
     # --- what the workers send ------------------------------------------------------------
 
-    def on_event(self, link: WorkerLink, message: Event) -> None:
+    def on_event(self, link: WorkerLink, message: Event | QueueNotice) -> None:
         entry = self._table.held(message.request_id)
         if entry is None or entry.link is not link:
             return  # from an earlier attempt, for a request already answered, or a stranger
-        if isinstance(message, TokenDelta):
+        if isinstance(message, (Waiting, Admitted)):
+            entry.is_waiting = isinstance(message, Waiting)
+        elif isinstance(message, TokenDelta):
             entry.record(message)
             if entry.request.stream:
                 entry.post(message)

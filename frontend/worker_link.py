@@ -27,7 +27,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from frontend.config import FrontendConfig
-from frontend.inflight import Event, InFlight
+from frontend.inflight import Event, InFlight, QueueNotice
 from frontend.tasks import start_task, stop_tasks
 from protocol import Heartbeat, Hello, ProtocolError, ToWorker, decode_to_frontend, encode
 from protocol.liveness import Liveness, Verdict
@@ -50,7 +50,7 @@ class LinkEvents(Protocol):
 
     def on_heartbeat(self, link: WorkerLink) -> None: ...
 
-    def on_event(self, link: WorkerLink, message: Event) -> None: ...
+    def on_event(self, link: WorkerLink, message: Event | QueueNotice) -> None: ...
 
     def on_connected(self, link: WorkerLink) -> None: ...
 

@@ -7,6 +7,7 @@ from protocol.codec import decode_to_frontend, decode_to_worker, encode
 from protocol.messages import (
     PROTOCOL_VERSION,
     AbortRequest,
+    Admitted,
     ErrorCode,
     ErrorResult,
     GenerateRequest,
@@ -19,12 +20,14 @@ from protocol.messages import (
     ToFrontend,
     TokenDelta,
     ToWorker,
+    Waiting,
 )
 from protocol.wire import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",
     "AbortRequest",
+    "Admitted",
     "ErrorCode",
     "ErrorResult",
     "GenerateRequest",
@@ -38,6 +41,7 @@ __all__ = [
     "ToFrontend",
     "ToWorker",
     "TokenDelta",
+    "Waiting",
     "decode_to_frontend",
     "decode_to_worker",
     "encode",

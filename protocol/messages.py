@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class ErrorCode:
@@ -239,6 +239,27 @@ class TokenDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class Waiting:
+    """The request waits in the worker's queue: no slot took it in the latest
+    iteration. Sent once, and followed by `Admitted` when a slot takes it. Nothing
+    of a request without a grammar runs while it waits, so the frontend does not
+    take a worker's death in that time for one the request may have caused (see
+    ``frontend/replay.py``)."""
+
+    TYPE: ClassVar[str] = "waiting"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request that was `Waiting` has a slot now: its prompt is tokenized and
+    prefilled next, before its first `TokenDelta`."""
+
+    TYPE: ClassVar[str] = "admitted"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateResult:
     """The one final answer to a `GenerateRequest` that ran.
 
@@ -276,13 +297,15 @@ class ErrorResult:
 
 
 ToWorker = GenerateRequest | AbortRequest | Ping
-ToFrontend = Hello | Heartbeat | TokenDelta | GenerateResult | ErrorResult
+ToFrontend = Hello | Heartbeat | Waiting | Admitted | TokenDelta | GenerateResult | ErrorResult
 Message = ToWorker | ToFrontend
 
 TO_WORKER: tuple[type[ToWorker], ...] = (GenerateRequest, AbortRequest, Ping)
 TO_FRONTEND: tuple[type[ToFrontend], ...] = (
     Hello,
     Heartbeat,
+    Waiting,
+    Admitted,
     TokenDelta,
     GenerateResult,
     ErrorResult,

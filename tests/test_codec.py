@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
+    Admitted,
     ErrorResult,
     GenerateRequest,
     GenerateResult,
@@ -21,6 +22,7 @@ from protocol import (
     Ping,
     ProtocolError,
     TokenDelta,
+    Waiting,
     decode_to_frontend,
     decode_to_worker,
     encode,
@@ -112,6 +114,8 @@ to_frontend = st.one_of(
         prompt_text=st.none() | texts,
     ),
     st.builds(ErrorResult, request_id=texts, code=texts, message=texts),
+    st.builds(Waiting, request_id=texts),
+    st.builds(Admitted, request_id=texts),
 )
 
 
@@ -127,7 +131,15 @@ def test_every_message_to_the_frontend_survives_a_round_trip(message: object) ->
 
 def test_every_message_type_is_covered_by_the_round_trip_strategies() -> None:
     assert {cls.TYPE for cls in TO_WORKER} == {"generate", "abort", "ping"}
-    assert {cls.TYPE for cls in TO_FRONTEND} == {"hello", "heartbeat", "delta", "result", "error"}
+    assert {cls.TYPE for cls in TO_FRONTEND} == {
+        "hello",
+        "heartbeat",
+        "waiting",
+        "admitted",
+        "delta",
+        "result",
+        "error",
+    }
 
 
 def _frame(**fields: object) -> bytes:

@@ -13,7 +13,14 @@ import jsonschema
 import llguidance
 import pytest
 
-from protocol import ErrorCode, ErrorResult, GenerateRequest, GenerateResult, ToFrontend
+from protocol import (
+    ErrorCode,
+    ErrorResult,
+    GenerateRequest,
+    GenerateResult,
+    ToFrontend,
+    Waiting,
+)
 from tests.resume import assert_every_resume_is_exact
 from worker.engine import fake_engine
 from worker.engine.fake_engine import FakeEngine, expected_text, fake_grammar_tokenizer
@@ -108,6 +115,7 @@ def test_with_only_a_compile_pending_the_loop_may_wait_for_input() -> None:
     scheduler = Scheduler(engine, 8)
     scheduler.submit(constrained("slow", json_grammar(SCHEMA)))
     assert scheduler.has_work() and not scheduler.can_run()
+    assert scheduler.run_once() == [Waiting("slow")]  # no step: nothing else to report
     assert scheduler.run_once() == []
     released.set()
     assert isinstance(run(scheduler)["slow"], GenerateResult)

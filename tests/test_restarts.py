@@ -239,6 +239,33 @@ def test_a_stream_cut_by_a_worker_kill_continues_where_it_stopped(tmp_path: Path
         assert "replaying 1 requests" in stack.log("supervisor")
 
 
+def test_a_choice_that_only_waited_in_the_queue_of_a_killed_worker_is_no_suspect(
+    tmp_path: Path,
+) -> None:
+    """Two choices, one slot: the second waits in the worker's queue while the
+    first runs. Killed twice, the worker held no suspect either time (a suspect
+    would go alone, one at a time), and both choices come out whole."""
+    overrides = {"MAX_BATCH_SIZE": "1", "FAKE_STEP_DELAY_S": "0.03"}
+    prompt, budget = "two choices for one slot", 60
+    body = {"model": "fake", "prompt": prompt, "max_tokens": budget, "n": 2, "stream": True}
+    with running_stack(tmp_path, overrides) as stack:
+        stack.wait_live()
+        texts = ["", ""]
+        kill_at = [10, 25]  # characters of the first choice; the second waits meanwhile
+        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as response:
+            for _, data in sse_events(response):
+                if data == "[DONE]":
+                    break
+                (choice,) = json.loads(data)["choices"]
+                texts[choice["index"]] += choice["text"]
+                if kill_at and len(texts[0]) >= kill_at[0]:
+                    kill_at.pop(0)
+                    stack.signal_worker(signal.SIGKILL)
+        assert not kill_at
+        assert texts == [expected_text(prompt, budget)] * 2
+        assert stack.log("supervisor").count("replaying 2 requests, 0 of them one at a time") == 2
+
+
 def test_max_worker_deaths_bounds_the_replays_of_a_request_that_made_progress(
     tmp_path: Path,
 ) -> None:

@@ -6,12 +6,14 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from protocol import (
+    Admitted,
     ErrorCode,
     ErrorResult,
     GenerateRequest,
     GenerateResult,
     ToFrontend,
     TokenDelta,
+    Waiting,
 )
 from worker.engine.fake_engine import FakeEngine, expected_text
 from worker.engine.interface import StepOutput
@@ -125,6 +127,51 @@ def test_ten_times_capacity_with_churn_loses_and_duplicates_nothing() -> None:
             continue
         assert result.finish_reason == "length"
         assert result.text == expected_text(request.prompt, request.max_new_tokens)
+
+
+def test_a_request_that_waits_is_reported_waiting_then_admitted_before_its_first_token() -> None:
+    """One slot: r0 takes it at once (no notice); r1 and r2 wait, each reported
+    once, and each is reported admitted before the step that prefills it, with
+    ``send`` before the step runs at all."""
+    engine = RecordingEngine(1)
+    scheduler = Scheduler(engine, max_queue_depth=100)
+    for i in range(3):
+        scheduler.submit(_request(i, max_new_tokens=2, stream=True))
+    messages: list[ToFrontend] = []  # in the order the worker sends them
+    while scheduler.has_work():
+        num_steps = len(engine.active_at_step)
+
+        def send(sent: list[ToFrontend], num_steps: int = num_steps) -> None:
+            notices = [m for m in sent if isinstance(m, (Waiting, Admitted))]
+            if notices:  # alone, and before the step begins
+                assert notices == sent and len(engine.active_at_step) == num_steps
+            messages.extend(sent)
+
+        messages.extend(scheduler.run_once(send))
+    notices = [
+        (type(m).__name__, m.request_id) for m in messages if isinstance(m, (Waiting, Admitted))
+    ]
+    assert notices == [
+        ("Waiting", "r1"),
+        ("Waiting", "r2"),
+        ("Admitted", "r1"),
+        ("Admitted", "r2"),
+    ]
+    for request_id in ("r1", "r2"):
+        kinds = [type(m).__name__ for m in messages if m.request_id == request_id]  # type: ignore[union-attr]
+        assert kinds[:2] == ["Waiting", "Admitted"] and "Admitted" not in kinds[2:]
+        assert kinds.index("Admitted") < kinds.index("TokenDelta")
+
+
+def test_a_waiting_request_that_is_aborted_is_not_reported_admitted() -> None:
+    scheduler = Scheduler(FakeEngine(1), max_queue_depth=100)
+    for i in range(2):
+        scheduler.submit(_request(i))
+    outputs = scheduler.run_once()
+    assert Waiting("r1") in outputs
+    outputs = scheduler.abort(["r1"]) + _run(scheduler)
+    assert not any(isinstance(m, (Waiting, Admitted)) for m in outputs)
+    assert _finals(outputs)["r1"].finish_reason == "abort"  # type: ignore[union-attr]
 
 
 def test_staggered_budgets_finish_in_budget_order() -> None:

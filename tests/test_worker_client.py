@@ -1,5 +1,6 @@
 """The frontend's links to its workers: a background task that dies ends the frontend;
-a slot that the step under way frees is refilled before that step ends."""
+a slot that the step under way frees is refilled before that step ends; a worker's
+death while a request only waited in its queue is not held against the request."""
 
 from __future__ import annotations
 
@@ -17,7 +18,20 @@ import zmq.asyncio
 
 from frontend.config import FrontendConfig
 from frontend.worker_client import WorkerClient
-from protocol import GenerateRequest, Heartbeat, Hello, Ping, TokenDelta, decode_to_worker, encode
+from protocol import (
+    Admitted,
+    ErrorCode,
+    ErrorResult,
+    GenerateRequest,
+    Heartbeat,
+    Hello,
+    Ping,
+    ToFrontend,
+    TokenDelta,
+    Waiting,
+    decode_to_worker,
+    encode,
+)
 from protocol.settings import load
 from tests.stack import free_port
 
@@ -67,11 +81,15 @@ class StandInWorker:
         """Answer the frontend's first ping with a hello and a heartbeat."""
         self.peer, frame = await self.socket.recv_multipart()
         assert isinstance(decode_to_worker(frame), Ping)
-        hello = Hello("stand-in", "fake", False, capacity, 1024, 16, 1 << 20)
-        await self.send(hello)
-        await self.send(Heartbeat("stand-in", num_steps=1, num_queued=0, num_active=0))
+        await self.say_hello("stand-in", capacity)
 
-    async def send(self, message: Hello | Heartbeat | TokenDelta) -> None:
+    async def say_hello(self, instance_id: str, capacity: int) -> None:
+        """Greet as ``instance_id``: a new one is a replacement, as if the worker
+        the frontend knew had died."""
+        await self.send(Hello(instance_id, "fake", False, capacity, 1024, 16, 1 << 20))
+        await self.send(Heartbeat(instance_id, num_steps=1, num_queued=0, num_active=0))
+
+    async def send(self, message: ToFrontend) -> None:
         await self.socket.send_multipart([self.peer, encode(message)])
 
     async def next_request(self, timeout_s: float) -> GenerateRequest | None:
@@ -112,6 +130,74 @@ def test_the_next_request_goes_out_while_the_running_one_takes_its_last_step() -
             await worker.send(TokenDelta(first.request_id, [2], "y"))
             second = await worker.next_request(timeout_s=5)
             assert second is not None and second.request_id == "second.1"
+        finally:
+            await client.close()
+            worker.socket.close()
+            context.term()
+
+    asyncio.run(drill())
+
+
+async def _next_attempt_of(
+    worker: StandInWorker, request_id: str, timeout_s: float
+) -> GenerateRequest | None:
+    """The next attempt of ``request_id`` the frontend sends; any other request
+    sent before it makes progress at once (a token)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (remaining := deadline - loop.time()) > 0:
+        request = await worker.next_request(remaining)
+        if request is None:
+            break
+        if request.request_id.startswith(f"{request_id}."):
+            return request
+        await worker.send(TokenDelta(request.request_id, [1], "x"))
+    return None
+
+
+@pytest.mark.parametrize(
+    ("notices", "grammar", "is_replayed"),
+    [
+        ([Waiting], "", True),
+        ([Waiting, Admitted], "", False),  # its prefill may be what killed them
+        ([], "", False),  # the worker never said it waits
+        ([Waiting], "x+", False),  # its grammar compiles while it waits
+    ],
+)
+def test_two_deaths_while_a_request_only_waited_in_the_queue_do_not_fail_it(
+    notices: list[type[Waiting] | type[Admitted]], grammar: str, is_replayed: bool
+) -> None:
+    """Two choices and one slot: the second waits in the worker's queue while the
+    first runs (it makes progress), and the worker is replaced twice. Deaths without progress fail a
+    request after two, but not those in which it only waited, which nothing of
+    it ran."""
+
+    async def drill() -> None:
+        context = zmq.asyncio.Context()
+        worker = StandInWorker(context)
+        client = WorkerClient(load(FrontendConfig, [], {"WORKER_ENDPOINT": worker.endpoint}))
+        await client.start()
+        try:
+            await worker.greet(capacity=1)
+            while not client.verdict().is_live:
+                await asyncio.sleep(0.01)
+            running = GenerateRequest("running", "a prompt", max_new_tokens=50)
+            queued = GenerateRequest(
+                "queued", "a prompt", 50, grammar_kind="regex" if grammar else "", grammar=grammar
+            )
+            _, entry = client.submit([running, queued], asyncio.get_running_loop().time() + 30)
+            for death in (1, 2):
+                attempt = await _next_attempt_of(worker, "queued", timeout_s=5)
+                assert attempt is not None, f"not replayed after {death - 1} deaths"
+                for notice in notices:
+                    await worker.send(notice(attempt.request_id))
+                await worker.say_hello(f"replacement-{death}", capacity=1)
+            replayed = await _next_attempt_of(worker, "queued", timeout_s=2)
+            assert (replayed is not None) == is_replayed
+            if not is_replayed:
+                _, final = entry.events.get_nowait()
+                assert isinstance(final, ErrorResult)
+                assert final.code == ErrorCode.WORKERS_DIED
         finally:
             await client.close()
             worker.socket.close()

@@ -5,7 +5,10 @@ returns. One call of `run_once` is one iteration: admit from the FCFS queue into
 every free slot, advance every active sequence one token, and report each
 finished sequence at once, so its slot is refilled before the next step. A
 queued request that the engine is still preparing (compiling its grammar, off
-this thread) waits in its place while those behind it may go first.
+this thread) waits in its place while those behind it may go first. A request
+that waits past an iteration is reported `Waiting`, and `Admitted` when a slot
+takes it, before its prefill runs: the frontend knows what a worker that dies was
+doing with it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from protocol import ErrorCode, ErrorResult, GenerateRequest, GenerateResult, ToFrontend
+from protocol import (
+    Admitted,
+    ErrorCode,
+    ErrorResult,
+    GenerateRequest,
+    GenerateResult,
+    ToFrontend,
+    Waiting,
+)
 from worker.engine.interface import FinishedSequence, InferenceEngine, RequestRejected, StepOutput
 
 log = logging.getLogger(__name__)
@@ -48,6 +59,7 @@ class Scheduler:
         self._clock = clock
         self._queue: OrderedDict[str, tuple[GenerateRequest, float]] = OrderedDict()
         self._admitted_at: dict[str, tuple[float, float]] = {}  # id -> (arrival, admission)
+        self._reported_waiting: set[str] = set()  # queued ids the frontend was told wait
 
     @property
     def num_queued(self) -> int:
@@ -88,6 +100,7 @@ class Scheduler:
         outputs: list[ToFrontend] = []
         for request_id in request_ids:
             queued = self._queue.pop(request_id, None)
+            self._reported_waiting.discard(request_id)
             if queued is not None:
                 waited_ms = (self._clock() - queued[1]) * 1000
                 outputs.append(GenerateResult(request_id, "", [], "abort", 0, 0, waited_ms, 0.0))
@@ -100,8 +113,9 @@ class Scheduler:
 
     def run_once(self, send: Callable[[list[ToFrontend]], None] | None = None) -> list[ToFrontend]:
         """One iteration: admit into free slots, one step, report what it produced.
-        With ``send``, what the step's prefill produced (newcomers' first tokens)
-        goes to ``send`` before the decode runs, and the rest is returned."""
+        With ``send``, which requests wait and which left the queue goes to ``send``
+        before the step runs, what the step's prefill produced (newcomers' first
+        tokens) before the decode runs, and the rest is returned."""
         outputs: list[ToFrontend] = []
         if not self.has_work():
             self.num_busy = 0
@@ -114,6 +128,11 @@ class Scheduler:
             if self.engine.prepare(request):
                 prepared.append(request_id)
         newcomers = [self._queue.pop(request_id) for request_id in prepared]
+        notices = self._queue_notices(prepared)
+        if send is not None and notices:
+            send(notices)  # before the step: should it kill the worker, they are known
+        else:
+            outputs.extend(notices)
         # Queue time ends when admission starts; the prefill counts as generation.
         self._admit(newcomers, self._clock(), outputs)
         self.num_busy = self.engine.num_active()
@@ -122,6 +141,20 @@ class Scheduler:
         self._count_finished(outputs)
         self._count_busy_unless_refilled()
         return outputs
+
+    def _queue_notices(self, admitted: list[str]) -> list[ToFrontend]:
+        """`Admitted` for the requests just taken from the queue that were reported
+        waiting, and `Waiting` for those left in it that were not yet."""
+        notices: list[ToFrontend] = []
+        for request_id in admitted:
+            if request_id in self._reported_waiting:
+                self._reported_waiting.remove(request_id)
+                notices.append(Admitted(request_id))
+        for request_id in self._queue:
+            if request_id not in self._reported_waiting:
+                self._reported_waiting.add(request_id)
+                notices.append(Waiting(request_id))
+        return notices
 
     def _count_busy_unless_refilled(self) -> None:
         """Slots freed with no request ready to refill them (none waits, or those
