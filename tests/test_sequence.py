@@ -214,6 +214,31 @@ def test_streamed_text_is_the_text_of_all_the_tokens_whatever_the_bytes(
     assert "".join(deltas) == seq.final_text() == tokenizer.decode(token_ids)
 
 
+STOPS = ["\ufffd", "\ufffd\ufffd", "a\ufffd", "\u20ac", "\u00e9", "\U0001f600", "aa"]
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.sampled_from(sorted(PIECES)), min_size=1, max_size=24),
+    st.lists(st.sampled_from(STOPS), min_size=1, max_size=2),
+)
+def test_the_text_ends_before_the_first_stop_string_whatever_the_bytes(
+    token_ids: list[int], stop: list[str]
+) -> None:
+    """Streamed or not, the output is the tokens' text up to the first stop
+    string in it, and no character of a stop string is ever shown."""
+    tokenizer = BytesVocabTokenizer(PIECES)
+    for stream in (False, True):
+        seq = make(tokenizer, max_new_tokens=len(token_ids), stream=stream, stop=stop)  # type: ignore[arg-type]
+        deltas = feed_ids(seq, token_ids)
+        text = tokenizer.decode(seq.output_token_ids)
+        cut = min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))
+        assert seq.final_text() == text[:cut]
+        assert seq.finish_reason == ("stop" if cut < len(text) else "length")
+        if stream:
+            assert "".join(deltas) == text[:cut]
+
+
 def test_invalid_utf8_is_released_after_a_few_tokens() -> None:
     seq = make(stream=True)
     deltas = feed(seq, b"a" + b"\xff" * 8)

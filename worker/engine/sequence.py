@@ -283,6 +283,9 @@ class Sequence:
         if not cuts:
             return False
         self._text = self._text[: min(cuts)]
+        # Tokens still held back (half a character) come after the stop string:
+        # none of their text may follow it.
+        self._num_settled_tokens = self._num_text_tokens
         return True
 
     def _stop_string_prefix_len(self) -> int:
