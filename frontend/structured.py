@@ -200,7 +200,7 @@ def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
         elif kind == GrammarKind.REGEX:
             grammar = llguidance.LLMatcher.grammar_from_regex(text)
         elif kind == GrammarKind.CHOICE:  # a JSON list of strings
-            grammar = llguidance.grammar_from("choice", text)
+            grammar = llguidance.LLMatcher.grammar_from_regex(_any_of(json.loads(text)))
         else:  # Lark, or GBNF made into Lark
             grammar = llguidance.grammar_from("grammar", text)
     except ValueError as exc:
@@ -212,6 +212,19 @@ def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
         grammar, None, limits=limits
     )
     return (grammar, None) if not is_error else ("", _short(messages[0]))
+
+
+# What llguidance's regex syntax (Rust's) gives a meaning; escaped, each stands for itself.
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _any_of(choices: list[str]) -> str:
+    """A regex that matches exactly one of ``choices``. One lexeme, so that the
+    list may be long: as Lark alternatives (llguidance's "choice"), a list of
+    more than GRAMMAR_LIMITS' max_items_in_row would fail to parse."""
+    return "|".join(
+        "".join(f"\\{c}" if c in _REGEX_META else c for c in choice) for choice in choices
+    )
 
 
 def _invalid(param: str, message: str) -> ApiError:

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import jsonschema
+import llguidance
 import openai
 import pytest
 
@@ -25,6 +26,7 @@ from frontend.openai_schemas import ResponseFormat
 from frontend.structured import grammar_fields
 from protocol.limits import MAX_GRAMMAR_CHARS
 from tests.stack import Stack, live_stack, openai_client, running_stack
+from worker.engine.fake_engine import fake_grammar_tokenizer
 
 PERSON = {
     "type": "object",
@@ -189,6 +191,22 @@ def test_each_bad_grammar_is_refused_naming_its_field(
         _fields(response_format, structured_outputs)
     assert (caught.value.status, caught.value.param) == (status, param)
     assert caught.value.message.startswith(f"{param}: ") and message in caught.value.message
+
+
+def test_a_choice_list_matches_exactly_its_strings_however_long_and_whatever_they_hold() -> None:
+    """Past llguidance's 2,000 alternatives in a row, and every character that
+    means something in a regex or a grammar taken for itself."""
+    tricky = [chr(c) for c in range(1, 256)] + ["a b", "x|y", ".*", "\\d+", '"quoted"', "(ab)?"]
+    choices = tricky + [f"o{i}" for i in range(2500)]
+    grammar = _fields(structured_outputs={"choice": choices})["grammar"]
+    tokenizer = fake_grammar_tokenizer()  # one token per code point below 256
+
+    def is_matched(text: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        return matcher.consume_tokens([ord(c) for c in text]) and matcher.is_accepting()
+
+    assert all(is_matched(choice) for choice in tricky + choices[-3:])
+    assert not any(is_matched(text) for text in ["o2500", "o25000", "ab", "xy", "a  b", ""])
 
 
 def test_the_frontend_checks_grammars_without_torch_or_llguidance_torch() -> None:
