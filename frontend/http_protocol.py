@@ -1,4 +1,5 @@
-"""uvicorn's h11 protocol with a deadline on request heads (HEADER_TIMEOUT_S).
+"""uvicorn's h11 protocol with a deadline on request heads (HEADER_TIMEOUT_S),
+and its answer to a request that is not valid HTTP in every error's shape.
 
 uvicorn times out only a kept-alive connection that sits idle after a response
 (``timeout_keep_alive``), and any byte that arrives cancels that timer. A
@@ -12,10 +13,20 @@ request on a kept-alive connection; else the connection is closed.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import ClassVar
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from frontend.errors import ApiError, error_body
+
+_INVALID_HTTP = ApiError(
+    400,
+    "the request is not valid HTTP/1.1 (its request line, a header or its Content-Length "
+    "is malformed); send a well-formed request",
+    "invalid_http",
+)
 
 
 def with_header_timeout(header_timeout_s: float) -> type[HeadTimeoutProtocol]:
@@ -43,6 +54,23 @@ class HeadTimeoutProtocol(H11Protocol):
         super().handle_events()
         if self.conn.their_state is not h11.IDLE:
             self._cancel_head_timer()  # the head is complete (or the connection failed)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to what h11 cannot parse, as JSON in the shape of every
+        other error rather than its plain text; the connection closes after it."""
+        body = json.dumps(error_body(_INVALID_HTTP)).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event) or b"")
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()

@@ -332,6 +332,19 @@ def test_a_body_framed_two_ways_is_refused_and_its_connection_closed(stack: Stac
     assert request_counts(stack).get(refused, 0) == before.get(refused, 0) + 1
 
 
+@pytest.mark.parametrize("length", ["-1", "99999999999999999999999", "ten"])
+def test_a_malformed_content_length_gets_400_in_the_usual_error_shape(
+    stack: Stack, length: str
+) -> None:
+    with connect(stack) as sock:
+        sock.sendall(head("/generate", f"Content-Type: {JSON}", f"Content-Length: {length}"))
+        status, headers, answer = read_response(sock)
+    assert (status, headers["content-type"], headers["connection"]) == (400, JSON, "close")
+    error = json.loads(answer)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_http")
+    assert error["message"].startswith("the request is not valid HTTP/1.1")
+
+
 def test_a_body_that_stalls_gets_408(stack: Stack) -> None:
     with connect(stack) as sock:
         started = time.monotonic()
