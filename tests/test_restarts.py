@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from protocol.settings import CONFIG_ERROR_EXIT_CODE
 from tests.sse import sse_events
 from tests.stack import Stack, free_port, running_stack
 from worker.engine.fake_engine import expected_text
@@ -167,7 +168,7 @@ def test_a_setting_the_worker_refuses_stops_the_stack_at_once_naming_it(tmp_path
             code = supervisor.wait(timeout=30)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"supervisor still retrying\n{stack.logs()}") from None
-        assert code != 0
+        assert code == CONFIG_ERROR_EXIT_CODE  # passed on, for a restart policy to see
         log = stack.log("supervisor")
         assert "worker: configuration error: MAX_BATCH_SIZE must be > 0" in log
         assert "giving up: worker refused its configuration (exit code 78)" in log
@@ -195,7 +196,7 @@ def test_a_port_another_program_holds_stops_the_stack_at_once_naming_it(
             code = stack.processes["supervisor"].wait(timeout=30)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"supervisor still retrying\n{stack.logs()}") from None
-        assert code != 0
+        assert code == CONFIG_ERROR_EXIT_CODE  # passed on, for a restart policy to see
         log = stack.log("supervisor")
         assert f"{process}: configuration error: {message.format(port=port)}" in log
         assert f"giving up: {process} refused its configuration (exit code 78)" in log

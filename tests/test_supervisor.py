@@ -21,6 +21,7 @@ from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
 from worker.launch import child as child_module
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
+from worker.launch.supervisor import Supervisor
 
 SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it
 
@@ -44,6 +45,12 @@ class _FakeProcess:
     def poll(self) -> int | None:
         return self.returncode
 
+    def kill(self) -> None:
+        self.returncode = -signal.SIGKILL
+
+    def wait(self) -> int | None:
+        return self.returncode
+
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
@@ -56,7 +63,9 @@ def _worker(clock: _Clock, crash_loop_limit: int) -> Child:
     return Child("worker", "worker.serve.main", config, served_after_s=10.0, clock=clock)
 
 
-def _run_and_die(child: Child, clock: _Clock, *num_finished: int, code: int = -9) -> None:
+def _run_and_die(
+    child: Child, clock: _Clock, *num_finished: int, code: int = -9, others_serve: bool = False
+) -> None:
     """Start ``child``, see it up once per ``num_finished`` (a second apart), then let
     it die and schedule its restart."""
     child.start()
@@ -65,7 +74,7 @@ def _run_and_die(child: Child, clock: _Clock, *num_finished: int, code: int = -9
         clock.now += 1
     assert isinstance(child.process, _FakeProcess)
     child.process.returncode = code
-    child.schedule_restart(str(child.exit_cause()))
+    child.schedule_restart(str(child.exit_cause()), others_serve)
 
 
 def test_workers_that_die_after_hello_before_answering_anything_are_a_crash_loop(
@@ -77,6 +86,44 @@ def test_workers_that_die_after_hello_before_answering_anything_are_a_crash_loop
     _run_and_die(child, clock, 0)
     with pytest.raises(CrashLoop, match="3 times in a row"):
         _run_and_die(child, clock, 0, 0, 0)
+
+
+def test_a_crash_loop_while_other_workers_serve_is_retried_at_the_longest_backoff(
+    clock: _Clock,
+) -> None:
+    child = _worker(clock, crash_loop_limit=2)
+    for _ in range(6):
+        _run_and_die(child, clock, 0, others_serve=True)
+    assert (child.num_failed_starts, child.num_restarts) == (6, 6)
+    assert child.restart_delay_s() == child.config.restart_backoff_max_s
+    with pytest.raises(CrashLoop, match="7 times in a row"):  # the others stopped serving
+        _run_and_die(child, clock, 0)
+
+
+def test_a_worker_that_took_the_connection_and_never_says_hello_is_killed_soon(
+    clock: _Clock,
+) -> None:
+    """Frozen or hung right after binding, before the supervisor heard its hello:
+    replaced after HEARTBEAT_TIMEOUT_S, not WORKER_START_TIMEOUT_S."""
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as mute_worker:
+        mute_worker.setsockopt(zmq.LINGER, 0)
+        port = mute_worker.bind_to_random_port("tcp://127.0.0.1")
+        config = SupervisorConfig(
+            worker_endpoint=f"tcp://127.0.0.1:{port}", heartbeat_timeout_s=0.3, warm_start=False
+        )
+        supervisor = Supervisor(config)
+        try:
+            ((worker, watch),) = supervisor.workers
+            worker.start()
+            started = time.monotonic()
+            while worker.kill_reason is None and time.monotonic() - started < 10:
+                watch.poll(0.05)
+                supervisor._judge(worker, watch)
+        finally:
+            watch.close()
+    assert worker.kill_reason is not None
+    assert "has not said hello (HEARTBEAT_TIMEOUT_S=0.3)" in worker.kill_reason
+    assert time.monotonic() - started < 5
 
 
 def test_a_worker_killed_after_answering_a_request_is_not_a_failed_start(
@@ -150,9 +197,10 @@ def test_a_child_that_refuses_its_configuration_is_given_up_on_at_its_first_exit
     clock: _Clock,
 ) -> None:
     child = _worker(clock, crash_loop_limit=5)
-    with pytest.raises(CrashLoop, match="worker refused its configuration"):
-        _run_and_die(child, clock, code=CONFIG_ERROR_EXIT_CODE)
+    with pytest.raises(CrashLoop, match="worker refused its configuration") as caught:
+        _run_and_die(child, clock, code=CONFIG_ERROR_EXIT_CODE, others_serve=True)
     assert child.num_restarts == 0
+    assert caught.value.exit_code == CONFIG_ERROR_EXIT_CODE  # the supervisor's own
 
 
 def test_a_worker_without_hello_by_the_start_deadline_is_replaced_then_given_up_on(
@@ -211,6 +259,27 @@ def test_workers_that_die_taking_their_first_request_after_hello_are_a_crash_loo
         log = stack.log("supervisor")
         assert "giving up: worker died before serving 2 times in a row" in log
         assert f"(last: exit code {CRASH_EXIT_CODE})" in log
+
+
+def test_one_workers_crash_loop_leaves_the_other_serving(tmp_path: Path) -> None:
+    overrides = {"NUM_WORKERS": "2", "FAKE_CRASH_PROMPT": "poison", "CRASH_LOOP_LIMIT": "2"}
+    overrides["RESTART_BACKOFF_S"] = "0.1"
+    with running_stack(tmp_path, overrides) as stack:
+        for attempt in (1, 2, 3):
+            stack.wait_for_health("both workers live", lambda h: h["workers_live"] == 2, 30)
+            time.sleep(0.5)  # the supervisor pings every 0.1 s: it has heard the hello
+            _send_poison(stack.env["WORKER_ENDPOINT"], f"poison-{attempt}")  # worker-0's
+            stack.wait_until(
+                lambda a=attempt: f"restart #{a} " in stack.log("supervisor"), f"restart #{attempt}"
+            )
+        assert stack.processes["supervisor"].poll() is None
+        log = stack.log("supervisor")
+        assert "worker-0 died before serving 2 times in a row" in log
+        assert "the others serve meanwhile, and it is retried" in log
+        response = httpx.post(
+            f"{stack.url}/generate", json={"prompt": "hi", "max_new_tokens": 3}, timeout=30
+        )
+        assert response.json()["text"] == expected_text("hi", 3)
 
 
 def test_killing_a_worker_that_answered_requests_is_not_a_crash_loop(tmp_path: Path) -> None:

@@ -21,8 +21,13 @@ _STOP_GRACE_S = 5.0
 
 
 class CrashLoop(Exception):
-    """A child died before serving CRASH_LOOP_LIMIT times in a row, or refused its
-    configuration once."""
+    """A child died before serving CRASH_LOOP_LIMIT times in a row while no other
+    of its kind served, or refused its configuration once; ``exit_code`` is the
+    supervisor's."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class Child:
@@ -113,22 +118,36 @@ class Child:
         cause = f"killed by {_signal_name(-code)}"
         return cause if self.kill_reason is None else f"{cause}: {self.kill_reason}"
 
-    def schedule_restart(self, cause: str) -> None:
+    @property
+    def is_up(self) -> bool:
+        """Running, and seen working since it started."""
+        return self.process is not None and self.up_since is not None
+
+    def schedule_restart(self, cause: str, others_serve: bool = False) -> None:
+        """Restart after a backoff. Raises CrashLoop when the child refused its
+        configuration, or died before serving CRASH_LOOP_LIMIT times in a row while
+        no other child of its kind serves (``others_serve``): with one that does,
+        the stack still serves, and this one is retried at the longest backoff."""
         if self.process is not None and self.process.poll() == CONFIG_ERROR_EXIT_CODE:
             raise CrashLoop(
                 f"{self.name} refused its configuration ({cause}), which would fail the "
                 "same way at every start; its log above names the setting. Fix it and "
-                "start again"
+                "start again",
+                CONFIG_ERROR_EXIT_CODE,
             )
         self.process = None
         self.num_failed_starts = 0 if self.has_served else self.num_failed_starts + 1
         if self.num_failed_starts >= self.config.crash_loop_limit:
-            raise CrashLoop(
+            why = (
                 f"{self.name} died before serving {self.num_failed_starts} times in a row "
-                f"(last: {cause}); its log above says why. Fix that (for a worker, often "
-                "a request that crashes it, or a start slower than "
-                "WORKER_START_TIMEOUT_S) and start again"
+                f"(last: {cause}); its log above says why"
             )
+            if not others_serve:
+                raise CrashLoop(
+                    f"{why}. Fix that (for a worker, often a request that crashes it, or "
+                    "a start slower than WORKER_START_TIMEOUT_S) and start again"
+                )
+            log.error("%s; the others serve meanwhile, and it is retried", why)
         delay = self.restart_delay_s()
         self.num_restarts += 1
         self.start_at = time.monotonic() + delay

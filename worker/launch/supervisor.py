@@ -10,11 +10,13 @@ so a replacement serves within a second. A worker that stops
 sending heartbeats, or sends them without making progress on pending work, is
 killed and replaced: the supervisor watches it over ZMQ exactly as the frontend
 does, and so is a worker that has not said hello within WORKER_START_TIMEOUT_S.
-A child that keeps dying before it ever serves (a port in use, a request that
-kills every worker that runs it) is a crash loop: the supervisor says so and
-exits instead of retrying forever; one that refuses its configuration (exit code
-CONFIG_ERROR_EXIT_CODE: a bad MODEL_ID, a mode the CPU cannot run) ends it at
-once. Configuration comes from the environment, which both children inherit.
+A child that keeps dying before it ever serves (a start that never finishes, a
+request that kills every worker that runs it) is a crash loop: while another
+child of its kind serves, it is retried at the longest backoff; else the
+supervisor says so and exits instead of retrying forever. One that refuses its
+configuration (exit code CONFIG_ERROR_EXIT_CODE: a bad MODEL_ID, a mode the CPU
+cannot run, a port in use) ends it at once, with that exit code. Configuration
+comes from the environment, which both children inherit.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol import Heartbeat, Hello, ProtocolError, decode_to_frontend
 from protocol.client_config import WorkerClientConfig
@@ -51,33 +54,51 @@ _WORKER_SERVED_AFTER_S = 10.0
 
 
 class WorkerWatch:
-    """Hears one worker's hellos and heartbeats, as a frontend would."""
+    """Hears one worker's hellos and heartbeats, as a frontend would, and sees
+    when the worker's socket takes its connection: a worker binds once its model
+    is loaded, so from then on a hello is due within HEARTBEAT_TIMEOUT_S."""
 
     def __init__(self, client: WorkerClientConfig, endpoint: str) -> None:
         self.client = client
         self.endpoint = endpoint
         self.liveness = self._new_liveness()
+        self.connected_at: float | None = None  # the worker's socket took this connection
         self._context = zmq.Context()
-        self._socket = self._connect()
+        self._socket, self._monitor = self._connect()
         self._ping = ping("supervisor")
         self._next_ping = 0.0
 
     def _new_liveness(self) -> Liveness:
         return Liveness(self.client.heartbeat_timeout_s, self.client.step_timeout_s)
 
-    def _connect(self) -> zmq.Socket[bytes]:
+    def _connect(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         socket = worker_socket(self._context, self.endpoint, self.client.curve, is_immediate=True)
+        monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         socket.connect(self.endpoint)
-        return socket
+        return socket, monitor
 
     def forget_worker(self) -> None:
         # A new socket: a hello the dead worker sent just before it died, still
         # queued on the old one, would make its successor look live and served.
-        self._socket.close(linger=0)
-        self._socket = self._connect()
+        self._close_sockets()
+        self._socket, self._monitor = self._connect()
         self.liveness = self._new_liveness()
+        self.connected_at = None
+
+    def mute_s(self) -> float:
+        """How long the worker's socket has held this connection with no hello
+        from it (0 before the connection, or once it said hello)."""
+        if self.connected_at is None or self.liveness.hello is not None:
+            return 0.0
+        return time.monotonic() - self.connected_at
 
     def poll(self, timeout_s: float) -> None:
+        while self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected_at = self.connected_at or time.monotonic()
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected_at = None
         if time.monotonic() >= self._next_ping:
             self._next_ping = time.monotonic() + self.client.ping_interval_s
             with contextlib.suppress(zmq.Again):  # no worker connected yet
@@ -95,8 +116,13 @@ class WorkerWatch:
                 self.liveness.on_heartbeat(message)
 
     def close(self) -> None:
-        self._socket.close(linger=0)
+        self._close_sockets()
         self._context.term()
+
+    def _close_sockets(self) -> None:
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
 
 
 class Supervisor:
@@ -138,11 +164,12 @@ class Supervisor:
                 for _, watch in self.workers:
                     watch.poll(_TICK_S / len(self.workers))
                 for child in self.frontends:
-                    self._tend(child)
+                    self._tend(child, self.frontends)
                     if child.process is not None:
                         child.on_up()
+                workers = [child for child, _ in self.workers]
                 for child, watch in self.workers:
-                    self._tend(child, watch)
+                    self._tend(child, workers, watch)
                     self._judge(child, watch)
         finally:
             for child in self.frontends:
@@ -151,7 +178,10 @@ class Supervisor:
                 child.stop()
                 watch.close()
 
-    def _tend(self, child: Child, watch: WorkerWatch | None = None) -> None:
+    def _tend(self, child: Child, kind: list[Child], watch: WorkerWatch | None = None) -> None:
+        """Start ``child`` when due, or schedule its restart if it ended; ``kind``
+        is every child of its kind, whose serving keeps one crash loop from
+        ending the stack."""
         if self._stopping:
             return
         if child.process is None:
@@ -162,7 +192,8 @@ class Supervisor:
         if cause is not None:
             if watch is not None:
                 watch.forget_worker()
-            child.schedule_restart(cause)
+            others_serve = any(other.is_up for other in kind if other is not child)
+            child.schedule_restart(cause, others_serve)
 
     def _judge(self, worker: Child, watch: WorkerWatch) -> None:
         if self._stopping or worker.process is None:
@@ -174,6 +205,14 @@ class Supervisor:
             worker.on_up(0 if heartbeat is None else heartbeat.num_finished)
         elif verdict.state in (WorkerState.DEAD, WorkerState.HUNG):
             worker.kill(verdict.reason)
+        elif (mute_s := watch.mute_s()) > watch.client.heartbeat_timeout_s:
+            # Its model is loaded (it bound its socket), and it froze or hung before
+            # it could greet anyone: no need to wait out WORKER_START_TIMEOUT_S.
+            worker.kill(
+                f"it took this supervisor's connection {mute_s:.1f} s ago and has not said "
+                f"hello (HEARTBEAT_TIMEOUT_S={watch.client.heartbeat_timeout_s:g}): frozen or "
+                "hung at its start, or refusing this supervisor's CURVE key (its log says)"
+            )
         elif time.monotonic() - worker.started_at > self.config.worker_start_timeout_s:
             # Still connecting: a model that never finishes loading, a deadlock at
             # start, or a worker this supervisor's keys cannot talk to.
@@ -223,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         supervisor.run()
     except CrashLoop as exc:
-        sys.exit(f"supervisor: giving up: {exc}")
+        print(f"supervisor: giving up: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":
