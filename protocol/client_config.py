@@ -10,7 +10,6 @@ from functools import cached_property
 
 from protocol.curve import ClientKeys, read_public_key, read_secret_key
 from protocol.settings import (
-    ConfigError,
     check_endpoint,
     read_curve_keys,
     require_positive,
@@ -65,11 +64,7 @@ class WorkerClientConfig:
         require_positive(self, "worker_resolve_interval_s")
         check_endpoint(self, "worker_endpoint")
         for endpoint in self.endpoints:
-            if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ConfigError(
-                    "WORKER_ENDPOINTS must be comma-separated ZMQ endpoints such as "
-                    f"tcp://10.0.0.5:5555,tcp://10.0.0.6:5555, got {endpoint!r}"
-                )
+            check_endpoint(self, "worker_endpoints", endpoint)
         _ = self.curve  # a bad key stops the process at start, not at its first connect
 
     @property

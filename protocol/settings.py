@@ -84,12 +84,25 @@ def read_curve_keys(
     return keys
 
 
-def check_endpoint(config: object, name: str) -> None:
-    endpoint = getattr(config, name)
+def check_endpoint(config: object, name: str, endpoint: str | None = None) -> None:
+    """Raises ConfigError naming the setting ``name`` unless ``endpoint`` (by
+    default the setting's value; one of its items for a list) is a ZMQ endpoint,
+    a tcp:// one with a port from 1 to 65535."""
+    endpoint = getattr(config, name) if endpoint is None else endpoint
+    env = env_name(type(config), name)
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ConfigError(
-            f"{env_name(type(config), name)} must be a ZMQ endpoint such as "
-            f"tcp://127.0.0.1:5555, got {endpoint!r}"
+            f"{env} must be a ZMQ endpoint such as tcp://127.0.0.1:5555, got {endpoint!r}"
+        )
+    if not endpoint.startswith("tcp://"):
+        return
+    # libzmq takes a port past 65535 modulo 65536 (99999 listens on 34463), and
+    # 0 or * for a port the system picks: either way, not where clients look.
+    _, colon, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not (colon and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(
+            f"{env} must end in a port from 1 to 65535, as tcp://127.0.0.1:5555 does, "
+            f"got {endpoint!r}"
         )
 
 

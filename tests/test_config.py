@@ -32,6 +32,11 @@ def test_environment_sets_values_and_flags_override_them() -> None:
         ({"MAX_BATCH_SIZE": "eight"}, "MAX_BATCH_SIZE must be int"),
         ({"MAX_BATCH_SIZE": "0"}, "MAX_BATCH_SIZE must be > 0"),
         ({"WORKER_ENDPOINT": "localhost:5555"}, "WORKER_ENDPOINT must be a ZMQ endpoint"),
+        ({"WORKER_ENDPOINT": "tcp://127.0.0.1:99999"}, "WORKER_ENDPOINT must end in a port from"),
+        ({"WORKER_ENDPOINT": "tcp://127.0.0.1"}, "WORKER_ENDPOINT must end in a port from"),
+        ({"WORKER_BIND": "tcp://*:0"}, "WORKER_BIND must end in a port from 1 to 65535"),
+        ({"WORKER_BIND": "tcp://*:*"}, "WORKER_BIND must end in a port from 1 to 65535"),
+        ({"WORKER_BIND": "tcp://[::1]"}, "WORKER_BIND must end in a port from 1 to 65535"),
         ({"DTYPE": "float8"}, "DTYPE must be"),
         ({"DEVICE": "tpu"}, "DEVICE must be"),
         ({"HEARTBEAT_INTERVAL_S": "nan"}, "HEARTBEAT_INTERVAL_S must be a finite number"),
@@ -47,6 +52,13 @@ def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str
     ("env", "message"),
     [
         ({"PORT": "99999"}, "PORT must be at most 65535"),
+        ({"WORKER_ENDPOINT": "tcp://worker:65536"}, "WORKER_ENDPOINT must end in a port from"),
+        (
+            {"WORKER_ENDPOINTS": "tcp://10.0.0.5:5555,tcp://10.0.0.6:70000"},
+            "WORKER_ENDPOINTS must end in a port from 1 to 65535, .* got 'tcp://10.0.0.6:70000'",
+        ),
+        ({"WORKER_ENDPOINTS": "tcp://10.0.0.5"}, "WORKER_ENDPOINTS must end in a port from"),
+        ({"WORKER_ENDPOINTS": "10.0.0.5:5555"}, "WORKER_ENDPOINTS must be a ZMQ endpoint"),
         ({"MAX_NEW_TOKENS_LIMIT": "-1"}, "MAX_NEW_TOKENS_LIMIT must be > 0"),
         ({"REQUEST_TIMEOUT_S": "soon"}, "REQUEST_TIMEOUT_S must be float"),
         ({"REQUEST_TIMEOUT_S": "nan"}, "REQUEST_TIMEOUT_S must be a finite number"),
@@ -58,6 +70,18 @@ def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str
 def test_a_bad_frontend_value_names_its_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load(FrontendConfig, [], env)
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["tcp://*:5555", "tcp://0.0.0.0:1", "tcp://[::1]:65535", "ipc:///tmp/worker", "inproc://w"],
+)
+def test_every_endpoint_form_in_use_is_taken(endpoint: str) -> None:
+    worker = load(WorkerConfig, [], {"WORKER_BIND": endpoint})
+    assert worker.listen_endpoint == endpoint
+    if not endpoint.startswith("tcp://*"):  # a client cannot connect to a wildcard
+        frontend = load(FrontendConfig, [], {"WORKER_ENDPOINTS": f"tcp://worker:5555,{endpoint}"})
+        assert frontend.endpoints == ["tcp://worker:5555", endpoint]
 
 
 def test_http_limits_default_to_the_documented_values() -> None:
