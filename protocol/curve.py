@@ -70,7 +70,8 @@ def read_public_keys(value: str) -> frozenset[bytes]:
     """A directory of ``.key`` certificate files, or a comma-separated list of
     public keys (each Z85 or a certificate file)."""
     if Path(value).is_dir():
-        keys = frozenset(zmq.auth.load_certificates(value))
+        # Each file read as a lone one is, so that a malformed key is refused by name.
+        keys = frozenset(read_public_key(str(path)) for path in sorted(Path(value).glob("*.key")))
         if not keys:
             raise ValueError(f"the directory {value} holds no .key certificate files")
         return keys
@@ -84,18 +85,11 @@ def _certificate(value: str) -> tuple[bytes, bytes | None] | None:
     """The (public, secret) keys of the certificate file ``value``, or None when
     ``value`` is itself a Z85 key."""
     if Path(value).is_file():
-        try:
-            return zmq.auth.load_certificate(value)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read the certificate {value}: {exc}") from None
+        return _load_certificate(value)
     # Checked before the path guess below: '/' and '.' are Z85 characters too.
-    problem = f"is {len(value)} characters, not {_Z85_KEY_LENGTH}"
-    if len(value) == _Z85_KEY_LENGTH:
-        try:
-            z85.decode(value)
-            return None
-        except (KeyError, ValueError, struct.error):
-            problem = "has characters outside the Z85 alphabet"
+    problem = _key_problem(value)
+    if problem is None:
+        return None
     if "/" in value or value.endswith((".key", ".key_secret")):
         raise ValueError(f"no certificate file at {value}")
     # The value may be a secret: say what is wrong with it without echoing it.
@@ -103,6 +97,36 @@ def _certificate(value: str) -> tuple[bytes, bytes | None] | None:
         f"neither a certificate file nor a Z85 key: the value {problem}. "
         "Give the path of a file written by minibatch-keys, or the key inside it"
     )
+
+
+def _load_certificate(path: str) -> tuple[bytes, bytes | None]:
+    """The (public, secret) keys of the certificate file at ``path``, each checked
+    as a key given by value is: libzmq would take a malformed one only when the
+    socket is set up, long after the settings were read, and fail there."""
+    try:
+        public_key, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the certificate {path}: {exc}") from None
+    for kind, key in (("public", public_key), ("secret", secret_key)):
+        problem = None if key is None else _key_problem(key)
+        if problem is not None:
+            raise ValueError(
+                f"the {kind} key in the certificate {path} {problem}; "
+                "write a new pair with minibatch-keys"
+            )
+    return public_key, secret_key
+
+
+def _key_problem(key: str | bytes) -> str | None:
+    """What keeps ``key`` from being a Z85 CURVE key (40 characters, 32 bytes once
+    decoded), or None."""
+    if len(key) != _Z85_KEY_LENGTH:
+        return f"is {len(key)} characters, not {_Z85_KEY_LENGTH}"
+    try:
+        z85.decode(key)
+    except (KeyError, ValueError, struct.error):
+        return "has characters outside the Z85 alphabet"
+    return None
 
 
 def secure_server(socket: zmq.Socket[Any], keys: ServerKeys | None) -> Callable[[], None]:

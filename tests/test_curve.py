@@ -141,12 +141,26 @@ def test_half_a_curve_configuration_is_refused_at_start(
         ("CURVE_CLIENT_KEYS", "short", "the value is 5 characters, not 40"),
         ("CURVE_SERVER_SECRET_KEY", "{keys}/worker.key", "holds only a public key"),
         ("CURVE_SERVER_SECRET_KEY", "~" * 40, "characters outside the Z85 alphabet"),
+        (
+            "CURVE_SERVER_SECRET_KEY",
+            "{keys}/bad/short.key_secret",
+            "the secret key in the certificate .*/short.key_secret is 3 characters, not 40",
+        ),
+        (
+            "CURVE_SERVER_SECRET_KEY",
+            "{keys}/bad/short.key",
+            "the public key in the certificate .*/short.key is 3 characters",
+        ),
+        ("CURVE_CLIENT_KEYS", "{keys}/bad/short.key", "the public key in the certificate"),
+        ("CURVE_CLIENT_KEYS", "{keys}/client.key,{keys}/bad/tilde.key", "outside the Z85 alphabet"),
+        ("CURVE_CLIENT_KEYS", "{keys}/bad", "the public key in the certificate .*/bad/short.key"),
     ],
 )
 def test_a_bad_key_setting_is_refused_naming_its_variable(
     keys: Path, setting: str, value: str, message: str
 ) -> None:
     (keys / "empty").mkdir()
+    write_malformed_certificates(keys / "bad")
     env = {
         "CURVE_SERVER_SECRET_KEY": str(keys / "worker.key_secret"),
         "CURVE_CLIENT_KEYS": str(keys / "client.key"),
@@ -154,6 +168,33 @@ def test_a_bad_key_setting_is_refused_naming_its_variable(
     }
     with pytest.raises(ConfigError, match=f"^{setting}: .*{message}"):
         load(WorkerConfig, [], env)
+
+
+@pytest.mark.parametrize(
+    ("setting", "file"),
+    [("CURVE_SERVER_PUBLIC_KEY", "short.key"), ("CURVE_CLIENT_SECRET_KEY", "short.key_secret")],
+)
+def test_a_malformed_key_file_stops_a_client_at_start(keys: Path, setting: str, file: str) -> None:
+    write_malformed_certificates(keys / "bad")
+    env = {
+        "CURVE_SERVER_PUBLIC_KEY": str(keys / "worker.key"),
+        "CURVE_CLIENT_SECRET_KEY": str(keys / "client.key_secret"),
+        setting: str(keys / "bad" / file),
+    }
+    with pytest.raises(ConfigError, match=f"^{setting}: the .* key in the certificate .*/{file} "):
+        load(FrontendConfig, [], env)
+
+
+def write_malformed_certificates(directory: Path) -> None:
+    """short.key, whose public key is 3 characters; short.key_secret, whose public
+    key is sound and secret key 3 characters; tilde.key, whose public key is 40
+    characters outside the Z85 alphabet."""
+    directory.mkdir()
+    (directory / "short.key").write_text('curve\n    public-key = "abc"\n')
+    (directory / "short.key_secret").write_text(
+        f'curve\n    public-key = "{"x" * 40}"\n    secret-key = "abc"\n'
+    )
+    (directory / "tilde.key").write_text(f'curve\n    public-key = "{"~" * 40}"\n')
 
 
 def test_keys_may_be_z85_strings_and_a_directory_of_public_keys(keys: Path) -> None:
