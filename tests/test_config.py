@@ -3,8 +3,20 @@ from __future__ import annotations
 import pytest
 
 from frontend.config import FrontendConfig
+from protocol import GenerateRequest, encode
+from protocol.limits import (
+    MAX_CHAT_MESSAGES,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+)
 from protocol.settings import ConfigError, load
-from worker.serve.config import WorkerConfig
+from protocol.wire import MAX_REQUEST_ID_CHARS
+from worker.serve.config import MIN_MESSAGE_BYTES, WorkerConfig
 
 
 def test_defaults_are_the_documented_ones() -> None:
@@ -37,6 +49,8 @@ def test_environment_sets_values_and_flags_override_them() -> None:
         ({"WORKER_BIND": "tcp://*:0"}, "WORKER_BIND must end in a port from 1 to 65535"),
         ({"WORKER_BIND": "tcp://*:*"}, "WORKER_BIND must end in a port from 1 to 65535"),
         ({"WORKER_BIND": "tcp://[::1]"}, "WORKER_BIND must end in a port from 1 to 65535"),
+        ({"MAX_MESSAGE_BYTES": "200"}, "MAX_MESSAGE_BYTES must be at least 262,144"),
+        ({"MAX_MESSAGE_BYTES": "0"}, "MAX_MESSAGE_BYTES must be at least 262,144"),
         ({"DTYPE": "float8"}, "DTYPE must be"),
         ({"DEVICE": "tpu"}, "DEVICE must be"),
         ({"HEARTBEAT_INTERVAL_S": "nan"}, "HEARTBEAT_INTERVAL_S must be a finite number"),
@@ -82,6 +96,27 @@ def test_every_endpoint_form_in_use_is_taken(endpoint: str) -> None:
     if not endpoint.startswith("tcp://*"):  # a client cannot connect to a wildcard
         frontend = load(FrontendConfig, [], {"WORKER_ENDPOINTS": f"tcp://worker:5555,{endpoint}"})
         assert frontend.endpoints == ["tcp://worker:5555", endpoint]
+
+
+def test_the_smallest_max_message_bytes_holds_any_request_but_a_long_prompt() -> None:
+    wide = "\U0001f600"  # 4 bytes in UTF-8
+    every_field_at_its_limit = GenerateRequest(
+        wide * MAX_REQUEST_ID_CHARS,
+        "",
+        2**31 - 1,
+        stop_token_ids=[MAX_TOKEN_ID] * MAX_STOP_TOKEN_IDS,
+        stop=[wide * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+        seed=MAX_SEED,
+        logit_bias_token_ids=[MAX_TOKEN_ID] * MAX_LOGIT_BIAS,
+        logit_bias_values=[-100.0] * MAX_LOGIT_BIAS,
+        chat_roles=["assistant"] * MAX_CHAT_MESSAGES,
+        chat_contents=[""] * MAX_CHAT_MESSAGES,
+        grammar_kind="json_schema",
+        grammar=wide * MAX_GRAMMAR_CHARS,
+    )
+    assert len(encode(every_field_at_its_limit)) + 100 * 1024 <= MIN_MESSAGE_BYTES
+    config = load(WorkerConfig, [], {"MAX_MESSAGE_BYTES": str(MIN_MESSAGE_BYTES)})
+    assert config.max_message_bytes == MIN_MESSAGE_BYTES
 
 
 def test_http_limits_default_to_the_documented_values() -> None:

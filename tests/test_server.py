@@ -38,7 +38,7 @@ from worker.engine.fake_engine import (
 )
 from worker.engine.grammar import Grammars
 from worker.engine.sequence import Sequence
-from worker.serve.config import WorkerConfig
+from worker.serve.config import MIN_MESSAGE_BYTES, WorkerConfig
 from worker.serve.scheduler import Scheduler
 from worker.serve.server import WorkerServer
 
@@ -311,11 +311,11 @@ def test_messages_of_any_frame_count_are_dropped_and_serving_goes_on(connect: Co
 
 
 def test_a_message_over_max_message_bytes_disconnects_only_its_sender(connect: Connect) -> None:
-    with serving(FakeEngine(2), max_message_bytes=64 * 1024) as server:
+    with serving(FakeEngine(2), max_message_bytes=MIN_MESSAGE_BYTES) as server:
         bystander, sender = connect(server), connect(server)
         bystander.send(encode(Ping("bystander")))
         bystander.receive_until(Hello)
-        sender.send(encode(GenerateRequest("huge", "x" * 100_000, 3)))
+        sender.send(encode(GenerateRequest("huge", "x" * (MIN_MESSAGE_BYTES + 1), 3)))
         bystander.send(encode(GenerateRequest("r", "fine", 3)))
         result = bystander.receive_until(GenerateResult)[-1]
         assert isinstance(result, GenerateResult) and result.request_id == "r"

@@ -18,6 +18,13 @@ from protocol.settings import (
 
 DEFAULT_MODEL_ID = "distilgpt2"
 
+# The smallest MAX_MESSAGE_BYTES. A request's fields besides its prompt (and the
+# token ids a context window bounds) take up to ~140 KiB at the protocol's limits:
+# a grammar of MAX_GRAMMAR_CHARS 4-byte characters, 4 stop strings, 300 logit
+# biases, 256 chat roles. This leaves 100 KiB and more for the prompt, so that a
+# request too large is so for its prompt, as the frontend's 422 says.
+MIN_MESSAGE_BYTES = 256 * 1024
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -39,7 +46,8 @@ class WorkerConfig:
     max_message_bytes: int = setting(
         "MAX_MESSAGE_BYTES",
         2 * 1024 * 1024,
-        "largest ZMQ message a peer may send; ZMQ disconnects a peer that sends more",
+        "largest ZMQ message a peer may send, at least 256 KiB; ZMQ disconnects a peer "
+        "that sends more",
     )
     frontend_timeout_s: float = setting(
         "FRONTEND_TIMEOUT_S", 10.0, "drop a frontend's requests after this long without a ping"
@@ -118,7 +126,12 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         require_positive(self, "max_batch_size", "max_queue_depth", "heartbeat_interval_s")
-        require_positive(self, "max_message_bytes")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ConfigError(
+                f"MAX_MESSAGE_BYTES must be at least {MIN_MESSAGE_BYTES:,} (256 KiB), room "
+                "for a prompt and a request's other fields at their limits; got "
+                f"{self.max_message_bytes:,}"
+            )
         require_positive(self, "frontend_timeout_s", "engine_watchdog_s")
         check_endpoint(self, "endpoint")
         if self.bind_endpoint:
