@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from protocol.limits import (
     MAX_STOP_STRINGS,
 )
 from protocol.wire import MAX_REQUEST_ID_CHARS
+from worker.engine.fake_engine import FakeEngine
 from worker.engine.interface import RequestRejected
 from worker.serve.validation import RequestLimits, check_generate, is_valid_abort
 
@@ -65,6 +67,11 @@ def test_a_sound_request_passes() -> None:
         ({"max_new_tokens": 65}, ErrorCode.INVALID_REQUEST, "max_new_tokens"),
         ({"prompt_token_ids": []}, ErrorCode.INVALID_REQUEST, "prompt_token_ids"),
         ({"prompt_token_ids": [1] * 57}, ErrorCode.CONTEXT_OVERFLOW, "prompt: 57 tokens and 8"),
+        (
+            {"prompt_token_ids": [1] * 64, "fit_context": True},
+            ErrorCode.CONTEXT_OVERFLOW,
+            "prompt: 64 tokens leave no room to generate",
+        ),
         ({"prompt_token_ids": [1000]}, ErrorCode.INVALID_REQUEST, "prompt_token_ids: token id"),
         ({"stop_token_ids": [5, 10**9]}, ErrorCode.INVALID_REQUEST, "stop_token_ids"),
         ({"resume_token_ids": [1000]}, ErrorCode.INVALID_REQUEST, "resume_token_ids"),
@@ -189,6 +196,19 @@ def test_each_bad_field_is_refused_by_name(
     assert caught.value.code == code
     assert caught.value.request_id == request.request_id
     assert named in caught.value.message
+
+
+def test_fit_context_lowers_max_new_tokens_for_a_prompt_of_ids_as_for_text() -> None:
+    engine = FakeEngine(capacity=1, context_window=1024)
+    ids = _request(prompt="", prompt_token_ids=[1] * 1000, max_new_tokens=1024, fit_context=True)
+    text = dataclasses.replace(ids, request_id="text", prompt="x" * 1000, prompt_token_ids=None)
+    for request in (ids, text):
+        check_generate(request, RequestLimits.of(engine.info))
+        engine.admit([request])
+        finished = []
+        while engine.num_active():
+            finished += engine.step().finished
+        assert [(len(f.token_ids), f.finish_reason) for f in finished] == [(24, "length")]
 
 
 def test_a_huge_id_list_is_refused_on_its_length_before_its_ids_are_read() -> None:

@@ -29,12 +29,13 @@ def new_sequence(
     streamed put back, through the grammar too. Raises RequestRejected naming
     what is wrong."""
     token_ids, text = _prompt(request, tokenizer, chat_template, info)
-    if request.fit_context:
-        room = info.context_window - len(token_ids)
-        request = dataclasses.replace(
-            request, max_new_tokens=max(0, min(request.max_new_tokens, room))
+    request = fit_to_context(request, len(token_ids), info.context_window)
+    if overflows(request, len(token_ids), info.context_window):
+        raise RequestRejected(
+            request.request_id,
+            ErrorCode.CONTEXT_OVERFLOW,
+            overflow_message(request, len(token_ids), info.context_window),
         )
-    _check_context(request, len(token_ids), info)
     grammar = _grammar(request, grammars, info) if request.grammar else None
     seq = Sequence(request, token_ids, tokenizer, slot, grammar)
     if request.echo:
@@ -95,16 +96,24 @@ def _render_chat(request: GenerateRequest, chat_template: ChatTemplate) -> str:
         raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)) from None
 
 
-def _check_context(request: GenerateRequest, num_prompt_tokens: int, info: ModelInfo) -> None:
+def fit_to_context(
+    request: GenerateRequest, num_prompt_tokens: int, window: int
+) -> GenerateRequest:
+    """``request``, with ``fit_context`` its max_new_tokens lowered to what ``window``
+    leaves after a prompt of ``num_prompt_tokens`` (0 where it leaves nothing)."""
+    if not request.fit_context:
+        return request
+    room = window - num_prompt_tokens
+    return dataclasses.replace(request, max_new_tokens=max(0, min(request.max_new_tokens, room)))
+
+
+def overflows(request: GenerateRequest, num_prompt_tokens: int, window: int) -> bool:
+    """Whether ``request`` (fitted by `fit_to_context`) with a prompt of
+    ``num_prompt_tokens`` is refused, in the words of `overflow_message`."""
     # The resumed output is part of max_new_tokens, so it needs no room of its own.
-    if num_prompt_tokens + request.max_new_tokens > info.context_window or (
+    return num_prompt_tokens + request.max_new_tokens > window or (
         request.fit_context and request.max_new_tokens == 0
-    ):
-        raise RequestRejected(
-            request.request_id,
-            ErrorCode.CONTEXT_OVERFLOW,
-            overflow_message(request, num_prompt_tokens, info.context_window),
-        )
+    )
 
 
 def _prompt_field(request: GenerateRequest) -> str:

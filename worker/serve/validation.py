@@ -30,7 +30,7 @@ from protocol.limits import (
     MAX_TOP_K,
 )
 from protocol.wire import MAX_REQUEST_ID_CHARS
-from worker.engine.admission import overflow_message
+from worker.engine.admission import fit_to_context, overflow_message, overflows
 from worker.engine.interface import ModelInfo, RequestRejected
 
 
@@ -123,8 +123,10 @@ def _prompt_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[st
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             return invalid, "prompt_token_ids: must not be empty"
-        if num_prompt + request.max_new_tokens > window:
-            return ErrorCode.CONTEXT_OVERFLOW, overflow_message(request, num_prompt, window)
+        # As admission does: with fit_context, max_new_tokens is only a ceiling.
+        fitted = fit_to_context(request, num_prompt, window)
+        if overflows(fitted, num_prompt, window):
+            return ErrorCode.CONTEXT_OVERFLOW, overflow_message(fitted, num_prompt, window)
     elif not request.prompt:
         return invalid, "prompt: must not be empty"
     elif len(request.prompt) > limits.max_prompt_chars:
