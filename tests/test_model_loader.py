@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
+from protocol.settings import ConfigError  # noqa: E402
 from tests.model_fixtures import tiny_model  # noqa: E402
 from worker.engine.torch_engine import load_engine  # noqa: E402
 from worker.model.loader import (  # noqa: E402
@@ -77,3 +78,14 @@ def test_synthetic_engine_info_and_dtype() -> None:
     assert engine.info.context_window == 1024
     assert engine.cache.kv.dtype == torch.bfloat16
     assert engine.cache.kv.shape == (6, 2, 8, 12, 1024, 64)
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_naming_max_batch_size(tmp_path: Path) -> None:
+    source = tiny_model()
+    source.model.save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer()).save_pretrained(tmp_path)
+    config = WorkerConfig(model_id=str(tmp_path), device="cpu", max_batch_size=2**31 - 1)
+    with pytest.raises(
+        ConfigError, match=r"MAX_BATCH_SIZE=2147483647 needs a KV cache of [\d,.]+ GiB"
+    ):
+        load_engine(config)

@@ -24,6 +24,7 @@ from worker.engine.slot_engine import SlotEngine
 from worker.model.decode_step import SHORTEST_GRAPH_LENGTH, Buckets, DecodeStep, cuda_graph_capture
 from worker.model.gpt2 import GPT2
 from worker.model.host_copy import to_device
+from worker.model.kv_cache import SlotKVCache
 from worker.model.loader import LoadedModel, load_model
 from worker.model.penalties import apply_penalties, suppress_early_stops
 from worker.model.precision import Precision
@@ -52,6 +53,7 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
         )
     preloaded = _take_preloaded(config, device, precision)
     loaded, gpt2 = preloaded or (_load(config, device, precision), None)
+    _check_kv_cache_fits(config.max_batch_size, loaded, precision, device)
     chat_template = choose_chat_template(
         config.chat_template, loaded.hf_tokenizer, loaded.special_tokens
     )
@@ -65,6 +67,29 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
         config.cuda_graphs,
         config.prefix_cache,
     )
+
+
+def _check_kv_cache_fits(
+    num_slots: int, loaded: LoadedModel, precision: Precision, device: torch.device
+) -> None:
+    """Refuse a MAX_BATCH_SIZE whose KV cache alone is larger than the device's
+    memory: allocating it would fail with a traceback, or worse, be overcommitted
+    and bring the OOM killer at the first touch."""
+    model = loaded.model.config
+    num_bytes = SlotKVCache.nbytes_for(
+        model.n_layer, num_slots, model.n_positions, model.n_embd, precision.storage
+    )
+    if device.type == "cuda":
+        memory = torch.cuda.mem_get_info(device)[1]
+    else:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if num_bytes > memory:
+        raise ConfigError(
+            f"MAX_BATCH_SIZE={num_slots} needs a KV cache of {num_bytes / 2**30:,.1f} GiB "
+            f"({model.n_layer} layers x K,V x {num_slots} slots x {model.n_positions} positions "
+            f"x {model.n_embd} x {precision.storage.itemsize} bytes), more than this "
+            f"{device.type.upper()}'s {memory / 2**30:,.1f} GiB of memory: lower MAX_BATCH_SIZE"
+        )
 
 
 def preload(config: WorkerConfig) -> None:

@@ -40,6 +40,13 @@ class SlotKVCache:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    @staticmethod
+    def nbytes_for(
+        num_layers: int, num_slots: int, context_window: int, hidden_size: int, dtype: torch.dtype
+    ) -> int:
+        """The bytes of a cache of this shape (heads x head_dim is the hidden size)."""
+        return num_layers * 2 * num_slots * context_window * hidden_size * dtype.itemsize
+
     def describe(self) -> str:
         layers, _, slots, heads, context, head_dim = self.kv.shape
         return (
