@@ -16,6 +16,8 @@ from protocol.limits import (
 )
 from protocol.settings import ConfigError, load
 from protocol.wire import MAX_REQUEST_ID_CHARS
+from worker.launch.config import SupervisorConfig
+from worker.launch.supervisor import Supervisor
 from worker.serve.config import MIN_MESSAGE_BYTES, WorkerConfig
 
 
@@ -55,6 +57,8 @@ def test_environment_sets_values_and_flags_override_them() -> None:
         ({"DEVICE": "tpu"}, "DEVICE must be"),
         ({"HEARTBEAT_INTERVAL_S": "nan"}, "HEARTBEAT_INTERVAL_S must be a finite number"),
         ({"MAX_QUEUE_DEPTH": "9" * 23}, "MAX_QUEUE_DEPTH must be a finite number of at most"),
+        ({"TORCH_THREADS": "-1"}, "TORCH_THREADS must be 0 .every core. to"),
+        ({"TORCH_THREADS": "40000"}, "TORCH_THREADS must be 0 .every core. to"),
     ],
 )
 def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str) -> None:
@@ -131,3 +135,21 @@ def test_the_api_key_stays_out_of_the_config_repr() -> None:
     config = load(FrontendConfig, [], {"API_KEY": "sk-secret"})
     assert config.api_key == "sk-secret"
     assert "sk-secret" not in repr(config)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"TORCH_THREADS": "40000"}, "TORCH_THREADS must be 0 .every core. to"),
+        ({"NUM_WORKERS": "100000"}, "NUM_WORKERS must be at most 64"),
+        ({"NUM_FRONTENDS": "65"}, "NUM_FRONTENDS must be at most 64"),
+        ({"PORT": "65535", "NUM_FRONTENDS": "2"}, "takes ports up to 65536, past 65535"),
+        (
+            {"WORKER_ENDPOINT": "tcp://127.0.0.1:65535", "NUM_WORKERS": "2"},
+            "NUM_WORKERS=2 takes ports up to 65536, past 65535",
+        ),
+    ],
+)
+def test_a_bad_supervisor_value_names_its_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Supervisor(load(SupervisorConfig, [], env))

@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.client_config import WorkerClientConfig
-from protocol.settings import ConfigError, require_positive, setting
+from protocol.settings import ConfigError, env_name, require_positive, setting
+from worker.serve.config import check_torch_threads
+
+# Workers or frontends one supervisor runs: each worker holds a copy of the model,
+# and each frontend a link to every worker.
+MAX_CHILDREN = 64
+MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
@@ -64,5 +70,16 @@ class SupervisorConfig(WorkerClientConfig):
         super().__post_init__()
         require_positive(self, "restart_backoff_s", "restart_backoff_max_s", "crash_loop_limit")
         require_positive(self, "worker_start_timeout_s", "num_workers", "num_frontends")
-        if self.torch_threads < 0:
-            raise ConfigError(f"TORCH_THREADS must be >= 0, got {self.torch_threads}")
+        check_torch_threads(self.torch_threads)
+        for name in ("num_workers", "num_frontends"):
+            if getattr(self, name) > MAX_CHILDREN:
+                raise ConfigError(
+                    f"{env_name(type(self), name)} must be at most {MAX_CHILDREN}, got "
+                    f"{getattr(self, name)}"
+                )
+        last_port = self.port + self.num_frontends - 1
+        if last_port > MAX_PORT:
+            raise ConfigError(
+                f"PORT={self.port} with NUM_FRONTENDS={self.num_frontends} takes ports up to "
+                f"{last_port}, past {MAX_PORT}: lower PORT"
+            )

@@ -40,7 +40,7 @@ from protocol.liveness import Liveness, WorkerState
 from protocol.peer import ping, worker_socket
 from protocol.settings import ConfigError, exit_refusing, load
 from worker.launch.child import Child, CrashLoop
-from worker.launch.config import SupervisorConfig
+from worker.launch.config import MAX_PORT, SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER
 
 log = logging.getLogger("supervisor")
@@ -234,6 +234,11 @@ def worker_endpoints(first: str, num_workers: int) -> list[str]:
         raise ConfigError(
             f"NUM_WORKERS={num_workers} needs WORKER_ENDPOINT as tcp://host:port (the workers "
             f"take that port and the ones after it) or ipc://path, got {first!r}"
+        )
+    if parts.port + num_workers - 1 > MAX_PORT:
+        raise ConfigError(
+            f"WORKER_ENDPOINT={first} with NUM_WORKERS={num_workers} takes ports up to "
+            f"{parts.port + num_workers - 1}, past {MAX_PORT}: give it a lower port"
         )
     host = parts.netloc.rsplit(":", 1)[0]
     return [f"tcp://{host}:{parts.port + i}" for i in range(num_workers)]

@@ -26,6 +26,18 @@ DEFAULT_MODEL_ID = "distilgpt2"
 MIN_MESSAGE_BYTES = 256 * 1024
 
 
+def check_torch_threads(num_threads: int) -> None:
+    """TORCH_THREADS: 0 (every core), or at most the cores this process may run
+    on. More only makes threads wait for cores, and past what the system allows,
+    OpenMP fails to start them and the process dies."""
+    num_cores = len(os.sched_getaffinity(0))
+    if not 0 <= num_threads <= num_cores:
+        raise ConfigError(
+            f"TORCH_THREADS must be 0 (every core) to {num_cores} (the cores this process may "
+            f"run on), got {num_threads}"
+        )
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """The engine worker: model, batch slots, queue, and its ZMQ endpoint."""
@@ -153,8 +165,7 @@ class WorkerConfig:
             raise ConfigError(
                 f"PREFILL_CHUNK_TOKENS must be >= 0 (0: no chunks), got {self.prefill_chunk_tokens}"
             )
-        if self.torch_threads < 0:
-            raise ConfigError(f"TORCH_THREADS must be >= 0, got {self.torch_threads}")
+        check_torch_threads(self.torch_threads)
         if self.chat_template and not os.path.isfile(self.chat_template):
             raise ConfigError(
                 f"CHAT_TEMPLATE={self.chat_template!r} is not a file: name a Jinja template "
