@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 # on its next ping, and replays them): with every reply bounded (ids, error text),
 # a peer that never reads costs at most about a megabyte.
 MAX_QUEUED_PER_PEER = 2048
+# A peer connected this long keeps its place in a full table (see `Peers._make_room`).
+SETTLED_S = 5.0
 _MAX_ERROR_CHARS = 512
 
 
@@ -67,6 +69,7 @@ class Peers:
         self.timeout_s = timeout_s
         # peer -> when it last sent a valid message; in order of first contact
         self.last_seen: dict[bytes, float] = {}
+        self.first_seen: dict[bytes, float] = {}
         self.routes: dict[str, bytes] = {}  # route -> peer, for requests in flight
         self._orphans: list[str] = []
         self._malformed = Throttled(log, "malformed frames")
@@ -156,15 +159,20 @@ class Peers:
             log.debug("peer %s connected", peer.hex())
             if not self._deliver(peer, self.hello):
                 return False
+            self.first_seen[peer] = time.monotonic()
         self.last_seen[peer] = time.monotonic()
         return True
 
     def _make_room(self) -> bool:
-        """Forget the newest peer with no request in flight, if there is one: the
-        frontends that were here first keep their place however often newcomers
-        ping (a newcomer that keeps them out only delays other newcomers)."""
+        """Forget the newest peer that has no request in flight and arrived less
+        than SETTLED_S ago, if there is one. A newcomer that squats a place only
+        delays other newcomers, and the frontends that were here first keep theirs
+        however many newcomers ping or send requests: one that waits between
+        requests is idle, and may be the only idle peer while a flood's requests
+        wait to be refused."""
         busy = set(self.routes.values())
-        idle = [peer for peer in self.last_seen if peer not in busy]
+        settled_before = time.monotonic() - SETTLED_S
+        idle = [p for p in self.last_seen if p not in busy and self.first_seen[p] > settled_before]
         if not idle:
             return False
         self._forget({idle[-1]}, "too many peers")
@@ -185,6 +193,7 @@ class Peers:
                 num_orphans,
             )
             self.last_seen.pop(peer, None)
+            self.first_seen.pop(peer, None)
         for route in orphans:
             del self.routes[route]
         self._orphans.extend(orphans)

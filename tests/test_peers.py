@@ -1,0 +1,75 @@
+"""The worker's table of peers when it is full: newcomers that squat places are
+forgotten for the next newcomer, and the frontends that were there first keep
+theirs, whatever newcomers send."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol import GenerateRequest, Hello, Ping, encode
+from worker.serve import peers as peers_module
+from worker.serve.peers import SETTLED_S, Peers
+from worker.serve.validation import RequestLimits
+
+
+class _Router:
+    """Stands in for the ROUTER socket: records what each peer was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        self.sent.append(frames[0])
+
+
+class _Clock:
+    now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    clock = _Clock()
+    monkeypatch.setattr(peers_module.time, "monotonic", clock)
+    return clock
+
+
+def _table(max_peers: int) -> Peers:
+    hello = Hello("worker", "fake", False, 1, 1024, 16, 1 << 20)
+    limits = RequestLimits(vocab_size=1000, context_window=64, max_token_chars=4)
+    return Peers(_Router(), hello, limits, timeout_s=60, max_peers=max_peers)  # type: ignore[arg-type]
+
+
+def _ping(peers: Peers, peer: bytes) -> None:
+    peers.receive([peer, encode(Ping(peer.decode()))])
+
+
+def _request(peers: Peers, peer: bytes) -> None:
+    assert peers.receive([peer, encode(GenerateRequest("r", "hi", 4))])
+
+
+def test_a_flood_of_newcomers_with_requests_does_not_push_out_an_idle_frontend(
+    clock: _Clock,
+) -> None:
+    # The frontend waits between requests while a flood's requests, each from a
+    # peer of its own, have not yet been refused by the engine.
+    peers = _table(max_peers=3)
+    _ping(peers, b"frontend")
+    clock.now += SETTLED_S + 1
+    for attacker in (b"a1", b"a2"):
+        _ping(peers, attacker)
+        _request(peers, attacker)
+    _ping(peers, b"a3")
+    assert list(peers.last_seen) == [b"frontend", b"a1", b"a2"]  # a3 waits for a place
+
+
+def test_the_newest_newcomer_squatting_a_place_is_forgotten_for_the_next(clock: _Clock) -> None:
+    peers = _table(max_peers=3)
+    _ping(peers, b"frontend")
+    clock.now += SETTLED_S + 1
+    _ping(peers, b"probe-1")
+    _ping(peers, b"probe-2")
+    _ping(peers, b"restarted-frontend")
+    assert list(peers.last_seen) == [b"frontend", b"probe-1", b"restarted-frontend"]
