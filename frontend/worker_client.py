@@ -175,6 +175,8 @@ class WorkerClient:
                 " (random weights)" if hello.is_random_weights else "",
                 hello.capacity,
             )
+            for problem in self.config.timing_problems(hello):
+                log.error("worker at %s: %s", link.endpoint, problem)
             if previous is not None:
                 self.num_worker_restarts += 1
                 self._release(link, f"was replaced by {hello.instance_id[:8]}", is_death=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from protocol.curve import ClientKeys, read_public_key, read_secret_key
+from protocol.messages import Hello
 from protocol.settings import (
     check_endpoint,
     read_curve_keys,
@@ -66,6 +67,25 @@ class WorkerClientConfig:
         for endpoint in self.endpoints:
             check_endpoint(self, "worker_endpoints", endpoint)
         _ = self.curve  # a bad key stops the process at start, not at its first connect
+
+    def timing_problems(self, hello: Hello) -> list[str]:
+        """Where this client's timing and the worker's, as its hello says, cannot
+        work together: each side is configured alone, and a mismatch shows only as
+        workers declared dead, or requests dropped, while nothing is wrong."""
+        problems = []
+        if self.heartbeat_timeout_s < 2 * hello.heartbeat_interval_s:
+            problems.append(
+                f"HEARTBEAT_TIMEOUT_S={self.heartbeat_timeout_s:g} is less than twice the "
+                f"worker's HEARTBEAT_INTERVAL_S={hello.heartbeat_interval_s:g}: the worker "
+                "will be declared dead between heartbeats; raise HEARTBEAT_TIMEOUT_S"
+            )
+        if hello.frontend_timeout_s and 2 * self.ping_interval_s > hello.frontend_timeout_s:
+            problems.append(
+                f"PING_INTERVAL_S={self.ping_interval_s:g} is more than half the worker's "
+                f"FRONTEND_TIMEOUT_S={hello.frontend_timeout_s:g}: it will drop this client's "
+                "requests between pings; lower PING_INTERVAL_S"
+            )
+        return problems
 
     @property
     def endpoints(self) -> list[str]:

@@ -205,6 +205,11 @@ class Hello:
     # shows it; empty from a worker that does not say.
     compute: str = ""
     kv_cache_bytes: int = 0
+    # Its timing, for a client to check its own against (0: not said): it sends
+    # heartbeats this often, and drops a frontend's requests after this long
+    # without a message from it.
+    heartbeat_interval_s: float = 0.0
+    frontend_timeout_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from frontend.config import FrontendConfig
-from protocol import GenerateRequest, encode
+from protocol import GenerateRequest, Hello, encode
 from protocol.limits import (
     MAX_CHAT_MESSAGES,
     MAX_GRAMMAR_CHARS,
@@ -153,3 +153,33 @@ def test_the_api_key_stays_out_of_the_config_repr() -> None:
 def test_a_bad_supervisor_value_names_its_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Supervisor(load(SupervisorConfig, [], env))
+
+
+def _hello(heartbeat_interval_s: float, frontend_timeout_s: float) -> Hello:
+    return Hello(
+        "w",
+        "fake",
+        False,
+        1,
+        1024,
+        16,
+        1 << 20,
+        heartbeat_interval_s=heartbeat_interval_s,
+        frontend_timeout_s=frontend_timeout_s,
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "hello", "problem"),
+    [
+        ({}, _hello(0.5, 10), None),  # the defaults
+        ({"HEARTBEAT_TIMEOUT_S": "0.2"}, _hello(0.5, 10), "raise HEARTBEAT_TIMEOUT_S"),
+        ({"PING_INTERVAL_S": "15"}, _hello(0.5, 10), "lower PING_INTERVAL_S"),
+        ({"PING_INTERVAL_S": "15"}, _hello(0.5, 0), None),  # a worker that does not say
+    ],
+)
+def test_a_client_whose_timing_cannot_work_with_the_workers_is_told_what_to_change(
+    env: dict[str, str], hello: Hello, problem: str | None
+) -> None:
+    problems = load(FrontendConfig, [], env).timing_problems(hello)
+    assert problems == [] if problem is None else problem in problems[0]

@@ -113,6 +113,8 @@ def test_a_new_frontend_is_greeted_and_its_requests_are_answered(connect: Connec
         (hello,) = frontend.receive_until(Hello)
         assert isinstance(hello, Hello)
         assert (hello.instance_id, hello.model, hello.capacity) == (server.instance_id, "fake", 4)
+        timing = (server.config.heartbeat_interval_s, server.config.frontend_timeout_s)
+        assert (hello.heartbeat_interval_s, hello.frontend_timeout_s) == timing  # for clients
         frontend.send(encode(GenerateRequest("r1", "hello", 5)))
         result = frontend.receive_until(GenerateResult)[-1]
         assert isinstance(result, GenerateResult)

@@ -111,7 +111,9 @@ class WorkerWatch:
                 log.error("malformed frame from the worker: %s", exc)
                 continue
             if isinstance(message, Hello):
-                self.liveness.on_hello(message)
+                if self.liveness.on_hello(message):
+                    for problem in self.client.timing_problems(message):
+                        log.error("worker at %s: %s", self.endpoint, problem)
             elif isinstance(message, Heartbeat):
                 self.liveness.on_heartbeat(message)
 

@@ -77,6 +77,8 @@ class WorkerServer:
             max_message_bytes=config.max_message_bytes,
             compute=info.compute,
             kv_cache_bytes=info.kv_cache_bytes,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            frontend_timeout_s=config.frontend_timeout_s,
         )
         self._context = zmq.Context()
         self._outputs_address = f"inproc://outputs-{self.instance_id}"
