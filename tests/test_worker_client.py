@@ -5,12 +5,14 @@ death while a request only waited in its queue is not held against the request."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import zmq
@@ -106,20 +108,31 @@ class StandInWorker:
         return None
 
 
+@contextlib.asynccontextmanager
+async def _client_of_one_slot() -> AsyncIterator[tuple[WorkerClient, StandInWorker]]:
+    """A frontend's client of workers, live with a stand-in worker of one slot."""
+    context = zmq.asyncio.Context()
+    worker = StandInWorker(context)
+    client = WorkerClient(load(FrontendConfig, [], {"WORKER_ENDPOINT": worker.endpoint}))
+    await client.start()
+    try:
+        await worker.greet(capacity=1)
+        while not client.verdict().is_live:
+            await asyncio.sleep(0.01)
+        yield client, worker
+    finally:
+        await client.close()
+        worker.socket.close()
+        context.term()
+
+
 def test_the_next_request_goes_out_while_the_running_one_takes_its_last_step() -> None:
     """One slot: the second request is sent as soon as the first is one token short
     of its max_new_tokens (the step under way ends it), not after the first's
     result, so the worker can start it right after that step."""
 
     async def drill() -> None:
-        context = zmq.asyncio.Context()
-        worker = StandInWorker(context)
-        client = WorkerClient(load(FrontendConfig, [], {"WORKER_ENDPOINT": worker.endpoint}))
-        await client.start()
-        try:
-            await worker.greet(capacity=1)
-            while not client.verdict().is_live:
-                await asyncio.sleep(0.01)
+        async with _client_of_one_slot() as (client, worker):
             deadline = asyncio.get_running_loop().time() + 30
             for request_id in ("first", "second"):
                 client.submit([GenerateRequest(request_id, "a prompt", max_new_tokens=3)], deadline)
@@ -130,10 +143,6 @@ def test_the_next_request_goes_out_while_the_running_one_takes_its_last_step() -
             await worker.send(TokenDelta(first.request_id, [2], "y"))
             second = await worker.next_request(timeout_s=5)
             assert second is not None and second.request_id == "second.1"
-        finally:
-            await client.close()
-            worker.socket.close()
-            context.term()
 
     asyncio.run(drill())
 
@@ -168,19 +177,12 @@ def test_two_deaths_while_a_request_only_waited_in_the_queue_do_not_fail_it(
     notices: list[type[Waiting] | type[Admitted]], grammar: str, is_replayed: bool
 ) -> None:
     """Two choices and one slot: the second waits in the worker's queue while the
-    first runs (it makes progress), and the worker is replaced twice. Deaths without progress fail a
-    request after two, but not those in which it only waited, which nothing of
-    it ran."""
+    first runs (it makes progress), and the worker is replaced twice. Deaths
+    without progress fail a request after two, but not those in which it only
+    waited, which nothing of it ran."""
 
     async def drill() -> None:
-        context = zmq.asyncio.Context()
-        worker = StandInWorker(context)
-        client = WorkerClient(load(FrontendConfig, [], {"WORKER_ENDPOINT": worker.endpoint}))
-        await client.start()
-        try:
-            await worker.greet(capacity=1)
-            while not client.verdict().is_live:
-                await asyncio.sleep(0.01)
+        async with _client_of_one_slot() as (client, worker):
             running = GenerateRequest("running", "a prompt", max_new_tokens=50)
             queued = GenerateRequest(
                 "queued", "a prompt", 50, grammar_kind="regex" if grammar else "", grammar=grammar
@@ -198,10 +200,6 @@ def test_two_deaths_while_a_request_only_waited_in_the_queue_do_not_fail_it(
                 _, final = entry.events.get_nowait()
                 assert isinstance(final, ErrorResult)
                 assert final.code == ErrorCode.WORKERS_DIED
-        finally:
-            await client.close()
-            worker.socket.close()
-            context.term()
 
     asyncio.run(drill())
 
