@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import signal
 import socket
+import sys
 from collections.abc import Sequence
 from types import FrameType
 
@@ -19,6 +21,7 @@ from protocol.settings import ConfigError, exit_refusing, load
 
 # What a stopping frontend gives its requests under way to finish.
 GRACEFUL_SHUTDOWN_S = 5
+_INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # what shells report for a ^C
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -43,7 +46,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         timeout_keep_alive=config.keep_alive_timeout_s,
         limit_concurrency=config.max_connections,
     )
-    _Server(server_config, app.state.client).run()
+    try:
+        _Server(server_config, app.state.client).run()
+    except KeyboardInterrupt:
+        # uvicorn shut down gracefully on ^C, then raised the signal again, as
+        # the default handler would: end as a process stopped by ^C does, without
+        # the traceback of that re-raise.
+        sys.exit(_INTERRUPTED_EXIT_CODE)
 
 
 _LISTEN_HINTS = {

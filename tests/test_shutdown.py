@@ -5,7 +5,10 @@ to retry elsewhere or a stream's error event, never a connection cut."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +19,7 @@ import httpx
 
 from frontend.main import GRACEFUL_SHUTDOWN_S
 from tests.sse import sse_events
-from tests.stack import Stack, running_stack
+from tests.stack import Stack, free_port, running_stack
 
 STEP_DELAY_S = 0.05
 CAPACITY = 2
@@ -109,3 +112,33 @@ def test_streams_end_with_an_error_at_once_when_their_worker_stops_too(tmp_path:
         for stream in streams:
             assert _error_code(stream.result()) == "shutting_down"
         assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S / 2
+
+
+def test_a_frontend_stopped_by_ctrl_c_shuts_down_quietly_with_its_exit_code() -> None:
+    """^C: the graceful shutdown, then exit 130 as a shell reports it, without the
+    traceback of the KeyboardInterrupt uvicorn raises again once it is done."""
+    env = {
+        **os.environ,
+        "PORT": str(free_port()),
+        "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+    }
+    frontend = subprocess.Popen(
+        [sys.executable, "-m", "frontend.main"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        # As from a terminal: ^C's default action, whatever this test runner ignores.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert frontend.stdout is not None
+        for line in frontend.stdout:
+            if b"Application startup complete" in line:
+                break
+        frontend.send_signal(signal.SIGINT)
+        output, _ = frontend.communicate(timeout=30)
+    finally:
+        frontend.kill()
+    assert frontend.returncode == 130
+    assert b"Finished server process" in output
+    assert b"Traceback" not in output
