@@ -73,3 +73,17 @@ def test_the_newest_newcomer_squatting_a_place_is_forgotten_for_the_next(clock: 
     _ping(peers, b"probe-2")
     _ping(peers, b"restarted-frontend")
     assert list(peers.last_seen) == [b"frontend", b"probe-1", b"restarted-frontend"]
+
+
+def test_a_flood_of_peers_leaving_with_requests_is_logged_once_a_second(
+    clock: _Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    peers = _table(max_peers=2000)
+    flood = [f"peer-{i}".encode() for i in range(1000)]
+    for peer in flood:
+        _ping(peers, peer)
+        _request(peers, peer)
+    clock.now += 61  # past timeout_s: every one of them is forgotten
+    peers.expire()
+    assert len(peers.take_orphans()) == 1000
+    assert caplog.text.count("aborting its 1 requests") == 1

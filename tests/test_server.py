@@ -227,13 +227,16 @@ def test_the_requests_of_a_silent_frontend_are_aborted(connect: Connect) -> None
         assert not server.scheduler.has_work()
 
 
-def test_a_full_queue_answers_queue_full(connect: Connect) -> None:
+def test_a_full_queue_answers_queue_full_and_says_so_in_the_log(
+    connect: Connect, caplog: pytest.LogCaptureFixture
+) -> None:
     with serving(FakeEngine(1, step_delay_s=0.05), max_queue_depth=1) as server:
         frontend = connect(server)
         for i in range(4):
             frontend.send(encode(GenerateRequest(f"r{i}", "x", 50)))
         error = frontend.receive_until(ErrorResult)[-1]
         assert isinstance(error, ErrorResult) and error.code == ErrorCode.QUEUE_FULL
+    assert "refused: the worker's queue is full" in caplog.text
 
 
 class StopsMidStep(FakeEngine):

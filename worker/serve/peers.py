@@ -75,6 +75,7 @@ class Peers:
         self._malformed = Throttled(log, "malformed frames")
         self._refused = Throttled(log, "refused requests")
         self._stalled = Throttled(log, "peers that stopped reading")
+        self._departed = Throttled(log, "peers gone with requests")
 
     def receive(self, frames: list[bytes]) -> list[ToWorker]:
         """Check one multipart message; return what the engine thread must act on."""
@@ -184,14 +185,13 @@ class Peers:
         orphans = [route for route, peer in self.routes.items() if peer in gone]
         for peer in gone:
             num_orphans = sum(1 for route in orphans if self.routes[route] == peer)
-            # Probes come and go all the time; a peer that takes work with it does not.
-            log.log(
-                logging.WARNING if num_orphans else logging.DEBUG,
-                "peer %s %s; aborting its %d requests",
-                peer.hex(),
-                why,
-                num_orphans,
-            )
+            # Probes come and go all the time; a peer that takes work with it does not,
+            # unless a flood of them left at once.
+            message = f"peer {peer.hex()} {why}; aborting its {num_orphans} requests"
+            if num_orphans:
+                self._departed.warn(message)
+            else:
+                log.debug("%s", message)
             self.last_seen.pop(peer, None)
             self.first_seen.pop(peer, None)
         for route in orphans:

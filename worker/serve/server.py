@@ -41,7 +41,7 @@ from protocol import (
 from protocol.curve import secure_server
 from protocol.settings import ConfigError
 from worker.serve.config import WorkerConfig
-from worker.serve.peers import MAX_QUEUED_PER_PEER, Peers, sender_request_id
+from worker.serve.peers import MAX_QUEUED_PER_PEER, Peers, Throttled, sender_request_id
 from worker.serve.scheduler import QueueFull, Scheduler
 from worker.serve.validation import RequestLimits
 from worker.serve.watchdog import Watchdog
@@ -91,6 +91,7 @@ class WorkerServer:
         self._engine_done = threading.Event()
         self._bound = threading.Event()
         self._io_error: ConfigError | None = None
+        self._queue_full = Throttled(log, "refusals for a full queue")  # the engine thread's
 
     def stop(self) -> None:
         self._stopping.set()
@@ -165,6 +166,7 @@ class WorkerServer:
             try:
                 self.scheduler.submit(message, received_at)
             except QueueFull as full:
+                self._queue_full.warn(f"request {message.request_id:.64} refused: {full}")
                 outputs.append(ErrorResult(message.request_id, ErrorCode.QUEUE_FULL, str(full)))
         elif isinstance(message, AbortRequest):
             outputs.extend(self.scheduler.abort([message.request_id]))
