@@ -118,16 +118,30 @@ class Child:
         cause = f"killed by {_signal_name(-code)}"
         return cause if self.kill_reason is None else f"{cause}: {self.kill_reason}"
 
+    def is_stopped(self) -> bool:
+        """Whether the process is stopped (SIGSTOP, a debugger), as Linux's /proc
+        says; False where it cannot tell."""
+        if self.process is None:
+            return False
+        try:
+            with open(f"/proc/{self.process.pid}/stat") as stat:
+                state = stat.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state in ("T", "t")
+
     @property
-    def is_up(self) -> bool:
-        """Running, and seen working since it started."""
-        return self.process is not None and self.up_since is not None
+    def serves(self) -> bool:
+        """It is seen working since it started, or it is being restarted after a run
+        that served (a kill of a healthy child does not make it a failing one)."""
+        is_up = self.process is not None and self.up_since is not None
+        return is_up or (self.num_failed_starts == 0 and self.num_restarts > 0)
 
     def schedule_restart(self, cause: str, others_serve: bool = False) -> None:
         """Restart after a backoff. Raises CrashLoop when the child refused its
         configuration, or died before serving CRASH_LOOP_LIMIT times in a row while
         no other child of its kind serves (``others_serve``): with one that does,
-        the stack still serves, and this one is retried at the longest backoff."""
+        the stack still serves, and this one is retried with its backoff."""
         if self.process is not None and self.process.poll() == CONFIG_ERROR_EXIT_CODE:
             raise CrashLoop(
                 f"{self.name} refused its configuration ({cause}), which would fail the "

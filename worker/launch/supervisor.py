@@ -12,7 +12,7 @@ killed and replaced: the supervisor watches it over ZMQ exactly as the frontend
 does, and so is a worker that has not said hello within WORKER_START_TIMEOUT_S.
 A child that keeps dying before it ever serves (a start that never finishes, a
 request that kills every worker that runs it) is a crash loop: while another
-child of its kind serves, it is retried at the longest backoff; else the
+child of its kind serves, it is still retried (with its backoff); else the
 supervisor says so and exits instead of retrying forever. One that refuses its
 configuration (exit code CONFIG_ERROR_EXIT_CODE: a bad MODEL_ID, a mode the CPU
 cannot run, a port in use) ends it at once, with that exit code. Configuration
@@ -38,7 +38,7 @@ from protocol.client_config import WorkerClientConfig
 from protocol.lifeline import name_supervisor
 from protocol.liveness import Liveness, WorkerState
 from protocol.peer import ping, worker_socket
-from protocol.settings import ConfigError, exit_refusing, load
+from protocol.settings import MAX_IPC_PATH_BYTES, ConfigError, exit_refusing, load
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import MAX_PORT, SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER
@@ -51,6 +51,9 @@ _TICK_S = 0.1
 # kills each worker that runs it is replayed on the next one right after its hello.
 _FRONTEND_SERVED_AFTER_S = 5.0
 _WORKER_SERVED_AFTER_S = 10.0
+# A worker forked warm has its model loaded: only a fault keeps it from saying
+# hello this long after its start (a deadlock, a freeze), however large the model.
+_FORKED_START_TIMEOUT_S = 60.0
 
 
 class WorkerWatch:
@@ -194,7 +197,7 @@ class Supervisor:
         if cause is not None:
             if watch is not None:
                 watch.forget_worker()
-            others_serve = any(other.is_up for other in kind if other is not child)
+            others_serve = any(other.serves for other in kind if other is not child)
             child.schedule_restart(cause, others_serve)
 
     def _judge(self, worker: Child, watch: WorkerWatch) -> None:
@@ -202,27 +205,42 @@ class Supervisor:
             return
         liveness = watch.liveness
         verdict = liveness.verdict()
+        if not verdict.is_live:
+            # Read what waits first: after this process was paused (SIGSTOP, a
+            # starved CPU), the worker's heartbeats wait unread, and the verdict
+            # would take this process's own deafness for the worker's silence.
+            watch.poll(0)
+            verdict = liveness.verdict()
         if verdict.is_live:
             heartbeat = liveness.last_heartbeat
             worker.on_up(0 if heartbeat is None else heartbeat.num_finished)
         elif verdict.state in (WorkerState.DEAD, WorkerState.HUNG):
             worker.kill(verdict.reason)
-        elif (mute_s := watch.mute_s()) > watch.client.heartbeat_timeout_s:
-            # Its model is loaded (it bound its socket), and it froze or hung before
-            # it could greet anyone: no need to wait out WORKER_START_TIMEOUT_S.
+        elif (mute_s := watch.mute_s()) > watch.client.heartbeat_timeout_s and worker.is_stopped():
+            # Its model is loaded (its socket took the connection), and it was frozen
+            # before it could greet anyone: no need to wait out its start timeout. A
+            # stopped process only: the socket may be another program's, the worker
+            # still loading, to fail its own bind and say so.
             worker.kill(
-                f"it took this supervisor's connection {mute_s:.1f} s ago and has not said "
-                f"hello (HEARTBEAT_TIMEOUT_S={watch.client.heartbeat_timeout_s:g}): frozen or "
-                "hung at its start, or refusing this supervisor's CURVE key (its log says)"
+                f"it is stopped (SIGSTOP), and its socket took this supervisor's connection "
+                f"{mute_s:.1f} s ago with no hello since "
+                f"(HEARTBEAT_TIMEOUT_S={watch.client.heartbeat_timeout_s:g})"
             )
-        elif time.monotonic() - worker.started_at > self.config.worker_start_timeout_s:
+        elif time.monotonic() - worker.started_at > self._start_timeout_s(worker):
             # Still connecting: a model that never finishes loading, a deadlock at
             # start, or a worker this supervisor's keys cannot talk to.
             worker.kill(
-                f"no hello within WORKER_START_TIMEOUT_S={self.config.worker_start_timeout_s:g} "
-                "s of its start; raise it if loading the model takes longer, or check "
-                "WORKER_ENDPOINT and the CURVE keys if the worker log says it is serving"
+                f"no hello within {self._start_timeout_s(worker):g} s of its start "
+                f"(WORKER_START_TIMEOUT_S={self.config.worker_start_timeout_s:g}, at most "
+                f"{_FORKED_START_TIMEOUT_S:g} s for a worker forked with its model loaded); "
+                "raise it if loading the model takes longer, or check WORKER_ENDPOINT and "
+                "the CURVE keys if the worker log says it is serving"
             )
+
+    def _start_timeout_s(self, worker: Child) -> float:
+        if worker.is_forked:
+            return min(self.config.worker_start_timeout_s, _FORKED_START_TIMEOUT_S)
+        return self.config.worker_start_timeout_s
 
 
 def worker_endpoints(first: str, num_workers: int) -> list[str]:
@@ -230,7 +248,14 @@ def worker_endpoints(first: str, num_workers: int) -> list[str]:
     if num_workers == 1:
         return [first]
     if first.startswith("ipc://"):
-        return [first] + [f"{first}-{i}" for i in range(1, num_workers)]
+        endpoints = [first] + [f"{first}-{i}" for i in range(1, num_workers)]
+        if len(endpoints[-1].removeprefix("ipc://").encode()) > MAX_IPC_PATH_BYTES:
+            raise ConfigError(
+                f"WORKER_ENDPOINT={first} with NUM_WORKERS={num_workers} makes socket paths "
+                f"such as {endpoints[-1]}, longer than the system's {MAX_IPC_PATH_BYTES} "
+                "bytes: choose a shorter path"
+            )
+        return endpoints
     parts = urlsplit(first)
     if parts.scheme != "tcp" or parts.port is None:
         raise ConfigError(
