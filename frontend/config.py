@@ -66,6 +66,12 @@ class FrontendConfig(WorkerClientConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not self.host:
+            # uvicorn would listen on every interface: not what an unset value means.
+            raise ConfigError(
+                "HOST must not be empty: 127.0.0.1 (the default) for this machine alone, "
+                "0.0.0.0 for every interface"
+            )
         require_positive(self, "port", "max_new_tokens_limit", "max_inflight_requests")
         require_positive(self, "max_worker_deaths")
         require_positive(self, "request_timeout_s", "max_request_bytes", "body_timeout_s")

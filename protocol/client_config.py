@@ -13,6 +13,7 @@ from protocol.messages import Hello
 from protocol.settings import (
     check_endpoint,
     read_curve_keys,
+    require_interval,
     require_positive,
     setting,
 )
@@ -61,8 +62,8 @@ class WorkerClientConfig:
     )
 
     def __post_init__(self) -> None:
-        require_positive(self, "heartbeat_timeout_s", "step_timeout_s", "ping_interval_s")
-        require_positive(self, "worker_resolve_interval_s")
+        require_positive(self, "heartbeat_timeout_s", "step_timeout_s")
+        require_interval(self, "ping_interval_s", "worker_resolve_interval_s")
         check_endpoint(self, "worker_endpoint")
         for endpoint in self.endpoints:
             check_endpoint(self, "worker_endpoints", endpoint)

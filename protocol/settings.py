@@ -56,6 +56,20 @@ def require_positive(config: object, *names: str) -> None:
             raise ConfigError(f"{env} must be > 0, got {getattr(config, name)!r}")
 
 
+# The shortest interval a loop may wait between turns: less only spins a core.
+MIN_INTERVAL_S = 0.01
+
+
+def require_interval(config: object, *names: str) -> None:
+    """Each of ``names`` is an interval in seconds of at least MIN_INTERVAL_S."""
+    for name in names:
+        if getattr(config, name) < MIN_INTERVAL_S:
+            env = env_name(type(config), name)
+            raise ConfigError(
+                f"{env} must be at least {MIN_INTERVAL_S:g} s, got {getattr(config, name)!r}"
+            )
+
+
 def env_name(cls: type[Any], name: str) -> str:
     return str({f.name: f.metadata["env"] for f in dataclasses.fields(cls)}[name])
 
@@ -84,6 +98,10 @@ def read_curve_keys(
     return keys
 
 
+# A Unix socket's path, less its terminating NUL (sockaddr_un.sun_path on Linux).
+MAX_IPC_PATH_BYTES = 107
+
+
 def check_endpoint(config: object, name: str, endpoint: str | None = None) -> None:
     """Raises ConfigError naming the setting ``name`` unless ``endpoint`` (by
     default the setting's value; one of its items for a list) is a ZMQ endpoint,
@@ -93,6 +111,12 @@ def check_endpoint(config: object, name: str, endpoint: str | None = None) -> No
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ConfigError(
             f"{env} must be a ZMQ endpoint such as tcp://127.0.0.1:5555, got {endpoint!r}"
+        )
+    path = endpoint.removeprefix("ipc://")
+    if endpoint.startswith("ipc://") and len(path.encode()) > MAX_IPC_PATH_BYTES:
+        raise ConfigError(
+            f"{env} names a socket path of {len(path.encode())} bytes; the system allows "
+            f"{MAX_IPC_PATH_BYTES}: choose a shorter path, got {endpoint!r}"
         )
     if not endpoint.startswith("tcp://"):
         return

@@ -58,6 +58,7 @@ def test_environment_sets_values_and_flags_override_them() -> None:
         ({"HEARTBEAT_INTERVAL_S": "nan"}, "HEARTBEAT_INTERVAL_S must be a finite number"),
         ({"MAX_QUEUE_DEPTH": "9" * 23}, "MAX_QUEUE_DEPTH must be a finite number of at most"),
         ({"TORCH_THREADS": "-1"}, "TORCH_THREADS must be 0 .every core. to"),
+        ({"HEARTBEAT_INTERVAL_S": "0"}, "HEARTBEAT_INTERVAL_S must be at least 0.01 s"),
         ({"TORCH_THREADS": "40000"}, "TORCH_THREADS must be 0 .every core. to"),
     ],
 )
@@ -83,6 +84,10 @@ def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str
         ({"HEARTBEAT_TIMEOUT_S": "inf"}, "HEARTBEAT_TIMEOUT_S must be a finite number"),
         ({"MAX_NEW_TOKENS_LIMIT": "1e30"}, "MAX_NEW_TOKENS_LIMIT must be int"),
         ({"MAX_NEW_TOKENS_LIMIT": str(2**31)}, "MAX_NEW_TOKENS_LIMIT must be a finite number"),
+        ({"HOST": ""}, "HOST must not be empty"),
+        ({"PING_INTERVAL_S": "1e-9"}, "PING_INTERVAL_S must be at least 0.01 s"),
+        ({"WORKER_RESOLVE_INTERVAL_S": "0.001"}, "WORKER_RESOLVE_INTERVAL_S must be at least"),
+        ({"WORKER_ENDPOINT": "ipc:///tmp/" + "a" * 120}, "names a socket path of 125 bytes"),
     ],
 )
 def test_a_bad_frontend_value_names_its_variable(env: dict[str, str], message: str) -> None:
@@ -147,6 +152,10 @@ def test_the_api_key_stays_out_of_the_config_repr() -> None:
         (
             {"WORKER_ENDPOINT": "tcp://127.0.0.1:65535", "NUM_WORKERS": "2"},
             "NUM_WORKERS=2 takes ports up to 65536, past 65535",
+        ),
+        (
+            {"WORKER_ENDPOINT": "ipc:///tmp/" + "a" * 101, "NUM_WORKERS": "2"},
+            "makes socket paths such as ipc:///tmp/a+-1, longer than the system's 107 bytes",
         ),
     ],
 )

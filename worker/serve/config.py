@@ -12,6 +12,7 @@ from protocol.settings import (
     ConfigError,
     check_endpoint,
     read_curve_keys,
+    require_interval,
     require_positive,
     setting,
 )
@@ -137,7 +138,8 @@ class WorkerConfig:
     )
 
     def __post_init__(self) -> None:
-        require_positive(self, "max_batch_size", "max_queue_depth", "heartbeat_interval_s")
+        require_positive(self, "max_batch_size", "max_queue_depth")
+        require_interval(self, "heartbeat_interval_s")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ConfigError(
                 f"MAX_MESSAGE_BYTES must be at least {MIN_MESSAGE_BYTES:,} (256 KiB), room "
