@@ -175,5 +175,12 @@ def short_name(part: str | int, max_chars: int = MAX_NAME_CHARS) -> str:
 
 def printable(text: str) -> str:
     """``text`` as printable ASCII, for a header or a log line: a client's newline
-    would otherwise start a forged log line, and a NUL make the log binary."""
-    return text.encode("unicode_escape").decode("ascii")
+    would otherwise start a forged log line, and a NUL make the log binary. Spaces
+    at either end are escaped too: a header value cannot begin or end with one (h11
+    would refuse to send the response)."""
+    escaped = text.encode("unicode_escape").decode("ascii")
+    body = escaped.strip(" ")
+    if not body:
+        return "\\x20" * len(escaped)
+    lead, trail = escaped.index(body), len(escaped) - len(body) - escaped.index(body)
+    return "\\x20" * lead + body + "\\x20" * trail

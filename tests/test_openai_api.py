@@ -325,6 +325,17 @@ def test_unknown_fields_are_ignored_and_named(stack: Stack) -> None:
     )
 
 
+@pytest.mark.parametrize(("name", "shown"), [("a ", "a\\x20"), (" ", "\\x20"), (" b", "\\x20b")])
+def test_an_ignored_field_name_with_spaces_at_its_ends_is_answered(
+    stack: Stack, name: str, shown: str
+) -> None:
+    """A header value cannot begin or end with a space: the response failed to send."""
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 1, name: 1}
+    response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers[IGNORED_FIELDS_HEADER] == shown
+
+
 def test_an_ignored_field_name_is_escaped_in_the_header_and_the_log(stack: Stack) -> None:
     """A newline in a name would otherwise forge a log line; a NUL make the log binary."""
     forged = "zz\n2026-12-03 13:00:00,000 supervisor ERROR: forged\x00é"
