@@ -3,10 +3,12 @@ hello, and gives up on a crash loop instead of retrying forever."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,7 +23,7 @@ from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
 from worker.launch import child as child_module
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
-from worker.launch.supervisor import Supervisor
+from worker.launch.supervisor import Supervisor, WorkerWatch
 
 SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it
 
@@ -100,6 +102,24 @@ def test_a_crash_loop_while_other_workers_serve_is_retried_at_the_longest_backof
         _run_and_die(child, clock, 0)
 
 
+@contextlib.contextmanager
+def _watching_a_stand_in() -> Iterator[tuple[Supervisor, Child, WorkerWatch, zmq.Socket[bytes]]]:
+    """A supervisor of one worker whose endpoint is a ROUTER the test speaks for,
+    with HEARTBEAT_TIMEOUT_S 0.3."""
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as socket:
+        socket.setsockopt(zmq.LINGER, 0)
+        port = socket.bind_to_random_port("tcp://127.0.0.1")
+        config = SupervisorConfig(
+            worker_endpoint=f"tcp://127.0.0.1:{port}", heartbeat_timeout_s=0.3, warm_start=False
+        )
+        supervisor = Supervisor(config)
+        ((worker, watch),) = supervisor.workers
+        try:
+            yield supervisor, worker, watch, socket
+        finally:
+            watch.close()
+
+
 @pytest.mark.parametrize("is_stopped", [True, False])
 def test_a_stopped_worker_whose_socket_took_the_connection_is_killed_soon(
     clock: _Clock, is_stopped: bool
@@ -108,23 +128,13 @@ def test_a_stopped_worker_whose_socket_took_the_connection_is_killed_soon(
     after HEARTBEAT_TIMEOUT_S, not WORKER_START_TIMEOUT_S. A worker that is not
     stopped is left to its start: the socket may be another program's, and the
     worker will refuse its bind itself, naming the setting."""
-    with zmq.Context() as context, context.socket(zmq.ROUTER) as mute_socket:
-        mute_socket.setsockopt(zmq.LINGER, 0)
-        port = mute_socket.bind_to_random_port("tcp://127.0.0.1")
-        config = SupervisorConfig(
-            worker_endpoint=f"tcp://127.0.0.1:{port}", heartbeat_timeout_s=0.3, warm_start=False
-        )
-        supervisor = Supervisor(config)
-        ((worker, watch),) = supervisor.workers
+    with _watching_a_stand_in() as (supervisor, worker, watch, _):
         worker.is_stopped = lambda: is_stopped  # type: ignore[method-assign]
-        try:
-            worker.start()
-            started = time.monotonic()
-            while worker.kill_reason is None and time.monotonic() - started < 2:
-                watch.poll(0.05)
-                supervisor._judge(worker, watch)
-        finally:
-            watch.close()
+        worker.start()
+        started = time.monotonic()
+        while worker.kill_reason is None and time.monotonic() - started < 2:
+            watch.poll(0.05)
+            supervisor._judge(worker, watch)
     if is_stopped:
         assert worker.kill_reason is not None
         assert "it is stopped (SIGSTOP)" in worker.kill_reason
@@ -169,30 +179,20 @@ def test_a_supervisor_that_was_paused_reads_the_heartbeats_before_judging(
 ) -> None:
     """Paused past HEARTBEAT_TIMEOUT_S (SIGSTOP) while the worker went on sending
     heartbeats: they wait unread, and the live worker is not killed for silence."""
-    with zmq.Context() as context, context.socket(zmq.ROUTER) as worker_socket:
-        worker_socket.setsockopt(zmq.LINGER, 0)
-        port = worker_socket.bind_to_random_port("tcp://127.0.0.1")
-        config = SupervisorConfig(
-            worker_endpoint=f"tcp://127.0.0.1:{port}", heartbeat_timeout_s=0.3, warm_start=False
-        )
-        supervisor = Supervisor(config)
-        ((worker, watch),) = supervisor.workers
-        try:
-            worker.start()
-            while not worker_socket.poll(100):
-                watch.poll(0.01)  # pings until one reaches the stand-in
-            peer, _ = worker_socket.recv_multipart()
-            heartbeat = encode(Heartbeat("w", num_steps=1, num_queued=0, num_active=0))
-            worker_socket.send_multipart([peer, encode(Hello("w", "fake", False, 1, 1024, 16, 1))])
-            worker_socket.send_multipart([peer, heartbeat])
-            while not watch.liveness.verdict().is_live:
-                watch.poll(0.01)
-            time.sleep(0.5)  # paused, past HEARTBEAT_TIMEOUT_S; the worker goes on
-            worker_socket.send_multipart([peer, heartbeat])
-            time.sleep(0.1)
-            supervisor._judge(worker, watch)
-        finally:
-            watch.close()
+    with _watching_a_stand_in() as (supervisor, worker, watch, worker_socket):
+        worker.start()
+        while not worker_socket.poll(100):
+            watch.poll(0.01)  # pings until one reaches the stand-in
+        peer, _ = worker_socket.recv_multipart()
+        heartbeat = encode(Heartbeat("w", num_steps=1, num_queued=0, num_active=0))
+        worker_socket.send_multipart([peer, encode(Hello("w", "fake", False, 1, 1024, 16, 1))])
+        worker_socket.send_multipart([peer, heartbeat])
+        while not watch.liveness.verdict().is_live:
+            watch.poll(0.01)
+        time.sleep(0.5)  # paused, past HEARTBEAT_TIMEOUT_S; the worker goes on
+        worker_socket.send_multipart([peer, heartbeat])
+        time.sleep(0.1)
+        supervisor._judge(worker, watch)
     assert worker.kill_reason is None
 
 
