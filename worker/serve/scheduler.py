@@ -60,6 +60,7 @@ class Scheduler:
         self._queue: OrderedDict[str, tuple[GenerateRequest, float]] = OrderedDict()
         self._admitted_at: dict[str, tuple[float, float]] = {}  # id -> (arrival, admission)
         self._reported_waiting: set[str] = set()  # queued ids the frontend was told wait
+        self._newly_queued: list[str] = []  # queued since the last iteration
 
     @property
     def num_queued(self) -> int:
@@ -92,6 +93,7 @@ class Scheduler:
                 f"the worker's queue is full ({self.max_queue_depth} requests waiting); retry later"
             )
         self._queue[request.request_id] = (request, self._clock() if arrival is None else arrival)
+        self._newly_queued.append(request.request_id)
         self.engine.prepare(request)  # starts now, while it waits for a slot
 
     def abort(self, request_ids: list[str]) -> list[ToFrontend]:
@@ -144,16 +146,18 @@ class Scheduler:
 
     def _queue_notices(self, admitted: list[str]) -> list[ToFrontend]:
         """`Admitted` for the requests just taken from the queue that were reported
-        waiting, and `Waiting` for those left in it that were not yet."""
+        waiting, and `Waiting` for those queued since the last iteration that are
+        still in it. Only those: the step loop never walks the whole queue."""
         notices: list[ToFrontend] = []
         for request_id in admitted:
             if request_id in self._reported_waiting:
                 self._reported_waiting.remove(request_id)
                 notices.append(Admitted(request_id))
-        for request_id in self._queue:
-            if request_id not in self._reported_waiting:
+        for request_id in self._newly_queued:
+            if request_id in self._queue:
                 self._reported_waiting.add(request_id)
                 notices.append(Waiting(request_id))
+        self._newly_queued.clear()
         return notices
 
     def _count_busy_unless_refilled(self) -> None:
