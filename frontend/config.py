@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.client_config import WorkerClientConfig
-from protocol.settings import ConfigError, require_positive, setting
+from protocol.settings import MAX_PORT, ConfigError, require_positive, setting
 
 
 @dataclass(frozen=True)
@@ -76,5 +76,5 @@ class FrontendConfig(WorkerClientConfig):
         require_positive(self, "max_worker_deaths")
         require_positive(self, "request_timeout_s", "max_request_bytes", "body_timeout_s")
         require_positive(self, "header_timeout_s", "keep_alive_timeout_s", "max_connections")
-        if self.port > 65535:
-            raise ConfigError(f"PORT must be at most 65535, got {self.port}")
+        if self.port > MAX_PORT:
+            raise ConfigError(f"PORT must be at most {MAX_PORT}, got {self.port}")

@@ -179,8 +179,6 @@ def printable(text: str) -> str:
     at either end are escaped too: a header value cannot begin or end with one (h11
     would refuse to send the response)."""
     escaped = text.encode("unicode_escape").decode("ascii")
-    body = escaped.strip(" ")
-    if not body:
-        return "\\x20" * len(escaped)
-    lead, trail = escaped.index(body), len(escaped) - len(body) - escaped.index(body)
-    return "\\x20" * lead + body + "\\x20" * trail
+    unled = escaped.lstrip(" ")
+    body = unled.rstrip(" ")
+    return "\\x20" * (len(escaped) - len(unled)) + body + "\\x20" * (len(unled) - len(body))

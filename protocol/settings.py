@@ -100,12 +100,13 @@ def read_curve_keys(
 
 # A Unix socket's path, less its terminating NUL (sockaddr_un.sun_path on Linux).
 MAX_IPC_PATH_BYTES = 107
+MAX_PORT = 65535
 
 
 def check_endpoint(config: object, name: str, endpoint: str | None = None) -> None:
     """Raises ConfigError naming the setting ``name`` unless ``endpoint`` (by
     default the setting's value; one of its items for a list) is a ZMQ endpoint,
-    a tcp:// one with a port from 1 to 65535."""
+    a tcp:// one with a port from 1 to MAX_PORT."""
     endpoint = getattr(config, name) if endpoint is None else endpoint
     env = env_name(type(config), name)
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
@@ -123,9 +124,9 @@ def check_endpoint(config: object, name: str, endpoint: str | None = None) -> No
     # libzmq takes a port past 65535 modulo 65536 (99999 listens on 34463), and
     # 0 or * for a port the system picks: either way, not where clients look.
     _, colon, port = endpoint.removeprefix("tcp://").rpartition(":")
-    if not (colon and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+    if not (colon and port.isascii() and port.isdigit() and 1 <= int(port) <= MAX_PORT):
         raise ConfigError(
-            f"{env} must end in a port from 1 to 65535, as tcp://127.0.0.1:5555 does, "
+            f"{env} must end in a port from 1 to {MAX_PORT}, as tcp://127.0.0.1:5555 does, "
             f"got {endpoint!r}"
         )
 

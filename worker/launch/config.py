@@ -6,13 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.client_config import WorkerClientConfig
-from protocol.settings import ConfigError, env_name, require_positive, setting
+from protocol.settings import MAX_PORT, ConfigError, env_name, require_positive, setting
 from worker.serve.config import check_torch_threads
 
 # Workers or frontends one supervisor runs: each worker holds a copy of the model,
 # and each frontend a link to every worker.
 MAX_CHILDREN = 64
-MAX_PORT = 65535
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ from protocol.client_config import WorkerClientConfig
 from protocol.lifeline import name_supervisor
 from protocol.liveness import Liveness, WorkerState
 from protocol.peer import ping, worker_socket
-from protocol.settings import MAX_IPC_PATH_BYTES, ConfigError, exit_refusing, load
+from protocol.settings import MAX_IPC_PATH_BYTES, MAX_PORT, ConfigError, exit_refusing, load
 from worker.launch.child import Child, CrashLoop
-from worker.launch.config import MAX_PORT, SupervisorConfig
+from worker.launch.config import SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER
 
 log = logging.getLogger("supervisor")
