@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,19 @@ STRUCTURED_OUTPUTS = {
     "grammar": GrammarKind.GRAMMAR,
 }
 _MAX_MESSAGE_CHARS = 300  # of llguidance's complaint, quoted back
+JSON_KINDS = (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT, GrammarKind.JSON)
+# llguidance reads a schema's numbers as doubles, and integer bounds as 64-bit
+# integers, so past 2^53 it follows a neighbour of the integer asked for: enum
+# [9007199254740993] allowed ...992, maximum 10^19 refused 10^19. Such schemas
+# are refused rather than followed wrongly.
+MAX_EXACT_INTEGER = 2**53
+_EXACT_KEYWORDS = frozenset(
+    {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum", "const"}
+)
+# Keywords whose value maps names to subschemas: a property may be named "enum".
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
 
 
 @dataclass(frozen=True)
@@ -184,18 +198,57 @@ def _check_vllm_options(value: dict[str, Any]) -> None:
 
 
 def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
-    """llguidance's grammar for ``value`` and, if it cannot be used, why. Runs on
-    a thread: serialising a schema and checking it both take time."""
+    """llguidance's grammar for ``value`` and, if it cannot be used, why (starting
+    "Unimplemented", llguidance's word, for what this server cannot follow). Runs
+    on a thread: serialising a schema and checking it both take time."""
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     if len(text) > MAX_GRAMMAR_CHARS:
         return "", f"{len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
+    if kind in JSON_KINDS:
+        inexact = ((at, n) for at, n in _asked_integers(value, "") if abs(n) > MAX_EXACT_INTEGER)
+        if (found := next(inexact, None)) is not None:
+            return "", (
+                f"Unimplemented: {found[0].lstrip('.')} holds {found[1]}, an integer past "
+                f"±2^53 ({MAX_EXACT_INTEGER}) that JSON Schema bounds, enum and const "
+                "cannot follow exactly here; ask for a string with a pattern instead"
+            )
     return _checked_grammar(kind, text)
+
+
+def _asked_integers(schema: Any, path: str) -> Iterator[tuple[str, int]]:
+    """Each integer ``schema`` asks for exactly (a bound, or in an enum or a
+    const), with where it is."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            yield from _asked_integers(item, f"{path}[{i}]")
+    elif isinstance(schema, dict):
+        for key, item in schema.items():
+            where = f"{path}.{key}"
+            if key in _EXACT_KEYWORDS:
+                yield from _integers(item, where)
+            elif key in _SCHEMA_MAPS and isinstance(item, dict):
+                for name, subschema in item.items():
+                    yield from _asked_integers(subschema, f"{where}.{name}")
+            else:
+                yield from _asked_integers(item, where)
+
+
+def _integers(value: Any, path: str) -> Iterator[tuple[str, int]]:
+    """Each integer anywhere in ``value``, a JSON value, with where it is."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        yield path, value
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _integers(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _integers(item, f"{path}.{key}")
 
 
 @functools.lru_cache(maxsize=256)
 def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
     try:
-        if kind in (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT, GrammarKind.JSON):
+        if kind in JSON_KINDS:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         elif kind == GrammarKind.REGEX:
             grammar = llguidance.LLMatcher.grammar_from_regex(text)

@@ -209,6 +209,50 @@ def test_a_choice_list_matches_exactly_its_strings_however_long_and_whatever_the
     assert not any(is_matched(text) for text in ["o2500", "o25000", "ab", "xy", "a  b", ""])
 
 
+PAST_DOUBLES = 2**53 + 1  # the first integer a double cannot hold
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"enum": ["a", PAST_DOUBLES]}, "enum[1]"),
+        ({"const": {"ids": [1, -PAST_DOUBLES]}}, "const.ids[1]"),
+        ({"properties": {"n": {"type": "integer", "maximum": 10**19}}}, "properties.n.maximum"),
+        ({"anyOf": [{"type": "integer", "exclusiveMinimum": PAST_DOUBLES}]}, "anyOf[0]."),
+        ({"$defs": {"enum": {"multipleOf": PAST_DOUBLES}}}, "$defs.enum.multipleOf"),
+    ],
+)
+def test_an_integer_past_two_to_the_53_is_refused_not_followed_as_its_neighbour(
+    schema: dict[str, Any], where: str
+) -> None:
+    """llguidance holds schema numbers as doubles: enum [2^53 + 1] allowed 2^53."""
+    response_format = {"type": "json_schema", "json_schema": {"schema": schema}}
+    with pytest.raises(ApiError) as caught:
+        _fields(response_format)
+    assert (caught.value.status, caught.value.code) == (400, "unsupported")
+    assert where in caught.value.message and "2^53" in caught.value.message
+
+
+def test_integers_up_to_two_to_the_53_and_large_defaults_are_followed_exactly() -> None:
+    limit = 2**53
+    schema = {
+        "type": "integer",
+        "minimum": -limit,
+        "maximum": limit,
+        "default": PAST_DOUBLES,  # not asked for: an annotation
+        "examples": [PAST_DOUBLES],
+    }
+    grammar = _fields({"type": "json_schema", "json_schema": {"schema": schema}})["grammar"]
+    tokenizer = fake_grammar_tokenizer()  # one token per code point below 256
+
+    def is_matched(number: int) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        return matcher.consume_tokens([ord(c) for c in str(number)]) and matcher.is_accepting()
+
+    assert is_matched(limit) and is_matched(-limit) and is_matched(0)
+    assert not is_matched(limit + 1) and not is_matched(-limit - 1)
+
+
 def test_the_frontend_checks_grammars_without_torch_or_llguidance_torch() -> None:
     code = (
         "import asyncio, sys; from frontend.structured import grammar_fields; "
