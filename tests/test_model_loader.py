@@ -13,6 +13,8 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from protocol.settings import ConfigError  # noqa: E402
 from tests.model_fixtures import tiny_model  # noqa: E402
+from worker.engine import torch_engine  # noqa: E402
+from worker.engine.memory_limit import memory_limit_bytes  # noqa: E402
 from worker.engine.torch_engine import load_engine  # noqa: E402
 from worker.model.loader import (  # noqa: E402
     SYNTHETIC,
@@ -80,12 +82,72 @@ def test_synthetic_engine_info_and_dtype() -> None:
     assert engine.cache.kv.shape == (6, 2, 8, 12, 1024, 64)
 
 
-def test_a_kv_cache_larger_than_memory_is_refused_naming_max_batch_size(tmp_path: Path) -> None:
+def _saved_tiny_model(directory: Path) -> str:
     source = tiny_model()
-    source.model.save_pretrained(tmp_path)
-    PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer()).save_pretrained(tmp_path)
-    config = WorkerConfig(model_id=str(tmp_path), device="cpu", max_batch_size=2**31 - 1)
+    source.model.save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer()).save_pretrained(directory)
+    return str(directory)
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_naming_max_batch_size(tmp_path: Path) -> None:
+    config = WorkerConfig(
+        model_id=_saved_tiny_model(tmp_path), device="cpu", max_batch_size=2**31 - 1
+    )
     with pytest.raises(
-        ConfigError, match=r"MAX_BATCH_SIZE=2147483647 needs a KV cache of [\d,.]+ GiB"
+        ConfigError,
+        match=r"MAX_BATCH_SIZE=2147483647 needs a KV cache of [\d,.]+ GiB .* \(the host's memory\)"
+        r": lower MAX_BATCH_SIZE$",
     ):
         load_engine(config)
+
+
+def test_the_kv_caches_of_every_worker_must_fit_the_cgroups_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One cache fits, two do not: the OOM killer would end one of two workers."""
+    model_id = _saved_tiny_model(tmp_path)
+    one_cache = load_engine(WorkerConfig(model_id=model_id, device="cpu")).cache.nbytes
+    limit = (one_cache * 3 // 2, "its cgroup's memory.max")
+    monkeypatch.setattr(torch_engine, "memory_limit_bytes", lambda: limit)
+
+    assert load_engine(WorkerConfig(model_id=model_id, device="cpu", num_workers=1))
+    with pytest.raises(ConfigError) as caught:
+        load_engine(WorkerConfig(model_id=model_id, device="cpu", num_workers=2))
+    assert "in each of NUM_WORKERS=2" in str(caught.value)
+    assert str(caught.value).endswith(
+        "this process may use (its cgroup's memory.max): lower MAX_BATCH_SIZE or NUM_WORKERS"
+    )
+
+
+def _cgroup_file(root: Path, relative: str, name: str, value: str) -> None:
+    (root / relative).mkdir(parents=True, exist_ok=True)
+    (root / relative / name).write_text(value + "\n")
+
+
+def test_the_memory_limit_is_the_smallest_of_the_host_and_every_cgroup_above(
+    tmp_path: Path,
+) -> None:
+    root, proc_cgroup = tmp_path / "cgroup", tmp_path / "proc_self_cgroup"
+    host_memory, _ = memory_limit_bytes(tmp_path / "none", root)
+    proc_cgroup.write_text("0::/system.slice/app.service\n")
+    assert memory_limit_bytes(proc_cgroup, root) == (host_memory, "the host's memory")
+
+    _cgroup_file(root, "system.slice/app.service", "memory.max", "max")
+    _cgroup_file(root, "system.slice", "memory.max", str(2**30))
+    assert memory_limit_bytes(proc_cgroup, root) == (2**30, "its cgroup's memory.max")
+    _cgroup_file(root, "system.slice/app.service", "memory.max", str(2**29))
+    assert memory_limit_bytes(proc_cgroup, root)[0] == 2**29
+
+
+def test_a_v1_container_whose_cgroup_path_is_hidden_reads_its_limit_at_the_root(
+    tmp_path: Path,
+) -> None:
+    root, proc_cgroup = tmp_path / "cgroup", tmp_path / "proc_self_cgroup"
+    proc_cgroup.write_text("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    _cgroup_file(root, "memory", "memory.limit_in_bytes", str(2**62))  # v1's "unlimited"
+    assert memory_limit_bytes(proc_cgroup, root)[1] == "the host's memory"
+    _cgroup_file(root, "memory", "memory.limit_in_bytes", str(3 * 2**30))
+    assert memory_limit_bytes(proc_cgroup, root) == (
+        3 * 2**30,
+        "its cgroup's memory.limit_in_bytes",
+    )

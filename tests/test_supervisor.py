@@ -17,13 +17,14 @@ import pytest
 import zmq
 
 from protocol import GenerateRequest, Heartbeat, Hello, encode
-from protocol.settings import CONFIG_ERROR_EXIT_CODE
+from protocol.settings import CONFIG_ERROR_EXIT_CODE, load
 from tests.stack import Stack, running_stack
 from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
 from worker.launch import child as child_module
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
-from worker.launch.supervisor import Supervisor, WorkerWatch
+from worker.launch.supervisor import Supervisor, WorkerWatch, _worker_env
+from worker.serve.config import WorkerConfig
 
 SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it
 
@@ -77,6 +78,23 @@ def _run_and_die(
     assert isinstance(child.process, _FakeProcess)
     child.process.returncode = code
     child.schedule_restart(str(child.exit_cause()), others_serve)
+
+
+def test_each_of_several_workers_is_told_its_endpoint_cores_and_how_many_share_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Given as a flag, NUM_WORKERS is in no environment: each worker's KV-cache
+    check must still count the others."""
+    monkeypatch.delenv("NUM_WORKERS", raising=False)
+    config = load(SupervisorConfig, ["--num-workers", "3"], {})
+    env = _worker_env("tcp://127.0.0.1:5557", config)
+    worker = load(WorkerConfig, [], env)
+    assert (worker.num_workers, worker.endpoint, worker.bind_endpoint) == (
+        3,
+        "tcp://127.0.0.1:5557",
+        "",
+    )
+    assert worker.torch_threads == max(1, len(os.sched_getaffinity(0)) // 3)
 
 
 def test_workers_that_die_after_hello_before_answering_anything_are_a_crash_loop(

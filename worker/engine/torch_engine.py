@@ -18,6 +18,7 @@ from worker.engine.chat_template import ChatTemplate, choose_chat_template
 from worker.engine.grammar import Grammars, hf_grammar_tokenizer
 from worker.engine.interface import ModelInfo
 from worker.engine.logprobs import UNSCORED, TokenLogprob
+from worker.engine.memory_limit import memory_limit_bytes
 from worker.engine.prefix_cache import Match
 from worker.engine.sequence import Sequence
 from worker.engine.slot_engine import SlotEngine
@@ -53,7 +54,7 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
         )
     preloaded = _take_preloaded(config, device, precision)
     loaded, gpt2 = preloaded or (_load(config, device, precision), None)
-    _check_kv_cache_fits(config.max_batch_size, loaded, precision, device)
+    _check_kv_cache_fits(config, loaded, precision, device)
     chat_template = choose_chat_template(
         config.chat_template, loaded.hf_tokenizer, loaded.special_tokens
     )
@@ -70,26 +71,39 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
 
 
 def _check_kv_cache_fits(
-    num_slots: int, loaded: LoadedModel, precision: Precision, device: torch.device
+    config: WorkerConfig, loaded: LoadedModel, precision: Precision, device: torch.device
 ) -> None:
-    """Refuse a MAX_BATCH_SIZE whose KV cache alone is larger than the device's
-    memory: allocating it would fail with a traceback, or worse, be overcommitted
-    and bring the OOM killer at the first touch."""
+    """Refuse a MAX_BATCH_SIZE whose KV cache alone (on CPU, times the workers
+    sharing the host) is more than the memory this process may use: allocating it
+    would fail with a traceback, or worse, be overcommitted and bring the OOM
+    killer at the first touch, with nothing said."""
     model = loaded.model.config
+    num_slots = config.max_batch_size
     num_bytes = SlotKVCache.nbytes_for(
         model.n_layer, num_slots, model.n_positions, model.n_embd, precision.storage
     )
+    shape = (
+        f"{model.n_layer} layers x K,V x {num_slots} slots x {model.n_positions} positions "
+        f"x {model.n_embd} x {precision.storage.itemsize} bytes"
+    )
     if device.type == "cuda":
-        memory = torch.cuda.mem_get_info(device)[1]
+        (memory, source), workers = (torch.cuda.mem_get_info(device)[1], "this GPU's memory"), 1
     else:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if num_bytes > memory:
-        raise ConfigError(
-            f"MAX_BATCH_SIZE={num_slots} needs a KV cache of {num_bytes / 2**30:,.1f} GiB "
-            f"({model.n_layer} layers x K,V x {num_slots} slots x {model.n_positions} positions "
-            f"x {model.n_embd} x {precision.storage.itemsize} bytes), more than this "
-            f"{device.type.upper()}'s {memory / 2**30:,.1f} GiB of memory: lower MAX_BATCH_SIZE"
-        )
+        (memory, source), workers = memory_limit_bytes(), config.num_workers
+    if num_bytes * workers <= memory:
+        return
+    needs, lower = f"a KV cache of {_gib(num_bytes)} ({shape})", "MAX_BATCH_SIZE"
+    if workers > 1:
+        needs += f" in each of NUM_WORKERS={workers}, {_gib(num_bytes * workers)} in all"
+        lower += " or NUM_WORKERS"
+    raise ConfigError(
+        f"MAX_BATCH_SIZE={num_slots} needs {needs}, more than the {_gib(memory)} this "
+        f"process may use ({source}): lower {lower}"
+    )
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:,.1f} GiB"
 
 
 def preload(config: WorkerConfig) -> None:

@@ -272,9 +272,11 @@ def worker_endpoints(first: str, num_workers: int) -> list[str]:
 
 
 def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:
-    """One of several workers: its own endpoint, and its share of the cores."""
+    """One of several workers: its own endpoint, its share of the cores, and how
+    many share the memory (each checks that all their KV caches fit)."""
     threads = config.torch_threads or max(1, len(os.sched_getaffinity(0)) // config.num_workers)
     env = {**os.environ, "WORKER_ENDPOINT": endpoint, "TORCH_THREADS": str(threads)}
+    env["NUM_WORKERS"] = str(config.num_workers)
     env["WORKER_BIND"] = ""  # each binds its own endpoint
     return env
 

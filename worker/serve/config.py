@@ -84,6 +84,12 @@ class WorkerConfig:
         "threads torch computes with; 0 uses every core this process may run on "
         "(minibatch-serve splits the cores evenly between its workers)",
     )
+    num_workers: int = setting(
+        "NUM_WORKERS",
+        1,
+        "workers sharing this host's memory (minibatch-serve sets it for its own): on CPU "
+        "the KV caches of all of them must fit in it",
+    )
     dtype: str = setting(
         "DTYPE",
         "float32",
@@ -138,7 +144,7 @@ class WorkerConfig:
     )
 
     def __post_init__(self) -> None:
-        require_positive(self, "max_batch_size", "max_queue_depth")
+        require_positive(self, "max_batch_size", "max_queue_depth", "num_workers")
         require_interval(self, "heartbeat_interval_s")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ConfigError(
