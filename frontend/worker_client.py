@@ -175,7 +175,9 @@ class WorkerClient:
                 " (random weights)" if hello.is_random_weights else "",
                 hello.capacity,
             )
-            for problem in self.config.timing_problems(hello):
+            for problem in self.config.timing_problems(
+                hello.heartbeat_interval_s, hello.frontend_timeout_s
+            ):
                 log.error("worker at %s: %s", link.endpoint, problem)
             if previous is not None:
                 self.num_worker_restarts += 1

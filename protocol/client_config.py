@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from protocol.curve import ClientKeys, read_public_key, read_secret_key
-from protocol.messages import Hello
 from protocol.settings import (
     check_endpoint,
     read_curve_keys,
@@ -69,21 +68,22 @@ class WorkerClientConfig:
             check_endpoint(self, "worker_endpoints", endpoint)
         _ = self.curve  # a bad key stops the process at start, not at its first connect
 
-    def timing_problems(self, hello: Hello) -> list[str]:
-        """Where this client's timing and the worker's, as its hello says, cannot
-        work together: each side is configured alone, and a mismatch shows only as
-        workers declared dead, or requests dropped, while nothing is wrong."""
+    def timing_problems(self, heartbeat_interval_s: float, frontend_timeout_s: float) -> list[str]:
+        """Where this client's timing and a worker's (as its hello says; a
+        ``frontend_timeout_s`` of 0 is unknown) cannot work together: each side is
+        configured alone, and a mismatch shows only as workers declared dead, or
+        requests dropped, while nothing is wrong."""
         problems = []
-        if self.heartbeat_timeout_s < 2 * hello.heartbeat_interval_s:
+        if self.heartbeat_timeout_s < 2 * heartbeat_interval_s:
             problems.append(
                 f"HEARTBEAT_TIMEOUT_S={self.heartbeat_timeout_s:g} is less than twice the "
-                f"worker's HEARTBEAT_INTERVAL_S={hello.heartbeat_interval_s:g}: the worker "
+                f"worker's HEARTBEAT_INTERVAL_S={heartbeat_interval_s:g}: the worker "
                 "will be declared dead between heartbeats; raise HEARTBEAT_TIMEOUT_S"
             )
-        if hello.frontend_timeout_s and 2 * self.ping_interval_s > hello.frontend_timeout_s:
+        if frontend_timeout_s and 2 * self.ping_interval_s > frontend_timeout_s:
             problems.append(
                 f"PING_INTERVAL_S={self.ping_interval_s:g} is more than half the worker's "
-                f"FRONTEND_TIMEOUT_S={hello.frontend_timeout_s:g}: it will drop this client's "
+                f"FRONTEND_TIMEOUT_S={frontend_timeout_s:g}: it will drop this client's "
                 "requests between pings; lower PING_INTERVAL_S"
             )
         return problems

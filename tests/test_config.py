@@ -17,7 +17,7 @@ from protocol.limits import (
 from protocol.settings import ConfigError, load
 from protocol.wire import MAX_REQUEST_ID_CHARS
 from worker.launch.config import SupervisorConfig
-from worker.launch.supervisor import Supervisor
+from worker.launch.supervisor import Supervisor, check_worker_timing
 from worker.serve.config import MIN_MESSAGE_BYTES, WorkerConfig
 
 
@@ -190,5 +190,30 @@ def _hello(heartbeat_interval_s: float, frontend_timeout_s: float) -> Hello:
 def test_a_client_whose_timing_cannot_work_with_the_workers_is_told_what_to_change(
     env: dict[str, str], hello: Hello, problem: str | None
 ) -> None:
-    problems = load(FrontendConfig, [], env).timing_problems(hello)
+    problems = load(FrontendConfig, [], env).timing_problems(
+        hello.heartbeat_interval_s, hello.frontend_timeout_s
+    )
     assert problems == [] if problem is None else problem in problems[0]
+
+
+@pytest.mark.parametrize(
+    ("env", "problem"),
+    [
+        ({}, None),
+        ({"HEARTBEAT_TIMEOUT_S": "0.2"}, "raise HEARTBEAT_TIMEOUT_S"),
+        ({"HEARTBEAT_INTERVAL_S": "3"}, "raise HEARTBEAT_TIMEOUT_S"),  # twice is 6 > 5
+        ({"PING_INTERVAL_S": "15"}, "lower PING_INTERVAL_S"),
+        ({"FRONTEND_TIMEOUT_S": "0.5"}, "lower PING_INTERVAL_S"),
+        # Wrong in itself: the worker refuses it, naming it (test_restarts).
+        ({"HEARTBEAT_TIMEOUT_S": "0.2", "MAX_BATCH_SIZE": "0"}, None),
+    ],
+)
+def test_the_supervisor_refuses_timing_that_would_declare_live_workers_dead(
+    env: dict[str, str], problem: str | None
+) -> None:
+    config = load(SupervisorConfig, [], env)
+    if problem is None:
+        check_worker_timing(config, env)
+    else:
+        with pytest.raises(ConfigError, match=problem):
+            check_worker_timing(config, env)

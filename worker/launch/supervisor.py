@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 import zmq
@@ -42,6 +42,7 @@ from protocol.settings import MAX_IPC_PATH_BYTES, MAX_PORT, ConfigError, exit_re
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER
+from worker.serve.config import WorkerConfig
 
 log = logging.getLogger("supervisor")
 
@@ -115,7 +116,9 @@ class WorkerWatch:
                 continue
             if isinstance(message, Hello):
                 if self.liveness.on_hello(message):
-                    for problem in self.client.timing_problems(message):
+                    for problem in self.client.timing_problems(
+                        message.heartbeat_interval_s, message.frontend_timeout_s
+                    ):
                         log.error("worker at %s: %s", self.endpoint, problem)
             elif isinstance(message, Heartbeat):
                 self.liveness.on_heartbeat(message)
@@ -281,6 +284,20 @@ def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:
     return env
 
 
+def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
+    """Refuse timing the workers' settings, in this same environment, make
+    unworkable with the supervisor's: it would declare a live worker dead between
+    two heartbeats, again and again. A worker setting that is wrong in itself is
+    left for the worker to refuse, naming it."""
+    try:
+        worker = load(WorkerConfig, [], environ)
+    except ConfigError:
+        return
+    problems = config.timing_problems(worker.heartbeat_interval_s, worker.frontend_timeout_s)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s supervisor %(levelname)s: %(message)s"
@@ -288,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     name_supervisor()  # before any child starts: each inherits it
     try:
         config = load(SupervisorConfig, argv, description=__doc__.splitlines()[0])
+        check_worker_timing(config, os.environ)
         supervisor = Supervisor(config)
     except ConfigError as exc:
         exit_refusing("supervisor", exc)
