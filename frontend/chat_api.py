@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from frontend.accepted import Accepted
 from frontend.choice_stream import ChoiceStream
+from frontend.choices import num_to_generate
 from frontend.errors import ApiError
 from frontend.generation import respond
 from frontend.inflight import InFlight
@@ -39,6 +40,7 @@ async def chat_completions(request: Request) -> Response:
     events ending in ``data: [DONE]``. Errors in OpenAI's shape."""
     read = await read_openai_request(request, ChatBody)
     body, client = read.body, read.client
+    n = num_to_generate(body.n or 1, None, bool(body.stream), client.config.max_inflight_requests)
     roles, contents = conversation(body.messages)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -58,7 +60,6 @@ async def chat_completions(request: Request) -> Response:
     )
     read.log_ignored(work.request_id)
     chat = Envelope(f"chatcmpl-{work.request_id}", read.model)
-    n = body.n or 1
 
     def choice(index: int, entry: InFlight, result: GenerateResult) -> dict[str, Any]:
         logprobs = None

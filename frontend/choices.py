@@ -25,20 +25,19 @@ from protocol import GenerateRequest, GenerateResult
 from protocol.limits import MAX_SEED
 
 
-def num_to_generate(n: int, best_of: int | None, is_stream: bool) -> int:
+def num_to_generate(n: int, best_of: int | None, is_stream: bool, max_inflight: int) -> int:
     """How many choices to generate for ``n`` answered: ``best_of`` when set.
-    422 when best_of is below n; 400 when a stream asks for more than it shows
-    (the best are known only once all have finished)."""
-    if best_of is None or best_of == n:
-        return n
-    if best_of < n:
+    422 when best_of is below n, or when the choices would never fit in the
+    frontend's MAX_INFLIGHT_REQUESTS (``max_inflight``) together; 400 when a stream
+    asks for more than it shows (the best are known only once all have finished)."""
+    if best_of is not None and best_of < n:
         raise ApiError(
             422,
             f"best_of: {best_of} is less than n ({n}); best_of must be at least n",
             "invalid_request",
             "best_of",
         )
-    if is_stream:
+    if best_of is not None and best_of > n and is_stream:
         raise ApiError(
             400,
             f"best_of: a stream cannot pick the best {n} of {best_of} choices before they "
@@ -46,7 +45,18 @@ def num_to_generate(n: int, best_of: int | None, is_stream: bool) -> int:
             "unsupported",
             "best_of",
         )
-    return best_of
+    num_choices, param = (n, "n") if best_of is None or best_of == n else (best_of, "best_of")
+    if num_choices > max_inflight:
+        # Each choice is one request in flight: waiting would not make room.
+        raise ApiError(
+            422,
+            f"{param}: {num_choices} choices are {num_choices} requests in flight, more than "
+            f"this server ever holds (MAX_INFLIGHT_REQUESTS={max_inflight}); ask for at "
+            f"most {max_inflight}",
+            "invalid_request",
+            param,
+        )
+    return num_choices
 
 
 def choice_requests(request: GenerateRequest, num_choices: int) -> list[GenerateRequest]:

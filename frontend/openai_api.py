@@ -61,7 +61,9 @@ async def completions(request: Request) -> Response:
             "echo",
         )
     n = body.n or 1
-    num_choices = num_to_generate(n, body.best_of, bool(body.stream))
+    num_choices = num_to_generate(
+        n, body.best_of, bool(body.stream), client.config.max_inflight_requests
+    )
     is_ranked = num_choices > n  # best_of: the n likeliest of num_choices
     work = openai_request(
         body,

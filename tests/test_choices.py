@@ -241,6 +241,27 @@ def test_choices_take_their_room_in_flight_all_or_none(tmp_path: Path) -> None:
             assert _complete(stack, n=3, max_tokens=2).status_code == 200
 
 
+def test_more_choices_than_ever_fit_in_flight_are_refused_not_told_to_retry(
+    tmp_path: Path,
+) -> None:
+    """A 503 would have a client retry for ever: an idle server refuses it too."""
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+    asks = [
+        ("/v1/completions", {"model": "fake", "prompt": "hi", "n": 5}, "n"),
+        ("/v1/completions", {"model": "fake", "prompt": "hi", "n": 2, "best_of": 5}, "best_of"),
+        ("/v1/chat/completions", {**chat, "n": 5}, "n"),
+    ]
+    with live_stack(tmp_path, {"MAX_INFLIGHT_REQUESTS": "4"}) as stack:
+        for path, body, param in asks:
+            refused = httpx.post(f"{stack.url}{path}", json=body, timeout=30)
+            assert refused.status_code == 422, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == param and "Retry-After" not in refused.headers
+            assert "MAX_INFLIGHT_REQUESTS=4); ask for at most 4" in error["message"]
+        fitting = {**chat, "n": 4, "max_tokens": 2}
+        assert httpx.post(f"{stack.url}/v1/chat/completions", json=fitting).status_code == 200
+
+
 @pytest.fixture(scope="module")
 def slow_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     overrides = {"FAKE_STEP_DELAY_S": "0.05", "MAX_BATCH_SIZE": "4"}
