@@ -138,7 +138,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     message = f"{request.method} {request.url.path}: {exc.detail}; see GET /openapi.json"
     # A 405's Allow header names the methods the path takes.
     headers = dict(exc.headers or {})
-    return await _api_error(request, ApiError(exc.status_code, message, headers=headers))
+    code = _CODE_BY_HTTP_STATUS.get(exc.status_code)
+    return await _api_error(request, ApiError(exc.status_code, message, code, headers=headers))
+
+
+_CODE_BY_HTTP_STATUS = {404: "not_found", 405: "method_not_allowed"}
 
 
 def _status(client: WorkerClient) -> dict[str, Any]:

@@ -126,6 +126,9 @@ def _complaint(item: Any, fields: Sequence[str]) -> str:
         if nearest:
             return f"not a field of this body; did you mean {nearest[0]}?"
         return f"not a field of this body, whose fields are {', '.join(fields)}"
+    if item["type"] == "extra_forbidden":  # inside an object of the body
+        parent = ".".join(short_name(part) for part in item["loc"][:-1] if not _is_arm(part))
+        return f"not a field of {parent or 'this body'}; leave it out"
     if item["type"] in _BOUND_BY_ERROR_TYPE:
         return _out_of_bounds(item)
     if item["type"] == "missing":

@@ -196,7 +196,11 @@ class CompletionBody(OpenAIBody):
     def _checks(self) -> list[tuple[str, bool, str]]:
         return [
             *super()._checks(),
-            ("suffix", not self.suffix, "suffix is not supported"),  # "" appends nothing
+            (
+                "suffix",
+                not self.suffix,
+                'text after the completion is not supported; send null or ""',
+            ),
         ]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -95,7 +96,9 @@ async def grammar_fields(
     grammar, problem = await asyncio.to_thread(compile_grammar, source.kind, source.value)
     if problem is not None:
         param = source.param
-        if problem.startswith("Unimplemented"):  # a JSON Schema keyword llguidance lacks
+        if problem.startswith("Unimplemented keys"):  # JSON Schema keywords llguidance lacks
+            problem += "; this server cannot follow these keywords: leave them out"
+        if problem.startswith("Unimplemented"):
             raise ApiError(400, f"{param}: {problem}", "unsupported", param)
         raise ApiError(422, f"{param}: {problem}", "invalid_request", param)
     return {"grammar_kind": source.kind, "grammar": grammar}
@@ -264,7 +267,23 @@ def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, None, limits=limits
     )
-    return (grammar, None) if not is_error else ("", _short(messages[0]))
+    if not is_error:
+        return grammar, None
+    return "", _regex_problem(messages[0]) if kind == GrammarKind.REGEX else _short(messages[0])
+
+
+# llguidance's complaint about a regex quotes the regex with carets under the
+# fault, then the Lark rule it wrapped it in ("start: /(/"), which the client
+# never wrote.
+_REGEX_ERROR = re.compile(r"regex parse error:\n    .*\n    ( *)\^+\nerror: (.+?)\n")
+
+
+def _regex_problem(message: str) -> str:
+    """What is wrong with a regex, and where, in the regex's own terms."""
+    found = _REGEX_ERROR.search(message)
+    if found is None:
+        return _short(message)
+    return f"invalid regex at offset {len(found.group(1))}: {found.group(2)}"
 
 
 # What llguidance's regex syntax (Rust's) gives a meaning; escaped, each stands for itself.

@@ -401,10 +401,12 @@ def test_an_unknown_path_or_method_gets_the_usual_error_shape(stack: Stack) -> N
     assert missing.json()["error"]["message"] == (
         "GET /v2/completions: Not Found; see GET /openapi.json"
     )
+    assert missing.json()["error"]["code"] == "not_found"
     wrong_method = httpx.get(f"{stack.url}/v1/completions", timeout=10)
     assert wrong_method.status_code == 405
     assert wrong_method.headers["allow"] == "POST"  # as RFC 9110 asks of a 405
-    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    error = wrong_method.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "method_not_allowed")
 
 
 def test_a_body_after_a_utf8_byte_order_mark_is_read(stack: Stack) -> None:

@@ -135,7 +135,9 @@ def test_unsupported_value_is_a_400_in_openai_shape(client: openai.OpenAI) -> No
     assert isinstance(error, dict)
     assert error["param"] == "suffix"
     assert error["type"] == "invalid_request_error"
-    assert "not supported" in error["message"]
+    assert error["message"] == (
+        'suffix: text after the completion is not supported; send null or ""'
+    )
     # An empty suffix appends nothing, as no suffix.
     reply = client.completions.create(model="fake", prompt="hi", suffix="", max_tokens=2)
     assert reply.choices[0].finish_reason == "length"
@@ -402,8 +404,14 @@ def test_strict_request_fields_restores_the_422(tmp_path: Path) -> None:
         strict.wait_live()
         body = {"model": "fake", "prompt": "hi", "best_of_luck": True}
         response = httpx.post(f"{strict.url}/v1/completions", json=body, timeout=10)
+        nested = {"model": "fake", "prompt": "hi", "stream_options": {"nonsense": 1}}
+        inside = httpx.post(f"{strict.url}/v1/completions", json=nested, timeout=10)
     assert response.status_code == 422
     assert "best_of_luck" in response.json()["error"]["message"]
+    assert inside.status_code == 422
+    assert inside.json()["error"]["message"] == (
+        "stream_options.nonsense: not a field of stream_options; leave it out"
+    )
 
 
 def _chat(content: str, **fields: object) -> dict[str, object]:

@@ -115,9 +115,15 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
             None,
             400,
             "response_format.json_schema.schema",
-            "Unimplemented keys",
+            'Unimplemented keys: ["not"]; this server cannot follow these keywords: leave them',
         ),
-        (None, {"regex": "a("}, 422, "structured_outputs.regex", "structured_outputs.regex:"),
+        (
+            None,
+            {"regex": "ab[z-a]"},
+            422,
+            "structured_outputs.regex",
+            "structured_outputs.regex: invalid regex at offset 3: invalid character class range",
+        ),
         (
             None,
             {"choice": ["a", ""]},
