@@ -19,7 +19,7 @@ from frontend.choices import best_choices, num_to_generate
 from frontend.errors import ApiError
 from frontend.generation import respond
 from frontend.inflight import InFlight
-from frontend.logprobs import TokenScore, completion_logprobs, unpack
+from frontend.logprobs import TextOffsets, TokenScore, completion_logprobs, unpack
 from frontend.openai_common import (
     Envelope,
     UsageStream,
@@ -32,7 +32,7 @@ from frontend.openai_common import (
 from frontend.openai_schemas import CompletionBody
 from frontend.streaming import sse_frame
 from frontend.worker_client import WorkerClient
-from protocol import GenerateResult, TokenDelta
+from protocol import GenerateResult, Logprobs, TokenDelta
 
 ENDPOINT = "/v1/completions"
 OWNER = "minibatch-llm"
@@ -82,15 +82,15 @@ async def completions(request: Request) -> Response:
     completion = Envelope(f"cmpl-{work.request_id}", read.model)
 
     def choice(index: int, entry: InFlight, result: GenerateResult) -> dict[str, Any]:
-        text = (result.prompt_text or "") + result.text if body.echo else result.text
+        echoed = (result.prompt_text or "") if body.echo else ""
         logprobs = None
         if body.logprobs is not None:
             prompt_logprobs, output_logprobs = entry.all_logprobs(result)
-            scores = unpack(prompt_logprobs) if body.echo else []
-            for part in output_logprobs:
-                scores += unpack(part)
-            logprobs = completion_logprobs(scores, text)
-        return _choice(index, text, logprobs, result.finish_reason)
+            prompt_scores = unpack(prompt_logprobs) if body.echo else []
+            scores = [score for part in output_logprobs for score in unpack(part)]
+            offsets = TextOffsets().place(prompt_scores) + TextOffsets(len(echoed)).place(scores)
+            logprobs = completion_logprobs(prompt_scores + scores, offsets)
+        return _choice(index, echoed + result.text, logprobs, result.finish_reason)
 
     def final(accepted: Accepted, results: list[GenerateResult]) -> dict[str, Any]:
         entries = accepted.entries
@@ -182,8 +182,10 @@ class _CompletionStream:
         self.usage = usage
         self.wants_logprobs = body.logprobs is not None
         self.echo = echo  # the prompt, sent before the first output
-        self.pending: list[TokenScore] = []
-        self.text_offset = 0
+        # Scored tokens whose text is not sent yet, each with its text_offset.
+        self.pending: list[tuple[TokenScore, int]] = []
+        self.prompt_offsets = TextOffsets()
+        self.output_offsets = TextOffsets(len(echo or ""))
 
     def delta(self, delta: TokenDelta) -> str | None:
         self.usage.count(delta.prompt_tokens, len(delta.token_ids))
@@ -197,10 +199,14 @@ class _CompletionStream:
         self._score(result.prompt_logprobs, result.logprobs)
         return [self._frame(self._take_echo(), result.finish_reason)]
 
-    def _score(self, *parts: Any) -> None:
+    def _score(self, prompt_logprobs: Logprobs | None, logprobs: Logprobs | None) -> None:
         if self.wants_logprobs:
-            for part in parts:
-                self.pending += unpack(part)
+            for part, offsets in (
+                (prompt_logprobs, self.prompt_offsets),
+                (logprobs, self.output_offsets),
+            ):
+                scores = unpack(part)
+                self.pending += zip(scores, offsets.place(scores), strict=True)
 
     def _take_echo(self) -> str:
         echo, self.echo = self.echo or "", None
@@ -209,9 +215,9 @@ class _CompletionStream:
     def _frame(self, text: str, finish_reason: str | None) -> str:
         logprobs = None
         if self.wants_logprobs:
-            logprobs = completion_logprobs(self.pending, text, self.text_offset)
+            scores = [score for score, _ in self.pending]
+            logprobs = completion_logprobs(scores, [offset for _, offset in self.pending])
             self.pending = []
-        self.text_offset += len(text)
         choice = _choice(self.index, text, logprobs, finish_reason)
         return sse_frame(self.completion.wrap(_KIND, [choice], self.usage.so_far()))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class ErrorCode:
@@ -175,6 +175,10 @@ class Logprobs:
     ``top_logprobs`` alike. ``texts`` holds each token's text followed by its
     alternatives' texts, token after token, and ``text_lens`` their lengths, so
     that the frontend, which has no tokenizer, can name every token.
+    ``token_bytes`` and ``byte_lens`` hold the same entries' bytes: a token's text
+    is U+FFFD where it holds only part of a character, its bytes are exact. An
+    output token that adds nothing to the text (the end token, a stop token) has
+    none, so that the bytes of a choice's tokens decode to its text.
     """
 
     num_top: int
@@ -184,6 +188,8 @@ class Logprobs:
     top_logprobs: list[float]
     texts: str
     text_lens: list[int]
+    token_bytes: bytes
+    byte_lens: list[int]
 
 
 @dataclass(frozen=True, slots=True)

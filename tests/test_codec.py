@@ -44,6 +44,8 @@ logprobs = st.builds(
     top_logprobs=st.lists(float32s, max_size=20),
     texts=texts,
     text_lens=ids,
+    token_bytes=st.binary(max_size=40),
+    byte_lens=ids,
 )
 
 to_worker = st.one_of(
@@ -254,7 +256,15 @@ def test_a_float_field_accepts_a_json_style_integer() -> None:
 
 def test_logprobs_travel_as_packed_float32_bytes() -> None:
     scores = Logprobs(
-        2, [5, 6], [-0.5, math.nan], [5, 7, 6, 8], [-0.5, -1.0, -2.0, -3.0], "ab", [1, 1]
+        2,
+        [5, 6],
+        [-0.5, math.nan],
+        [5, 7, 6, 8],
+        [-0.5, -1.0, -2.0, -3.0],
+        "ab",
+        [1, 1],
+        b"ab",
+        [1, 1],
     )
     frame = encode(TokenDelta("r", [5, 6], "x", logprobs=scores))
     packed = msgpack.unpackb(frame)["logprobs"]
@@ -316,6 +326,8 @@ def test_malformed_logprobs_are_refused(logprobs: dict[str, object], problem: st
         "top_logprobs": b"",
         "texts": "",
         "text_lens": b"",
+        "token_bytes": b"",
+        "byte_lens": b"",
         **logprobs,
     }
     payload = {"v": PROTOCOL_VERSION, "type": "delta", "request_id": "r", "token_ids": b""}

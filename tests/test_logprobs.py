@@ -1,32 +1,90 @@
-"""Completions logprobs' text offsets, where tokens split characters."""
+"""Logprobs as the frontend shows them: each token's bytes, and completions'
+text offsets where tokens split characters."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from frontend.logprobs import token_offsets
+from frontend.errors import ApiError
+from frontend.logprobs import TextOffsets, TokenScore, chat_logprobs, unpack
+from worker.engine.logprobs import TokenLogprob, pack
 
-SPLIT = "\N{REPLACEMENT CHARACTER}"  # a token's text for part of a character's bytes
+
+def _scores(*pieces: bytes) -> list[TokenScore]:
+    return [TokenScore(piece.decode(errors="replace"), piece, -1.0, []) for piece in pieces]
 
 
 @pytest.mark.parametrize(
-    ("tokens", "text", "offsets"),
+    ("pieces", "offsets"),
     [
-        (["a", "b c"], "ab c", [0, 1]),
-        # GPT-2 writes " 🎉" as three tokens: " \xf0\x9f", "\x8e", "\x89".
-        (["a", f" {SPLIT}", SPLIT, SPLIT, " ok"], "a 🎉 ok", [0, 1, 2, 2, 3]),
-        # A token that ends a character and goes on: it begins with the character.
-        (["a" + SPLIT, SPLIT * 3 + "b", "c"], "a🎉bc", [0, 1, 3]),
-        (["hé", "llo"], "héllo", [0, 2]),
-        # Cut mid-character at the end, or by a stop string: never past the text.
-        (["x", SPLIT], "x", [0, 1]),
-        (["a", " stop"], "a", [0, 1]),
-        # A text that holds U+FFFD itself.
-        (["a", SPLIT, "b"], f"a{SPLIT}b", [0, 1, 2]),
+        ([b"a", b"b c"], [0, 1]),
+        # GPT-2 writes " 🎉" as three tokens: the first holds the space, the others
+        # begin inside the emoji, which begins at 2.
+        ([b"a", b" \xf0\x9f", b"\x8e", b"\x89", b" ok"], [0, 1, 2, 2, 3]),
+        # A token that ends a character and goes on begins with that character.
+        ([b"a\xf0", b"\x9f\x8e\x89b", b"c"], [0, 1, 3]),
+        (["hé".encode(), b"llo"], [0, 2]),
+        # Bytes that are no UTF-8, and a U+FFFD the model wrote: one character each.
+        ([b"a", b"\xff", "\ufffd".encode(), b"b"], [0, 1, 2, 3]),
+        # An end token adds nothing to the text.
+        ([b"a", b"", b"b"], [0, 1, 1]),
     ],
 )
-def test_each_token_is_placed_where_its_text_begins(
-    tokens: list[str], text: str, offsets: list[int]
+def test_each_token_is_placed_where_its_first_bytes_character_begins(
+    pieces: list[bytes], offsets: list[int]
 ) -> None:
-    assert token_offsets(tokens, text) == offsets
-    assert token_offsets(tokens, text, start=10) == [10 + offset for offset in offsets]
+    assert TextOffsets().place(_scores(*pieces)) == offsets
+    assert TextOffsets(10).place(_scores(*pieces)) == [10 + offset for offset in offsets]
+
+
+# Whole characters, pieces of 2-, 3- and 4-byte ones, and bytes that are no UTF-8.
+_token_bytes = st.lists(
+    st.sampled_from(
+        [b"a", b" ", "é".encode(), b"\xe6", b"\x9d\xb1", b"\xf0\x9f", b"\x98\x80", b"\xff", b""]
+    ),
+    max_size=30,
+)
+
+
+@given(_token_bytes, st.lists(st.integers(min_value=0, max_value=30), max_size=5))
+def test_a_streams_offsets_are_the_whole_answers_however_it_is_cut(
+    pieces: list[bytes], cuts: list[int]
+) -> None:
+    scores = _scores(*pieces)
+    whole = TextOffsets().place(scores)
+    streamed, offsets, start = [], TextOffsets(), 0
+    for cut in [*sorted(cuts), len(scores)]:
+        streamed += offsets.place(scores[start : max(start, cut)])
+        start = max(start, cut)
+    assert streamed == whole
+    text = b"".join(pieces).decode(errors="replace")
+    assert all(offset <= len(text) for offset in whole)
+
+
+def test_chat_bytes_are_the_tokens_own_and_those_of_its_alternatives() -> None:
+    own = {1: b" \xf0\x9f", 2: b"\x98\x80", 3: b"!", 4: b"<|endoftext|>"}
+    scores = [TokenLogprob(-0.5, [1, 3], [-0.5, -1.0]), TokenLogprob(-0.1, [2, 4], [-0.1, -3.0])]
+    packed = pack([1, 2], scores, 2, lambda t: own[t].decode(errors="replace"), own.__getitem__)
+    content = chat_logprobs(unpack(packed))["content"]
+    assert b"".join(bytes(token["bytes"]) for token in content).decode() == " 😀"
+    assert [token["token"] for token in content] == [" \ufffd", "\ufffd\ufffd"]
+    assert [entry["bytes"] for entry in content[1]["top_logprobs"]] == [
+        list(b"\x98\x80"),
+        list(b"<|endoftext|>"),
+    ]
+    # A token the text leaves out (an end or stop token) travels without bytes.
+    left_out = pack([4], [scores[1]], 0, lambda t: "<|endoftext|>", own.__getitem__, [False])
+    assert unpack(left_out)[0].bytes == b""
+
+
+def test_logprobs_whose_bytes_do_not_match_their_texts_are_refused() -> None:
+    packed = pack([1], [TokenLogprob(-0.5, [], [])], 0, lambda t: "a", lambda t: b"a")
+    assert unpack(packed)[0].bytes == b"a"
+    for broken in ({"byte_lens": [1, 0]}, {"token_bytes": b"ab"}):
+        with pytest.raises(ApiError) as caught:
+            unpack(dataclasses.replace(packed, **broken))  # type: ignore[arg-type]
+        assert caught.value.status == 500

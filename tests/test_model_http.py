@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -143,15 +144,75 @@ def test_text_offsets_point_into_the_text_where_tokens_split_characters(
     assert streamed_offsets == logprobs["text_offset"]
 
 
+def _streamed_logprobs(response_text: str) -> list[dict[str, Any]]:
+    return [
+        choice["logprobs"]
+        for line in response_text.splitlines()
+        if line.startswith("data: {")
+        for choice in json.loads(line.removeprefix("data: "))["choices"]
+        if choice["logprobs"]
+    ]
+
+
+def _char_offsets(text: str, token_bytes: list[bytes]) -> list[int]:
+    """Where the character holding each token's first byte begins in ``text``."""
+    encoded, offsets, start = text.encode(), [], 0
+    for piece in token_bytes:
+        offsets.append(len(encoded[:start].decode(errors="ignore")))
+        start += len(piece)
+    return offsets
+
+
+def test_generated_characters_split_over_tokens_get_their_bytes_and_offsets(
+    tmp_path: Path, small_model_dir: Path
+) -> None:
+    """Chat's bytes make the text again, and text_offset is each token's own
+    character, the same streamed or not."""
+    text = "日本語😀é ok"
+    grammar = {"structured_outputs": {"regex": text}, "seed": 3, "max_tokens": 30}
+    completion = {"model": str(small_model_dir), "prompt": "Say:", "logprobs": 1, **grammar}
+    chat = {"model": str(small_model_dir), "messages": [{"role": "user", "content": "Say"}]}
+    chat.update(logprobs=True, top_logprobs=2, **grammar)
+    overrides = {"MODEL_ID": str(small_model_dir), "DEVICE": "cpu"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live(timeout_s=120)
+        url = f"{stack.url}/v1"
+        answer = httpx.post(f"{url}/completions", json=completion, timeout=30).json()
+        streamed = httpx.post(f"{url}/completions", json={**completion, "stream": True}).text
+        chatted = httpx.post(f"{url}/chat/completions", json=chat, timeout=30).json()
+    (choice,) = answer["choices"]
+    assert choice["text"] == text
+    (message,) = chatted["choices"]
+    assert message["message"]["content"] == text
+    content = message["logprobs"]["content"]
+    pieces = [bytes(token["bytes"]) for token in content]
+    assert b"".join(pieces) == text.encode()
+    assert any(token["token"] == "\N{REPLACEMENT CHARACTER}" for token in content)
+    assert all(len(token["top_logprobs"]) == 2 for token in content)
+    assert [token["token"] for token in content] == choice["logprobs"]["tokens"]
+    assert choice["logprobs"]["text_offset"] == _char_offsets(text, pieces)
+    streamed_offsets = [o for lp in _streamed_logprobs(streamed) for o in lp["text_offset"]]
+    assert streamed_offsets == choice["logprobs"]["text_offset"]
+
+
 def test_eos_generated_past_counts_but_is_no_text(tmp_path: Path, small_model_dir: Path) -> None:
     overrides = {"MODEL_ID": str(small_model_dir), "DEVICE": "cpu"}
     with running_stack(tmp_path, overrides, supervised=False) as stack:
         stack.wait_live(timeout_s=120)
         body = {"model": str(small_model_dir), "prompt": "Hi", "max_tokens": 4, "temperature": 0}
-        body.update(ignore_eos=True, logit_bias={"50256": 100})  # EOS, every time
+        body.update(ignore_eos=True, logit_bias={"50256": 100}, logprobs=0)  # EOS, every time
         answer = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30).json()
+        chat = {"model": str(small_model_dir), "messages": [{"role": "user", "content": "Hi"}]}
+        chat.update(body, logprobs=True)
+        del chat["prompt"]
+        chatted = httpx.post(f"{stack.url}/v1/chat/completions", json=chat, timeout=30).json()
     assert answer["choices"][0]["text"] == ""
     assert answer["usage"]["completion_tokens"] == 4
+    logprobs = answer["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["<|endoftext|>"] * 4
+    assert logprobs["text_offset"] == [0, 0, 0, 0]  # the text has none of them
+    content = chatted["choices"][0]["logprobs"]["content"]
+    assert [token["bytes"] for token in content] == [[]] * 4
 
 
 def test_the_prefix_cache_over_http_counts_what_it_served(

@@ -19,6 +19,7 @@ from worker.engine.torch_engine import load_engine  # noqa: E402
 from worker.model.loader import (  # noqa: E402
     SYNTHETIC,
     ModelLoadError,
+    TextTokenizer,
     gpt2_tokenizer,
     load_model,
 )
@@ -32,6 +33,18 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_every_gpt2_tokens_bytes_decode_to_its_text_and_make_the_text_together() -> None:
+    tokenizer = TextTokenizer(gpt2_tokenizer(), 50256)
+    ids = range(50257)
+    texts = tokenizer.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    assert [piece.decode(errors="replace") for piece in pieces] == texts
+    text = "naïve café — 東京 🎉 <|endoftext|>"
+    ids = tokenizer.encode(text)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+    assert tokenizer.token_bytes(50256) == b"<|endoftext|>"
 
 
 def test_synthetic_tokenizer_is_the_real_gpt2_bpe() -> None:

@@ -50,6 +50,9 @@ class CharTokenizer:
         # tokenizer shows bytes that form no character.
         return "".join("\ufffd" if 0xD800 <= t <= 0xDFFF else chr(t) for t in token_ids)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.decode([token_id]).encode()
+
 
 class _GrammarVocabulary:
     """The fake's tokens as llguidance's `TokenizerWrapper` reads them: code points

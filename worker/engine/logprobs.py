@@ -29,19 +29,25 @@ def pack(
     scores: list[TokenLogprob],
     num_top: int,
     token_text: Callable[[int], str],
+    token_bytes: Callable[[int], bytes],
+    in_text: list[bool] | None = None,
 ) -> Logprobs:
     """``scores[i]`` belongs to ``token_ids[i]``; an unscored token gets ``num_top``
-    placeholder alternatives (id 0, NaN), so that every token has as many."""
+    placeholder alternatives (id 0, NaN), so that every token has as many. A
+    token not ``in_text`` (all are, by default) travels without bytes."""
     top_ids: list[int] = []
     top_logprobs: list[float] = []
     texts: list[str] = []
-    for token_id, score in zip(token_ids, scores, strict=True):
+    pieces: list[bytes] = []
+    for i, (token_id, score) in enumerate(zip(token_ids, scores, strict=True)):
         scored_ids = score.top_token_ids[:num_top]
         missing = num_top - len(scored_ids)
         top_ids += scored_ids + [0] * missing
         top_logprobs += score.top_logprobs[:num_top] + [math.nan] * missing
         texts.append(token_text(token_id))
-        texts += [token_text(i) for i in scored_ids] + [""] * missing
+        texts += [token_text(t) for t in scored_ids] + [""] * missing
+        pieces.append(token_bytes(token_id) if in_text is None or in_text[i] else b"")
+        pieces += [token_bytes(t) for t in scored_ids] + [b""] * missing
     return Logprobs(
         num_top=num_top,
         token_ids=token_ids,
@@ -50,4 +56,6 @@ def pack(
         top_logprobs=top_logprobs,
         texts="".join(texts),
         text_lens=[len(text) for text in texts],
+        token_bytes=b"".join(pieces),
+        byte_lens=[len(piece) for piece in pieces],
     )

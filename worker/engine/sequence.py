@@ -33,6 +33,8 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Seq[int]) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
 
 class Sequence:
     """A request being generated. ``append`` is called once per new token.
@@ -125,13 +127,20 @@ class Sequence:
         """The logprobs of the token about to be appended."""
         self._logprobs.append(score)
 
-    def take_logprobs(self) -> tuple[list[int], list[TokenLogprob]]:
-        """Output tokens whose logprobs are not delivered yet, and those logprobs."""
+    def take_logprobs(self) -> tuple[list[int], list[TokenLogprob], list[bool]]:
+        """Output tokens whose logprobs are not delivered yet, those logprobs, and
+        whether each token is in the text (the end token and a stop token are not)."""
         start = self._num_delivered_logprobs
         scores = self._logprobs[start:]
         self._num_delivered_logprobs = len(self._logprobs)
         first = self._num_resumed + start
-        return self.output_token_ids[first : first + len(scores)], scores
+        token_ids = self.output_token_ids[first : first + len(scores)]
+        eos = self._tokenizer.eos_token_id
+        in_text = [
+            index < self._num_text_tokens and token_id != eos
+            for index, token_id in enumerate(token_ids, first)
+        ]
+        return token_ids, scores, in_text
 
     def take_prompt_logprobs(self) -> list[TokenLogprob] | None:
         scores, self.prompt_logprobs = self.prompt_logprobs, None

@@ -70,6 +70,7 @@ class SlotEngine(InferenceEngine):
         self._slots: list[Sequence | None] = [None] * capacity
         self._by_id: dict[str, Sequence] = {}
         self._token_texts: dict[int, str] = {}  # each token's own text, for logprobs
+        self._token_bytes_seen: dict[int, bytes] = {}  # and its bytes
 
     # --- what a subclass computes -------------------------------------------------
 
@@ -367,8 +368,8 @@ class SlotEngine(InferenceEngine):
     def _take_logprobs(self, seq: Sequence) -> Logprobs | None:
         if seq.request.logprobs is None:
             return None
-        token_ids, scores = seq.take_logprobs()
-        return self._pack(token_ids, scores, seq.request.logprobs) if scores else None
+        token_ids, scores, in_text = seq.take_logprobs()
+        return self._pack(token_ids, scores, seq.request.logprobs, in_text) if scores else None
 
     def _take_prompt_logprobs(self, seq: Sequence) -> Logprobs | None:
         scores = seq.take_prompt_logprobs()
@@ -376,14 +377,26 @@ class SlotEngine(InferenceEngine):
             return None
         return self._pack(seq.prompt_token_ids, scores, seq.request.prompt_logprobs)
 
-    def _pack(self, token_ids: list[int], scores: list[TokenLogprob], num_top: int) -> Logprobs:
-        return pack(token_ids, scores, num_top, self._token_text)
+    def _pack(
+        self,
+        token_ids: list[int],
+        scores: list[TokenLogprob],
+        num_top: int,
+        in_text: list[bool] | None = None,
+    ) -> Logprobs:
+        return pack(token_ids, scores, num_top, self._token_text, self._token_bytes, in_text)
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self._token_bytes_seen.get(token_id)
+        if piece is None:
+            piece = self._token_bytes_seen[token_id] = self.tokenizer.token_bytes(token_id)
+        return piece
 
     def _free(self, seq: Sequence) -> None:
         self._slots[seq.slot] = None

@@ -8,6 +8,7 @@ to the Hugging Face hub, and what the default MODEL_ID falls back to there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -24,6 +25,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from protocol.settings import ConfigError
 
@@ -51,12 +53,29 @@ class TextTokenizer:
         # A token's vocabulary entry has a character per byte (byte-level BPE) or per
         # character, and decodes to no more characters than that.
         self.max_token_chars = max(len(token) for token in backend.get_vocab(True))
+        # A byte-level BPE (GPT-2's) spells each byte as one character of its own
+        # alphabet; an added token (the special ones) is spelled as itself.
+        self._byte_of = (
+            {char: byte for byte, char in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
+            if isinstance(backend.decoder, decoders.ByteLevel)
+            else None
+        )
+        self._added_ids = set(backend.get_added_tokens_decoder())
 
     def encode(self, text: str) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=False).ids)
 
     def decode(self, token_ids: Seq[int]) -> str:
         return str(self.backend.decode(list(token_ids), skip_special_tokens=False))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for, exact where its text alone is U+FFFD
+        (part of a character); for a tokenizer that is not byte-level, its text's."""
+        token = self.backend.id_to_token(token_id)
+        if self._byte_of is not None and token is not None and token_id not in self._added_ids:
+            with contextlib.suppress(KeyError):  # a character outside the byte alphabet
+                return bytes(self._byte_of[char] for char in token)
+        return self.decode([token_id]).encode()
 
 
 @dataclass
