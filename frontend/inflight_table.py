@@ -76,6 +76,19 @@ class InFlightTable:
             link.trial = entry
         self._by_wire_id[entry.wire_id] = entry
 
+    def put_back(self, entry: InFlight) -> None:
+        """``entry``'s worker refused it unrun (its queue was full): back in its
+        line, at its place, a trial still a suspect."""
+        link = entry.link
+        is_trial = link is not None and link.trial is entry
+        if link is not None:
+            link.held.discard(entry)
+            if is_trial:
+                link.trial = None
+        self._by_wire_id.pop(entry.wire_id, None)
+        entry.link = None
+        self.requeue(entry, is_suspect=is_trial)
+
     def take_back(self, link: WorkerLink) -> list[InFlight]:
         """Every request ``link`` holds, in order, now held by none (and in no line)."""
         entries = sorted(link.held, key=lambda entry: entry.order)

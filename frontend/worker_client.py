@@ -159,6 +159,12 @@ class WorkerClient:
                 # the worker and starts right after that step, not a step later.
                 if is_trial_passed or entry.ends_this_step:
                     self._dispatch()
+        elif isinstance(message, ErrorResult) and message.code == ErrorCode.QUEUE_FULL:
+            # Another client (a second frontend) filled the worker's queue first.
+            # This frontend accepted the request: it waits here for room again.
+            link.on_queue_full()
+            self._table.put_back(entry)
+            self._dispatch()
         else:
             link.on_done()
             self._table.resolve(entry, message)

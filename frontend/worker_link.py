@@ -75,6 +75,9 @@ class WorkerLink:
         # the worker's load from every frontend as it was then.
         self._num_sent = 0
         self._num_done = 0
+        # The worker refused a request for its full queue (another client filled
+        # it): nothing more goes to it before its next heartbeat says how full it is.
+        self._is_queue_full = False
         self._socket = worker_socket(context, endpoint, config.curve, is_immediate=True)
         self._monitor = self._socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
@@ -126,6 +129,10 @@ class WorkerLink:
         """A request this frontend sent here was answered or aborted: a slot freed."""
         self._num_done += 1
 
+    def on_queue_full(self) -> None:
+        """The worker refused a request this frontend sent: its queue was full."""
+        self._is_queue_full = True
+
     def free_slots(self) -> int:
         """Slots free for another request, as far as this frontend can tell: the
         worker's last heartbeat, plus what was sent here and answered since, plus
@@ -138,7 +145,8 @@ class WorkerLink:
         heartbeat = self.liveness.last_heartbeat
         busy = heartbeat.num_active + heartbeat.num_queued if heartbeat else 0
         num_ending = sum(entry.ends_this_step for entry in self.held)
-        return hello.capacity - max(0, busy + self._num_sent - self._num_done) + num_ending
+        free = hello.capacity - max(0, busy + self._num_sent - self._num_done) + num_ending
+        return min(free, -hello.max_queue_depth) if self._is_queue_full else free
 
     async def _receive_loop(self) -> None:
         while True:
@@ -151,10 +159,12 @@ class WorkerLink:
             if isinstance(message, Hello):
                 if message.instance_id != self.instance_id:
                     self._num_sent = self._num_done = 0  # a new worker: no heartbeat yet
+                    self._is_queue_full = False
                 self._events.on_hello(self, message)
             elif isinstance(message, Heartbeat):
                 if message.instance_id == self.instance_id:
                     self._num_sent = self._num_done = 0
+                    self._is_queue_full = False
                 self.liveness.on_heartbeat(message)
                 self._events.on_heartbeat(self)
             else:

@@ -264,3 +264,30 @@ def test_one_choice_failing_fails_a_request_that_does_not_stream(
     worker.wait_for(lambda: sent[0] in _aborted(worker), "the first choice aborted")
     assert sent[1] not in _aborted(worker)
     assert stack.health().json()["inflight"] == 0
+
+
+def _queue_full_at_first(request: GenerateRequest) -> list[ToFrontend]:
+    """As a worker whose queue another frontend filled: the first attempt is
+    refused, the next answered."""
+    if request.request_id.endswith(".1"):
+        return [ErrorResult(request.request_id, ErrorCode.QUEUE_FULL, "the queue is full")]
+    return [_result(request, "done")]
+
+
+def test_a_request_refused_for_a_full_queue_waits_for_room_instead_of_failing(
+    tmp_path: Path,
+) -> None:
+    """The frontend accepted it: another client filling the worker's queue first
+    is no reason to answer it 503."""
+    with StandInWorker(_queue_full_at_first, capacity=2) as worker:
+        overrides = {"WORKER_ENDPOINT": worker.endpoint}
+        with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+            stack.wait_live()
+            body = {"model": "fake", "prompt": "abc", "max_tokens": 8, "n": 2}
+            response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
+            assert response.status_code == 200, response.text
+            assert [choice["text"] for choice in response.json()["choices"]] == ["done"] * 2
+            # Each choice once refused, once sent again after a heartbeat: no storm.
+            attempts = sorted(wire_id.partition("-")[2] for wire_id in _sent(worker))
+            assert attempts == ["0.1", "0.2", "1.1", "1.2"]
+            assert stack.health().json()["inflight"] == 0
