@@ -66,6 +66,13 @@ class Liveness:
         self._is_disconnected = False
         return is_new
 
+    def on_own_pause(self) -> None:
+        """This side heard nothing for a while because it did not listen (it was
+        paused, or starved of CPU): the worker's silence and stillness meanwhile
+        are not the worker's. Both clocks start again now."""
+        if self.hello is not None:
+            self._last_seen_at = self._last_progress_at = self._clock()
+
     def on_disconnected(self) -> None:
         """The connection closed: dead at once, until a hello on a new connection."""
         self._is_disconnected = True

@@ -214,6 +214,34 @@ def test_a_supervisor_that_was_paused_reads_the_heartbeats_before_judging(
     assert worker.kill_reason is None
 
 
+def test_a_supervisor_paused_past_the_workers_frontend_timeout_asks_before_judging(
+    clock: _Clock,
+) -> None:
+    """Paused past FRONTEND_TIMEOUT_S, the worker took the supervisor for gone and
+    stopped its heartbeats: on resuming, the supervisor pings at once and gives the
+    worker HEARTBEAT_TIMEOUT_S (0.3 s here) to answer, not a kill for silence."""
+    with _watching_a_stand_in() as (supervisor, worker, watch, worker_socket):
+        worker.start()
+        while not worker_socket.poll(100):
+            watch.poll(0.01)  # pings until one reaches the stand-in
+        peer, _ = worker_socket.recv_multipart()
+        worker_socket.send_multipart([peer, encode(Hello("w", "fake", False, 1, 1024, 16, 1))])
+        while not watch.liveness.verdict().is_live:
+            watch.poll(0.01)
+        supervisor._judge(worker, watch)
+        time.sleep(0.5)  # paused; the worker sends nothing more
+        supervisor._judge(worker, watch)
+        assert worker.kill_reason is None
+        watch.poll(0.01)
+        assert worker_socket.poll(1000), "no ping after the pause"
+        answer_by = time.monotonic() + 0.4
+        while time.monotonic() < answer_by:  # verdicts on time, and no answer
+            supervisor._judge(worker, watch)
+            watch.poll(0.05)
+        supervisor._judge(worker, watch)
+    assert worker.kill_reason is not None and "no heartbeat" in worker.kill_reason
+
+
 def test_a_worker_forked_warm_has_a_minute_to_say_hello_however_long_the_timeout(
     clock: _Clock,
 ) -> None:

@@ -81,6 +81,13 @@ class WorkerWatch:
         socket.connect(self.endpoint)
         return socket, monitor
 
+    def on_own_pause(self) -> None:
+        """This supervisor did not run for a while: past FRONTEND_TIMEOUT_S the
+        worker took it for gone and stopped its heartbeats, so ping it at once; its
+        hello answers, and it has HEARTBEAT_TIMEOUT_S from now to be heard."""
+        self.liveness.on_own_pause()
+        self._next_ping = 0.0
+
     def forget_worker(self) -> None:
         # A new socket: a hello the dead worker sent just before it died, still
         # queued on the old one, would make its successor look live and served.
@@ -158,6 +165,7 @@ class Supervisor:
             child = Child(name, "frontend.main", config, _FRONTEND_SERVED_AFTER_S, env=env)
             self.frontends.append(child)
         self._stopping = False
+        self._last_turn_at = time.monotonic()
 
     def stop(self) -> None:
         """From a signal handler: the loop ends at its next turn, and starts nothing
@@ -186,6 +194,22 @@ class Supervisor:
                 child.stop()
                 watch.close()
 
+    def _notice_own_pause(self) -> None:
+        """Before each verdict: verdicts come about _TICK_S apart. One that comes
+        much later means this process was paused (SIGSTOP) or starved of CPU:
+        whatever its workers sent meanwhile went unheard, and the verdict would
+        kill a live worker."""
+        now = time.monotonic()
+        gap_s, self._last_turn_at = now - self._last_turn_at, now
+        if gap_s > max(self.config.heartbeat_timeout_s / 2, 3 * _TICK_S):
+            log.warning(
+                "this supervisor did not run for %.1f s (paused, or starved of CPU); its "
+                "workers have HEARTBEAT_TIMEOUT_S from now to be heard",
+                gap_s,
+            )
+            for _, watch in self.workers:
+                watch.on_own_pause()
+
     def _tend(self, child: Child, kind: list[Child], watch: WorkerWatch | None = None) -> None:
         """Start ``child`` when due, or schedule its restart if it ended; ``kind``
         is every child of its kind, whose serving keeps one crash loop from
@@ -204,6 +228,7 @@ class Supervisor:
             child.schedule_restart(cause, others_serve)
 
     def _judge(self, worker: Child, watch: WorkerWatch) -> None:
+        self._notice_own_pause()
         if self._stopping or worker.process is None:
             return
         liveness = watch.liveness
