@@ -16,6 +16,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from frontend.errors import ApiError
 from frontend.refusal import refuse
 
+# The probes, answered from memory: open to orchestrators and Prometheus without
+# the key, and past MAX_CONNECTIONS (`frontend.http_protocol`).
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 SEND_KEY = "send the header 'Authorization: Bearer <key>' (the openai client sends its api_key so)"
 

@@ -8,6 +8,11 @@ stops, would otherwise stay open for ever, holding a file descriptor and a
 place under MAX_CONNECTIONS. Here a head must be complete within
 HEADER_TIMEOUT_S of the connection opening, or of the first byte of a later
 request on a kept-alive connection; else the connection is closed.
+
+uvicorn answers every request 503 while MAX_CONNECTIONS connections are open
+(its ``limit_concurrency``), idle ones included, so a client holding that many
+would blind the orchestrator's probes too, and have the instance taken out of
+service. The probes (`OPEN_PATHS`) are answered past the limit.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import ClassVar
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from frontend.auth import OPEN_PATHS
 from frontend.errors import ApiError, error_body
 
 _INVALID_HTTP = ApiError(
@@ -40,6 +46,20 @@ def with_header_timeout(header_timeout_s: float) -> type[HeadTimeoutProtocol]:
 class HeadTimeoutProtocol(H11Protocol):
     header_timeout_s: ClassVar[float]
     head_timer: asyncio.TimerHandle | None = None
+    _max_connections: int | None = None
+
+    @property
+    def limit_concurrency(self) -> int | None:
+        """MAX_CONNECTIONS, as uvicorn reads it for each request, whose scope it has
+        just made: none for a probe."""
+        scope = getattr(self, "scope", None)
+        if scope is not None and scope.get("path") in OPEN_PATHS:
+            return None
+        return self._max_connections
+
+    @limit_concurrency.setter
+    def limit_concurrency(self, value: int | None) -> None:
+        self._max_connections = value
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

@@ -414,3 +414,30 @@ def test_a_body_after_a_utf8_byte_order_mark_is_read(stack: Stack) -> None:
     headers = {"Content-Type": JSON}
     response = httpx.post(f"{stack.url}/generate", content=content, headers=headers, timeout=10)
     assert response.status_code == 200, response.text
+
+
+def test_past_max_connections_only_the_probes_are_answered(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A client holding MAX_CONNECTIONS idle connections blinds no orchestrator:
+    /health, /ready and /metrics answer, everything else gets 503."""
+    tmp_path = tmp_path_factory.mktemp("connections")
+    overrides = {"MAX_CONNECTIONS": "4", "HEADER_TIMEOUT_S": "30"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        port = int(stack.url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+        try:
+            time.sleep(0.2)  # the server has taken them
+            for path in ("/health", "/ready", "/metrics"):
+                probe = httpx.get(f"{stack.url}{path}", timeout=GIVE_UP_S)
+                assert probe.status_code == 200, (path, probe.text)
+            body = {"prompt": "hi", "max_new_tokens": 2}
+            refused = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
+            assert refused.status_code == 503
+        finally:
+            for connection in idle:
+                connection.close()
+        time.sleep(0.2)
+        answered = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
+        assert answered.status_code == 200, answered.text
