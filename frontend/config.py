@@ -32,7 +32,10 @@ class FrontendConfig(WorkerClientConfig):
         "MAX_REQUEST_BYTES", 1024 * 1024, "largest request body; 413 beyond it"
     )
     body_timeout_s: float = setting(
-        "BODY_TIMEOUT_S", 30.0, "408 when a request body has not fully arrived after this long"
+        "BODY_TIMEOUT_S",
+        30.0,
+        "408 when a request body has not fully arrived after this long; a client that "
+        "takes no byte of its answer this long has its connection dropped",
     )
     header_timeout_s: float = setting(
         "HEADER_TIMEOUT_S",

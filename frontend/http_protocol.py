@@ -1,18 +1,23 @@
-"""uvicorn's h11 protocol with a deadline on request heads (HEADER_TIMEOUT_S),
-and its answer to a request that is not valid HTTP in every error's shape.
+"""uvicorn's h11 protocol with the limits a connection needs at the edge: a
+deadline on request heads, one on a client that stops reading, the probes
+answered past MAX_CONNECTIONS, and every error in the same shape.
 
-uvicorn times out only a kept-alive connection that sits idle after a response
-(``timeout_keep_alive``), and any byte that arrives cancels that timer. A
-connection that opens and sends nothing, or sends half a request head and
-stops, would otherwise stay open for ever, holding a file descriptor and a
-place under MAX_CONNECTIONS. Here a head must be complete within
-HEADER_TIMEOUT_S of the connection opening, or of the first byte of a later
-request on a kept-alive connection; else the connection is closed.
-
-uvicorn answers every request 503 while MAX_CONNECTIONS connections are open
-(its ``limit_concurrency``), idle ones included, so a client holding that many
-would blind the orchestrator's probes too, and have the instance taken out of
-service. The probes (`OPEN_PATHS`) are answered past the limit.
+- **Heads** (HEADER_TIMEOUT_S). uvicorn times out only a kept-alive connection
+  that sits idle after a response (``timeout_keep_alive``), and any byte that
+  arrives cancels that timer. A connection that opens and sends nothing, or half
+  a request head, would otherwise stay open for ever, holding a file descriptor
+  and a place under MAX_CONNECTIONS. Here a head must be complete within
+  HEADER_TIMEOUT_S of the connection opening, or of the first byte of a later
+  request on a kept-alive connection; else the connection is closed.
+- **Readers** (BODY_TIMEOUT_S). A client that stops reading an answer fills the
+  kernel's buffers, and the response then waits to write the rest with no time
+  limit, its connection held. Once writing has waited BODY_TIMEOUT_S without
+  the client taking a byte, the connection is dropped.
+- **Probes.** uvicorn answers every request 503 while MAX_CONNECTIONS
+  connections are open (its ``limit_concurrency``), idle ones included, so a
+  client holding that many would blind the orchestrator's probes too, and have
+  the instance taken out of service. The probes (`OPEN_PATHS`) are answered
+  past the limit.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from frontend.auth import OPEN_PATHS
+from frontend.config import FrontendConfig
 from frontend.errors import ApiError, error_body
 
 _INVALID_HTTP = ApiError(
@@ -35,17 +41,21 @@ _INVALID_HTTP = ApiError(
 )
 
 
-def with_header_timeout(header_timeout_s: float) -> type[HeadTimeoutProtocol]:
+def edge_protocol(config: FrontendConfig) -> type[EdgeProtocol]:
     """The class to give uvicorn as ``http=``; uvicorn builds one protocol per
-    connection from a class, so the setting travels as a class attribute."""
-    return type(
-        HeadTimeoutProtocol.__name__, (HeadTimeoutProtocol,), {"header_timeout_s": header_timeout_s}
-    )
+    connection from a class, so the settings travel as class attributes."""
+    settings = {
+        "header_timeout_s": config.header_timeout_s,
+        "reader_timeout_s": config.body_timeout_s,
+    }
+    return type(EdgeProtocol.__name__, (EdgeProtocol,), settings)
 
 
-class HeadTimeoutProtocol(H11Protocol):
+class EdgeProtocol(H11Protocol):
     header_timeout_s: ClassVar[float]
+    reader_timeout_s: ClassVar[float]
     head_timer: asyncio.TimerHandle | None = None
+    reader_timer: asyncio.TimerHandle | None = None
     _max_connections: int | None = None
 
     @property
@@ -75,6 +85,16 @@ class HeadTimeoutProtocol(H11Protocol):
         if self.conn.their_state is not h11.IDLE:
             self._cancel_head_timer()  # the head is complete (or the connection failed)
 
+    def pause_writing(self) -> None:
+        """The transport's buffer is full: the client is not reading."""
+        super().pause_writing()
+        if self.reader_timer is None:
+            self.reader_timer = self.loop.call_later(self.reader_timeout_s, self._on_stalled_reader)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_reader_timer()
+
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to what h11 cannot parse, as JSON in the shape of every
         other error rather than its plain text; the connection closes after it."""
@@ -94,6 +114,7 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_reader_timer()
         super().connection_lost(exc)
 
     def _start_head_timer(self) -> None:
@@ -105,6 +126,11 @@ class HeadTimeoutProtocol(H11Protocol):
             self.head_timer.cancel()
             self.head_timer = None
 
+    def _cancel_reader_timer(self) -> None:
+        if self.reader_timer is not None:
+            self.reader_timer.cancel()
+            self.reader_timer = None
+
     def _on_head_timeout(self) -> None:
         self.head_timer = None
         if not self.transport.is_closing():
@@ -114,3 +140,13 @@ class HeadTimeoutProtocol(H11Protocol):
                 self.header_timeout_s,
             )
             self.transport.close()
+
+    def _on_stalled_reader(self) -> None:
+        self.reader_timer = None
+        self.logger.info(
+            "%s: took no byte of its answer for BODY_TIMEOUT_S=%g s; connection dropped",
+            self.client,
+            self.reader_timeout_s,
+        )
+        # Not close(): that would wait to send what the client does not read.
+        self.transport.abort()

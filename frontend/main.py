@@ -14,7 +14,7 @@ import uvicorn
 
 from frontend.app import create_app
 from frontend.config import FrontendConfig
-from frontend.http_protocol import with_header_timeout
+from frontend.http_protocol import edge_protocol
 from frontend.worker_client import WorkerClient
 from protocol.lifeline import follow_supervisor
 from protocol.settings import ConfigError, exit_refusing, load
@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level="info",
         access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        http=with_header_timeout(config.header_timeout_s),
+        http=edge_protocol(config),
         timeout_keep_alive=config.keep_alive_timeout_s,
         limit_concurrency=config.max_connections,
     )

@@ -7,6 +7,7 @@ its limit for a reason other than time: a hang, a status, or a size.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import socket
@@ -441,3 +442,33 @@ def test_past_max_connections_only_the_probes_are_answered(
         time.sleep(0.2)
         answered = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
         assert answered.status_code == 200, answered.text
+
+
+def test_a_client_that_stops_reading_its_answer_is_dropped_after_the_body_timeout(
+    stack: Stack,
+) -> None:
+    """A 2 MB answer, a reader that takes nothing: the response would wait to
+    write the rest for ever, holding its connection. It is dropped instead."""
+    body = json.dumps(
+        {"model": "fake", "prompt": "中文" * 500, "max_tokens": 0, "echo": True}
+        | {"logprobs": 20, "n": 8},
+        ensure_ascii=False,
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: {JSON}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    port = int(stack.url.rsplit(":", 1)[1])
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        client.connect(("127.0.0.1", port))
+        client.sendall(head + body)
+        time.sleep(TIMEOUT_S + 3)  # reading nothing, past BODY_TIMEOUT_S
+        client.settimeout(GIVE_UP_S)
+        received = bytearray()
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := client.recv(1 << 16):
+                received += chunk
+    head, _, answer = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert len(answer) < _length(bytes(received))  # cut off, not the whole answer
