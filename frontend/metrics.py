@@ -160,7 +160,9 @@ class _WorkerCollector(Collector):
         )
         # Each worker's memory, so that growth shows (labelled by its address).
         rss = GaugeMetricFamily(
-            "minibatch_worker_rss_bytes", "The worker process's resident memory", labels=["worker"]
+            "minibatch_worker_rss_bytes",
+            "The worker process's resident memory (weights shared with other workers included)",
+            labels=["worker"],
         )
         kv_cache = GaugeMetricFamily(
             "minibatch_worker_kv_cache_bytes",
