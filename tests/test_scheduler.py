@@ -362,3 +362,20 @@ def test_a_first_token_is_sent_before_the_decode_of_its_step() -> None:
     assert scheduler.num_finished == 1
     _run(scheduler)
     assert scheduler.num_finished == 2
+
+
+def test_whole_prompts_past_a_passs_budget_go_in_several_passes_each_counted_as_progress() -> None:
+    """Heartbeats must see a long admission move: 48 prompts of 1,000 tokens in
+    one pass took over 30 s, and the worker was replaced as hung."""
+    engine = FakeEngine(4)
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    for i in range(3):  # 1,000 + 1,000 fit a pass of WHOLE_PREFILL_TOKENS; the third waits
+        scheduler.submit(GenerateRequest(f"r{i}", "x" * 1000, 2))
+    outputs = scheduler.run_once()
+    assert engine.num_extra_admission_passes() == 1
+    assert scheduler.num_steps == 2  # the first pass, then the second with the step
+    while scheduler.has_work():
+        outputs += scheduler.run_once()
+    assert engine.num_extra_admission_passes() == 1
+    texts = [out.text for out in outputs if isinstance(out, GenerateResult)]
+    assert texts == [expected_text("x" * 1000, 2)] * 3

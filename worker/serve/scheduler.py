@@ -46,7 +46,7 @@ class Scheduler:
     ) -> None:
         self.engine = engine
         self.max_queue_depth = max_queue_depth
-        self.num_steps = 0  # iterations that did work: the progress counter of heartbeats
+        self._num_working_iterations = 0
         self.num_finished = 0  # requests answered (result or error): heartbeats report it
         # Engine failures with no success between them: a worker whose engine fails
         # everything (a poisoned CUDA context, say) must be replaced, not kept.
@@ -61,6 +61,13 @@ class Scheduler:
         self._admitted_at: dict[str, tuple[float, float]] = {}  # id -> (arrival, admission)
         self._reported_waiting: set[str] = set()  # queued ids the frontend was told wait
         self._newly_queued: list[str] = []  # queued since the last iteration
+
+    @property
+    def num_steps(self) -> int:
+        """The progress counter of heartbeats: iterations that did work, and the
+        extra passes over the model of long admissions. Safe to read from any
+        thread."""
+        return self._num_working_iterations + self.engine.num_extra_admission_passes()
 
     @property
     def num_queued(self) -> int:
@@ -139,7 +146,7 @@ class Scheduler:
         self._admit(newcomers, self._clock(), outputs)
         self.num_busy = self.engine.num_active()
         if self.engine.num_active() > 0 and self._step(outputs, send):
-            self.num_steps += 1
+            self._num_working_iterations += 1
         self._count_finished(outputs)
         self._count_busy_unless_refilled()
         return outputs
