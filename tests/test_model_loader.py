@@ -52,6 +52,9 @@ def test_synthetic_tokenizer_is_the_real_gpt2_bpe() -> None:
     assert backend.encode("The capital of France is").ids == [464, 3139, 286, 4881, 318]
     text = "naïve café — 東京"
     assert backend.decode(backend.encode(text).ids) == text
+    # The end token in a text (a chat template's eos_token, say) is the end token,
+    # as in GPT-2's own tokenizer.json, not 7 tokens of its letters.
+    assert TextTokenizer(backend, 50256).encode("a<|endoftext|>b") == [64, 50256, 65]
 
 
 def test_default_model_id_falls_back_to_synthetic_with_a_warning(

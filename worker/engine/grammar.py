@@ -77,8 +77,8 @@ def hf_grammar_tokenizer(
 
 
 def _with_eos_special(tokenizer_json: str, eos_token_id: int | None) -> str:
-    """The tokenizer, with its end token marked special where it was not (the
-    synthetic model's GPT-2 BPE does not mark it): llguidance reads an unmarked
+    """The tokenizer, with its end token marked special where it was not (a
+    model's tokenizer.json may not mark it): llguidance reads an unmarked
     one as text, and '<|endoftext|>' would then fit inside a JSON string or a
     regex's dot and end the output there, unfinished."""
     tokenizer = Tokenizer.from_str(tokenizer_json)

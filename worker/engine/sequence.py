@@ -272,8 +272,8 @@ class Sequence:
 
     def _decode_output(self, token_ids: list[int]) -> str:
         """Output tokens as text, the end-of-sequence token's left out: generated
-        past (ignore_eos), it is a marker, not the text "<|endoftext|>", which
-        would tokenize to other tokens. vLLM and llama.cpp's servers leave it out too."""
+        past (ignore_eos), it is a marker, not the text "<|endoftext|>". vLLM and
+        llama.cpp's servers leave it out too."""
         eos = self._tokenizer.eos_token_id
         if eos is not None and eos in token_ids:
             token_ids = [token_id for token_id in token_ids if token_id != eos]

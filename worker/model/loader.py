@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -32,6 +32,7 @@ from protocol.settings import ConfigError
 logger = logging.getLogger(__name__)
 
 SYNTHETIC = "synthetic"
+EOS_TEXT = "<|endoftext|>"  # GPT-2's end token, id 50256
 SYNTHETIC_SEED = 0
 HF_HUB = "https://huggingface.co"
 
@@ -147,6 +148,9 @@ def gpt2_tokenizer() -> HFTokenizer:
     tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    # As GPT-2's own tokenizer.json has it: "<|endoftext|>" in a text (a prompt, a
+    # chat template's eos_token) is the end token, not 7 tokens of its letters.
+    tokenizer.add_special_tokens([AddedToken(EOS_TEXT, special=True)])
     return tokenizer
 
 
