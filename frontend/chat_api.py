@@ -19,7 +19,7 @@ from frontend.choices import num_to_generate
 from frontend.errors import ApiError
 from frontend.generation import respond
 from frontend.inflight import InFlight
-from frontend.logprobs import chat_logprobs, unpack
+from frontend.logprobs import TokenScore, chat_logprobs, unpack
 from frontend.openai_common import (
     Envelope,
     UsageStream,
@@ -140,17 +140,26 @@ class _ChatStream:
         self.usage = usage
         self.wants_logprobs = bool(body.logprobs)
         self.is_started = False
+        self.pending: list[TokenScore] = []  # scored tokens whose text is not sent yet
 
     def delta(self, delta: TokenDelta) -> str | None:
         self.usage.count(delta.prompt_tokens, len(delta.token_ids))
-        logprobs = chat_logprobs(unpack(delta.logprobs)) if self.wants_logprobs else None
-        if not delta.text and not logprobs:
-            return None  # tokens whose text is held back: nothing to show yet
-        return self._chunk({"content": delta.text}, logprobs, None)
+        if self.wants_logprobs:
+            self.pending += unpack(delta.logprobs)
+        if not delta.text:
+            return None  # held back (half a character): its logprobs go with its text
+        return self._chunk({"content": delta.text}, self._take_logprobs(), None)
 
     def final(self, result: GenerateResult) -> list[str]:
-        logprobs = chat_logprobs(unpack(result.logprobs)) if self.wants_logprobs else None
-        return [self._chunk({}, logprobs, result.finish_reason)]
+        if self.wants_logprobs:
+            self.pending += unpack(result.logprobs)
+        return [self._chunk({}, self._take_logprobs(), result.finish_reason)]
+
+    def _take_logprobs(self) -> dict[str, Any] | None:
+        if not self.wants_logprobs:
+            return None
+        scores, self.pending = self.pending, []
+        return chat_logprobs(scores)
 
     def _chunk(
         self, delta: dict[str, str], logprobs: dict[str, Any] | None, finish_reason: str | None

@@ -109,6 +109,28 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     ]
 
 
+def test_a_streamed_tokens_logprobs_go_with_the_chunk_that_shows_its_text(
+    client: openai.OpenAI,
+) -> None:
+    """The fake writes a surrogate as U+FFFD, held back as half a character: the
+    held tokens' logprobs wait for their text, never a chunk of their own."""
+    surrogate = 0xD800
+    stream = client.chat.completions.create(
+        model="fake",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=4,
+        logprobs=True,
+        logit_bias={str(surrogate): 100},
+        stream=True,
+    )
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    scored = [choice for choice in chunks if choice.logprobs and choice.logprobs.content]
+    assert all(choice.delta.content for choice in scored)
+    tokens = [entry.token for choice in scored for entry in choice.logprobs.content]  # type: ignore[union-attr]
+    assert tokens == ["\ufffd"] * 4
+    assert "".join(choice.delta.content or "" for choice in chunks) == "\ufffd" * 4
+
+
 def test_top_logprobs_without_logprobs_is_an_invalid_request(stack: Stack) -> None:
     for logprobs in ({}, {"logprobs": False}):
         body = {"model": "fake", "messages": MESSAGES, "top_logprobs": 2, **logprobs}
