@@ -74,8 +74,8 @@ class SlotEngine(InferenceEngine):
         self._slots: list[Sequence | None] = [None] * capacity
         self._by_id: dict[str, Sequence] = {}
         self._token_texts: dict[int, str] = {}  # each token's own text, for logprobs
-        self._num_extra_admission_passes = 0
         self._token_bytes_seen: dict[int, bytes] = {}  # and its bytes
+        self._num_extra_admission_passes = 0
 
     # --- what a subclass computes -------------------------------------------------
 
