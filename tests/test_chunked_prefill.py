@@ -21,6 +21,7 @@ from tests.model_fixtures import (
     tiny_engine,
     tiny_model,
 )
+from worker.engine import slot_engine
 from worker.engine.torch_engine import TorchEngine
 from worker.model.gpt2 import GPT2
 from worker.serve.scheduler import Scheduler
@@ -196,3 +197,26 @@ def test_a_chunk_that_fails_fails_its_own_request_only(monkeypatch: pytest.Monke
     for r in (requests[0], requests[2]):
         assert results[r.request_id].token_ids == reference_ids(model, r)
     assert engine.num_active() == 0 and scheduler.num_failures_in_a_row == 0
+
+
+def test_a_burst_on_an_idle_worker_prefills_in_passes_each_counted_and_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No stream waits, so every prompt goes in at once; but in passes, which
+    heartbeats count: one pass of 64 prompts of 950 tokens outlasted STEP_TIMEOUT_S."""
+    monkeypatch.setattr(slot_engine, "PREFILL_PASS_TOKENS", 40)
+    model = tiny_model().model
+    engine = tiny_engine(capacity=4, prefill_chunk_tokens=CHUNK)
+    rng = random.Random(5)
+    requests = [request(f"r{i}", random_prompt(rng, 30, 30), 6) for i in range(4)]
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    for r in requests:
+        scheduler.submit(r)
+    outputs = scheduler.run_once()
+    assert engine.num_extra_prefill_passes() == 3  # a pass for each prompt of 30
+    assert scheduler.num_steps == 4
+    while scheduler.has_work():
+        outputs += scheduler.run_once()
+    results = {o.request_id: o for o in outputs if isinstance(o, GenerateResult)}
+    for r in requests:
+        assert results[r.request_id].token_ids == reference_ids(model, r)

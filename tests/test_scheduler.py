@@ -369,13 +369,13 @@ def test_whole_prompts_past_a_passs_budget_go_in_several_passes_each_counted_as_
     one pass took over 30 s, and the worker was replaced as hung."""
     engine = FakeEngine(4)
     scheduler = Scheduler(engine, max_queue_depth=10)
-    for i in range(3):  # 1,000 + 1,000 fit a pass of WHOLE_PREFILL_TOKENS; the third waits
+    for i in range(3):  # 1,000 + 1,000 fit a pass of PREFILL_PASS_TOKENS; the third waits
         scheduler.submit(GenerateRequest(f"r{i}", "x" * 1000, 2))
     outputs = scheduler.run_once()
-    assert engine.num_extra_admission_passes() == 1
+    assert engine.num_extra_prefill_passes() == 1
     assert scheduler.num_steps == 2  # the first pass, then the second with the step
     while scheduler.has_work():
         outputs += scheduler.run_once()
-    assert engine.num_extra_admission_passes() == 1
+    assert engine.num_extra_prefill_passes() == 1
     texts = [out.text for out in outputs if isinstance(out, GenerateResult)]
     assert texts == [expected_text("x" * 1000, 2)] * 3

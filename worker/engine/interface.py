@@ -77,10 +77,10 @@ class InferenceEngine(ABC):
     def num_active(self) -> int:
         """Slots in use now; never more than ``capacity``."""
 
-    def num_extra_admission_passes(self) -> int:
-        """Passes over the model that admissions ran besides one each, counting up:
-        a long admission (many whole prompts) runs in several, and heartbeats show
-        each as progress. Safe to read from any thread."""
+    def num_extra_prefill_passes(self) -> int:
+        """Passes over the model that prefills ran besides one each, counting up: a
+        long prefill (many whole prompts) runs in several, and heartbeats show each
+        as progress. Safe to read from any thread."""
         return 0
 
     def num_matmul_shapes(self) -> int:

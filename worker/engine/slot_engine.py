@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from typing import TypeVar
 
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
 from worker.engine.admission import new_sequence
@@ -26,10 +27,14 @@ from worker.engine.prefix_cache import Match, PrefixCache
 from worker.engine.sequence import Sequence, Tokenizer
 
 log = logging.getLogger(__name__)
+_Item = TypeVar("_Item")
 
-# Context tokens one pass of whole-prompt prefill (PREFILL_CHUNK_TOKENS=0) takes
-# at most: past a few thousand, more rows make no product faster.
-WHOLE_PREFILL_TOKENS = 2048
+# Context tokens one pass over the model takes at most, when a step prefills more
+# (whole prompts, or chunks while no stream waits): a step's prefill runs in such
+# passes, each counted as progress by heartbeats, since one pass of 64 prompts of
+# 950 tokens took over 30 s on 2 cores, past the clients' STEP_TIMEOUT_S, and the
+# worker was taken for hung. Past a few thousand rows no product gets faster.
+PREFILL_PASS_TOKENS = 2048
 
 
 class SlotEngine(InferenceEngine):
@@ -75,7 +80,7 @@ class SlotEngine(InferenceEngine):
         self._by_id: dict[str, Sequence] = {}
         self._token_texts: dict[int, str] = {}  # each token's own text, for logprobs
         self._token_bytes_seen: dict[int, bytes] = {}  # and its bytes
-        self._num_extra_admission_passes = 0
+        self._num_extra_prefill_passes = 0
 
     # --- what a subclass computes -------------------------------------------------
 
@@ -166,27 +171,16 @@ class SlotEngine(InferenceEngine):
                 self._take_first_token(seq, token_id)
         return [seq.request_id for seq in newcomers]
 
-    def num_extra_admission_passes(self) -> int:
-        return self._num_extra_admission_passes
+    def num_extra_prefill_passes(self) -> int:
+        return self._num_extra_prefill_passes
 
     def _prefill_whole(self, newcomers: list[Sequence]) -> list[int]:
-        """Without chunks: each context whole, in passes of at most
-        WHOLE_PREFILL_TOKENS (one context past it has a pass of its own), so that
-        heartbeats show a long admission moving: one pass of 48 prompts of 1,000
-        tokens took over 30 s on 2 cores, past the clients' STEP_TIMEOUT_S. The
-        passes before the last are counted: the step that follows counts the last."""
+        """Without chunks: each context whole, in passes."""
         first_tokens: list[int] = []
-        group: list[Sequence] = []
-        num_tokens = 0
-        for seq in newcomers:
-            length = len(seq.context_token_ids)
-            if group and num_tokens + length > WHOLE_PREFILL_TOKENS:
-                first_tokens += self._prefill(group)
-                self._num_extra_admission_passes += 1
-                group, num_tokens = [], 0
-            group.append(seq)
-            num_tokens += length
-        return first_tokens + self._prefill(group)
+        for k, group in enumerate(_passes(newcomers, lambda seq: len(seq.context_token_ids))):
+            self._num_extra_prefill_passes += k > 0
+            first_tokens += self._prefill(group)
+        return first_tokens
 
     def _place(self, newcomers: list[Sequence], free: list[int]) -> None:
         """Give each newcomer a free slot: in order; with the prefix cache, the one
@@ -270,8 +264,9 @@ class SlotEngine(InferenceEngine):
             holds_up_streams,
             self.prefix_cache,
         )
-        if chunks:
-            self._run_chunks(chunks, output)
+        for k, group in enumerate(_passes(chunks, lambda chunk: chunk[2] - chunk[1])):
+            self._num_extra_prefill_passes += k > 0
+            self._run_chunks(group, output)
 
     def _run_chunks(self, chunks: list[Chunk], output: StepOutput) -> None:
         """Prefill ``chunks``. If that fails, each is run alone, so that a failure
@@ -432,3 +427,18 @@ class SlotEngine(InferenceEngine):
         if self.prefix_cache is not None:
             self.prefix_cache.released(seq.slot)
         self._release(seq.slot)
+
+
+def _passes(items: list[_Item], num_tokens: Callable[[_Item], int]) -> Iterator[list[_Item]]:
+    """``items`` in order, in runs of at most PREFILL_PASS_TOKENS tokens (one
+    item past it alone)."""
+    run: list[_Item] = []
+    total = 0
+    for item in items:
+        if run and total + num_tokens(item) > PREFILL_PASS_TOKENS:
+            yield run
+            run, total = [], 0
+        run.append(item)
+        total += num_tokens(item)
+    if run:
+        yield run

@@ -65,9 +65,9 @@ class Scheduler:
     @property
     def num_steps(self) -> int:
         """The progress counter of heartbeats: iterations that did work, and the
-        extra passes over the model of long admissions. Safe to read from any
+        extra passes over the model of long prefills. Safe to read from any
         thread."""
-        return self._num_working_iterations + self.engine.num_extra_admission_passes()
+        return self._num_working_iterations + self.engine.num_extra_prefill_passes()
 
     @property
     def num_queued(self) -> int:
