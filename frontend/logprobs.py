@@ -15,6 +15,7 @@ from protocol import Logprobs
 # JSON has no -inf; vLLM reports a token the model rules out as -9999.0 too.
 _FLOOR = -9999.0
 _Text = TypeVar("_Text", str, bytes)
+_REPLACED = "\N{REPLACEMENT CHARACTER}"  # what bytes that make no character decode to
 
 
 class Candidate(NamedTuple):
@@ -82,9 +83,22 @@ class TextOffsets:
     def place(self, scores: list[TokenScore]) -> list[int]:
         offsets = []
         for score in scores:
-            offsets.append(self._num_chars)
+            offsets.append(self._num_chars + self._num_ended_by(score.bytes[:1]))
             self._num_chars += len(self._decoder.decode(score.bytes))
         return offsets
+
+    def _num_ended_by(self, first_byte: bytes) -> int:
+        """The characters that bytes held back (the start of a character) make
+        once ``first_byte`` shows that they never complete: a U+FFFD before the
+        token, which the decoder writes only with the token's own text."""
+        held, _ = self._decoder.getstate()
+        if not held or not first_byte:
+            return 0
+        probe = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        written = probe.decode(held + first_byte)
+        if written == "" or (len(written) == 1 and written != _REPLACED):
+            return 0  # the first byte goes on with the held character
+        return len(codecs.decode(held, "utf-8", errors="replace"))
 
 
 def completion_logprobs(scores: list[TokenScore], offsets: list[int]) -> dict[str, Any]:

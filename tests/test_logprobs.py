@@ -32,6 +32,11 @@ def _scores(*pieces: bytes) -> list[TokenScore]:
         ([b"a", b"\xff", "\ufffd".encode(), b"b"], [0, 1, 2, 3]),
         # An end token adds nothing to the text.
         ([b"a", b"", b"b"], [0, 1, 1]),
+        # The start of a character that never completes is one U+FFFD of its own,
+        # before the token that shows it never completes.
+        ([b"Hello", b"\xe6", b"a"], [0, 5, 6]),
+        ([b"\xe6", b"\xe6", b"\xe6", b"\xe6"], [0, 1, 2, 3]),
+        ([b"\xe6\x9d", b"\xf0\x9f\x98\x80"], [0, 1]),
     ],
 )
 def test_each_token_is_placed_where_its_first_bytes_character_begins(
@@ -62,7 +67,7 @@ def test_a_streams_offsets_are_the_whole_answers_however_it_is_cut(
         start = max(start, cut)
     assert streamed == whole
     text = b"".join(pieces).decode(errors="replace")
-    assert all(offset <= len(text) for offset in whole)
+    assert whole == sorted(whole) and all(offset <= len(text) for offset in whole)
 
 
 def test_chat_bytes_are_the_tokens_own_and_those_of_its_alternatives() -> None:
