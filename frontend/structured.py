@@ -64,7 +64,7 @@ JSON_KINDS = (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT, GrammarKind.JSON
 # llguidance reads a schema's numbers as doubles, and integer bounds as 64-bit
 # integers, so past 2^53 it follows a neighbour of the integer asked for: enum
 # [9007199254740993] allowed ...992, maximum 10^19 refused 10^19. Such schemas
-# are refused rather than followed wrongly.
+# (floats as large too) are refused rather than followed wrongly.
 MAX_EXACT_INTEGER = 2**53
 _EXACT_KEYWORDS = frozenset(
     {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum", "const"}
@@ -208,44 +208,52 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
     if len(text) > MAX_GRAMMAR_CHARS:
         return "", f"{len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
     if kind in JSON_KINDS:
-        inexact = ((at, n) for at, n in _asked_integers(value, "") if abs(n) > MAX_EXACT_INTEGER)
+        inexact = ((at, n) for at, n in _asked_numbers(value, "") if _is_past_doubles(n))
         if (found := next(inexact, None)) is not None:
             return "", (
-                f"Unimplemented: {found[0].lstrip('.')} holds {found[1]}, an integer past "
-                f"±2^53 ({MAX_EXACT_INTEGER}) that JSON Schema bounds, enum and const "
-                "cannot follow exactly here; ask for a string with a pattern instead"
+                f"Unimplemented: {found[0].lstrip('.')} holds {found[1]!r}, past ±2^53 "
+                f"({MAX_EXACT_INTEGER}), where JSON Schema bounds, enum and const cannot "
+                "be followed exactly here; ask for a string with a pattern instead"
             )
     return _checked_grammar(kind, text)
 
 
-def _asked_integers(schema: Any, path: str) -> Iterator[tuple[str, int]]:
-    """Each integer ``schema`` asks for exactly (a bound, or in an enum or a
+def _is_past_doubles(number: int | float) -> bool:
+    """An integer past 2^53, or a float as large: 9007199254740993.0 is parsed as
+    ...992.0 before anything here sees it."""
+    if isinstance(number, float):
+        return abs(number) >= MAX_EXACT_INTEGER
+    return abs(number) > MAX_EXACT_INTEGER
+
+
+def _asked_numbers(schema: Any, path: str) -> Iterator[tuple[str, int | float]]:
+    """Each number ``schema`` asks for exactly (a bound, or in an enum or a
     const), with where it is."""
     if isinstance(schema, list):
         for i, item in enumerate(schema):
-            yield from _asked_integers(item, f"{path}[{i}]")
+            yield from _asked_numbers(item, f"{path}[{i}]")
     elif isinstance(schema, dict):
         for key, item in schema.items():
             where = f"{path}.{key}"
             if key in _EXACT_KEYWORDS:
-                yield from _integers(item, where)
+                yield from _numbers(item, where)
             elif key in _SCHEMA_MAPS and isinstance(item, dict):
                 for name, subschema in item.items():
-                    yield from _asked_integers(subschema, f"{where}.{name}")
+                    yield from _asked_numbers(subschema, f"{where}.{name}")
             else:
-                yield from _asked_integers(item, where)
+                yield from _asked_numbers(item, where)
 
 
-def _integers(value: Any, path: str) -> Iterator[tuple[str, int]]:
-    """Each integer anywhere in ``value``, a JSON value, with where it is."""
-    if isinstance(value, int) and not isinstance(value, bool):
+def _numbers(value: Any, path: str) -> Iterator[tuple[str, int | float]]:
+    """Each number anywhere in ``value``, a JSON value, with where it is."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         yield path, value
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            yield from _integers(item, f"{path}[{i}]")
+            yield from _numbers(item, f"{path}[{i}]")
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from _integers(item, f"{path}.{key}")
+            yield from _numbers(item, f"{path}.{key}")
 
 
 @functools.lru_cache(maxsize=256)

@@ -226,6 +226,9 @@ PAST_DOUBLES = 2**53 + 1  # the first integer a double cannot hold
         ({"properties": {"n": {"type": "integer", "maximum": 10**19}}}, "properties.n.maximum"),
         ({"anyOf": [{"type": "integer", "exclusiveMinimum": PAST_DOUBLES}]}, "anyOf[0]."),
         ({"$defs": {"enum": {"multipleOf": PAST_DOUBLES}}}, "$defs.enum.multipleOf"),
+        # 9007199254740993.0 is ...992.0 once parsed: a float that large is refused.
+        ({"const": float(2**53)}, "const"),
+        ({"maximum": 1e17}, "maximum"),
     ],
 )
 def test_an_integer_past_two_to_the_53_is_refused_not_followed_as_its_neighbour(
