@@ -12,7 +12,8 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
 - **Readers** (BODY_TIMEOUT_S). A client that stops reading an answer fills the
   kernel's buffers, and the response then waits to write the rest with no time
   limit, its connection held. Once writing has waited BODY_TIMEOUT_S without
-  the client taking a byte, the connection is dropped.
+  the client taking a byte (what waits to be written has not shrunk), the
+  connection is dropped; a client that reads slowly is not.
 - **Probes.** uvicorn answers every request 503 while MAX_CONNECTIONS
   connections are open (its ``limit_concurrency``), idle ones included, so a
   client holding that many would blind the orchestrator's probes too, and have
@@ -86,10 +87,11 @@ class EdgeProtocol(H11Protocol):
             self._cancel_head_timer()  # the head is complete (or the connection failed)
 
     def pause_writing(self) -> None:
-        """The transport's buffer is full: the client is not reading."""
+        """The transport's buffer is full: the client reads slower than the answer
+        is written, or not at all."""
         super().pause_writing()
         if self.reader_timer is None:
-            self.reader_timer = self.loop.call_later(self.reader_timeout_s, self._on_stalled_reader)
+            self._watch_reader(self.transport.get_write_buffer_size())
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -141,7 +143,17 @@ class EdgeProtocol(H11Protocol):
             )
             self.transport.close()
 
-    def _on_stalled_reader(self) -> None:
+    def _watch_reader(self, num_waiting: int) -> None:
+        """In BODY_TIMEOUT_S, check that fewer than ``num_waiting`` bytes wait."""
+        self.reader_timer = self.loop.call_later(
+            self.reader_timeout_s, self._check_reader, num_waiting
+        )
+
+    def _check_reader(self, num_waiting_before: int) -> None:
+        num_waiting = self.transport.get_write_buffer_size()
+        if num_waiting < num_waiting_before:
+            self._watch_reader(num_waiting)  # slow, but reading
+            return
         self.reader_timer = None
         self.logger.info(
             "%s: took no byte of its answer for BODY_TIMEOUT_S=%g s; connection dropped",

@@ -444,31 +444,46 @@ def test_past_max_connections_only_the_probes_are_answered(
         assert answered.status_code == 200, answered.text
 
 
-def test_a_client_that_stops_reading_its_answer_is_dropped_after_the_body_timeout(
-    stack: Stack,
-) -> None:
-    """A 2 MB answer, a reader that takes nothing: the response would wait to
-    write the rest for ever, holding its connection. It is dropped instead."""
-    body = json.dumps(
-        {"model": "fake", "prompt": "中文" * 500, "max_tokens": 0, "echo": True}
-        | {"logprobs": 20, "n": 8},
-        ensure_ascii=False,
-    ).encode()
+def _read_a_large_answer(stack: Stack, wait_s: float, bytes_per_s: float) -> tuple[int, int]:
+    """Ask for a 5 MB answer (more than the kernel holds for a client with a small
+    receive buffer), wait ``wait_s`` before reading, then read at ``bytes_per_s``
+    until the server is done: the bytes of the answer received, and its length."""
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "😀"}], "n": 8}
+    chat |= {"max_tokens": 512, "logprobs": True, "top_logprobs": 20}
+    chat["logit_bias"] = {str(ord("😀")): 100}  # 4-byte characters, 20 alternatives each
+    body = json.dumps(chat).encode()
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: {JSON}\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: {JSON}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode()
     port = int(stack.url.rsplit(":", 1)[1])
     with socket.socket() as client:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         client.connect(("127.0.0.1", port))
         client.sendall(head + body)
-        time.sleep(TIMEOUT_S + 3)  # reading nothing, past BODY_TIMEOUT_S
+        time.sleep(wait_s)
         client.settimeout(GIVE_UP_S)
         received = bytearray()
         with contextlib.suppress(ConnectionResetError):
             while chunk := client.recv(1 << 16):
                 received += chunk
-    head, _, answer = bytes(received).partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200")
-    assert len(answer) < _length(bytes(received))  # cut off, not the whole answer
+                time.sleep(len(chunk) / bytes_per_s)
+    answer_head, _, answer = bytes(received).partition(b"\r\n\r\n")
+    assert answer_head.startswith(b"HTTP/1.1 200")
+    return len(answer), _length(bytes(received))
+
+
+def test_a_client_that_stops_reading_its_answer_is_dropped_after_the_body_timeout(
+    stack: Stack,
+) -> None:
+    """A reader that takes nothing: the response would wait to write the rest for
+    ever, holding its connection. It is dropped instead."""
+    received, length = _read_a_large_answer(stack, 4 * TIMEOUT_S + 2, 1e9)
+    assert received < length  # cut off, not the whole answer
+
+
+def test_a_client_that_reads_slowly_gets_its_whole_answer(stack: Stack) -> None:
+    """At 1 MB/s the server's buffers drain more slowly than BODY_TIMEOUT_S, but
+    the client reads all along: it is not dropped."""
+    received, length = _read_a_large_answer(stack, 0, 1e6)
+    assert received == length
