@@ -123,16 +123,26 @@ def test_the_kv_caches_of_every_worker_must_fit_the_cgroups_limit(
     """One cache fits, two do not: the OOM killer would end one of two workers."""
     model_id = _saved_tiny_model(tmp_path)
     one_cache = load_engine(WorkerConfig(model_id=model_id, device="cpu")).cache.nbytes
-    limit = (one_cache * 3 // 2, "its cgroup's memory.max")
+    held = 2**30  # the model and torch, resident already
+    limit = (held * 3 // 2 + one_cache * 3 // 2, "its cgroup's memory.max")
     monkeypatch.setattr(torch_engine, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(torch_engine, "resident_bytes", lambda: held)
 
     assert load_engine(WorkerConfig(model_id=model_id, device="cpu", num_workers=1))
     with pytest.raises(ConfigError) as caught:
         load_engine(WorkerConfig(model_id=model_id, device="cpu", num_workers=2))
     assert "in each of NUM_WORKERS=2" in str(caught.value)
+    assert (
+        "which with the 1.00 GiB this worker holds already (the model, torch) and 0.50 GiB "
+        "for its steps' working memory is" in str(caught.value)
+    )
     assert str(caught.value).endswith(
         "this process may use (its cgroup's memory.max): lower MAX_BATCH_SIZE or NUM_WORKERS"
     )
+    # What the worker holds counts: one cache no longer fits beside twice as much.
+    monkeypatch.setattr(torch_engine, "resident_bytes", lambda: 2 * held)
+    with pytest.raises(ConfigError, match=r"lower MAX_BATCH_SIZE$"):
+        load_engine(WorkerConfig(model_id=model_id, device="cpu", num_workers=1))
 
 
 def _cgroup_file(root: Path, relative: str, name: str, value: str) -> None:

@@ -1,7 +1,7 @@
 """How much memory this process may use: the host's RAM, or less where a cgroup
 limits it (a container's ``--memory``, Kubernetes' ``limits.memory``, systemd's
 ``MemoryMax``). Past it the kernel's OOM killer ends the process, with no message
-the process could write first."""
+the process could write first. And how much it holds already."""
 
 from __future__ import annotations
 
@@ -55,3 +55,12 @@ def _read_limit(path: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+def resident_bytes() -> int:
+    """This process's resident set, from /proc (Linux); 0 elsewhere."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

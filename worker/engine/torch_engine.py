@@ -18,7 +18,7 @@ from worker.engine.chat_template import ChatTemplate, choose_chat_template
 from worker.engine.grammar import Grammars, hf_grammar_tokenizer
 from worker.engine.interface import ModelInfo
 from worker.engine.logprobs import UNSCORED, TokenLogprob
-from worker.engine.memory_limit import memory_limit_bytes
+from worker.engine.memory_limit import memory_limit_bytes, resident_bytes
 from worker.engine.prefix_cache import Match
 from worker.engine.sequence import Sequence
 from worker.engine.slot_engine import SlotEngine
@@ -73,10 +73,11 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
 def _check_kv_cache_fits(
     config: WorkerConfig, loaded: LoadedModel, precision: Precision, device: torch.device
 ) -> None:
-    """Refuse a MAX_BATCH_SIZE whose KV cache alone (on CPU, times the workers
-    sharing the host) is more than the memory this process may use: allocating it
-    would fail with a traceback, or worse, be overcommitted and bring the OOM
-    killer at the first touch, with nothing said."""
+    """Refuse a MAX_BATCH_SIZE whose KV cache (on CPU, in each of the workers
+    sharing the host, beside what this one holds already: the model, torch) is
+    more than the memory this process may use: allocating it would fail with a
+    traceback, or worse, be overcommitted and bring the OOM killer at the first
+    touch, with nothing said, again at each restart."""
     model = loaded.model.config
     num_slots = config.max_batch_size
     num_bytes = SlotKVCache.nbytes_for(
@@ -87,23 +88,34 @@ def _check_kv_cache_fits(
         f"x {model.n_embd} x {precision.storage.itemsize} bytes"
     )
     if device.type == "cuda":
-        (memory, source), workers = (torch.cuda.mem_get_info(device)[1], "this GPU's memory"), 1
+        memory, source = torch.cuda.mem_get_info(device)[1], "this GPU's memory"
+        workers, held = 1, 0
     else:
-        (memory, source), workers = memory_limit_bytes(), config.num_workers
-    if num_bytes * workers <= memory:
+        memory, source = memory_limit_bytes()
+        workers, held = config.num_workers, resident_bytes()
+    # Steps need working memory besides (activations, the math library's
+    # scratch): 0.4 GiB for synthetic, beside 0.69 GiB held at this point.
+    working = held // 2
+    if held + working + num_bytes * workers <= memory:
         return
     needs, lower = f"a KV cache of {_gib(num_bytes)} ({shape})", "MAX_BATCH_SIZE"
     if workers > 1:
         needs += f" in each of NUM_WORKERS={workers}, {_gib(num_bytes * workers)} in all"
         lower += " or NUM_WORKERS"
+    needs += (
+        f", which with the {_gib(held)} this worker holds already (the model, torch) "
+        f"and {_gib(working)} for its steps' working memory is"
+        if held
+        else ","
+    )
     raise ConfigError(
-        f"MAX_BATCH_SIZE={num_slots} needs {needs}, more than the {_gib(memory)} this "
+        f"MAX_BATCH_SIZE={num_slots} needs {needs} more than the {_gib(memory)} this "
         f"process may use ({source}): lower {lower}"
     )
 
 
 def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:,.1f} GiB"
+    return f"{num_bytes / 2**30:,.2f} GiB"
 
 
 def preload(config: WorkerConfig) -> None:

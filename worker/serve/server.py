@@ -40,6 +40,7 @@ from protocol import (
 )
 from protocol.curve import secure_server
 from protocol.settings import ConfigError
+from worker.engine.memory_limit import resident_bytes
 from worker.serve.config import WorkerConfig
 from worker.serve.peers import MAX_QUEUED_PER_PEER, Peers, Throttled, sender_request_id
 from worker.serve.scheduler import QueueFull, Scheduler
@@ -245,7 +246,7 @@ class WorkerServer:
                             num_queued=self._inbox.qsize() + self.scheduler.num_queued,
                             num_active=self.scheduler.num_busy,
                             num_finished=self.scheduler.num_finished,
-                            rss_bytes=_resident_bytes(),
+                            rss_bytes=resident_bytes(),
                             num_matmul_shapes=self.scheduler.engine.num_matmul_shapes(),
                         )
                     )
@@ -274,15 +275,6 @@ def _seed_routing_ids() -> None:
         log.warning("could not seed libc's rand(): ZMQ routing ids stay guessable")
         return
     libc.srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "little")))
-
-
-def _resident_bytes() -> int:
-    """This process's resident set, from /proc (Linux); 0 elsewhere."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class EngineBroken(RuntimeError):
