@@ -178,7 +178,8 @@ class SlotEngine(InferenceEngine):
         """Without chunks: each context whole, in passes."""
         first_tokens: list[int] = []
         for k, group in enumerate(_passes(newcomers, lambda seq: len(seq.context_token_ids))):
-            self._num_extra_prefill_passes += k > 0
+            if k:  # the pass before this one is done: progress
+                self._num_extra_prefill_passes += 1
             first_tokens += self._prefill(group)
         return first_tokens
 
@@ -265,7 +266,8 @@ class SlotEngine(InferenceEngine):
             self.prefix_cache,
         )
         for k, group in enumerate(_passes(chunks, lambda chunk: chunk[2] - chunk[1])):
-            self._num_extra_prefill_passes += k > 0
+            if k:
+                self._num_extra_prefill_passes += 1
             self._run_chunks(group, output)
 
     def _run_chunks(self, chunks: list[Chunk], output: StepOutput) -> None:
