@@ -32,7 +32,7 @@ _Item = TypeVar("_Item")
 # Context tokens one pass over the model takes at most, when a step prefills more
 # (whole prompts, or chunks while no stream waits): a step's prefill runs in such
 # passes, each counted as progress by heartbeats, since one pass of 64 prompts of
-# 950 tokens took over 30 s on 2 cores, past the clients' STEP_TIMEOUT_S, and the
+# 950 tokens took over 30 s on a 2-core EPYC, past the clients' STEP_TIMEOUT_S, and the
 # worker was taken for hung. Past a few thousand rows no product gets faster.
 PREFILL_PASS_TOKENS = 2048
 

@@ -196,12 +196,14 @@ class Supervisor:
 
     def _notice_own_pause(self) -> None:
         """Before each verdict: verdicts come about _TICK_S apart. One that comes
-        much later means this process was paused (SIGSTOP) or starved of CPU:
-        whatever its workers sent meanwhile went unheard, and the verdict would
-        kill a live worker."""
+        more than HEARTBEAT_TIMEOUT_S later means this process was paused
+        (SIGSTOP) or starved of CPU: whatever its workers sent meanwhile went
+        unheard (past FRONTEND_TIMEOUT_S they stop sending), and the verdict
+        would kill a live worker. A shorter gap is not excused: turns that are
+        merely slow must not keep a frozen worker from being judged."""
         now = time.monotonic()
         gap_s, self._last_turn_at = now - self._last_turn_at, now
-        if gap_s > max(self.config.heartbeat_timeout_s / 2, 3 * _TICK_S):
+        if gap_s > max(self.config.heartbeat_timeout_s, 3 * _TICK_S):
             log.warning(
                 "this supervisor did not run for %.1f s (paused, or starved of CPU); its "
                 "workers have HEARTBEAT_TIMEOUT_S from now to be heard",
