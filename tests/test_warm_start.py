@@ -140,3 +140,33 @@ def test_a_signal_to_the_whole_group_stops_it_and_starts_nothing_new(
         assert "died" not in log and "restart" not in log, log
         # Nothing outlives it: no fork server brought up again, no worker, no frontend.
         stack.wait_until(lambda: not _group_members(supervisor.pid), "the group to be gone")
+
+
+def test_a_worker_that_dies_while_its_fork_server_is_stopped_is_replaced(tmp_path: Path) -> None:
+    """A stopped fork server cannot report its worker's death, nor fork another:
+    the supervisor waited on it for ever, and served nothing again."""
+    with running_stack(tmp_path) as stack:
+        first = stack.wait_live()
+        server = _fork_server(stack)
+        with _killed_at_exit(server.pid):
+            server.suspend()
+            stack.signal_worker(signal.SIGKILL)
+            stack.wait_live(instance_not=str(first["instance_id"]), timeout_s=30)
+            assert _fork_server(stack).pid != server.pid
+            assert not psutil.pid_exists(server.pid)
+            assert _generate(stack, "hi") == expected_text("hi", 3)
+            log = stack.log("supervisor")
+            assert f"killing the fork server (pid {server.pid})" in log, log
+
+
+def test_the_supervisor_stops_in_time_with_its_fork_server_stopped(tmp_path: Path) -> None:
+    with running_stack(tmp_path) as stack:
+        stack.wait_live()
+        supervisor = stack.processes["supervisor"]
+        server = _fork_server(stack)
+        with _killed_at_exit(server.pid):
+            server.suspend()
+            supervisor.send_signal(signal.SIGTERM)
+            assert supervisor.wait(timeout=15) == 0
+            # Nothing left behind, the stopped fork server included.
+            stack.wait_until(lambda: not _group_members(supervisor.pid), "the group to be gone")

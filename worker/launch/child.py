@@ -11,9 +11,11 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 
+import psutil
+
 from protocol.settings import CONFIG_ERROR_EXIT_CODE
 from worker.launch.config import SupervisorConfig
-from worker.launch.warm_start import FORK_SERVER, ForkedWorker
+from worker.launch.warm_start import FORK_SERVER, ForkedWorker, is_stopped
 
 log = logging.getLogger("supervisor")
 
@@ -119,16 +121,13 @@ class Child:
         return cause if self.kill_reason is None else f"{cause}: {self.kill_reason}"
 
     def is_stopped(self) -> bool:
-        """Whether the process is stopped (SIGSTOP, a debugger), as Linux's /proc
-        says; False where it cannot tell."""
+        """Whether the process is stopped (SIGSTOP, a debugger)."""
         if self.process is None:
             return False
         try:
-            with open(f"/proc/{self.process.pid}/stat") as stat:
-                state = stat.read().rpartition(")")[2].split()[0]
-        except (OSError, IndexError):
+            return is_stopped(psutil.Process(self.process.pid))
+        except psutil.NoSuchProcess:
             return False
-        return state in ("T", "t")
 
     @property
     def serves(self) -> bool:

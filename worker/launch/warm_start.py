@@ -9,7 +9,9 @@ start; each worker forked from it shares what that loaded, copy-on-write, and is
 serving within a second of its predecessor's death.
 
 Should the fork server die, the workers it forked serve on, and the next start
-brings up a new one (a cold start, once), unless the supervisor is stopping.
+brings up a new one (a cold start, once), unless the supervisor is stopping. A fork
+server that stops answering (SIGSTOP) would hang the supervisor in a fork, or
+leave a worker's death unreported for ever: it is killed and replaced.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 import time
 from collections.abc import Mapping
 
+import psutil
 from setproctitle import setproctitle
 
 log = logging.getLogger("supervisor")
@@ -40,6 +43,10 @@ FORK_SERVER_TITLE = "minibatch-fork-server"
 # What multiprocessing reports for a child whose fork server went away.
 _LOST_BY_FORK_SERVER = 255
 
+# A fork server reports a worker's exit within milliseconds; one that has not
+# this long after the exit is stuck, stopped or not.
+_EXIT_REPORT_TIMEOUT_S = 2.0
+
 
 class ForkServer:
     """Brings the fork server up on a thread of its own. Preloading takes seconds
@@ -54,6 +61,7 @@ class ForkServer:
         # The supervisor is stopping: a signal to its whole process group (systemd,
         # ^C in a terminal) kills the fork server too, and that is no loss.
         self.is_shutting_down = False
+        self.process: psutil.Process | None = None  # known once it forked a worker
 
     @property
     def is_ready(self) -> bool:
@@ -78,9 +86,27 @@ class ForkServer:
         self._ready.clear()
         self.warm_up()
 
+    def replace(self, why: str) -> None:
+        """The fork server is stuck (stopped, say): kill it and bring up another.
+        Forking from it would block the supervisor until it resumed."""
+        if self.process is None:
+            return
+        log.error("killing the fork server (pid %d): %s", self.process.pid, why)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.process.kill()  # psutil checks first that the pid is still its
+            # multiprocessing brings up another only once it can reap this one.
+            deadline = time.monotonic() + 5.0
+            while self.process.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+                time.sleep(0.01)
+        self.process = None
+        self.on_lost()
+
     def fork(self, env: Mapping[str, str]) -> ForkedWorker | None:
-        """A worker forked with ``env``; None if the fork server died meanwhile (it
-        is being brought up again: ask later)."""
+        """A worker forked with ``env``; None if the fork server died or is stuck
+        (it is being brought up again: ask later)."""
+        if self.process is not None and is_stopped(self.process):
+            self.replace("it is stopped, and a fork would wait for it")
+            return None
         try:
             return ForkedWorker(env, fork_server=self)
         except (OSError, EOFError) as exc:
@@ -105,6 +131,14 @@ def _exit_at_once() -> None:
     pass
 
 
+def is_stopped(process: psutil.Process) -> bool:
+    """Whether ``process`` is stopped (SIGSTOP, a debugger)."""
+    try:
+        return process.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.NoSuchProcess:
+        return False
+
+
 class ForkedWorker:
     """A worker forked from the fork server, behind the part of `subprocess.Popen`
     the supervisor uses. The fork server reports its exit; should the fork server
@@ -117,17 +151,32 @@ class ForkedWorker:
         self._process.start()
         assert self._process.pid is not None
         self.pid: int = self._process.pid
-        self._pidfd: int | None = None  # watches the worker once its fork server is gone
-        self._code: int | None = None
         self._fork_server = fork_server
+        # Its exit, seen directly, in case its fork server cannot report it.
+        self._pidfd: int | None = None
+        with contextlib.suppress(ProcessLookupError):  # it is gone already
+            self._pidfd = os.pidfd_open(self.pid)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                parent = psutil.Process(self.pid).parent()
+                # Unless the fork server died already and it was handed to init.
+                if parent is not None and parent.ppid() == os.getpid():
+                    fork_server.process = parent
+        self._exited_at: float | None = None
+        self._is_orphan = False  # its fork server died before it
+        self._code: int | None = None
 
     def poll(self) -> int | None:
-        """The exit code (minus the signal that killed it), or None while it runs."""
-        if self._code is None and self._pidfd is None:
-            code = self._process.exitcode
-            if code != _LOST_BY_FORK_SERVER or not _is_running(self.pid):
-                self._code = code
-                return code
+        """The exit code (minus the signal that killed it), or None while it runs.
+        Once its fork server is gone or stuck, its exit status is lost and
+        reported as 255."""
+        if self._code is not None:
+            return self._code
+        reported = self._process.exitcode
+        has_exited = self._has_exited()
+        if reported is not None and (reported != _LOST_BY_FORK_SERVER or has_exited):
+            self._set_code(reported)
+        elif reported is not None and not self._is_orphan:
+            self._is_orphan = True
             if not self._fork_server.is_shutting_down:
                 log.error(
                     "the fork server died; worker pid %d serves on, watched directly "
@@ -135,13 +184,36 @@ class ForkedWorker:
                     self.pid,
                     _LOST_BY_FORK_SERVER,
                 )
-            self._pidfd = os.pidfd_open(self.pid)
             self._fork_server.on_lost()
-        if self._pidfd is not None and select.select([self._pidfd], [], [], 0)[0]:
+        elif has_exited and reported is None:
+            self._on_exit_unreported()
+        return self._code
+
+    def _has_exited(self) -> bool:
+        if self._pidfd is None:
+            return True
+        return bool(select.select([self._pidfd], [], [], 0)[0])
+
+    def _on_exit_unreported(self) -> None:
+        now = time.monotonic()
+        if self._exited_at is None:
+            self._exited_at = now
+        fork_server = self._fork_server.process
+        is_fork_server_stopped = fork_server is not None and is_stopped(fork_server)
+        if not is_fork_server_stopped and now - self._exited_at < _EXIT_REPORT_TIMEOUT_S:
+            return
+        how = "it is stopped" if is_fork_server_stopped else f"for {_EXIT_REPORT_TIMEOUT_S:g} s"
+        self._fork_server.replace(
+            f"worker pid {self.pid} exited, and its fork server did not report how ({how}); "
+            f"its exit status is unknown, reported as {_LOST_BY_FORK_SERVER}"
+        )
+        self._set_code(_LOST_BY_FORK_SERVER)
+
+    def _set_code(self, code: int) -> None:
+        self._code = code
+        if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
-            self._code = _LOST_BY_FORK_SERVER
-        return self._code
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -158,14 +230,6 @@ class ForkedWorker:
     def terminate(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGTERM)
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _serve(env: dict[str, str]) -> None:
