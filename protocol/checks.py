@@ -151,13 +151,18 @@ class Schema:
                     f"got {type(value).__name__} {_preview(value)}",
                     request_id,
                 )
+            elif isinstance(value, int) and not _matches(value, annotation, ints_as_floats=False):
+                # An integer sent for a float: a float from here on. torch would
+                # make an integer tensor of it, and one past 2**63 would overflow.
+                body[key] = float(value)
         return self.cls(**body)
 
 
-def _matches(value: Any, annotation: Any) -> bool:
+def _matches(value: Any, annotation: Any, ints_as_floats: bool = True) -> bool:
     origin = typing.get_origin(annotation)
     if origin in (Union, types.UnionType):
-        return any(_matches(value, arm) for arm in typing.get_args(annotation))
+        arms = typing.get_args(annotation)
+        return any(_matches(value, arm, ints_as_floats) for arm in arms)
     if origin is list:
         (item,) = typing.get_args(annotation)
         return isinstance(value, list) and all(_matches(v, item) for v in value)
@@ -165,7 +170,8 @@ def _matches(value: Any, annotation: Any) -> bool:
         return value is None
     if annotation is float:
         # msgpack keeps 1.0 as a float, but a hand-written client may send 1.
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        kinds = (int, float) if ints_as_floats else float
+        return isinstance(value, kinds) and not isinstance(value, bool)
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, annotation)

@@ -248,10 +248,14 @@ def test_an_error_message_stays_short_whatever_the_input() -> None:
     assert len(str(caught.value)) < 200
 
 
-def test_a_float_field_accepts_a_json_style_integer() -> None:
+@pytest.mark.parametrize("value", [1, 2**64 - 1, -(2**63)])
+def test_a_float_field_takes_a_json_style_integer_as_a_float(value: int) -> None:
+    """The engine computes with it: torch would make an integer tensor of an int,
+    and one past 2**63 would overflow in the step, failing every sequence in it."""
     payload = msgpack.unpackb(encode(GenerateRequest("r1", "hi", 4)))
-    payload["temperature"] = 1
-    assert decode_to_worker(msgpack.packb(payload)).temperature == 1  # type: ignore[union-attr]
+    payload["temperature"] = value
+    temperature = decode_to_worker(msgpack.packb(payload)).temperature  # type: ignore[union-attr]
+    assert type(temperature) is float and temperature == float(value)
 
 
 def test_logprobs_travel_as_packed_float32_bytes() -> None:

@@ -87,6 +87,7 @@ from tests.model_fixtures import (  # noqa: E402
     tiny_engine,
 )
 from worker.engine.interface import FinishedSequence  # noqa: E402
+from worker.engine.sequence import Sequence  # noqa: E402
 from worker.engine.torch_engine import TorchEngine  # noqa: E402
 from worker.model.gpt2 import GPT2  # noqa: E402
 from worker.model.sampler import Sampler  # noqa: E402
@@ -324,3 +325,36 @@ def test_after_a_reset_nothing_is_reused() -> None:
     engine.reset()
     finished = run_schedule(engine, {0: [request("b", prompt, 1)]})
     assert finished["b"].num_cached_tokens == 0
+
+
+@pytest.mark.model
+def test_a_failure_taking_cached_rows_falls_on_its_own_sequence_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt whose first token comes from the logits kept in the cache: if that
+    fails, only its request fails; the ones decoding beside it go on. It failed
+    the whole step, every active sequence with it."""
+    prompt = random_prompt(random.Random(14), 20, 20)
+    engine = tiny_engine(3, prefill_chunk_tokens=CHUNK)
+    run_schedule(engine, {0: [request("first", prompt, 1)]})
+    kept_logits = TorchEngine._first_token_from_kept_logits
+
+    def fails_for_poison(self: TorchEngine, seq: Sequence) -> int:
+        if seq.request_id == "poison":
+            raise ValueError("Overflow when unpacking long long")
+        return kept_logits(self, seq)
+
+    monkeypatch.setattr(TorchEngine, "_first_token_from_kept_logits", fails_for_poison)
+    other = random_prompt(random.Random(15), 10, 10)
+    engine.admit([request("beside", other, 6, ignore_eos=True)])
+    engine.step()
+    engine.admit([request("poison", prompt, 4), request("again", prompt, 4, ignore_eos=True)])
+    failed: list[str] = []
+    finished: dict[str, FinishedSequence] = {}
+    while engine.num_active():
+        output = engine.step()
+        failed += [request_id for request_id, _ in output.failed]
+        finished |= {seq.request_id: seq for seq in output.finished}
+    assert failed == ["poison"]
+    assert sorted(finished) == ["again", "beside"]
+    assert len(finished["beside"].token_ids) == 6 and len(finished["again"].token_ids) == 4

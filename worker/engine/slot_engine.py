@@ -229,32 +229,42 @@ class SlotEngine(InferenceEngine):
             self._collect(output)
         return output
 
-    def _reuse_cached_rows(self, cache: PrefixCache) -> None:
+    def _reuse_cached_rows(self, cache: PrefixCache, output: StepOutput) -> None:
         """Move each newcomer still prefilling past the rows of its prompt that a
         slot holds (copied in when that slot is another's); one whose whole
         prompt a slot holds, with the logits after it, takes its first token
-        from those logits and prefills nothing."""
+        from those logits and prefills nothing. A failure falls on its own
+        sequence alone, as in `_run_chunks`."""
         for request_id, done in list(self._num_prefilled.items()):
             seq = self._by_id[request_id]
             if seq.scores_prompt:
                 continue
-            match = cache.best_match(seq.prompt_token_ids)
-            if match is None or match.num_tokens <= done:
-                continue
-            if match.slot != seq.slot:
-                self._copy_rows(match, seq.slot, done)
-                cache.copied(match, seq.slot)
-            seq.num_cached_tokens += match.num_tokens - done
-            self._num_prefilled[request_id] = match.num_tokens
-            if match.num_tokens == len(seq.context_token_ids):
-                del self._num_prefilled[request_id]
-                self._take_first_token(seq, self._first_token_from_kept_logits(seq))
+            try:
+                self._reuse_rows_for(seq, done, cache)
+            except Exception as exc:
+                log.exception("taking cached rows failed for request %s", request_id)
+                output.failed.append((request_id, exc))
+                cache.forget(seq.slot)  # a copy may have stopped half way
+                self._free(seq)
+
+    def _reuse_rows_for(self, seq: Sequence, done: int, cache: PrefixCache) -> None:
+        match = cache.best_match(seq.prompt_token_ids)
+        if match is None or match.num_tokens <= done:
+            return
+        if match.slot != seq.slot:
+            self._copy_rows(match, seq.slot, done)
+            cache.copied(match, seq.slot)
+        seq.num_cached_tokens += match.num_tokens - done
+        self._num_prefilled[seq.request_id] = match.num_tokens
+        if match.num_tokens == len(seq.context_token_ids):
+            del self._num_prefilled[seq.request_id]
+            self._take_first_token(seq, self._first_token_from_kept_logits(seq))
 
     def _prefill_step(self, holds_up_streams: bool, output: StepOutput) -> None:
         """Take what the prefix cache holds, then run this step's chunks
         (`plan_chunks`; ``holds_up_streams``: keep to the chunk budget)."""
         if self.prefix_cache is not None:
-            self._reuse_cached_rows(self.prefix_cache)
+            self._reuse_cached_rows(self.prefix_cache, output)
         prefilling = [
             (self._by_id[request_id], done) for request_id, done in self._num_prefilled.items()
         ]

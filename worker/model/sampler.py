@@ -114,7 +114,7 @@ class Sampler:
     ) -> torch.Tensor:
         vocab_size = logits.shape[-1]  # logits: (S, V)
         device = logits.device
-        temperature = to_device([r.temperature for r in requests], device)
+        temperature = to_device([r.temperature for r in requests], device, torch.float32)
         scaled = logits / temperature[:, None]
         noise = torch.empty_like(scaled)  # (S, V) uniform, each row from its own seed
         for row, seed in enumerate(noise_seeds):
@@ -124,7 +124,7 @@ class Sampler:
         if not any(r.top_k > 0 or r.top_p < 1 for r in requests):
             return (scaled + gumbel).argmax(dim=-1)
         top_k = to_device([r.top_k for r in requests], device)
-        top_p = to_device([r.top_p for r in requests], device)
+        top_p = to_device([r.top_p for r in requests], device, torch.float32)
         # Which tokens each row keeps is found in descending order ...
         ordered, order = scaled.sort(dim=-1, descending=True)  # (S, V)
         rank = torch.arange(vocab_size, device=device)
