@@ -56,13 +56,19 @@ class Liveness:
         self._is_disconnected = False
 
     def on_hello(self, hello: Hello) -> bool:
-        """Record a hello; return True if it comes from a new worker instance."""
+        """Record a hello; return True if it comes from a new worker instance.
+
+        The same instance greets again only after forgetting this side (and
+        aborting what this side had sent it): nothing of this side's is pending
+        there, so the step clock starts again too. Greeted over and over with no
+        heartbeat between (its peer table is full, and a newcomer keeps taking
+        this side's place), the worker was otherwise judged hung, every other
+        tick, while it stood idle."""
         is_new = self.hello is None or hello.instance_id != self.hello.instance_id
         if is_new:
             self.hello = hello
             self.last_heartbeat = None
-            self._last_progress_at = self._clock()
-        self._last_seen_at = self._clock()
+        self._last_seen_at = self._last_progress_at = self._clock()
         self._is_disconnected = False
         return is_new
 

@@ -79,3 +79,16 @@ def test_a_new_instance_is_reported_and_heartbeats_of_others_are_ignored() -> No
     assert liveness.verdict().state is WorkerState.DEAD
     assert liveness.on_hello(_hello("b"))
     assert liveness.verdict().is_live
+
+
+def test_greetings_again_without_heartbeats_are_not_a_hang() -> None:
+    """A worker greets again a peer it forgot, having aborted what that peer had
+    sent it: no work of this side waits there for a step."""
+    clock = Clock()
+    liveness = Liveness(3, 10, clock)
+    liveness.on_hello(_hello())
+    liveness.on_heartbeat(Heartbeat("a", num_steps=7, num_queued=1, num_active=2))
+    for _ in range(30):
+        clock.now += 1
+        assert not liveness.on_hello(_hello())
+        assert liveness.verdict().is_live
