@@ -277,7 +277,19 @@ def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
     )
     if not is_error:
         return grammar, None
-    return "", _regex_problem(messages[0]) if kind == GrammarKind.REGEX else _short(messages[0])
+    if kind == GrammarKind.REGEX:
+        return "", _regex_problem(messages[0])
+    if (digits := _MULTIPLE_OF_DIGITS.search(messages[0])) is not None:
+        return "", (
+            "multipleOf: llguidance follows a multipleOf as an integer of at most 10 digits "
+            f"times a power of ten, and read one here as {digits.group(1)} (a float's "
+            "rounding can add digits: 1.2345e-06 reads as 12344999999999998); use one with "
+            "fewer significant digits, or leave it out and check the value yourself"
+        )
+    return "", _short(messages[0])
+
+
+_MULTIPLE_OF_DIGITS = re.compile(r"Value for 'multipleOf' has too many digits: (\d+)")
 
 
 # llguidance's complaint about a regex quotes the regex with carets under the

@@ -179,6 +179,14 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
             "structured_outputs.disable_fallback",
             "only false or true is supported here, got 1",
         ),
+        (
+            None,
+            {"json": {"type": "number", "multipleOf": 1e-11}},
+            422,
+            "structured_outputs.json",
+            "multipleOf: llguidance follows a multipleOf as an integer of at most 10 digits "
+            "times a power of ten, and read one here as 9999999999999998",
+        ),
         (None, {"json_object": True, "regex": "a"}, 422, "structured_outputs", "exactly one"),
         (None, {"json_object": True, "json": {}}, 422, "structured_outputs", "got 2"),
         (
