@@ -207,6 +207,29 @@ def test_compose_environment_uses_configured_names(service: str, config_class: t
     assert not unknown, f"{service} sets variables its config never reads: {sorted(unknown)}"
 
 
+# What compose sets itself: each service's addresses on the compose network, and
+# NUM_WORKERS, which only minibatch-serve tells its workers (compose scales
+# containers, each with its own memory).
+FIXED_BY_COMPOSE = {
+    "frontend": {"HOST", "PORT", "WORKER_ENDPOINT", "WORKER_ENDPOINTS"},
+    "worker": {"WORKER_ENDPOINT", "WORKER_BIND", "NUM_WORKERS"},
+}
+
+
+@pytest.mark.parametrize(
+    ("service", "config_class"), [("frontend", FrontendConfig), ("worker", WorkerConfig)]
+)
+def test_every_other_setting_is_passed_through_from_the_shell(
+    service: str, config_class: type[Any]
+) -> None:
+    """An API_KEY set in the shell once left the frontend open, unguarded."""
+    environment = services()[service]["environment"]
+    missing = env_names(config_class) - FIXED_BY_COMPOSE[service] - set(environment)
+    assert not missing, f"{service} does not pass through {sorted(missing)}"
+    for name in env_names(config_class) - FIXED_BY_COMPOSE[service]:
+        assert environment[name] is None, f"{name} is not passed through as set in the shell"
+
+
 # --- the Dockerfiles ------------------------------------------------------------
 
 
