@@ -81,3 +81,16 @@ class FrontendConfig(WorkerClientConfig):
         require_positive(self, "header_timeout_s", "keep_alive_timeout_s", "max_connections")
         if self.port > MAX_PORT:
             raise ConfigError(f"PORT must be at most {MAX_PORT}, got {self.port}")
+        if self.api_key and not _is_sendable(self.api_key):
+            # Not quoted: it is a secret.
+            raise ConfigError(
+                f"API_KEY ({len(self.api_key)} characters) must be printable ASCII with no "
+                "space at either end: clients send it in the header 'Authorization: Bearer "
+                "<key>', where such a key cannot arrive as it is set"
+            )
+
+
+def _is_sendable(key: str) -> bool:
+    """Whether a client can send ``key`` as a header value that arrives unchanged:
+    HTTP strips the spaces around a value, and header bytes are not UTF-8."""
+    return key == key.strip() and all(" " <= c <= "~" for c in key)

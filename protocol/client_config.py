@@ -10,6 +10,7 @@ from functools import cached_property
 
 from protocol.curve import ClientKeys, read_public_key, read_secret_key
 from protocol.settings import (
+    ConfigError,
     check_endpoint,
     read_curve_keys,
     require_interval,
@@ -64,6 +65,14 @@ class WorkerClientConfig:
         require_positive(self, "heartbeat_timeout_s", "step_timeout_s")
         require_interval(self, "ping_interval_s", "worker_resolve_interval_s")
         check_endpoint(self, "worker_endpoint")
+        if self.worker_endpoints.strip() and any(
+            not endpoint.strip() for endpoint in self.worker_endpoints.split(",")
+        ):
+            raise ConfigError(
+                f"WORKER_ENDPOINTS={self.worker_endpoints!r} has an empty entry: list the "
+                "endpoints with one comma between each two, or unset it to use "
+                "WORKER_ENDPOINT"
+            )
         for endpoint in self.endpoints:
             check_endpoint(self, "worker_endpoints", endpoint)
         _ = self.curve  # a bad key stops the process at start, not at its first connect

@@ -43,6 +43,11 @@ def exit_refusing(process: str, error: ConfigError) -> NoReturn:
     sys.exit(CONFIG_ERROR_EXIT_CODE)
 
 
+def _as_set(default: Any) -> str:
+    """A default as one would set it: 1 and 0 for a flag, as the README writes them."""
+    return str(int(default)) if isinstance(default, bool) else repr(default)
+
+
 def setting(env: str, default: Any, help: str, is_secret: bool = False) -> Any:
     """A config field read from ``env``."""
     # A secret stays out of repr(), so that logging a config cannot leak it.
@@ -151,7 +156,7 @@ def load(
             dest=f.name,
             default=None,
             metavar=env,
-            help=f"{f.metadata['help']} (env {env}, default {f.default!r})",
+            help=f"{f.metadata['help']} (env {env}, default {_as_set(f.default)})",
         )
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}

@@ -85,6 +85,11 @@ def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str
         ({"MAX_NEW_TOKENS_LIMIT": "1e30"}, "MAX_NEW_TOKENS_LIMIT must be int"),
         ({"MAX_NEW_TOKENS_LIMIT": str(2**31)}, "MAX_NEW_TOKENS_LIMIT must be a finite number"),
         ({"HOST": ""}, "HOST must not be empty"),
+        ({"API_KEY": " "}, "API_KEY .1 characters. must be printable ASCII"),
+        ({"API_KEY": "sk-key\n"}, "API_KEY .7 characters. must be printable ASCII"),
+        ({"API_KEY": "clé"}, "API_KEY .3 characters. must be printable ASCII"),
+        ({"WORKER_ENDPOINTS": ","}, "WORKER_ENDPOINTS=',' has an empty entry"),
+        ({"WORKER_ENDPOINTS": "tcp://a:1,,tcp://b:1"}, "WORKER_ENDPOINTS=.* has an empty entry"),
         ({"PING_INTERVAL_S": "1e-9"}, "PING_INTERVAL_S must be at least 0.01 s"),
         ({"WORKER_RESOLVE_INTERVAL_S": "0.001"}, "WORKER_RESOLVE_INTERVAL_S must be at least"),
         ({"WORKER_ENDPOINT": "ipc:///tmp/" + "a" * 120}, "names a socket path of 125 bytes"),
@@ -148,6 +153,10 @@ def test_the_api_key_stays_out_of_the_config_repr() -> None:
         ({"TORCH_THREADS": "40000"}, "TORCH_THREADS must be 0 .every core. to"),
         ({"NUM_WORKERS": "100000"}, "NUM_WORKERS must be at most 64"),
         ({"NUM_FRONTENDS": "65"}, "NUM_FRONTENDS must be at most 64"),
+        (
+            {"RESTART_BACKOFF_S": "5", "RESTART_BACKOFF_MAX_S": "0.1"},
+            "RESTART_BACKOFF_MAX_S=0.1 is below RESTART_BACKOFF_S=5",
+        ),
         ({"PORT": "65535", "NUM_FRONTENDS": "2"}, "takes ports up to 65536, past 65535"),
         (
             {"WORKER_ENDPOINT": "tcp://127.0.0.1:65535", "NUM_WORKERS": "2"},

@@ -70,6 +70,12 @@ class SupervisorConfig(WorkerClientConfig):
         require_positive(self, "restart_backoff_s", "restart_backoff_max_s", "crash_loop_limit")
         require_positive(self, "worker_start_timeout_s", "num_workers", "num_frontends")
         check_torch_threads(self.torch_threads)
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ConfigError(
+                f"RESTART_BACKOFF_MAX_S={self.restart_backoff_max_s:g} is below "
+                f"RESTART_BACKOFF_S={self.restart_backoff_s:g}, the first wait it caps: "
+                "raise it, or lower RESTART_BACKOFF_S"
+            )
         for name in ("num_workers", "num_frontends"):
             if getattr(self, name) > MAX_CHILDREN:
                 raise ConfigError(

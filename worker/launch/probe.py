@@ -3,7 +3,8 @@
 A health check for containers and scripts. It connects a DEALER to the worker,
 sends a `Ping` as a new frontend would, and waits for the worker's `Hello`.
 Exit status 0 means a worker answered; 1 means none did in time, or the one
-that answered speaks another protocol version. Torch-free: it imports only
+that answered speaks another protocol version; 2, as for any argparse program,
+arguments it cannot use. Torch-free: it imports only
 `protocol` and pyzmq, so it runs in a second or less.
 """
 
@@ -80,7 +81,8 @@ def probe(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Exit 0 if a MiniBatch-LLM worker answers a Ping with Hello, else 1."
+        description="Exit 0 if a MiniBatch-LLM worker answers a Ping with Hello, else 1 "
+        "(2 for arguments it cannot use)."
     )
     parser.add_argument(
         "--endpoint",
