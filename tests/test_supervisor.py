@@ -442,3 +442,22 @@ def test_a_supervisor_killed_outright_takes_its_frontend_and_workers_with_it(
         _, alive = psutil.wait_procs(children, timeout=20)
         assert not alive, f"still running: {[p.pid for p in alive]}\n{stack.logs()}"
         assert "its supervisor" in stack.log("supervisor")  # the children's stderr
+
+
+def test_a_stopped_frontend_is_replaced(tmp_path: Path) -> None:
+    """Stopped (SIGSTOP), a frontend held its port and answered nobody, for ever:
+    the supervisor had no heartbeat of it to judge by."""
+    with running_stack(tmp_path) as stack:
+        stack.wait_live()
+        frozen = stack.frontend_pid()
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            stack.wait_until(lambda: stack._pids_running("frontend.main") != [frozen], "a new one")
+            stack.wait_live()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGKILL)
+        assert stack.frontend_pid() != frozen
+        assert f"killing frontend (pid {frozen}): it has been stopped (SIGSTOP)" in stack.log(
+            "supervisor"
+        )

@@ -62,6 +62,7 @@ class Child:
         self.up_since: float | None = None  # first seen working (a worker: its hello)
         self.kill_reason: str | None = None
         self.start_at = 0.0  # when a stopped child may start again
+        self._stopped_since: float | None = None  # seen stopped (SIGSTOP) since
         self._clock = clock
 
     def start(self) -> None:
@@ -78,6 +79,7 @@ class Child:
         self.started_at = self._clock()
         self.up_since = None
         self.kill_reason = None
+        self._stopped_since = None
         log.info("started %s (pid %d)", self.name, self.process.pid)
 
     def _is_fork_server_ready(self) -> bool:
@@ -128,6 +130,17 @@ class Child:
             return is_stopped(psutil.Process(self.process.pid))
         except psutil.NoSuchProcess:
             return False
+
+    def stopped_for_s(self) -> float:
+        """How long the process has been seen stopped without a break; 0 if it is
+        not stopped now."""
+        if not self.is_stopped():
+            self._stopped_since = None
+            return 0.0
+        now = self._clock()
+        if self._stopped_since is None:
+            self._stopped_since = now
+        return now - self._stopped_since
 
     @property
     def serves(self) -> bool:

@@ -183,6 +183,7 @@ class Supervisor:
                     self._tend(child, self.frontends)
                     if child.process is not None:
                         child.on_up()
+                        self._judge_frontend(child)
                 workers = [child for child, _ in self.workers]
                 for child, watch in self.workers:
                     self._tend(child, workers, watch)
@@ -265,6 +266,20 @@ class Supervisor:
                 f"{_FORKED_START_TIMEOUT_S:g} s for a worker forked with its model loaded); "
                 "raise it if loading the model takes longer, or check WORKER_ENDPOINT and "
                 "the CURVE keys if the worker log says it is serving"
+            )
+
+    def _judge_frontend(self, frontend: Child) -> None:
+        """A frontend sends no heartbeat to be judged by, but one that is stopped
+        (SIGSTOP, a debugger) holds its port and answers nobody, for ever: it is
+        replaced after HEARTBEAT_TIMEOUT_S, as a frozen worker is. The requests
+        it held are lost with it, as with any frontend that dies."""
+        if self._stopping:
+            return
+        stopped_s = frontend.stopped_for_s()
+        if stopped_s > self.config.heartbeat_timeout_s:
+            frontend.kill(
+                f"it has been stopped (SIGSTOP) for {stopped_s:.1f} s, holding its port and "
+                f"answering nothing (HEARTBEAT_TIMEOUT_S={self.config.heartbeat_timeout_s:g})"
             )
 
     def _start_timeout_s(self, worker: Child) -> float:
