@@ -178,7 +178,8 @@ def _status(client: WorkerClient) -> dict[str, Any]:
 def _worker_status(link: WorkerLink) -> dict[str, Any]:
     verdict = link.verdict()
     hello = link.hello
-    heartbeat = link.liveness.last_heartbeat
+    # A dead worker's last heartbeat says nothing of it now.
+    heartbeat = link.liveness.last_heartbeat if verdict.state is not WorkerState.DEAD else None
     return {
         "endpoint": link.endpoint,
         "state": verdict.state.value,

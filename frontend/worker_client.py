@@ -206,7 +206,10 @@ class WorkerClient:
         link.send_frame(self._ping)
 
     def on_disconnected(self, link: WorkerLink) -> None:
-        log.error("worker at %s declared dead: its connection closed", link.endpoint)
+        if self.is_shutting_down:  # stopped with this frontend, as a stack stops
+            log.info("worker at %s closed its connection", link.endpoint)
+        else:
+            log.error("worker at %s declared dead: its connection closed", link.endpoint)
         link.was_live = False
         self._release(link, "closed its connection", is_death=True)
 

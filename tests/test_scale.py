@@ -270,4 +270,6 @@ def test_health_lists_every_worker(tmp_path: Path) -> None:
         dead = health["workers"][0]
         assert dead["state"] == "dead"
         assert dead["reason"] == f"the connection to worker {dead['instance_id'][:8]} closed"
+        # Its last heartbeat's counts are not its state now.
+        assert [dead[key] for key in ("active", "queued", "finished", "steps")] == [None] * 4
         stack.wait_for_health("replaced", lambda h: h["workers_live"] == 2, 30)

@@ -45,7 +45,7 @@ _LOST_BY_FORK_SERVER = 255
 
 # A fork server reports a worker's exit within milliseconds; one that has not
 # this long after the exit is stuck, stopped or not.
-_EXIT_REPORT_TIMEOUT_S = 2.0
+_EXIT_REPORT_TIMEOUT_S = 5.0
 
 
 class ForkServer:
