@@ -23,6 +23,8 @@ import pytest
 DOCKERD_OPTIONS = ([], ["--iptables=false"], ["--iptables=false", "--storage-driver=vfs"])
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
+# Where dockerd writes its pid (its default --pidfile).
+DOCKERD_PID_FILE = Path("/var/run/docker.pid")
 
 INSTALL_HINT = "`make install` installs docker.io where apt-get runs as root"
 
@@ -61,6 +63,7 @@ def docker_engine(log_dir: Path) -> Iterator[str]:
         pytest.skip(f"no Docker engine runs here and dockerd is not installed ({INSTALL_HINT})")
     if os.geteuid() != 0:
         pytest.skip("no Docker engine runs here, and starting dockerd needs root")
+    _remove_stale_pid_file()
     failures = []
     for options in DOCKERD_OPTIONS:
         log = log_dir / f"dockerd{''.join(options).replace('-', '_')}.log"
@@ -74,6 +77,19 @@ def docker_engine(log_dir: Path) -> Iterator[str]:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         failures.append(f"dockerd {' '.join(options)}: {' / '.join(tail)}")
     pytest.skip("dockerd would not start here: " + "; ".join(failures))
+
+
+def _remove_stale_pid_file() -> None:
+    """dockerd refuses to start while its pid file names any pid ("pid file found,
+    ensure docker is not running"), though that dockerd died without removing it
+    (kill -9, the OOM killer): the tests then skipped. Here no engine answers, so a
+    file naming no running dockerd is a dead one's."""
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        pid = int(DOCKERD_PID_FILE.read_text().strip())
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).name() == "dockerd":
+                return
+        DOCKERD_PID_FILE.unlink()
 
 
 def _start(options: list[str], log: Path) -> subprocess.Popen[bytes] | None:
