@@ -8,6 +8,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,3 +173,52 @@ def test_the_supervisor_stops_in_time_with_its_fork_server_stopped(tmp_path: Pat
             assert supervisor.wait(timeout=15) == 0
             # Nothing left behind, the stopped fork server included.
             stack.wait_until(lambda: not _group_members(supervisor.pid), "the group to be gone")
+
+
+def test_a_fork_that_waits_on_a_stuck_fork_server_is_ended_by_replacing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stopped between the check and the fork, the fork server held the
+    supervisor in the fork's read of the new pid, for ever."""
+    killed = threading.Event()
+
+    def waits_until_killed(*_: object, **__: object) -> None:
+        killed.wait(10)
+        raise EOFError("the fork server was killed")
+
+    server = warm_start.ForkServer()
+    server._ready.set()
+    reasons: list[str] = []
+    monkeypatch.setattr(warm_start, "ForkedWorker", waits_until_killed)
+    monkeypatch.setattr(warm_start, "_FORK_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(server, "replace", lambda why: (reasons.append(why), killed.set()))
+    monkeypatch.setattr(server, "warm_up", lambda: None)
+    started = time.monotonic()
+    assert server.fork({}) is None
+    assert time.monotonic() - started < 5
+    assert reasons == ["a fork took more than 0.2 s"]
+
+
+def test_a_stopped_fork_server_is_found_and_killed_even_while_it_preloads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stopped while it loaded the model, the fork server was waited for until
+    WORKER_START_TIMEOUT_S (5 minutes without a worker), and outlived the
+    supervisor."""
+    named = f"import setproctitle, time; setproctitle.setproctitle({FORK_SERVER_TITLE!r}); "
+    stand_in = subprocess.Popen([sys.executable, "-c", named + "time.sleep(60)"])
+    with _killed_at_exit(stand_in.pid):
+        server = warm_start.ForkServer()
+        warm_ups: list[bool] = []
+        monkeypatch.setattr(server, "warm_up", lambda: warm_ups.append(True))
+        deadline = time.monotonic() + 10
+        while server.process() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # until it has named itself
+        assert server.process() is not None
+        assert not server.replace_if_stopped()  # running: left alone
+        stand_in.send_signal(signal.SIGSTOP)
+        while not warm_start.is_stopped(psutil.Process(stand_in.pid)):
+            time.sleep(0.01)
+        assert server.replace_if_stopped()
+        assert stand_in.wait(timeout=5) == -signal.SIGKILL
+        assert warm_ups == [True]  # another is brought up

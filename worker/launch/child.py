@@ -20,6 +20,8 @@ from worker.launch.warm_start import FORK_SERVER, ForkedWorker, is_stopped
 log = logging.getLogger("supervisor")
 
 _STOP_GRACE_S = 5.0
+# Signals that end a process from outside; a crash is SIGSEGV, SIGABRT, an exit code.
+_OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 class CrashLoop(Exception):
@@ -88,6 +90,7 @@ class Child:
         if FORK_SERVER.is_ready:
             self.awaiting_fork_server_since = None
             return True
+        FORK_SERVER.replace_if_stopped()  # else it would be waited for until the timeout
         FORK_SERVER.warm_up()
         now = self._clock()
         if self.awaiting_fork_server_since is None:
@@ -105,12 +108,13 @@ class Child:
         self.is_forked = False
         return False
 
-    def on_up(self, num_finished: int = 0) -> None:
-        """The child is seen working and has answered ``num_finished`` requests."""
+    def on_up(self, has_worked: bool = False) -> None:
+        """The child is seen working; ``has_worked``: it has run a step or answered
+        a request (a worker's heartbeat says so)."""
         now = self._clock()
         if self.up_since is None:
             self.up_since = now
-        if num_finished > 0 or now - self.up_since >= self.served_after_s:
+        if has_worked or now - self.up_since >= self.served_after_s:
             self.has_served = True
 
     def exit_cause(self) -> str | None:
@@ -161,8 +165,9 @@ class Child:
                 "start again",
                 CONFIG_ERROR_EXIT_CODE,
             )
+        is_failed_start = not self.has_served and not self._was_stopped_from_outside()
         self.process = None
-        self.num_failed_starts = 0 if self.has_served else self.num_failed_starts + 1
+        self.num_failed_starts = 0 if not is_failed_start else self.num_failed_starts + 1
         if self.num_failed_starts >= self.config.crash_loop_limit:
             why = (
                 f"{self.name} died before serving {self.num_failed_starts} times in a row "
@@ -180,6 +185,16 @@ class Child:
         log.warning(
             "%s stopped (%s); restart #%d in %.1f s", self.name, cause, self.num_restarts, delay
         )
+
+    def _was_stopped_from_outside(self) -> bool:
+        """It had come up, and a signal that no process sends itself ended it (kill,
+        an operator's drill, the OOM killer), not this supervisor's verdict: its
+        start did not fail. Such kills, every few seconds, ended the stack as a
+        crash loop."""
+        if self.process is None or self.up_since is None or self.kill_reason is not None:
+            return False
+        code = self.process.poll()
+        return code is not None and -code in _OUTSIDE_SIGNALS
 
     def restart_delay_s(self) -> float:
         """No wait after a child that had served: its death says nothing of the next

@@ -189,11 +189,14 @@ class Supervisor:
                     self._tend(child, workers, watch)
                     self._judge(child, watch)
         finally:
+            FORK_SERVER.shut_down()
             for child in self.frontends:
                 child.stop()
             for child, watch in self.workers:
                 child.stop()
                 watch.close()
+            # A stopped one would outlive this process, holding what it holds.
+            FORK_SERVER.replace_if_stopped()
 
     def _notice_own_pause(self) -> None:
         """Before each verdict: verdicts come about _TICK_S apart. One that comes
@@ -244,7 +247,9 @@ class Supervisor:
             verdict = liveness.verdict()
         if verdict.is_live:
             heartbeat = liveness.last_heartbeat
-            worker.on_up(0 if heartbeat is None else heartbeat.num_finished)
+            worker.on_up(
+                heartbeat is not None and (heartbeat.num_finished > 0 or heartbeat.num_steps > 0)
+            )
         elif verdict.state in (WorkerState.DEAD, WorkerState.HUNG):
             worker.kill(verdict.reason)
         elif (mute_s := watch.mute_s()) > watch.client.heartbeat_timeout_s and worker.is_stopped():

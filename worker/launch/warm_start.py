@@ -9,9 +9,8 @@ start; each worker forked from it shares what that loaded, copy-on-write, and is
 serving within a second of its predecessor's death.
 
 Should the fork server die, the workers it forked serve on, and the next start
-brings up a new one (a cold start, once), unless the supervisor is stopping. A fork
-server that stops answering (SIGSTOP) would hang the supervisor in a fork, or
-leave a worker's death unreported for ever: it is killed and replaced.
+brings up a new one (a cold start, once), unless the supervisor is stopping. One
+that is stuck is killed and replaced (`ForkServer`).
 """
 
 from __future__ import annotations
@@ -46,22 +45,29 @@ _LOST_BY_FORK_SERVER = 255
 # A fork server reports a worker's exit within milliseconds; one that has not
 # this long after the exit is stuck, stopped or not.
 _EXIT_REPORT_TIMEOUT_S = 5.0
+# A fork takes milliseconds once the server is up; one that takes this long waits
+# on a server that is stuck.
+_FORK_TIMEOUT_S = 10.0
 
 
 class ForkServer:
     """Brings the fork server up on a thread of its own. Preloading takes seconds
     (minutes for a first download, or forever if it hangs), and the supervisor
     must go on tending its other children and its signals meanwhile: it starts a
-    forked worker only once the server is ready."""
+    forked worker only once the server is ready.
+
+    A fork server that stops answering, stopped (SIGSTOP) or otherwise stuck,
+    would hold the supervisor in a fork for ever, or leave a worker's death
+    unreported: it is killed and replaced (`replace`)."""
 
     def __init__(self) -> None:
         self._ready = threading.Event()
         self._warming: threading.Thread | None = None
+        self._generation = 0  # of the fork server being brought up; a replacement's is next
         self.failure: str | None = None  # why it could not be brought up
         # The supervisor is stopping: a signal to its whole process group (systemd,
         # ^C in a terminal) kills the fork server too, and that is no loss.
         self.is_shutting_down = False
-        self.process: psutil.Process | None = None  # known once it forked a worker
 
     @property
     def is_ready(self) -> bool:
@@ -74,7 +80,9 @@ class ForkServer:
             return
         if self._warming is not None and self._warming.is_alive():
             return
-        self._warming = threading.Thread(target=self._bring_up, name="warm-up", daemon=True)
+        self._warming = threading.Thread(
+            target=self._bring_up, args=(self._generation,), name="warm-up", daemon=True
+        )
         self._warming.start()
 
     def shut_down(self) -> None:
@@ -86,45 +94,89 @@ class ForkServer:
         self._ready.clear()
         self.warm_up()
 
+    @staticmethod
+    def process() -> psutil.Process | None:
+        """The fork server process now running (preloading or ready), if any: a
+        child of this process, named FORK_SERVER_TITLE once it preloads, and
+        running multiprocessing's fork server before that."""
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process().children():
+                with contextlib.suppress(psutil.Error):
+                    command = " ".join(child.cmdline())
+                    is_named = command.split() == [FORK_SERVER_TITLE]
+                    is_fork_server = is_named or "multiprocessing.forkserver import main" in command
+                    if is_fork_server and child.status() != psutil.STATUS_ZOMBIE:
+                        return child
+        return None
+
+    def replace_if_stopped(self) -> bool:
+        """Replace the fork server if it is stopped; whether it was."""
+        server = self.process()
+        if server is None or not is_stopped(server):
+            return False
+        self.replace("it is stopped (SIGSTOP): it can neither fork nor report a death")
+        return True
+
     def replace(self, why: str) -> None:
-        """The fork server is stuck (stopped, say): kill it and bring up another.
-        Forking from it would block the supervisor until it resumed."""
-        if self.process is None:
-            return
-        log.error("killing the fork server (pid %d): %s", self.process.pid, why)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            self.process.kill()  # psutil checks first that the pid is still its
-            # multiprocessing brings up another only once it can reap this one.
-            deadline = time.monotonic() + 5.0
-            while self.process.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-                time.sleep(0.01)
-        self.process = None
+        """Kill the fork server, and bring up another unless the supervisor stops."""
+        server = self.process()
+        if server is not None:
+            log.error("killing the fork server (pid %d): %s", server.pid, why)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                server.kill()  # psutil checks first that the pid is still its
+                # multiprocessing brings up another only once it can reap this one.
+                deadline = time.monotonic() + 5.0
+                while server.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        self._generation += 1  # what the killed one's warm-up reports is not news
         self.on_lost()
 
     def fork(self, env: Mapping[str, str]) -> ForkedWorker | None:
         """A worker forked with ``env``; None if the fork server died or is stuck
-        (it is being brought up again: ask later)."""
-        if self.process is not None and is_stopped(self.process):
-            self.replace("it is stopped, and a fork would wait for it")
+        (it is being brought up again: ask later). The fork runs on a thread of its
+        own, so that a fork server stopped in the middle of it cannot hold the
+        supervisor: after _FORK_TIMEOUT_S it is killed, which ends the fork."""
+        if self.replace_if_stopped():
             return None
-        try:
-            return ForkedWorker(env, fork_server=self)
-        except (OSError, EOFError) as exc:
-            log.error("the fork server failed to fork a worker (%s); bringing up another", exc)
+        outcome: list[ForkedWorker | BaseException] = []
+
+        def fork_now() -> None:
+            try:
+                outcome.append(ForkedWorker(env, fork_server=self))
+            except BaseException as exc:  # reported on the supervisor's thread
+                outcome.append(exc)
+
+        forking = threading.Thread(target=fork_now, name="fork", daemon=True)
+        forking.start()
+        forking.join(_FORK_TIMEOUT_S)
+        if forking.is_alive():
+            self.replace(f"a fork took more than {_FORK_TIMEOUT_S:g} s")
+            forking.join(_FORK_TIMEOUT_S)  # the kill ends it
+            if not outcome:
+                return None
+        (result,) = outcome
+        if not isinstance(result, BaseException):
+            return result
+        if isinstance(result, (OSError, EOFError)):
+            log.error("the fork server failed to fork a worker (%s); bringing up another", result)
             self.on_lost()
             return None
+        raise result
 
-    def _bring_up(self) -> None:
+    def _bring_up(self, generation: int) -> None:
         # The first fork returns once the server has preloaded.
         probe = _FORK_SERVER.Process(target=_exit_at_once, daemon=True)
         try:
             probe.start()
         except Exception as exc:  # it could not start, or died preloading: go cold
+            if generation != self._generation:
+                return  # a fork server killed as stuck: its replacement is on its way
             log.exception("the fork server could not be brought up")
             self.failure = f"{type(exc).__name__}: {exc}"
             return
         probe.join()
-        self._ready.set()
+        if generation == self._generation:
+            self._ready.set()
 
 
 def _exit_at_once() -> None:
@@ -156,11 +208,6 @@ class ForkedWorker:
         self._pidfd: int | None = None
         with contextlib.suppress(ProcessLookupError):  # it is gone already
             self._pidfd = os.pidfd_open(self.pid)
-            with contextlib.suppress(psutil.NoSuchProcess):
-                parent = psutil.Process(self.pid).parent()
-                # Unless the fork server died already and it was handed to init.
-                if parent is not None and parent.ppid() == os.getpid():
-                    fork_server.process = parent
         self._exited_at: float | None = None
         self._is_orphan = False  # its fork server died before it
         self._code: int | None = None
@@ -198,7 +245,7 @@ class ForkedWorker:
         now = time.monotonic()
         if self._exited_at is None:
             self._exited_at = now
-        fork_server = self._fork_server.process
+        fork_server = self._fork_server.process()
         is_fork_server_stopped = fork_server is not None and is_stopped(fork_server)
         if not is_fork_server_stopped and now - self._exited_at < _EXIT_REPORT_TIMEOUT_S:
             return
