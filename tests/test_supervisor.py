@@ -67,13 +67,13 @@ def _worker(clock: _Clock, crash_loop_limit: int) -> Child:
 
 
 def _run_and_die(
-    child: Child, clock: _Clock, *num_finished: int, code: int = -9, others_serve: bool = False
+    child: Child, clock: _Clock, *num_finished: int, code: int = 1, others_serve: bool = False
 ) -> None:
     """Start ``child``, see it up once per ``num_finished`` (a second apart), then let
-    it die and schedule its restart."""
+    it die (by default a crash: exit code 1) and schedule its restart."""
     child.start()
     for finished in num_finished:
-        child.on_up(finished)
+        child.on_up(finished > 0)
         clock.now += 1
     assert isinstance(child.process, _FakeProcess)
     child.process.returncode = code
@@ -301,13 +301,40 @@ def test_a_fork_server_that_never_comes_up_is_given_up_on_for_a_start_from_scrat
 def test_a_worker_live_for_a_while_has_served_even_without_requests(clock: _Clock) -> None:
     child = _worker(clock, crash_loop_limit=1)
     child.start()
-    child.on_up(0)
+    child.on_up()
     clock.now += 9.9
-    child.on_up(0)
+    child.on_up()
     assert not child.has_served
     clock.now += 0.1
-    child.on_up(0)
+    child.on_up()
     assert child.has_served
+
+
+def test_a_worker_that_ran_a_step_has_served(clock: _Clock) -> None:
+    child = _worker(clock, crash_loop_limit=1)
+    child.start()
+    child.on_up(has_worked=True)
+    assert child.has_served
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP])
+def test_kills_from_outside_after_hello_are_no_crash_loop(
+    clock: _Clock, sig: signal.Signals
+) -> None:
+    """An operator's drill, or the OOM killer, killing the worker every few seconds
+    before it had served ended the whole stack as a crash loop."""
+    child = _worker(clock, crash_loop_limit=2)
+    for _ in range(5):
+        _run_and_die(child, clock, 0, code=-sig)
+    assert child.num_failed_starts == 0 and child.restart_delay_s() == 0
+
+
+def test_kills_before_hello_and_crashes_after_it_are_failed_starts(clock: _Clock) -> None:
+    child = _worker(clock, crash_loop_limit=3)
+    _run_and_die(child, clock, code=-signal.SIGKILL)  # never came up
+    _run_and_die(child, clock, 0, code=-signal.SIGSEGV)
+    with pytest.raises(CrashLoop):
+        _run_and_die(child, clock, 0)  # exit code 1
 
 
 def test_a_child_killed_by_a_real_time_signal_is_named_by_its_number(clock: _Clock) -> None:
