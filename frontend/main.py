@@ -46,8 +46,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         timeout_keep_alive=config.keep_alive_timeout_s,
         limit_concurrency=config.max_connections,
     )
+    server = _Server(server_config, app.state.client)
+    # SIGHUP (a closed terminal) stops it as SIGTERM does; uvicorn handles only
+    # SIGINT and SIGTERM, and SIGHUP's default cut every request in flight.
+    signal.signal(signal.SIGHUP, lambda _, frame: server.handle_exit(signal.SIGTERM, frame))
     try:
-        _Server(server_config, app.state.client).run()
+        server.run()
     except KeyboardInterrupt:
         # uvicorn shut down gracefully on ^C, then raised the signal again, as
         # the default handler would: end as a process stopped by ^C does, without

@@ -8,17 +8,25 @@ MINIBATCH_SUPERVISOR_PID, and each child it starts, forked workers included,
 watches that process through a pidfd and, once it is gone, sends itself SIGTERM:
 the usual graceful stop. A process started by hand has no such variable, and
 lives on its own.
+
+A child stopped (SIGSTOP) when the supervisor dies cannot watch anything: it
+stayed, stopped, holding its port, until someone sent it SIGCONT. Linux sends it
+that SIGCONT itself when its parent dies (`resume_when_parent_dies`), and it then
+stops as above.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import select
 import signal
+import sys
 import threading
 
 SUPERVISOR_PID_ENV = "MINIBATCH_SUPERVISOR_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +42,7 @@ def follow_supervisor(process: str) -> None:
     raw = os.environ.get(SUPERVISOR_PID_ENV, "")
     if not raw.isdigit() or not hasattr(os, "pidfd_open"):
         return
+    resume_when_parent_dies()
     pid = int(raw)
     try:
         pidfd = os.pidfd_open(pid)
@@ -47,6 +56,17 @@ def follow_supervisor(process: str) -> None:
         target=_stop_once_gone, args=(process, pid, pidfd), name="lifeline", daemon=True
     )
     watcher.start()
+
+
+def resume_when_parent_dies() -> None:
+    """Have Linux send this process SIGCONT when its parent dies (a forked worker's
+    parent is the fork server, which ends with the supervisor): a stopped process
+    resumes, to stop itself. Harmless to one that runs."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGCONT), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
 
 
 def _stop_once_gone(process: str, pid: int, pidfd: int) -> None:

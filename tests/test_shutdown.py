@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from frontend.main import GRACEFUL_SHUTDOWN_S
 from tests.sse import sse_events
@@ -63,15 +64,19 @@ def _error_code(events: Events) -> str | None:
     return str(json.loads(data)["error"]["code"]) if event == "error" else None
 
 
-def test_a_stopping_frontend_finishes_what_runs_and_what_waits(tmp_path: Path) -> None:
-    """As minibatch-serve stops: the frontends first, their workers still live."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stopping_frontend_finishes_what_runs_and_what_waits(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """As minibatch-serve stops: the frontends first, their workers still live.
+    SIGHUP (a closed terminal) stops it the same way; it cut every request."""
     with running_stack(tmp_path, OVERRIDES, supervised=False) as stack:
         stack.wait_live()
         streams = [Background(lambda: _stream(stack, SHORT)) for _ in range(CAPACITY)]
         stack.wait_for_health("running", lambda h: h["active"] == CAPACITY)
         waiting = [Background(lambda: _plain(stack, SHORT)) for _ in range(2)]
         stack.wait_for_health("waiting", lambda h: h["queued"] == 2)
-        stack.processes["frontend"].send_signal(signal.SIGTERM)
+        stack.processes["frontend"].send_signal(sig)
         for stream in streams:
             events = stream.result()
             assert [event for event, _ in events].count("token") == SHORT

@@ -488,3 +488,25 @@ def test_a_stopped_frontend_is_replaced(tmp_path: Path) -> None:
         assert f"killing frontend (pid {frozen}): it has been stopped (SIGSTOP)" in stack.log(
             "supervisor"
         )
+
+
+def test_a_supervisor_killed_outright_while_its_children_are_stopped_leaves_none(
+    tmp_path: Path,
+) -> None:
+    """Stopped (SIGSTOP), a child cannot watch its supervisor: it stayed, stopped,
+    holding its port, and the next start failed. Linux resumes it when its parent
+    dies, and it stops itself. (Not a forked worker: its parent is the fork
+    server, which lives as long as the workers it forked.)"""
+    with running_stack(tmp_path, {"MODEL_ID": "synthetic"}) as stack:
+        stack.wait_live(timeout_s=120)
+        supervisor = stack.processes["supervisor"]
+        children = psutil.Process(supervisor.pid).children(recursive=True)
+        fork_server = [child for child in children if child.pid not in stack.worker_pids()]
+        stopped = [stack.frontend_pid(), *(p.pid for p in fork_server if "fork" in p.name())]
+        assert len(stopped) == 2, [p.cmdline() for p in children]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        supervisor.kill()
+        supervisor.wait()
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"still there: {[(p.pid, p.status()) for p in alive]}\n{stack.logs()}"

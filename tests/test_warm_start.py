@@ -126,7 +126,7 @@ def _group_members(pgid: int) -> list[psutil.Process]:
 
 @pytest.mark.parametrize(
     ("sig", "warm_start"),
-    [(signal.SIGTERM, "1"), (signal.SIGINT, "1"), (signal.SIGTERM, "0")],
+    [(signal.SIGTERM, "1"), (signal.SIGINT, "1"), (signal.SIGHUP, "1"), (signal.SIGTERM, "0")],
 )
 def test_a_signal_to_the_whole_group_stops_it_and_starts_nothing_new(
     tmp_path: Path, sig: signal.Signals, warm_start: str

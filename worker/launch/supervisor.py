@@ -356,8 +356,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         supervisor = Supervisor(config)
     except ConfigError as exc:
         exit_refusing("supervisor", exc)
-    signal.signal(signal.SIGTERM, lambda *_: supervisor.stop())
-    signal.signal(signal.SIGINT, lambda *_: supervisor.stop())
+    # SIGHUP too (a closed terminal): its default ended the stack with no stop at all.
+    for stop_signal in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(stop_signal, lambda *_: supervisor.stop())
     try:
         supervisor.run()
     except CrashLoop as exc:

@@ -43,8 +43,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as exc:  # a bad value, or a model or device that cannot be used
         exit_refusing("worker", exc)
     server = WorkerServer(Scheduler(engine, config.max_queue_depth), config)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    # SIGHUP too (a closed terminal): its default ended the worker at once.
+    for stop_signal in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(stop_signal, lambda *_: server.stop())
     try:
         server.serve_forever()
     except ConfigError as exc:  # its endpoint cannot be bound
