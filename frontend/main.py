@@ -26,7 +26,8 @@ _INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # what shells report for a ^C
 
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO,
+        format="%(asctime)s frontend[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
     follow_supervisor("frontend")
     try:

@@ -33,7 +33,7 @@ def build_engine(config: WorkerConfig) -> InferenceEngine:
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO,
-        format="%(asctime)s worker %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s worker[%(process)d] %(levelname)s %(name)s: %(message)s",
         force=True,  # a worker forked from the fork server inherits its set-up
     )
     follow_supervisor("worker")
