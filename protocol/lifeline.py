@@ -60,8 +60,8 @@ def follow_supervisor(process: str) -> None:
 
 def resume_when_parent_dies() -> None:
     """Have Linux send this process SIGCONT when its parent dies (a forked worker's
-    parent is the fork server, which ends with the supervisor): a stopped process
-    resumes, to stop itself. Harmless to one that runs."""
+    parent is the fork server, which follows the supervisor too): a stopped
+    process resumes, to stop itself. Harmless to one that runs."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)

@@ -495,8 +495,8 @@ def test_a_supervisor_killed_outright_while_its_children_are_stopped_leaves_none
 ) -> None:
     """Stopped (SIGSTOP), a child cannot watch its supervisor: it stayed, stopped,
     holding its port, and the next start failed. Linux resumes it when its parent
-    dies, and it stops itself. (Not a forked worker: its parent is the fork
-    server, which lives as long as the workers it forked.)"""
+    dies, and it stops itself; a forked worker's parent, the fork server, ends
+    with the supervisor though the workers it forked hold its pipe open."""
     with running_stack(tmp_path, {"MODEL_ID": "synthetic"}) as stack:
         stack.wait_live(timeout_s=120)
         supervisor = stack.processes["supervisor"]
@@ -504,6 +504,7 @@ def test_a_supervisor_killed_outright_while_its_children_are_stopped_leaves_none
         fork_server = [child for child in children if child.pid not in stack.worker_pids()]
         stopped = [stack.frontend_pid(), *(p.pid for p in fork_server if "fork" in p.name())]
         assert len(stopped) == 2, [p.cmdline() for p in children]
+        stopped += stack.worker_pids()
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
         supervisor.kill()
@@ -513,3 +514,24 @@ def test_a_supervisor_killed_outright_while_its_children_are_stopped_leaves_none
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         assert not alive, f"still there: {[p.pid for p in alive]}\n{stack.logs()}"
+
+
+@pytest.mark.parametrize("code", [0, 130, 255])
+def test_a_graceful_exit_after_hello_is_no_failed_start(clock: _Clock, code: int) -> None:
+    """SIGTERM, SIGHUP or ^C stop a worker gracefully (exit 0, 130), and a worker
+    whose stuck fork server was replaced has no known status (255): five such in
+    a row ended the stack as a crash loop."""
+    child = _worker(clock, crash_loop_limit=2)
+    for _ in range(5):
+        _run_and_die(child, clock, 0, code=code)
+    assert child.num_failed_starts == 0
+
+
+def test_a_child_killed_because_it_was_stopped_did_not_fail_its_start(clock: _Clock) -> None:
+    """Stopped from outside (SIGSTOP, a debugger), then killed by the supervisor."""
+    child = _worker(clock, crash_loop_limit=1)
+    child.start()
+    child.is_stopped = lambda: True  # type: ignore[method-assign]
+    child.kill("it has been stopped (SIGSTOP) for 3.0 s")
+    child.schedule_restart(str(child.exit_cause()))
+    assert child.num_failed_starts == 0

@@ -92,7 +92,7 @@ def test_a_worker_outlives_its_fork_server_and_its_replacement_brings_a_new_one(
             time.sleep(0.5)  # the supervisor looks at its workers every 0.1 s
             assert stack.health().json()["instance_id"] == first["instance_id"]
             assert _generate(stack, "hi") == expected_text("hi", 3)
-            assert "the fork server died; worker pid" in stack.log("supervisor")
+            assert "the fork server is gone; worker pid" in stack.log("supervisor")
         # Watched directly now: its death is seen, and a new fork server forks the next.
         stack.wait_live(instance_not=str(first["instance_id"]))
         assert _fork_server(stack).pid != server.pid

@@ -15,13 +15,17 @@ import psutil
 
 from protocol.settings import CONFIG_ERROR_EXIT_CODE
 from worker.launch.config import SupervisorConfig
-from worker.launch.warm_start import FORK_SERVER, ForkedWorker, is_stopped
+from worker.launch.warm_start import FORK_SERVER, UNKNOWN_EXIT_CODE, ForkedWorker, is_stopped
 
 log = logging.getLogger("supervisor")
 
 _STOP_GRACE_S = 5.0
-# Signals that end a process from outside; a crash is SIGSEGV, SIGABRT, an exit code.
+# How a process ends when stopped from outside, not failing: killed by a signal no
+# process sends itself, or exiting after a graceful stop on one (0; 130, as after
+# ^C), or with a status its fork server could not report. A crash is SIGSEGV,
+# SIGABRT, another exit code.
 _OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+_STOPPED_EXIT_CODES = frozenset({0, 128 + signal.SIGINT, UNKNOWN_EXIT_CODE})
 
 
 class CrashLoop(Exception):
@@ -63,6 +67,7 @@ class Child:
         self.started_at = 0.0
         self.up_since: float | None = None  # first seen working (a worker: its hello)
         self.kill_reason: str | None = None
+        self.was_frozen = False  # killed by this supervisor while stopped (SIGSTOP)
         self.start_at = 0.0  # when a stopped child may start again
         self._stopped_since: float | None = None  # seen stopped (SIGSTOP) since
         self._clock = clock
@@ -81,6 +86,7 @@ class Child:
         self.started_at = self._clock()
         self.up_since = None
         self.kill_reason = None
+        self.was_frozen = False
         self._stopped_since = None
         log.info("started %s (pid %d)", self.name, self.process.pid)
 
@@ -187,14 +193,19 @@ class Child:
         )
 
     def _was_stopped_from_outside(self) -> bool:
-        """It had come up, and a signal that no process sends itself ended it (kill,
-        an operator's drill, the OOM killer), not this supervisor's verdict: its
-        start did not fail. Such kills, every few seconds, ended the stack as a
-        crash loop."""
-        if self.process is None or self.up_since is None or self.kill_reason is not None:
+        """Its start did not fail: it had come up and was ended from outside (a
+        kill, an operator's drill, the OOM killer) rather than by this
+        supervisor's verdict, or this supervisor killed it because someone had
+        stopped it (SIGSTOP). Such kills, every few seconds, ended the stack as
+        a crash loop."""
+        if self.process is None:
+            return False
+        if self.was_frozen:
+            return True
+        if self.up_since is None or self.kill_reason is not None:
             return False
         code = self.process.poll()
-        return code is not None and -code in _OUTSIDE_SIGNALS
+        return code is not None and (-code in _OUTSIDE_SIGNALS or code in _STOPPED_EXIT_CODES)
 
     def restart_delay_s(self) -> float:
         """No wait after a child that had served: its death says nothing of the next
@@ -211,6 +222,7 @@ class Child:
         if self.process is not None and self.process.poll() is None:
             log.error("killing %s (pid %d): %s", self.name, self.process.pid, reason)
             self.kill_reason = reason
+            self.was_frozen = self.is_stopped()
             self.process.kill()
             self.process.wait()
 

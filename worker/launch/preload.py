@@ -14,7 +14,7 @@ import os
 
 from setproctitle import setproctitle
 
-from protocol.lifeline import resume_when_parent_dies
+from protocol.lifeline import follow_supervisor
 from protocol.settings import ConfigError, load
 from worker.engine.fake_engine import FAKE_MODEL_NAME
 from worker.launch.warm_start import FORK_SERVER_TITLE
@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 
 def _preload() -> None:
     setproctitle(FORK_SERVER_TITLE)
-    # Stopped when the supervisor dies, it would stay so, and keep the workers it
-    # forked from learning of it: resumed, it ends, as the supervisor's end says.
-    resume_when_parent_dies()
+    # It lives while any worker it forked does (each holds its "alive" pipe): it
+    # ends with the supervisor instead (resumed first, if stopped), so that the
+    # workers, handed to init, are resumed too and stop themselves.
+    follow_supervisor("fork server")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s fork-server %(levelname)s %(name)s: %(message)s"
     )

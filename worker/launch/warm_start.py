@@ -39,8 +39,9 @@ _FORK_SERVER.set_forkserver_preload(["worker.launch.preload"])
 WORKER_TITLE = "minibatch-worker"
 FORK_SERVER_TITLE = "minibatch-fork-server"
 
-# What multiprocessing reports for a child whose fork server went away.
-_LOST_BY_FORK_SERVER = 255
+# What multiprocessing reports for a child whose fork server went away, and what
+# is reported for a worker whose exit its fork server could not report.
+UNKNOWN_EXIT_CODE = 255
 
 # A fork server reports a worker's exit within milliseconds; one that has not
 # this long after the exit is stuck, stopped or not.
@@ -119,6 +120,8 @@ class ForkServer:
 
     def replace(self, why: str) -> None:
         """Kill the fork server, and bring up another unless the supervisor stops."""
+        # First: the killed one's warm-up, failing at the kill, is no news.
+        self._generation += 1
         server = self.process()
         if server is not None:
             log.error("killing the fork server (pid %d): %s", server.pid, why)
@@ -128,7 +131,6 @@ class ForkServer:
                 deadline = time.monotonic() + 5.0
                 while server.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
                     time.sleep(0.01)
-        self._generation += 1  # what the killed one's warm-up reports is not news
         self.on_lost()
 
     def fork(self, env: Mapping[str, str]) -> ForkedWorker | None:
@@ -220,16 +222,16 @@ class ForkedWorker:
             return self._code
         reported = self._process.exitcode
         has_exited = self._has_exited()
-        if reported is not None and (reported != _LOST_BY_FORK_SERVER or has_exited):
+        if reported is not None and (reported != UNKNOWN_EXIT_CODE or has_exited):
             self._set_code(reported)
         elif reported is not None and not self._is_orphan:
             self._is_orphan = True
             if not self._fork_server.is_shutting_down:
                 log.error(
-                    "the fork server died; worker pid %d serves on, watched directly "
+                    "the fork server is gone; worker pid %d serves on, watched directly "
                     "(its exit status will be unknown, reported as %d)",
                     self.pid,
-                    _LOST_BY_FORK_SERVER,
+                    UNKNOWN_EXIT_CODE,
                 )
             self._fork_server.on_lost()
         elif has_exited and reported is None:
@@ -252,9 +254,9 @@ class ForkedWorker:
         how = "it is stopped" if is_fork_server_stopped else f"for {_EXIT_REPORT_TIMEOUT_S:g} s"
         self._fork_server.replace(
             f"worker pid {self.pid} exited, and its fork server did not report how ({how}); "
-            f"its exit status is unknown, reported as {_LOST_BY_FORK_SERVER}"
+            f"its exit status is unknown, reported as {UNKNOWN_EXIT_CODE}"
         )
-        self._set_code(_LOST_BY_FORK_SERVER)
+        self._set_code(UNKNOWN_EXIT_CODE)
 
     def _set_code(self, code: int) -> None:
         self._code = code
