@@ -173,7 +173,7 @@ class Child:
             )
         is_failed_start = not self.has_served and not self._was_stopped_from_outside()
         self.process = None
-        self.num_failed_starts = 0 if not is_failed_start else self.num_failed_starts + 1
+        self.num_failed_starts = self.num_failed_starts + 1 if is_failed_start else 0
         if self.num_failed_starts >= self.config.crash_loop_limit:
             why = (
                 f"{self.name} died before serving {self.num_failed_starts} times in a row "
