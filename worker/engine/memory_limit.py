@@ -5,8 +5,9 @@ the process could write first. And how much it holds already."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+import psutil
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -16,7 +17,7 @@ def memory_limit_bytes(
 ) -> tuple[int, str]:
     """The bytes this process may use, and what says so ("the host's memory", or
     "its cgroup's memory.max")."""
-    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "the host's memory"
+    limit = psutil.virtual_memory().total, "the host's memory"
     for directory, file_name in _memory_cgroups(proc_cgroup, root):
         # The cgroup and each above it limit it; where a cgroup namespace hides the
         # path (a container), the container's own limits are at the mount's root.
@@ -58,9 +59,6 @@ def _read_limit(path: Path) -> int | None:
 
 
 def resident_bytes() -> int:
-    """This process's resident set, from /proc (Linux); 0 elsewhere."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+    """This process's resident set. Looked up at each call: a worker forked from the
+    fork server is not the process that imported this module."""
+    return int(psutil.Process().memory_info().rss)
