@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Iterable, Sequence
 
@@ -39,7 +38,7 @@ from protocol import (
     Waiting,
     encode,
 )
-from protocol.liveness import Verdict
+from protocol.liveness import PauseWatch, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class WorkerClient:
         self._pool = WorkerPool(config, self)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.is_shutting_down = False
-        self._last_turn_at = time.monotonic()  # see _notice_own_pause
+        self._pause = PauseWatch("frontend", config.heartbeat_timeout_s, config.ping_interval_s)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -199,7 +198,7 @@ class WorkerClient:
         self._dispatch()
 
     def on_heartbeat(self, link: WorkerLink) -> None:
-        self._notice_own_pause()
+        self._notice_own_pause(is_turn=False)
         self._check_liveness(link)
         self._dispatch()  # it may show slots freed by another frontend
 
@@ -219,30 +218,19 @@ class WorkerClient:
     # --- what the pool reports ------------------------------------------------------------
 
     def on_tick(self) -> None:
-        self._notice_own_pause()
-        self._last_turn_at = time.monotonic()
+        self._notice_own_pause(is_turn=True)
         for link in self._pool.links():
             link.send_frame(self._ping)
             self._check_liveness(link)
         self._dispatch()
 
-    def _notice_own_pause(self) -> None:
-        """Ticks come PING_INTERVAL_S apart. One much later means this process was
-        paused (SIGSTOP) or starved: heartbeats from before the pause, read now,
-        would show a worker that made no progress all that while, and it was
-        declared hung for this frontend's own pause. Each worker has
-        HEARTBEAT_TIMEOUT_S from now to be heard, as the supervisor gives it."""
-        now = time.monotonic()
-        gap_s = now - self._last_turn_at
-        if gap_s > max(self.config.heartbeat_timeout_s, 3 * self.config.ping_interval_s):
-            log.warning(
-                "this frontend did not run for %.1f s (paused, or starved of CPU); its "
-                "workers have HEARTBEAT_TIMEOUT_S from now to be heard",
-                gap_s,
-            )
+    def _notice_own_pause(self, is_turn: bool) -> None:
+        """Heartbeats from before this frontend's own pause, read after it, would
+        show a worker that made no progress all that while: it was declared hung
+        for the frontend's stillness. Ticks are the turns."""
+        if self._pause.was_paused(is_turn):
             for link in self._pool.links():
                 link.liveness.on_own_pause()
-            self._last_turn_at = now
 
     def on_gone(self, link: WorkerLink) -> None:
         self._release(link, "is gone", is_death=True)

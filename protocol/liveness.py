@@ -14,12 +14,15 @@ decide when to replace the worker).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
 from protocol import Heartbeat, Hello
+
+log = logging.getLogger(__name__)
 
 
 class WorkerState(StrEnum):
@@ -124,3 +127,43 @@ class Liveness:
                 f"with work pending (STEP_TIMEOUT_S={self.step_timeout_s:g})",
             )
         return Verdict(WorkerState.LIVE, f"worker {self.hello.instance_id[:8]} is live")
+
+
+class PauseWatch:
+    """Notices that this side itself did not run. Its turns (a supervisor's
+    verdicts, a frontend's ticks) come ``turn_s`` apart; one that comes more than
+    HEARTBEAT_TIMEOUT_S (and three turns) late means it was paused (SIGSTOP) or
+    starved of CPU: what its workers sent meanwhile went unheard, or waits unread
+    from before the pause, and a verdict now would take a live worker for dead or
+    hung. A shorter gap is not excused: turns that are merely slow must not keep
+    a frozen worker from being judged."""
+
+    def __init__(
+        self,
+        who: str,
+        heartbeat_timeout_s: float,
+        turn_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.who = who
+        self.threshold_s = max(heartbeat_timeout_s, 3 * turn_s)
+        self._clock = clock
+        self._last_turn_at = clock()
+
+    def was_paused(self, is_turn: bool = True) -> bool:
+        """Whether this side did not run since its last turn; ``is_turn``: this is
+        a turn (else only a look, between turns). Say so in the log; callers then
+        give each worker's `Liveness.on_own_pause`."""
+        now = self._clock()
+        gap_s = now - self._last_turn_at
+        is_paused = gap_s > self.threshold_s
+        if is_paused:
+            log.warning(
+                "this %s did not run for %.1f s (paused, or starved of CPU); its workers "
+                "have HEARTBEAT_TIMEOUT_S from now to be heard",
+                self.who,
+                gap_s,
+            )
+        if is_turn or is_paused:
+            self._last_turn_at = now
+        return is_paused

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from protocol import Heartbeat, Hello
-from protocol.liveness import Liveness, WorkerState
+from protocol.liveness import Liveness, PauseWatch, WorkerState
 
 
 class Clock:
@@ -92,3 +92,32 @@ def test_greetings_again_without_heartbeats_are_not_a_hang() -> None:
         clock.now += 1
         assert not liveness.on_hello(_hello())
         assert liveness.verdict().is_live
+
+
+def test_a_turn_long_late_is_this_sides_own_pause_and_a_look_between_turns_sees_it() -> None:
+    """A frontend stopped for 40 s read the heartbeats waiting from before its
+    pause and declared its worker hung; a heartbeat read between ticks must see
+    the pause before the next tick does."""
+    clock = Clock()
+    pause = PauseWatch("frontend", heartbeat_timeout_s=3, turn_s=0.5, clock=clock)
+    for _ in range(10):
+        clock.now += 0.5
+        assert not pause.was_paused()
+    clock.now += 2.9  # slow, but within the heartbeat timeout: not excused
+    assert not pause.was_paused()
+    clock.now += 40
+    assert pause.was_paused(is_turn=False)  # a heartbeat read first
+    assert not pause.was_paused()  # the tick that follows: already noticed
+    clock.now += 0.4
+    assert not pause.was_paused(is_turn=False)
+    clock.now += 2.7  # 3.1 s since the last turn: looks between turns do not count
+    assert pause.was_paused(is_turn=False)
+
+
+def test_the_pause_threshold_is_three_turns_where_turns_are_slower_than_the_timeout() -> None:
+    clock = Clock()
+    pause = PauseWatch("frontend", heartbeat_timeout_s=1, turn_s=2, clock=clock)
+    clock.now += 5.9
+    assert not pause.was_paused()
+    clock.now += 6.1
+    assert pause.was_paused()

@@ -36,7 +36,7 @@ from zmq.utils.monitor import parse_monitor_message
 from protocol import Heartbeat, Hello, ProtocolError, decode_to_frontend
 from protocol.client_config import WorkerClientConfig
 from protocol.lifeline import name_supervisor
-from protocol.liveness import Liveness, WorkerState
+from protocol.liveness import Liveness, PauseWatch, WorkerState
 from protocol.peer import ping, worker_socket
 from protocol.settings import MAX_IPC_PATH_BYTES, MAX_PORT, ConfigError, exit_refusing, load
 from worker.launch.child import Child, CrashLoop
@@ -165,7 +165,7 @@ class Supervisor:
             child = Child(name, "frontend.main", config, _FRONTEND_SERVED_AFTER_S, env=env)
             self.frontends.append(child)
         self._stopping = False
-        self._last_turn_at = time.monotonic()
+        self._pause = PauseWatch("supervisor", config.heartbeat_timeout_s, _TICK_S)
 
     def stop(self) -> None:
         """From a signal handler: the loop ends at its next turn, and starts nothing
@@ -199,20 +199,10 @@ class Supervisor:
             FORK_SERVER.replace_if_stopped()
 
     def _notice_own_pause(self) -> None:
-        """Before each verdict: verdicts come about _TICK_S apart. One that comes
-        more than HEARTBEAT_TIMEOUT_S later means this process was paused
-        (SIGSTOP) or starved of CPU: whatever its workers sent meanwhile went
-        unheard (past FRONTEND_TIMEOUT_S they stop sending), and the verdict
-        would kill a live worker. A shorter gap is not excused: turns that are
-        merely slow must not keep a frozen worker from being judged."""
-        now = time.monotonic()
-        gap_s, self._last_turn_at = now - self._last_turn_at, now
-        if gap_s > max(self.config.heartbeat_timeout_s, 3 * _TICK_S):
-            log.warning(
-                "this supervisor did not run for %.1f s (paused, or starved of CPU); its "
-                "workers have HEARTBEAT_TIMEOUT_S from now to be heard",
-                gap_s,
-            )
+        """Before each verdict: a supervisor that did not run would kill a live
+        worker whose heartbeats it did not hear (past FRONTEND_TIMEOUT_S the worker
+        stops sending them)."""
+        if self._pause.was_paused():
             for _, watch in self.workers:
                 watch.on_own_pause()
 
