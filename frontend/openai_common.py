@@ -35,7 +35,7 @@ Body = TypeVar("Body", bound=OpenAIBody)
 class OpenAIRequest(Generic[Body]):
     body: Body
     client: WorkerClient
-    model: str  # as the worker names it, or the request's while none has said hello
+    model: str  # as the worker names it
     ignored: list[str]  # unknown fields, ignored
     # The request's grammar_kind and grammar (structured outputs), if any.
     grammar: dict[str, str] = field(default_factory=dict)
@@ -77,14 +77,31 @@ async def read_openai_request(request: Request, schema: type[Body]) -> OpenAIReq
     if unsupported is not None:
         param, message = unsupported
         raise ApiError(400, message, "unsupported", param)
-    check_model(client, body.model)
+    model = await check_requested_model(client, body.model)
     grammar = await grammar_fields(body.response_format, body.structured_outputs)
-    return OpenAIRequest(body, client, served_model(client) or body.model, ignored, grammar)
+    return OpenAIRequest(body, client, model, ignored, grammar)
 
 
 def served_model(client: WorkerClient) -> str | None:
     hello = client.hello
     return hello.model if hello else None
+
+
+async def check_requested_model(client: WorkerClient, name: str) -> str:
+    """The served model, once a worker has named it (a request that comes before
+    any worker's hello waits for one, up to REQUEST_TIMEOUT_S: 504 if none
+    comes); 404 unless ``name`` is that model."""
+    timeout_s = client.config.request_timeout_s
+    hello = await client.first_hello(timeout_s)
+    if hello is None:
+        raise ApiError(
+            504,
+            f"no worker named its model within REQUEST_TIMEOUT_S={timeout_s:g} s "
+            f"({client.verdict().reason}); retry once a worker is live",
+            "timeout",
+        )
+    check_model(client, name)
+    return hello.model
 
 
 def check_model(client: WorkerClient, name: str) -> None:

@@ -20,7 +20,7 @@ from frontend.chat_api import conversation
 from frontend.errors import ApiError
 from frontend.generation import FinalAnswer, generate_request, respond
 from frontend.metrics import TOKENIZER_ENDPOINTS
-from frontend.openai_common import check_model, ignored_fields_headers, log_ignored_fields
+from frontend.openai_common import check_requested_model, ignored_fields_headers, log_ignored_fields
 from frontend.openai_schemas import ChatMessage
 from frontend.schemas import STRICT, TokenIds, parse_body
 from frontend.worker_client import WorkerClient
@@ -121,7 +121,7 @@ async def _read(
     strict = client.config.strict_request_fields
     body, ignored = await parse_body(request, schema, ignore_unknown=not strict)
     if body.model is not None:
-        check_model(client, body.model)
+        await check_requested_model(client, body.model)
     return body, ignored
 
 

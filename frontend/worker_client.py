@@ -15,6 +15,7 @@ and dropped its requests) holds none of them, and they are sent again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Iterable, Sequence
@@ -57,6 +58,7 @@ class WorkerClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.is_shutting_down = False
         self._pause = PauseWatch("frontend", config.heartbeat_timeout_s, config.ping_interval_s)
+        self._greeted = asyncio.Event()  # set at the first hello of any worker
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -137,6 +139,14 @@ class WorkerClient:
         """The hello of a live worker, else of any worker that has said one."""
         return self._pool.hello
 
+    async def first_hello(self, timeout_s: float) -> Hello | None:
+        """`hello`, waiting up to ``timeout_s`` for one while no worker has said
+        any; None if none came."""
+        if self.hello is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._greeted.wait(), timeout_s)
+        return self.hello
+
     # --- what the workers send ------------------------------------------------------------
 
     def on_event(self, link: WorkerLink, message: Event | QueueNotice) -> None:
@@ -173,6 +183,7 @@ class WorkerClient:
 
     def on_hello(self, link: WorkerLink, hello: Hello) -> None:
         previous = link.hello
+        self._greeted.set()
         if link.liveness.on_hello(hello):
             log.info(
                 "worker %s at %s says hello: model %s%s, capacity %d",

@@ -4,7 +4,9 @@ client."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -152,6 +154,53 @@ def test_invalid_value_is_a_422_naming_the_parameter(client: openai.OpenAI) -> N
 def test_unknown_model_is_a_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="serves 'fake'"):
         client.completions.create(model="gpt-4", prompt="hi")
+
+
+def test_a_request_before_any_worker_is_checked_against_the_model_it_names(
+    tmp_path: Path,
+) -> None:
+    """A request that comes before any worker's hello waits for one: then an
+    unknown model is a 404, and the served one is answered under its own name."""
+    with running_stack(tmp_path, supervised=False, start=("frontend",)) as stack:
+        stack.wait_until(lambda: _answers(stack), "frontend start")
+        with ThreadPoolExecutor(2) as pool:
+            answers = [
+                pool.submit(
+                    httpx.post,
+                    f"{stack.url}/v1/completions",
+                    json={"model": model, "prompt": "early", "max_tokens": 3},
+                    timeout=30,
+                )
+                for model in ("bogus", "fake")
+            ]
+            time.sleep(0.5)  # both wait, no worker known
+            assert not any(answer.done() for answer in answers)
+            stack.start("worker", "worker.serve.main")
+            bogus, served = (answer.result() for answer in answers)
+    assert bogus.status_code == 404, bogus.text
+    assert bogus.json()["error"]["code"] == "model_not_found"
+    assert served.status_code == 200, served.text
+    assert served.json()["model"] == "fake"
+
+
+def test_a_request_is_a_504_when_no_worker_names_its_model_in_time(tmp_path: Path) -> None:
+    overrides = {"REQUEST_TIMEOUT_S": "0.5"}
+    with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+        stack.wait_until(lambda: _answers(stack), "frontend start")
+        body = {"model": "bogus", "prompt": "alone", "max_tokens": 3}
+        response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 504
+    assert response.json()["error"]["message"].startswith(
+        "no worker named its model within REQUEST_TIMEOUT_S=0.5 s"
+    )
+
+
+def _answers(stack: Stack) -> bool:
+    try:
+        stack.health()
+    except httpx.TransportError:
+        return False
+    return True
 
 
 def test_batch_of_prompts_is_refused_with_a_reason(client: openai.OpenAI) -> None:
