@@ -173,10 +173,13 @@ async def next_event(
         log.info("request %s: client disconnected; aborted", accepted.request_id)
         raise ClientGone(accepted.request_id)
     log.warning("request %s: deadline passed; aborted", accepted.request_id)
+    verdict = client.verdict()
+    # Fewer tokens help only where a worker is there to make them.
+    advice = "retry later, or ask for fewer tokens" if verdict.is_live else "retry later"
     raise ApiError(
         504,
         f"no answer within REQUEST_TIMEOUT_S={client.config.request_timeout_s:g} s "
-        f"(worker: {client.verdict().reason}); retry later, or ask for fewer tokens",
+        f"(worker: {verdict.reason}); {advice}",
         "timeout",
     )
 

@@ -115,9 +115,20 @@ def test_past_its_deadline_a_request_gets_504_and_its_slot_is_freed(tmp_path: Pa
         started = time.monotonic()
         response = _post(stack, {"prompt": "slow", "max_new_tokens": 200})
         assert response.status_code == 504
-        assert "REQUEST_TIMEOUT_S=1" in response.json()["error"]["message"]
+        message = response.json()["error"]["message"]
+        assert "REQUEST_TIMEOUT_S=1" in message and message.endswith("ask for fewer tokens")
         assert time.monotonic() - started < 5
         stack.wait_for_health("slot freed", lambda h: h["active"] == 0, 2)
+
+
+def test_past_its_deadline_without_a_worker_a_request_is_told_to_retry(tmp_path: Path) -> None:
+    overrides = {"REQUEST_TIMEOUT_S": "0.5"}
+    with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+        stack.wait_until(lambda: _responds(stack, "/ready"), "frontend start")
+        response = _post(stack, {"prompt": "nobody", "max_new_tokens": 4})
+    assert response.status_code == 504
+    message = response.json()["error"]["message"]
+    assert "no worker" in message and message.endswith("; retry later")
 
 
 def test_requests_wait_for_a_worker_and_succeed_when_it_arrives(tmp_path: Path) -> None:
