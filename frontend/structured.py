@@ -325,7 +325,8 @@ def _invalid(param: str, message: str) -> ApiError:
 
 
 def _preview(value: Any) -> str:
-    shown = repr(value)
+    """``value`` as the client wrote it (JSON), cut short."""
+    shown = json.dumps(value, ensure_ascii=False)
     return shown if len(shown) <= 40 else shown[:37] + "..."
 
 

@@ -156,7 +156,7 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
             "structured_outputs.structural_tag",
             "only null is supported here",
         ),
-        (None, {"guided_json": {}}, 400, "structured_outputs", "'guided_json' not supp"),
+        (None, {"guided_json": {}}, 400, "structured_outputs", '"guided_json" not supp'),
         ({"type": "json_object"}, {"regex": "a"}, 422, "structured_outputs", "not both"),
         (
             None,
@@ -170,7 +170,7 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
             {"regex": "a", "disable_additional_properties": True},
             400,
             "structured_outputs.disable_additional_properties",
-            "only false is supported here",
+            "only false is supported here, got true",
         ),
         (
             None,
