@@ -75,7 +75,13 @@ def probe(
     raise ProbeFailed(
         f"no Hello from a worker at {endpoint} within {timeout_s:g}s: "
         "check that the worker is running and bound there (WORKER_BIND / WORKER_ENDPOINT)"
-        + (", and that it allows this client's key" if curve else "")
+        + (
+            ", and that it allows this client's key"
+            if curve
+            # A worker that requires CURVE drops a plain handshake without a word.
+            else "; a worker that requires CURVE answers only a client with its keys "
+            "(CURVE_SERVER_PUBLIC_KEY, CURVE_CLIENT_SECRET_KEY)"
+        )
     )
 
 
