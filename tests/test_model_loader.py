@@ -73,6 +73,12 @@ def test_explicit_model_id_that_cannot_load_stops_with_a_clear_error(offline: No
         load_model("no-such-org/no-such-model", CPU, torch.float32)
 
 
+def test_a_local_path_that_is_not_a_directory_is_named_as_missing(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir"
+    with pytest.raises(ModelLoadError, match=f"no directory {missing} on this machine"):
+        load_model(str(missing), CPU, torch.float32)
+
+
 def test_an_explicit_distilgpt2_does_not_fall_back(offline: None) -> None:
     with pytest.raises(ModelLoadError, match=r"MODEL_ID='distilgpt2' cannot be loaded"):
         load_engine(WorkerConfig(model_id="distilgpt2", device="cpu"))

@@ -182,7 +182,14 @@ def synthetic_model(config: GPT2Config | None = None, seed: int = SYNTHETIC_SEED
     return LoadedModel(SYNTHETIC, model, tokenizer, is_random_weights=True)
 
 
+# How a MODEL_ID that means a local path begins (a hub id is "name" or "owner/name").
+_PATH_PREFIXES = ("/", "./", "../")
+
+
 def _pretrained(model_id: str) -> LoadedModel:
+    if model_id.startswith(_PATH_PREFIXES) and not Path(model_id).is_dir():
+        # transformers would take it for a malformed hub id and say only that.
+        raise OSError(f"no directory {model_id} on this machine")
     # huggingface_hub reads HF_HUB_OFFLINE once, at import; honouring it here too
     # lets a process (or a test) go offline after import. Where the hub's name does
     # not even resolve, asking it would only cost ~30 s of retries: use the cache.
