@@ -93,6 +93,13 @@ async def check_requested_model(client: WorkerClient, name: str) -> str:
     comes); 404 unless ``name`` is that model."""
     timeout_s = client.config.request_timeout_s
     hello = await client.first_hello(timeout_s)
+    if hello is None and client.is_shutting_down:
+        raise ApiError(
+            503,
+            "this frontend is shutting down and no worker has said hello to it; retry it, "
+            "on another instance or on this one once it is back",
+            "shutting_down",
+        )
     if hello is None:
         raise ApiError(
             504,

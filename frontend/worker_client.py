@@ -58,7 +58,8 @@ class WorkerClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.is_shutting_down = False
         self._pause = PauseWatch("frontend", config.heartbeat_timeout_s, config.ping_interval_s)
-        self._greeted = asyncio.Event()  # set at the first hello of any worker
+        # Set at the first hello of any worker, or once this frontend stops.
+        self._greeted = asyncio.Event()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -81,6 +82,7 @@ class WorkerClient:
         if self.is_shutting_down or self._loop is None:
             return
         self.is_shutting_down = True
+        self._greeted.set()  # a request waiting for a first hello waits no more
         log.info("shutting down: %d requests in flight", self.num_inflight)
         self._loop.call_later(max(0.0, grace_s - _ANSWER_BEFORE_CUT_S), self._end_all, grace_s)
         self._dispatch()
@@ -141,7 +143,7 @@ class WorkerClient:
 
     async def first_hello(self, timeout_s: float) -> Hello | None:
         """`hello`, waiting up to ``timeout_s`` for one while no worker has said
-        any; None if none came."""
+        any; None if none came (or this frontend began to stop)."""
         if self.hello is None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._greeted.wait(), timeout_s)

@@ -119,6 +119,36 @@ def test_streams_end_with_an_error_at_once_when_their_worker_stops_too(tmp_path:
         assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S / 2
 
 
+def test_requests_waiting_for_a_first_worker_are_answered_503_when_it_stops(
+    tmp_path: Path,
+) -> None:
+    """A native request waits in the table, an OpenAI one for a hello to check its
+    model against: neither will run, so each is told at once to retry."""
+    with running_stack(tmp_path, OVERRIDES, supervised=False, start=("frontend",)) as stack:
+        stack.wait_until(lambda: _has_no_worker(stack), "frontend start")
+        native = Background(lambda: _plain(stack, SHORT))
+        openai_body = {"model": "fake", "prompt": "early", "max_tokens": 3}
+        openai = Background(
+            lambda: httpx.post(f"{stack.url}/v1/completions", json=openai_body, timeout=30)
+        )
+        stack.wait_for_health("waiting", lambda h: h["inflight"] == 1)
+        time.sleep(0.5)  # the OpenAI request is read and waits for a hello
+        stopped_at = time.monotonic()
+        stack.processes["frontend"].send_signal(signal.SIGTERM)
+        for answer in (native.result(), openai.result()):
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "shutting_down"
+        assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S / 2
+        stack.processes["frontend"].wait(timeout=GRACEFUL_SHUTDOWN_S)
+
+
+def _has_no_worker(stack: Stack) -> bool:
+    try:
+        return stack.health().status_code == 503
+    except httpx.TransportError:
+        return False
+
+
 def test_a_frontend_stopped_by_ctrl_c_shuts_down_quietly_with_its_exit_code() -> None:
     """^C: the graceful shutdown, then exit 130 as a shell reports it, without the
     traceback of the KeyboardInterrupt uvicorn raises again once it is done."""
