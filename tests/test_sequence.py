@@ -246,6 +246,21 @@ def test_invalid_utf8_is_released_after_a_few_tokens() -> None:
     assert seq.finish_reason is None
 
 
+def test_a_stop_string_that_ends_within_min_tokens_stays_in_the_text() -> None:
+    """vLLM's rule: stop strings are looked for only in the text of the tokens
+    after the first min_tokens, and may begin before them."""
+    for min_tokens, text, kept in [
+        (0, "ENDxyz", ""),
+        (2, "ENDxyz", ""),  # ends with the third token: cut
+        (3, "ENDxyzEND", "ENDxyz"),  # ends with the third: kept; the next one cuts
+        (3, "xENDab", "x"),  # begins within them, ends after them
+    ]:
+        seq = make(stop=["END"], min_tokens=min_tokens)
+        feed(seq, text)
+        assert seq.final_text() == kept, (min_tokens, text)
+        assert seq.finish_reason == "stop", (min_tokens, text)
+
+
 def test_stop_token_id_ends_the_sequence_and_is_not_in_the_text() -> None:
     seq = make(stop_token_ids=[ord("#")])
     feed(seq, "ab#cd")

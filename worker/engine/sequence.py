@@ -191,8 +191,10 @@ class Sequence:
                 self.finish_reason = FAILED
                 return self.finish_reason
             ends_grammar = self.grammar.is_done
-        # As vLLM: no stop before min_tokens; but nothing can follow a grammar's end.
-        may_stop = ends_grammar or not self.is_within_min_tokens
+        # As vLLM: none of the first min_tokens tokens is a stop, nor ends a stop
+        # string (this one is among them while the output is no longer than
+        # that); but nothing can follow a grammar's end.
+        may_stop = ends_grammar or len(self.output_token_ids) > self.request.min_tokens
         if may_stop and token_id in self._stop_ids:
             self.finish_reason = "stop"
             return self.finish_reason
