@@ -115,8 +115,14 @@ class Schema:
         }
 
     def build(self, payload: dict[str, Any], request_id: str | None) -> Any:
-        body = {k: v for k, v in payload.items() if k not in (VERSION_KEY, TYPE_KEY)}
         name = self.name
+        # msgpack's strict_map_key lets bytes keys through beside strings.
+        not_names = [key for key in payload if not isinstance(key, str)]
+        if not_names:
+            raise ProtocolError(
+                f"{name}: field names must be strings, got {_preview(not_names[0])}", request_id
+            )
+        body = {k: v for k, v in payload.items() if k not in (VERSION_KEY, TYPE_KEY)}
         unknown = sorted(set(body) - set(self.fields))
         if unknown:
             shown = ", ".join(_preview(key) for key in unknown[:5])

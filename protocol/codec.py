@@ -99,7 +99,14 @@ def _decode(frame: bytes, accepted: dict[str, Schema]) -> Message:
             f"message type {kind!r} is not expected here (expected one of {sorted(accepted)})",
             request_id,
         )
-    return typing.cast(Message, schema.build(payload, request_id))
+    try:
+        return typing.cast(Message, schema.build(payload, request_id))
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a frame these checks missed is still only a bad frame
+        raise ProtocolError(
+            f"{kind}: cannot be built from this frame: {exc!r}", request_id
+        ) from exc
 
 
 _TO_WORKER = {cls.TYPE: Schema(cls) for cls in TO_WORKER}

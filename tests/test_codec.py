@@ -3,6 +3,7 @@ from __future__ import annotations
 import math
 import re
 import struct
+from collections.abc import Callable
 
 import msgpack
 import pytest
@@ -27,6 +28,7 @@ from protocol import (
     decode_to_worker,
     encode,
 )
+from protocol.checks import Schema
 from protocol.messages import TO_FRONTEND, TO_WORKER
 
 texts = st.text(max_size=40)
@@ -186,6 +188,31 @@ _DROP = object()
 )
 def test_malformed_frames_raise_protocol_error(frame: bytes, expected: str) -> None:
     with pytest.raises(ProtocolError, match=re.escape(expected)):
+        decode_to_worker(frame)
+
+
+@pytest.mark.parametrize("decode", [decode_to_worker, decode_to_frontend])
+def test_a_field_name_that_is_bytes_is_refused(decode: Callable[[bytes], object]) -> None:
+    """msgpack lets bytes keys through its strict_map_key; beside a string one,
+    sorting the unknown names raised TypeError and ended the receiving process."""
+    kind = "ping" if decode is decode_to_worker else "heartbeat"
+    payload = {"v": PROTOCOL_VERSION, "type": kind, b"zz": 1, "yy": 2}
+    with pytest.raises(ProtocolError, match=re.escape("field names must be strings, got b'zz'")):
+        decode(msgpack.packb(payload, use_bin_type=True))
+
+
+def test_whatever_building_a_message_raises_is_a_protocol_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The receiving loops survive only ProtocolError: a check that misses a
+    frame must not turn it into the end of the process."""
+
+    def broken(*_: object) -> None:
+        raise TypeError("a check missed this")
+
+    monkeypatch.setattr(Schema, "build", broken)
+    frame = encode(Ping("f"))
+    with pytest.raises(ProtocolError, match="ping: cannot be built from this frame"):
         decode_to_worker(frame)
 
 
