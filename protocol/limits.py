@@ -37,7 +37,10 @@ MAX_GRAMMAR_CHARS = 32 * 1024
 # and a step's parser items, whose cost grows faster than their number: an
 # ambiguous rule (`x: x x`) reached the default 50,000 after ~150 tokens and
 # took 2 s a step on the way, every row of the batch waiting on it. Every
-# schema, regex and grammar of the tests needs under 2,000.
+# schema, regex and grammar of the tests needs under 2,000. And the lexer's
+# fuel at compile: the expressions it builds stay with the compiled grammar,
+# which the worker keeps, ~170 bytes a unit of fuel; at the default 1,000,000 a
+# regex of nested repeats (`((-{100}){100}){100}`, 21 characters) held 160 MB.
 class GrammarLimits(TypedDict):
     max_items_in_row: int
     initial_lexer_fuel: int
@@ -49,7 +52,7 @@ class GrammarLimits(TypedDict):
 
 GRAMMAR_LIMITS: GrammarLimits = {
     "max_items_in_row": 2_000,
-    "initial_lexer_fuel": 1_000_000,  # ~20 ms
+    "initial_lexer_fuel": 200_000,  # ~35 MB at most; a 150-property schema takes 6 ms
     "step_lexer_fuel": 200_000,  # ~15 ms a step
     "step_max_items": 5_000,  # ~3 ms a step, at worst
     "max_lexer_states": 20_000,

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import jsonschema
 import llguidance
@@ -271,3 +274,35 @@ def test_a_copy_of_a_request_shares_the_compiled_grammar() -> None:
     request = constrained("a", json_grammar(SCHEMA))
     engine.admit([request, dataclasses.replace(request, request_id="b")])
     assert engine.grammars is not None and len(engine.grammars._compiled) == 1
+
+
+# In a process of its own, so that memory other tests freed cannot hide the growth.
+_COMPILE_A_NESTED_REPEAT = """
+import psutil
+from worker.engine.grammar import Grammars, hf_grammar_tokenizer
+from worker.model.loader import gpt2_tokenizer
+from frontend.structured import compile_grammar
+
+grammars = Grammars(lambda: hf_grammar_tokenizer(gpt2_tokenizer(), 50256, 50257))
+grammars._compiling(compile_grammar("regex", "a")[0]).result()  # the tokenizer first
+grammar, problem = compile_grammar("regex", "((-{100}){100}){100}")
+assert problem is None, problem
+process = psutil.Process()
+before = process.memory_info().rss
+grammars._compiling(grammar).result()
+print((process.memory_info().rss - before) // 2**20)
+"""
+
+
+def test_a_short_regex_of_nested_repeats_compiles_into_a_bounded_size() -> None:
+    """21 characters the frontend's checks pass; the worker keeps what compiling
+    them builds, and at llguidance's default lexer fuel that was 160 MB."""
+    completed = subprocess.run(
+        [sys.executable, "-c", _COMPILE_A_NESTED_REPEAT],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert int(completed.stdout) < 64, f"{completed.stdout.strip()} MB"

@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_COMPILED = 64  # grammars kept compiled, the most recently used
+# Grammars kept compiled, the most recently used. Each may hold up to ~35 MB of
+# its lexer's expressions (GRAMMAR_LIMITS' initial_lexer_fuel).
+MAX_COMPILED = 16
 _MAX_ERROR_CHARS = 300  # of llguidance's message quoted back to the client
 _NOT_VERBOSE = "<non-verbose/>"  # what llguidance puts in place of its parser's state
 
