@@ -14,6 +14,10 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   limit, its connection held. Once writing has waited BODY_TIMEOUT_S without
   the client taking a byte (what waits to be written has not shrunk), the
   connection is dropped; a client that reads slowly is not.
+- **Chunks** (MAX_BODY_CHUNKS). h11 parses each chunk of a chunked body as an
+  event of its own, ~13 us of the event loop each: a 1 MB body sent a byte a
+  chunk held every other request and probe for 13 s. A body of more chunks
+  than that is refused (400, the connection closed).
 - **Probes.** uvicorn answers every request 503 while MAX_CONNECTIONS
   connections are open (its ``limit_concurrency``), idle ones included, so a
   client holding that many would blind the orchestrator's probes too, and have
@@ -25,9 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import h11
+from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from frontend.auth import OPEN_PATHS
@@ -40,6 +45,39 @@ _INVALID_HTTP = ApiError(
     "is malformed); send a well-formed request",
     "invalid_http",
 )
+
+
+# Chunks of one request body: a 1 MiB body in chunks of 256 bytes, ~50 ms of the
+# event loop. Clients that stream a body send kilobytes a chunk.
+MAX_BODY_CHUNKS = 4096
+
+_TOO_MANY_CHUNKS = ApiError(
+    400,
+    f"the request body came in more than {MAX_BODY_CHUNKS} chunks; send it with a "
+    "Content-Length, or in larger chunks",
+    "too_many_chunks",
+)
+
+
+class _TooManyChunks(h11.RemoteProtocolError):
+    pass
+
+
+class ChunkCountingConnection(h11.Connection):
+    """h11's server side, refusing a request body of more than MAX_BODY_CHUNKS
+    chunks (as a protocol error, which the protocol answers with a 400)."""
+
+    num_chunks = 0  # of the request being received
+
+    def next_event(self) -> type[h11.NEED_DATA] | type[h11.PAUSED] | h11.Event:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            self.num_chunks = 0
+        elif isinstance(event, h11.Data) and event.chunk_start:
+            self.num_chunks += 1
+            if self.num_chunks > MAX_BODY_CHUNKS:
+                raise _TooManyChunks(_TOO_MANY_CHUNKS.message, error_status_hint=400)
+        return event
 
 
 def edge_protocol(config: FrontendConfig) -> type[EdgeProtocol]:
@@ -58,6 +96,12 @@ class EdgeProtocol(H11Protocol):
     head_timer: asyncio.TimerHandle | None = None
     reader_timer: asyncio.TimerHandle | None = None
     _max_connections: int | None = None
+
+    def __init__(self, config: Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        max_event = config.h11_max_incomplete_event_size  # None: h11's default
+        sizes = {} if max_event is None else {"max_incomplete_event_size": max_event}
+        self.conn = ChunkCountingConnection(h11.SERVER, **sizes)
 
     @property
     def limit_concurrency(self) -> int | None:
@@ -100,7 +144,13 @@ class EdgeProtocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to what h11 cannot parse, as JSON in the shape of every
         other error rather than its plain text; the connection closes after it."""
-        body = json.dumps(error_body(_INVALID_HTTP)).encode()
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # answered already
+            self.transport.close()
+            return
+        too_many = isinstance(self.conn, ChunkCountingConnection) and (
+            self.conn.num_chunks > MAX_BODY_CHUNKS
+        )
+        body = json.dumps(error_body(_TOO_MANY_CHUNKS if too_many else _INVALID_HTTP)).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

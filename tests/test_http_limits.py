@@ -164,6 +164,37 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(stack: Stack) -> Non
     assert json.loads(body)["error"]["code"] == "request_too_large"
 
 
+def _chunked(body: bytes, chunk_bytes: int) -> bytes:
+    pieces = [body[i : i + chunk_bytes] for i in range(0, len(body), chunk_bytes)]
+    return b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
+
+
+def test_a_body_of_too_many_chunks_is_refused(stack: Stack) -> None:
+    """Each chunk costs the event loop an h11 event: a body a byte a chunk held
+    every other client for seconds."""
+    padded = json.dumps({"prompt": "chunks", "max_new_tokens": 2}).encode() + b" " * 9000
+    with connect(stack) as sock:
+        sock.sendall(head("/generate", f"Content-Type: {JSON}", "Transfer-Encoding: chunked"))
+        sock.sendall(_chunked(padded, 1))
+        status, headers, body = read_response(sock)
+    assert status == 400
+    assert headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "too_many_chunks"
+    # The same body in chunks a client streaming it would send is read.
+    with connect(stack) as sock:
+        sock.sendall(
+            head(
+                "/generate",
+                f"Content-Type: {JSON}",
+                "Transfer-Encoding: chunked",
+                "Connection: close",
+            )
+        )
+        sock.sendall(_chunked(padded, 512))
+        status, _, body = read_response(sock)
+    assert status == 200, body
+
+
 @pytest.mark.parametrize(
     "content_type",
     ["text/plain", "application/x-www-form-urlencoded", "application/json; charset=UTF-16"],
