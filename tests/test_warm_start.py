@@ -115,6 +115,47 @@ def test_a_fork_server_that_dies_while_forking_is_brought_up_again(
     assert warm_ups == [True]
 
 
+class _DiesPreloading:
+    """A fork server's first fork, when the fork server dies before it is up."""
+
+    starts: list[int] = []  # noqa: RUF012 - counted across instances
+    num_deaths = 0
+
+    def __init__(self, **_: object) -> None:
+        pass
+
+    def start(self) -> None:
+        _DiesPreloading.starts.append(1)
+        if len(_DiesPreloading.starts) <= _DiesPreloading.num_deaths:
+            raise EOFError("unexpected EOF")
+
+    def join(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("num_deaths", "is_up"), [(2, True), (3, False)])
+def test_a_fork_server_killed_while_it_preloads_is_brought_up_again(
+    monkeypatch: pytest.MonkeyPatch, num_deaths: int, is_up: bool
+) -> None:
+    """Killed while it loaded the model (SIGKILL by hand, the OOM killer), it
+    turned warm starts off for good; and the next start of a worker brought up a
+    fork server that nothing would use. Three deaths in a row give up on it."""
+    monkeypatch.setattr(_DiesPreloading, "starts", [])
+    monkeypatch.setattr(_DiesPreloading, "num_deaths", num_deaths)
+    monkeypatch.setattr(warm_start._FORK_SERVER, "Process", _DiesPreloading)
+    server = warm_start.ForkServer()
+    server.warm_up()
+    assert server._warming is not None
+    server._warming.join(timeout=10)
+    assert server.is_ready is is_up
+    assert (server.failure is None) is is_up
+    assert len(_DiesPreloading.starts) == min(num_deaths + 1, 3)
+    server.warm_up()  # as the next worker's start asks
+    assert server._warming is not None
+    server._warming.join(timeout=10)
+    assert len(_DiesPreloading.starts) == min(num_deaths + 1, 3)  # none brought up again
+
+
 def _group_members(pgid: int) -> list[psutil.Process]:
     members = []
     for process in psutil.process_iter():

@@ -97,7 +97,7 @@ class Child:
             self.awaiting_fork_server_since = None
             return True
         FORK_SERVER.replace_if_stopped()  # else it would be waited for until the timeout
-        FORK_SERVER.warm_up()
+        FORK_SERVER.warm_up()  # unless given up on: then no fork server is brought up
         now = self._clock()
         if self.awaiting_fork_server_since is None:
             self.awaiting_fork_server_since = now

@@ -49,6 +49,10 @@ _EXIT_REPORT_TIMEOUT_S = 5.0
 # A fork takes milliseconds once the server is up; one that takes this long waits
 # on a server that is stuck.
 _FORK_TIMEOUT_S = 10.0
+# Fork servers that may die before they are up (preloading catches its own
+# errors: killed from outside, by the OOM killer, a crash) before warm starts
+# are given up.
+_MAX_BRING_UPS = 3
 
 
 class ForkServer:
@@ -75,9 +79,9 @@ class ForkServer:
         return self._ready.is_set()
 
     def warm_up(self) -> None:
-        """Bring the fork server up, unless that is under way or done, or the
-        supervisor is shutting down."""
-        if self.is_shutting_down or self.is_ready:
+        """Bring the fork server up, unless that is under way or done, given up on,
+        or the supervisor is shutting down."""
+        if self.is_shutting_down or self.is_ready or self.failure is not None:
             return
         if self._warming is not None and self._warming.is_alive():
             return
@@ -166,19 +170,31 @@ class ForkServer:
         raise result
 
     def _bring_up(self, generation: int) -> None:
-        # The first fork returns once the server has preloaded.
-        probe = _FORK_SERVER.Process(target=_exit_at_once, daemon=True)
-        try:
-            probe.start()
-        except Exception as exc:  # it could not start, or died preloading: go cold
-            if generation != self._generation:
-                return  # a fork server killed as stuck: its replacement is on its way
-            log.exception("the fork server could not be brought up")
-            self.failure = f"{type(exc).__name__}: {exc}"
+        for attempt in range(1, _MAX_BRING_UPS + 1):
+            # The first fork returns once the server has preloaded.
+            probe = _FORK_SERVER.Process(target=_exit_at_once, daemon=True)
+            try:
+                probe.start()
+            except Exception as exc:  # it could not start, or died preloading
+                if generation != self._generation:
+                    return  # a fork server killed as stuck: its replacement is on its way
+                if attempt < _MAX_BRING_UPS:
+                    log.error(
+                        "the fork server died before it was up (%s: %s); bringing up "
+                        "another (%d of %d)",
+                        type(exc).__name__,
+                        exc,
+                        attempt + 1,
+                        _MAX_BRING_UPS,
+                    )
+                    continue
+                log.exception("the fork server could not be brought up; giving up on it")
+                self.failure = f"{type(exc).__name__}: {exc}"
+                return
+            probe.join()
+            if generation == self._generation:
+                self._ready.set()
             return
-        probe.join()
-        if generation == self._generation:
-            self._ready.set()
 
 
 def _exit_at_once() -> None:
