@@ -21,7 +21,9 @@ MAX_WORKER_DEATHS, which bounds every request's replays: a poison request's too,
 should its `Admitted` be lost with the worker it kills.
 
 A worker that did not die but holds none of its requests any more (it greeted
-this frontend again) has them all sent again, in their places in line.
+this frontend again) has them all sent again, in their places in line; so does
+one that stops when told to (SIGTERM), which hands each back with an error
+`shutting_down` (`frontend.worker_client`): no death is counted.
 """
 
 from __future__ import annotations

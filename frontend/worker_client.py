@@ -178,6 +178,13 @@ class WorkerClient:
             link.on_queue_full()
             self._table.put_back(entry)
             self._dispatch()
+        elif isinstance(message, ErrorResult) and message.code == ErrorCode.SHUTTING_DOWN:
+            # The worker is stopping (SIGTERM) and hands back what it holds: each
+            # goes to another worker (or its replacement), resumed where it
+            # stopped. No death: it may be what kills no worker.
+            link.on_stopping()
+            self._table.put_back(entry)
+            self._dispatch()
         else:
             link.on_done()
             self._table.resolve(entry, message)

@@ -78,6 +78,7 @@ class WorkerLink:
         # The worker refused a request for its full queue (another client filled
         # it): nothing more goes to it before its next heartbeat says how full it is.
         self._is_queue_full = False
+        self._is_stopping = False
         self._socket = worker_socket(context, endpoint, config.curve, is_immediate=True)
         self._monitor = self._socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
@@ -133,6 +134,11 @@ class WorkerLink:
         """The worker refused a request this frontend sent: its queue was full."""
         self._is_queue_full = True
 
+    def on_stopping(self) -> None:
+        """The worker is stopping: it is sent nothing more (until a new instance
+        says hello here)."""
+        self._is_stopping = True
+
     def free_slots(self) -> int:
         """Slots free for another request, as far as this frontend can tell: the
         worker's last heartbeat, plus what was sent here and answered since, plus
@@ -146,6 +152,8 @@ class WorkerLink:
         busy = heartbeat.num_active + heartbeat.num_queued if heartbeat else 0
         num_ending = sum(entry.ends_this_step for entry in self.held)
         free = hello.capacity - max(0, busy + self._num_sent - self._num_done) + num_ending
+        if self._is_stopping:
+            return min(free, 0)
         return min(free, -hello.max_queue_depth) if self._is_queue_full else free
 
     async def _receive_loop(self) -> None:
@@ -159,7 +167,7 @@ class WorkerLink:
             if isinstance(message, Hello):
                 if message.instance_id != self.instance_id:
                     self._num_sent = self._num_done = 0  # a new worker: no heartbeat yet
-                    self._is_queue_full = False
+                    self._is_queue_full = self._is_stopping = False
                 self._events.on_hello(self, message)
             elif isinstance(message, Heartbeat):
                 if message.instance_id == self.instance_id:

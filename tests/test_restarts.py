@@ -65,6 +65,32 @@ def test_kill_9_with_twice_capacity_in_flight_loses_nothing(tmp_path: Path) -> N
         assert "closed its connection: replaying" in stack.log("supervisor")
 
 
+def test_a_worker_told_to_stop_hands_its_requests_back_uncounted_as_a_death(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM (docker stop, a rolling restart) cost the requests a worker held
+    a death each, as a kill does: with MAX_WORKER_DEATHS=1 they failed with 500
+    workers_died. They go back to the frontend, and on, resumed."""
+    overrides = {
+        "MAX_BATCH_SIZE": str(CAPACITY),
+        "FAKE_STEP_DELAY_S": "0.02",
+        "MAX_WORKER_DEATHS": "1",
+    }
+    with running_stack(tmp_path, overrides) as stack:
+        stack.wait_live()
+        bodies = _bodies(2 * CAPACITY, max_new_tokens=60)
+        pool, futures = _in_background(stack, bodies)
+        for _ in range(2):
+            health = stack.wait_for_health("slots busy", lambda h: h["active"] == CAPACITY)
+            stack.signal_worker(signal.SIGTERM)
+            stack.wait_live(instance_not=str(health["instance_id"]))
+        _assert_fault_free_answers(bodies, futures)
+        pool.shutdown()
+        log = stack.log("supervisor")
+        assert "handing" in log and "requests back to their frontends" in log
+        assert "workers that died; failing it" not in log
+
+
 def test_a_stopped_worker_is_declared_dead_and_replaced(tmp_path: Path) -> None:
     overrides = {"MAX_BATCH_SIZE": str(CAPACITY), "FAKE_STEP_DELAY_S": "0.02"}
     with running_stack(tmp_path, overrides) as stack:

@@ -83,6 +83,10 @@ class Scheduler:
             self.engine.prepare(request) for request, _ in self._queue.values()
         )
 
+    def held_request_ids(self) -> list[str]:
+        """Every request queued or running here."""
+        return [*self._queue, *self._admitted_at]
+
     def is_known(self, request_id: str) -> bool:
         return request_id in self._queue or request_id in self._admitted_at
 

@@ -14,6 +14,7 @@ If either thread raises, the process ends: nothing stays half alive.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -59,6 +60,9 @@ _IDLE_PEER_ROOM = 64  # peers with no request in flight, beyond those that can h
 _MAX_RECEIVED_PER_PEER = 8  # messages read from a peer and not yet decoded
 _FINAL = b"1"
 _PARTIAL = b"0"
+# How long a stopping worker's last messages (its hand-backs) may wait to be
+# delivered before its sockets close.
+_LAST_MESSAGES_MS = 1000
 
 
 class WorkerServer:
@@ -148,9 +152,26 @@ class WorkerServer:
                         f"the engine failed {self.scheduler.num_failures_in_a_row} times in a "
                         "row; exiting so that a new worker replaces this one"
                     )
+            send(self._hand_back())
         finally:
             self._engine_done.set()
-            outputs_socket.close(linger=0)
+            outputs_socket.close(linger=_LAST_MESSAGES_MS)
+
+    def _hand_back(self) -> list[ToFrontend]:
+        """Stopping (SIGTERM): every request this worker holds, queued, running or
+        not yet taken in, goes back to its frontend unfinished, to run elsewhere
+        (resumed where it stopped) as if it had never been sent here, rather than
+        be replayed as the requests of a worker that died."""
+        request_ids = self.scheduler.held_request_ids()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                message, _ = self._inbox.get_nowait()
+                if isinstance(message, GenerateRequest):
+                    request_ids.append(message.request_id)
+        if request_ids:
+            log.info("stopping: handing %d requests back to their frontends", len(request_ids))
+        why = "the worker is stopping; the frontend sends the request to another"
+        return [ErrorResult(rid, ErrorCode.SHUTTING_DOWN, why) for rid in request_ids]
 
     def _take_input(self, outputs: list[ToFrontend], block: bool) -> None:
         timeout = _PREPARING_POLL_S if self.scheduler.has_work() else _IDLE_POLL_S
@@ -254,8 +275,12 @@ class WorkerServer:
                     watchdog.check()
                 for route in peers.take_orphans():
                     self._inbox.put((AbortRequest(route), time.monotonic()))
+            # The engine's last messages (a stopping worker's hand-backs).
+            while outputs.poll(_LAST_MESSAGES_MS // 10):
+                route_bytes, final, payload = outputs.recv_multipart()
+                peers.send(route_bytes.decode(), final == _FINAL, payload)
         finally:
-            router.close(linger=0)
+            router.close(linger=_LAST_MESSAGES_MS)
             outputs.close(linger=0)
             stop_authenticator()
 
