@@ -117,6 +117,18 @@ class Stack:
     def health(self) -> httpx.Response:
         return httpx.get(f"{self.url}/health", timeout=5)
 
+    def wait_answering(self, timeout_s: float = 10.0) -> None:
+        """Wait until the frontend answers HTTP, with a worker or without one."""
+
+        def answers() -> bool:
+            try:
+                self.health()
+            except httpx.TransportError:
+                return False
+            return True
+
+        self.wait_until(answers, "the frontend's start", timeout_s)
+
     def wait_live(self, timeout_s: float = 30.0, instance_not: str | None = None) -> dict[str, Any]:
         """Wait until /health says ok (with a worker other than ``instance_not``)."""
         return self.wait_for_health(

@@ -60,7 +60,7 @@ def test_two_concurrent_requests_with_the_same_id_get_their_own_answers(tmp_path
 
 def test_health_names_the_model_counts_the_work_and_is_503_without_a_worker(tmp_path: Path) -> None:
     with running_stack(tmp_path, supervised=False, start=("frontend",)) as stack:
-        stack.wait_until(lambda: _answers(stack), "frontend start")
+        stack.wait_answering()
         response = stack.health()
         assert response.status_code == 503
         assert response.json()["worker"] == "connecting"
@@ -100,14 +100,6 @@ def test_ready_is_503_full_while_max_inflight_requests_are_unanswered(tmp_path: 
             lambda: httpx.get(f"{stack.url}/ready", timeout=5).status_code == 200,
             "room again once the held stream is aborted",
         )
-
-
-def _answers(stack: Stack) -> bool:
-    try:
-        stack.health()
-    except httpx.TransportError:
-        return False
-    return True
 
 
 def test_the_launcher_restarts_a_killed_worker_and_serving_resumes(tmp_path: Path) -> None:

@@ -162,7 +162,7 @@ def test_a_request_before_any_worker_is_checked_against_the_model_it_names(
     """A request that comes before any worker's hello waits for one: then an
     unknown model is a 404, and the served one is answered under its own name."""
     with running_stack(tmp_path, supervised=False, start=("frontend",)) as stack:
-        stack.wait_until(lambda: _answers(stack), "frontend start")
+        stack.wait_answering()
         with ThreadPoolExecutor(2) as pool:
             answers = [
                 pool.submit(
@@ -186,21 +186,13 @@ def test_a_request_before_any_worker_is_checked_against_the_model_it_names(
 def test_a_request_is_a_504_when_no_worker_names_its_model_in_time(tmp_path: Path) -> None:
     overrides = {"REQUEST_TIMEOUT_S": "0.5"}
     with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
-        stack.wait_until(lambda: _answers(stack), "frontend start")
+        stack.wait_answering()
         body = {"model": "bogus", "prompt": "alone", "max_tokens": 3}
         response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
     assert response.status_code == 504
     assert response.json()["error"]["message"].startswith(
         "no worker named its model within REQUEST_TIMEOUT_S=0.5 s"
     )
-
-
-def _answers(stack: Stack) -> bool:
-    try:
-        stack.health()
-    except httpx.TransportError:
-        return False
-    return True
 
 
 def test_batch_of_prompts_is_refused_with_a_reason(client: openai.OpenAI) -> None:

@@ -150,7 +150,7 @@ def test_past_its_deadline_a_request_gets_504_and_its_slot_is_freed(tmp_path: Pa
 def test_past_its_deadline_without_a_worker_a_request_is_told_to_retry(tmp_path: Path) -> None:
     overrides = {"REQUEST_TIMEOUT_S": "0.5"}
     with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
-        stack.wait_until(lambda: _responds(stack, "/ready"), "frontend start")
+        stack.wait_answering()
         response = _post(stack, {"prompt": "nobody", "max_new_tokens": 4})
     assert response.status_code == 504
     message = response.json()["error"]["message"]
@@ -159,7 +159,7 @@ def test_past_its_deadline_without_a_worker_a_request_is_told_to_retry(tmp_path:
 
 def test_requests_wait_for_a_worker_and_succeed_when_it_arrives(tmp_path: Path) -> None:
     with running_stack(tmp_path, supervised=False, start=("frontend",)) as stack:
-        stack.wait_until(lambda: _responds(stack, "/ready"), "frontend start")
+        stack.wait_answering()
         ready = httpx.get(f"{stack.url}/ready", timeout=5)
         assert ready.status_code == 503
         bodies = _bodies(3, max_new_tokens=4)
@@ -169,14 +169,6 @@ def test_requests_wait_for_a_worker_and_succeed_when_it_arrives(tmp_path: Path) 
         _assert_fault_free_answers(bodies, futures)
         pool.shutdown()
         assert httpx.get(f"{stack.url}/ready", timeout=5).status_code == 200
-
-
-def _responds(stack: Stack, path: str) -> bool:
-    try:
-        httpx.get(f"{stack.url}{path}", timeout=5)
-    except httpx.TransportError:
-        return False
-    return True
 
 
 def test_after_a_frontend_restart_the_worker_frees_the_lost_slots_and_serves(

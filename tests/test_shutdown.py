@@ -125,7 +125,7 @@ def test_requests_waiting_for_a_first_worker_are_answered_503_when_it_stops(
     """A native request waits in the table, an OpenAI one for a hello to check its
     model against: neither will run, so each is told at once to retry."""
     with running_stack(tmp_path, OVERRIDES, supervised=False, start=("frontend",)) as stack:
-        stack.wait_until(lambda: _has_no_worker(stack), "frontend start")
+        stack.wait_answering()
         native = Background(lambda: _plain(stack, SHORT))
         openai_body = {"model": "fake", "prompt": "early", "max_tokens": 3}
         openai = Background(
@@ -140,13 +140,6 @@ def test_requests_waiting_for_a_first_worker_are_answered_503_when_it_stops(
             assert answer.json()["error"]["code"] == "shutting_down"
         assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S / 2
         stack.processes["frontend"].wait(timeout=GRACEFUL_SHUTDOWN_S)
-
-
-def _has_no_worker(stack: Stack) -> bool:
-    try:
-        return stack.health().status_code == 503
-    except httpx.TransportError:
-        return False
 
 
 def test_a_frontend_stopped_by_ctrl_c_shuts_down_quietly_with_its_exit_code() -> None:
