@@ -54,6 +54,25 @@ def test_a_newcomer_copies_rather_than_overwrite_a_longer_prompt_when_a_slot_is_
     assert cache.choose_free_slot(None, [0, 1]) == 1  # a scored prompt reuses nothing
 
 
+def test_a_newcomer_copies_into_an_older_slot_rather_than_cut_a_recent_prompt() -> None:
+    """A, then B sharing A's system prompt, then A again (a conversation's next
+    turn): B overwrote A's own rows though older ones were free, and A found
+    only the system prompt."""
+    cache = PrefixCache(num_slots=3, block=BLOCK)
+    cache.written(1, [50] * 12, 12)
+    cache.released(1)  # the oldest
+    cache.written(2, [60] * 12, 12)
+    cache.released(2)
+    cache.written(0, list(range(12)), 12)  # A
+    cache.released(0)
+    b = [*range(8), 99]
+    assert cache.choose_free_slot(b, [0, 1, 2]) == 1  # copies A's first 8 rows into 1
+    assert cache.choose_free_slot(b, [0]) == 0  # nowhere else to go
+    cache.released(1)
+    cache.released(2)  # A's rows are now the oldest: they are what gives way
+    assert cache.choose_free_slot(b, [0, 1, 2]) == 0
+
+
 def test_a_claimed_slot_keeps_only_the_rows_its_new_owner_reuses() -> None:
     cache = PrefixCache(num_slots=1, block=BLOCK)
     cache.written(0, list(range(12)), 12)

@@ -78,16 +78,25 @@ class PrefixCache:
     def choose_free_slot(self, prompt: Sequence[int] | None, free: Sequence[int]) -> int:
         """The free slot for a newcomer: the one holding most of its ``prompt``
         (None: one that will reuse nothing), unless the newcomer would overwrite
-        more than it uses there while an empty slot is free (it then takes the
-        rows by copy); else an empty one, else the least recently used, so that
-        recent prompts stay longest."""
+        rows there that it does not use while another free slot is empty or was
+        used longer ago (it then takes that one and the rows by copy, and the
+        longer prompt stays: A, then B sharing its system prompt, then A's next
+        turn finds all of A); else an empty one, else the least recently used,
+        so that recent prompts stay longest."""
+
+        def last_used(slot: int) -> int:
+            return self._entries[slot].last_used
+
         empty = [slot for slot in free if not self._entries[slot].token_ids]
         match = None if prompt is None else self.best_match(prompt, free)
-        if match is not None:
-            uses_all = match.num_tokens == self.num_rows_held(match.slot)
-            if uses_all or not empty:
-                return match.slot
-        return min(empty or free, key=lambda slot: self._entries[slot].last_used)
+        if match is None:
+            return min(empty or free, key=last_used)
+        others = [slot for slot in free if slot != match.slot]
+        uses_all = match.num_tokens == self.num_rows_held(match.slot)
+        if uses_all or not others:
+            return match.slot
+        other = min(empty or others, key=last_used)
+        return other if other in empty or last_used(other) < last_used(match.slot) else match.slot
 
     def claim(self, slot: int, prompt: Sequence[int]) -> None:
         """A newcomer took ``slot``: only the rows it reuses in place stay valid,
