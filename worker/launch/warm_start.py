@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import select
 import signal
@@ -53,6 +54,8 @@ _FORK_TIMEOUT_S = 10.0
 # errors: killed from outside, by the OOM killer, a crash) before warm starts
 # are given up.
 _MAX_BRING_UPS = 3
+# How long a fork server that died may take to end, its threads with it.
+_DEATH_TIMEOUT_S = 5.0
 
 
 class ForkServer:
@@ -187,6 +190,7 @@ class ForkServer:
                         attempt + 1,
                         _MAX_BRING_UPS,
                     )
+                    self._wait_until_gone()
                     continue
                 log.exception("the fork server could not be brought up; giving up on it")
                 self.failure = f"{type(exc).__name__}: {exc}"
@@ -195,6 +199,24 @@ class ForkServer:
             if generation == self._generation:
                 self._ready.set()
             return
+
+    def _wait_until_gone(self) -> None:
+        """Until the fork server that died can be reaped. Its socket closes first,
+        and multiprocessing, asked for a fork server before then, takes the dead
+        one for alive (its waitpid finds nothing yet, while the threads of a
+        process that imported torch still exit) and connects to it in vain: a
+        single kill used up every try in a millisecond."""
+        # multiprocessing's own record of its fork server's pid, as it checks it.
+        pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+        deadline = time.monotonic() + _DEATH_TIMEOUT_S
+        while pid is not None and time.monotonic() < deadline:
+            try:
+                # WNOWAIT: left to be reaped by multiprocessing, which then starts anew.
+                if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+                    return
+            except ChildProcessError:  # reaped already
+                return
+            time.sleep(0.01)
 
 
 def _exit_at_once() -> None:
