@@ -80,7 +80,9 @@ async def respond(
     before the answer started)."""
     client: WorkerClient = http_request.app.state.client
     metrics: Metrics = http_request.app.state.metrics
-    timeout_s = client.config.request_timeout_s
+    # Less the time it waited for a first worker to name its model, if it did.
+    waited_s = getattr(http_request.state, "waited_for_hello_s", 0.0)
+    timeout_s = client.config.request_timeout_s - waited_s
     accepted = accept(client, work, num_choices, timeout_s, metrics, endpoint, field_names or {})
     if work.stream and stream is not None:
         return await stream_response(http_request, client, accepted, stream(accepted), headers)

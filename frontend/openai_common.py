@@ -77,7 +77,7 @@ async def read_openai_request(request: Request, schema: type[Body]) -> OpenAIReq
     if unsupported is not None:
         param, message = unsupported
         raise ApiError(400, message, "unsupported", param)
-    model = await check_requested_model(client, body.model)
+    model = await check_requested_model(request, client, body.model)
     grammar = await grammar_fields(body.response_format, body.structured_outputs)
     return OpenAIRequest(body, client, model, ignored, grammar)
 
@@ -87,12 +87,15 @@ def served_model(client: WorkerClient) -> str | None:
     return hello.model if hello else None
 
 
-async def check_requested_model(client: WorkerClient, name: str) -> str:
+async def check_requested_model(request: Request, client: WorkerClient, name: str) -> str:
     """The served model, once a worker has named it (a request that comes before
     any worker's hello waits for one, up to REQUEST_TIMEOUT_S: 504 if none
-    comes); 404 unless ``name`` is that model."""
+    comes, and the wait counts toward that timeout); 404 unless ``name`` is that
+    model."""
     timeout_s = client.config.request_timeout_s
+    started = time.monotonic()
     hello = await client.first_hello(timeout_s)
+    request.state.waited_for_hello_s = time.monotonic() - started
     if hello is None and client.is_shutting_down:
         raise ApiError(
             503,

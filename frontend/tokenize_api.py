@@ -121,7 +121,7 @@ async def _read(
     strict = client.config.strict_request_fields
     body, ignored = await parse_body(request, schema, ignore_unknown=not strict)
     if body.model is not None:
-        await check_requested_model(client, body.model)
+        await check_requested_model(request, client, body.model)
     return body, ignored
 
 

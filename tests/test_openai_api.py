@@ -195,6 +195,22 @@ def test_a_request_is_a_504_when_no_worker_names_its_model_in_time(tmp_path: Pat
     )
 
 
+def test_the_wait_for_a_first_worker_counts_toward_the_request_timeout(tmp_path: Path) -> None:
+    overrides = {"REQUEST_TIMEOUT_S": "4", "FAKE_STEP_DELAY_S": "0.5"}
+    with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+        stack.wait_answering()
+        body = {"model": "fake", "prompt": "slow", "max_tokens": 100}  # 50 s of steps
+        started = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{stack.url}/v1/completions", json=body, timeout=30)
+            time.sleep(2)
+            stack.start("worker", "worker.serve.main")
+            response = answer.result()
+        elapsed_s = time.monotonic() - started
+    assert response.status_code == 504, response.text
+    assert elapsed_s < 5.5, f"504 after {elapsed_s:.1f} s; REQUEST_TIMEOUT_S=4"
+
+
 def test_batch_of_prompts_is_refused_with_a_reason(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="one prompt per request"):
         client.completions.create(model="fake", prompt=["a", "b"])
