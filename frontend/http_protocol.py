@@ -47,6 +47,9 @@ _INVALID_HTTP = ApiError(
 )
 
 
+# How long a connection answered 400 stays open to let its client read the answer.
+DRAIN_S = 1.0
+
 # Chunks of one request body: a 1 MiB body in chunks of 256 bytes, ~50 ms of the
 # event loop. Clients that stream a body send kilobytes a chunk.
 MAX_BODY_CHUNKS = 4096
@@ -73,7 +76,9 @@ class ChunkCountingConnection(h11.Connection):
         event = super().next_event()
         if isinstance(event, h11.Request):
             self.num_chunks = 0
-        elif isinstance(event, h11.Data) and event.chunk_start:
+        # chunk_end: a chunk whose size line ends one read starts the next without
+        # chunk_start, but every chunk ends once.
+        elif isinstance(event, h11.Data) and event.chunk_end:
             self.num_chunks += 1
             if self.num_chunks > MAX_BODY_CHUNKS:
                 raise _TooManyChunks(_TOO_MANY_CHUNKS.message, error_status_hint=400)
@@ -96,6 +101,7 @@ class EdgeProtocol(H11Protocol):
     head_timer: asyncio.TimerHandle | None = None
     reader_timer: asyncio.TimerHandle | None = None
     _max_connections: int | None = None
+    is_draining = False  # answered 400: what the client still sends is dropped
 
     def __init__(self, config: Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -121,6 +127,8 @@ class EdgeProtocol(H11Protocol):
         self._start_head_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self.is_draining:
+            return  # after a 400: dropped unread (see `_close_after_drain`)
         if self.conn.their_state is h11.IDLE:
             self._start_head_timer()  # the first bytes of a request on a kept-alive connection
         super().data_received(data)
@@ -143,7 +151,8 @@ class EdgeProtocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to what h11 cannot parse, as JSON in the shape of every
-        other error rather than its plain text; the connection closes after it."""
+        other error rather than its plain text; the connection closes after it
+        (`_close_after_drain`)."""
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # answered already
             self.transport.close()
             return
@@ -162,7 +171,18 @@ class EdgeProtocol(H11Protocol):
             h11.EndOfMessage(),
         ):
             self.transport.write(self.conn.send(event) or b"")
-        self.transport.close()
+        self._close_after_drain()
+
+    def _close_after_drain(self) -> None:
+        """Close the connection once its client has had time to read the answer.
+        Closed at once, with the rest of a body unread in its buffer, the kernel
+        resets the connection, and the reset can reach the client before the
+        answer does: it saw no answer at all. What still comes is dropped unread,
+        for at most DRAIN_S."""
+        self.is_draining = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the answer is whole: the client reads to the end
+        self.loop.call_later(DRAIN_S, self.transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()

@@ -15,9 +15,11 @@ import threading
 import time
 from collections.abc import Iterator
 
+import h11
 import httpx
 import pytest
 
+from frontend.http_protocol import MAX_BODY_CHUNKS, ChunkCountingConnection
 from tests.stack import Stack, running_stack
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # room for 200,000 short keys, which is ~2 MB
@@ -193,6 +195,41 @@ def test_a_body_of_too_many_chunks_is_refused(stack: Stack) -> None:
         sock.sendall(_chunked(padded, 512))
         status, _, body = read_response(sock)
     assert status == 200, body
+
+
+def test_every_chunk_counts_however_the_reads_cut_the_body() -> None:
+    """A chunk whose size line ends a read comes back without chunk_start: a body
+    sent a segment a chunk passed uncounted."""
+    conn = ChunkCountingConnection(h11.SERVER)
+    conn.receive_data(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert isinstance(conn.next_event(), h11.Request)
+    for _ in range(MAX_BODY_CHUNKS):
+        for piece in (b"1\r\n", b"x\r\n"):
+            conn.receive_data(piece)
+            while conn.next_event() is not h11.NEED_DATA:
+                pass
+    conn.receive_data(b"1\r\nx\r\n")
+    with pytest.raises(h11.RemoteProtocolError, match="more than 4096 chunks"):
+        conn.next_event()
+
+
+def test_a_client_still_sending_a_refused_body_reads_its_400(stack: Stack) -> None:
+    """Closed with the rest of the body unread, the connection was reset, and
+    the reset could reach the client before the answer."""
+    with connect(stack) as sock:
+        sock.sendall(head("/generate", f"Content-Type: {JSON}", "Transfer-Encoding: chunked"))
+        body = _chunked(b"x" * 300 * 5000, 300)
+
+        def send_body() -> None:
+            with contextlib.suppress(OSError):  # the server closes once it has answered
+                sock.sendall(body)
+
+        sender = threading.Thread(target=send_body)
+        sender.start()
+        status, _, body = read_response(sock)
+        sender.join(timeout=GIVE_UP_S)
+    assert status == 400
+    assert json.loads(body)["error"]["code"] == "too_many_chunks"
 
 
 @pytest.mark.parametrize(
