@@ -325,7 +325,7 @@ def _invalid(param: str, message: str) -> ApiError:
 
 
 def _preview(value: Any) -> str:
-    """``value`` as the client wrote it (JSON), cut short."""
+    """``value`` in JSON's notation (a number past float range shows as Infinity), cut short."""
     shown = json.dumps(value, ensure_ascii=False)
     return shown if len(shown) <= 40 else shown[:37] + "..."
 

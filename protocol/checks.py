@@ -62,10 +62,10 @@ def check_flat(frame: bytes) -> None:
                 request_id = value if isinstance(value, str) else request_id
                 continue
             if num_items < 0:
-                raise ProtocolError(f"{_preview(key)}: no field is a map")
+                raise ProtocolError(f"{preview(key)}: no field is a map")
             for _ in range(num_items):
                 if _container_size(unpacker) is not None:
-                    raise ProtocolError(f"{_preview(key)}: no field nests lists")
+                    raise ProtocolError(f"{preview(key)}: no field nests lists")
                 unpacker.skip()
     except ProtocolError as exc:
         # Answerable if the id came first, as it does from our frontends.
@@ -120,12 +120,12 @@ class Schema:
         not_names = [key for key in payload if not isinstance(key, str)]
         if not_names:
             raise ProtocolError(
-                f"{name}: field names must be strings, got {_preview(not_names[0])}", request_id
+                f"{name}: field names must be strings, got {preview(not_names[0])}", request_id
             )
         body = {k: v for k, v in payload.items() if k not in (VERSION_KEY, TYPE_KEY)}
         unknown = sorted(set(body) - set(self.fields))
         if unknown:
-            shown = ", ".join(_preview(key) for key in unknown[:5])
+            shown = ", ".join(preview(key) for key in unknown[:5])
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise ProtocolError(f"{name}: unknown fields {shown}{more}", request_id)
         missing = sorted(self.required - set(body))
@@ -140,8 +140,7 @@ class Schema:
                 if items is None:
                     kind = PACKED_KINDS[self.packed[key]]
                     raise ProtocolError(
-                        f"{name}.{key} must be {kind}, "
-                        f"got {type(value).__name__} {_preview(value)}",
+                        f"{name}.{key} must be {kind}, got {type(value).__name__} {preview(value)}",
                         request_id,
                     )
                 body[key] = items
@@ -154,7 +153,7 @@ class Schema:
             elif not _matches(value, annotation):
                 raise ProtocolError(
                     f"{name}.{key} must be {_describe(annotation)}, "
-                    f"got {type(value).__name__} {_preview(value)}",
+                    f"got {type(value).__name__} {preview(value)}",
                     request_id,
                 )
             elif isinstance(value, int) and not _matches(value, annotation, ints_as_floats=False):
@@ -188,7 +187,7 @@ _PREVIEW.maxstring = _PREVIEW.maxother = 40
 _PREVIEW.maxlist = 3
 
 
-def _preview(value: Any) -> str:
+def preview(value: Any) -> str:
     """A short repr, in time and length: an error message must not grow with the input."""
     return _PREVIEW.repr(value)
 

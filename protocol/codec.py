@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from protocol.checks import Schema, check_flat, packed_fields
+from protocol.checks import Schema, check_flat, packed_fields, preview
 from protocol.messages import (
     PROTOCOL_VERSION,
     TO_FRONTEND,
@@ -88,7 +88,7 @@ def _decode(frame: bytes, accepted: dict[str, Schema]) -> Message:
     version = payload.get(VERSION_KEY)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"protocol version {version!r} is not supported; this side speaks "
+            f"protocol version {preview(version)} is not supported; this side speaks "
             f"version {PROTOCOL_VERSION}: upgrade the older process",
             request_id,
         )
@@ -96,7 +96,8 @@ def _decode(frame: bytes, accepted: dict[str, Schema]) -> Message:
     schema = accepted.get(kind) if isinstance(kind, str) else None
     if schema is None:
         raise ProtocolError(
-            f"message type {kind!r} is not expected here (expected one of {sorted(accepted)})",
+            f"message type {preview(kind)} is not expected here (expected one of "
+            f"{sorted(accepted)})",
             request_id,
         )
     try:
@@ -105,7 +106,7 @@ def _decode(frame: bytes, accepted: dict[str, Schema]) -> Message:
         raise
     except Exception as exc:  # a frame these checks missed is still only a bad frame
         raise ProtocolError(
-            f"{kind}: cannot be built from this frame: {exc!r}", request_id
+            f"{kind}: cannot be built from this frame: {preview(exc)}", request_id
         ) from exc
 
 

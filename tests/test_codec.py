@@ -269,9 +269,18 @@ def test_ids_that_do_not_fit_uint32_are_refused_at_encode() -> None:
         encode(GenerateRequest("r1", "", 4, prompt_token_ids=[-1]))
 
 
-def test_an_error_message_stays_short_whatever_the_input() -> None:
+@pytest.mark.parametrize(
+    "frame",
+    [
+        _frame(max_new_tokens="9" * 1_000_000),
+        _frame(v="9" * 100_000),  # the version, and the type, are quoted back
+        _frame(type="t" * 100_000),
+    ],
+)
+def test_an_error_message_stays_short_whatever_the_input(frame: bytes) -> None:
+    """A message naming a request goes back to its peer."""
     with pytest.raises(ProtocolError) as caught:
-        decode_to_worker(_frame(max_new_tokens="9" * 1_000_000))
+        decode_to_worker(frame)
     assert len(str(caught.value)) < 200
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -73,10 +74,16 @@ def test_explicit_model_id_that_cannot_load_stops_with_a_clear_error(offline: No
         load_model("no-such-org/no-such-model", CPU, torch.float32)
 
 
-def test_a_local_path_that_is_not_a_directory_is_named_as_missing(tmp_path: Path) -> None:
-    missing = tmp_path / "no-such-dir"
-    with pytest.raises(ModelLoadError, match=f"no directory {missing} on this machine"):
-        load_model(str(missing), CPU, torch.float32)
+def test_a_local_path_that_is_not_a_directory_is_named_as_such(tmp_path: Path) -> None:
+    missing, file = tmp_path / "no-such-dir", tmp_path / "config.json"
+    file.write_text("{}")
+    for path, problem in [
+        (str(missing), f"{missing} is no directory here"),
+        (str(file), f"{file} is a file, not a model directory"),
+        ("~/model", "~/model: ~ is not expanded here; write the whole path"),
+    ]:
+        with pytest.raises(ModelLoadError, match=re.escape(problem)):
+            load_model(path, CPU, torch.float32)
 
 
 def test_an_explicit_distilgpt2_does_not_fall_back(offline: None) -> None:

@@ -183,13 +183,17 @@ def synthetic_model(config: GPT2Config | None = None, seed: int = SYNTHETIC_SEED
 
 
 # How a MODEL_ID that means a local path begins (a hub id is "name" or "owner/name").
-_PATH_PREFIXES = ("/", "./", "../")
+_PATH_PREFIXES = ("/", "./", "../", "~")
 
 
 def _pretrained(model_id: str) -> LoadedModel:
-    if model_id.startswith(_PATH_PREFIXES) and not Path(model_id).is_dir():
+    path = Path(model_id)
+    if model_id.startswith(_PATH_PREFIXES) and not path.is_dir():
         # transformers would take it for a malformed hub id and say only that.
-        raise OSError(f"no directory {model_id} on this machine")
+        if model_id.startswith("~"):
+            raise OSError(f"{model_id}: ~ is not expanded here; write the whole path")
+        what = "is a file, not a model directory" if path.exists() else "is no directory here"
+        raise OSError(f"{model_id} {what}")
     # huggingface_hub reads HF_HUB_OFFLINE once, at import; honouring it here too
     # lets a process (or a test) go offline after import. Where the hub's name does
     # not even resolve, asking it would only cost ~30 s of retries: use the cache.
