@@ -91,6 +91,7 @@ def edge_protocol(config: FrontendConfig) -> type[EdgeProtocol]:
     settings = {
         "header_timeout_s": config.header_timeout_s,
         "reader_timeout_s": config.body_timeout_s,
+        "drain_bytes": config.max_request_bytes,
     }
     return type(EdgeProtocol.__name__, (EdgeProtocol,), settings)
 
@@ -102,6 +103,8 @@ class EdgeProtocol(H11Protocol):
     reader_timer: asyncio.TimerHandle | None = None
     _max_connections: int | None = None
     is_draining = False  # answered 400: what the client still sends is dropped
+    num_drained = 0  # bytes dropped so far
+    drain_bytes: ClassVar[int]
 
     def __init__(self, config: Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -127,8 +130,11 @@ class EdgeProtocol(H11Protocol):
         self._start_head_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self.is_draining:
-            return  # after a 400: dropped unread (see `_close_after_drain`)
+        if self.is_draining:  # after a 400: dropped unread (see `_close_after_drain`)
+            self.num_drained += len(data)
+            if self.num_drained > self.drain_bytes:
+                self.transport.close()
+            return
         if self.conn.their_state is h11.IDLE:
             self._start_head_timer()  # the first bytes of a request on a kept-alive connection
         super().data_received(data)
@@ -178,8 +184,14 @@ class EdgeProtocol(H11Protocol):
         Closed at once, with the rest of a body unread in its buffer, the kernel
         resets the connection, and the reset can reach the client before the
         answer does: it saw no answer at all. What still comes is dropped unread,
-        for at most DRAIN_S."""
+        for at most DRAIN_S and MAX_REQUEST_BYTES."""
         self.is_draining = True
+        # The request under way, if any, is over: its app's reads end, and what it
+        # would still answer (a 408 as the body stalls) goes nowhere.
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
         if self.transport.can_write_eof():
             self.transport.write_eof()  # the answer is whole: the client reads to the end
         self.loop.call_later(DRAIN_S, self.transport.close)

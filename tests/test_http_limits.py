@@ -232,6 +232,31 @@ def test_a_client_still_sending_a_refused_body_reads_its_400(stack: Stack) -> No
     assert json.loads(body)["error"]["code"] == "too_many_chunks"
 
 
+def test_what_follows_a_400_is_dropped_only_up_to_the_body_limit(stack: Stack) -> None:
+    """Bounded in bytes as well as in time: a client that kept writing after its
+    400 had the frontend read and drop a quarter of a gigabyte a second."""
+    piece = b"x" * 65536
+    with connect(stack) as sock:
+        sock.sendall(b"BAD\r\n\r\n")
+        with pytest.raises(OSError):  # reset once the limit is passed
+            for _ in range(8 * MAX_REQUEST_BYTES // len(piece)):
+                sock.sendall(piece)
+
+
+def test_a_body_refused_400_is_not_answered_again_when_its_time_runs_out(stack: Stack) -> None:
+    """The 400 ends the request: the body's timeout, passing while the client
+    still reads it, tried to answer 408 on the same connection, and the frontend
+    logged an exception with its traceback."""
+    with connect(stack) as sock:
+        sock.sendall(head("/generate", f"Content-Type: {JSON}", "Transfer-Encoding: chunked"))
+        time.sleep(TIMEOUT_S * 0.6)
+        sock.sendall(b"1\r\nx\r\n" * (MAX_BODY_CHUNKS + 1))
+        time.sleep(TIMEOUT_S * 0.6)  # past the body's timeout, the connection still open
+        status, _, body = read_response(sock)
+    assert status == 400 and json.loads(body)["error"]["code"] == "too_many_chunks"
+    assert "Exception in ASGI application" not in stack.log("frontend")
+
+
 @pytest.mark.parametrize(
     "content_type",
     ["text/plain", "application/x-www-form-urlencoded", "application/json; charset=UTF-16"],
