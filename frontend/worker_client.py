@@ -228,8 +228,8 @@ class WorkerClient:
         link.send_frame(self._ping)
 
     def on_disconnected(self, link: WorkerLink) -> None:
-        if self.is_shutting_down:  # stopped with this frontend, as a stack stops
-            log.info("worker at %s closed its connection", link.endpoint)
+        if self.is_shutting_down or link.is_stopping:  # stopped, not dead
+            log.info("worker at %s closed its connection as it stopped", link.endpoint)
         else:
             log.error("worker at %s declared dead: its connection closed", link.endpoint)
         link.was_live = False

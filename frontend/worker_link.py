@@ -78,7 +78,7 @@ class WorkerLink:
         # The worker refused a request for its full queue (another client filled
         # it): nothing more goes to it before its next heartbeat says how full it is.
         self._is_queue_full = False
-        self._is_stopping = False
+        self.is_stopping = False  # it said so, handing requests back: sent nothing more
         self._socket = worker_socket(context, endpoint, config.curve, is_immediate=True)
         self._monitor = self._socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
@@ -137,7 +137,7 @@ class WorkerLink:
     def on_stopping(self) -> None:
         """The worker is stopping: it is sent nothing more (until a new instance
         says hello here)."""
-        self._is_stopping = True
+        self.is_stopping = True
 
     def free_slots(self) -> int:
         """Slots free for another request, as far as this frontend can tell: the
@@ -152,7 +152,7 @@ class WorkerLink:
         busy = heartbeat.num_active + heartbeat.num_queued if heartbeat else 0
         num_ending = sum(entry.ends_this_step for entry in self.held)
         free = hello.capacity - max(0, busy + self._num_sent - self._num_done) + num_ending
-        if self._is_stopping:
+        if self.is_stopping:
             return min(free, 0)
         return min(free, -hello.max_queue_depth) if self._is_queue_full else free
 
@@ -167,7 +167,7 @@ class WorkerLink:
             if isinstance(message, Hello):
                 if message.instance_id != self.instance_id:
                     self._num_sent = self._num_done = 0  # a new worker: no heartbeat yet
-                    self._is_queue_full = self._is_stopping = False
+                    self._is_queue_full = self.is_stopping = False
                 self._events.on_hello(self, message)
             elif isinstance(message, Heartbeat):
                 if message.instance_id == self.instance_id:

@@ -91,6 +91,26 @@ def test_a_worker_told_to_stop_hands_its_requests_back_uncounted_as_a_death(
         assert "workers that died; failing it" not in log
 
 
+def test_requests_sent_to_a_worker_as_it_stops_are_handed_back_too(tmp_path: Path) -> None:
+    """A frontend that held nothing there has not heard that the worker stops,
+    and sends on until its connection closes: those requests were lost in the
+    closing socket, and counted a death each."""
+    overrides = {"FAKE_STEP_DELAY_S": "0.02", "MAX_WORKER_DEATHS": "1"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        for round_ in range(3):
+            stack.wait_live()
+            stack.processes["worker"].send_signal(signal.SIGTERM)
+            time.sleep(0.02)
+            bodies = [
+                {"prompt": f"round {round_} request {i}", "max_new_tokens": 5} for i in range(4)
+            ]
+            pool, futures = _in_background(stack, bodies)
+            stack.processes["worker"].wait(timeout=10)
+            stack.start("worker", "worker.serve.main")
+            _assert_fault_free_answers(bodies, futures)
+            pool.shutdown()
+
+
 def test_a_stopped_worker_is_declared_dead_and_replaced(tmp_path: Path) -> None:
     overrides = {"MAX_BATCH_SIZE": str(CAPACITY), "FAKE_STEP_DELAY_S": "0.02"}
     with running_stack(tmp_path, overrides) as stack:

@@ -63,6 +63,10 @@ _PARTIAL = b"0"
 # How long a stopping worker's last messages (its hand-backs) may wait to be
 # delivered before its sockets close.
 _LAST_MESSAGES_MS = 1000
+# How long a stopping worker hands back at once what peers still send: those that
+# have not heard it is stopping go on sending until its connection closes.
+_CLOSING_S = 0.5
+_HANDED_BACK = "the worker is stopping; the frontend sends the request to another"
 
 
 class WorkerServer:
@@ -170,8 +174,7 @@ class WorkerServer:
                     request_ids.append(message.request_id)
         if request_ids:
             log.info("stopping: handing %d requests back to their frontends", len(request_ids))
-        why = "the worker is stopping; the frontend sends the request to another"
-        return [ErrorResult(rid, ErrorCode.SHUTTING_DOWN, why) for rid in request_ids]
+        return [ErrorResult(rid, ErrorCode.SHUTTING_DOWN, _HANDED_BACK) for rid in request_ids]
 
     def _take_input(self, outputs: list[ToFrontend], block: bool) -> None:
         timeout = _PREPARING_POLL_S if self.scheduler.has_work() else _IDLE_POLL_S
@@ -275,14 +278,44 @@ class WorkerServer:
                     watchdog.check()
                 for route in peers.take_orphans():
                     self._inbox.put((AbortRequest(route), time.monotonic()))
-            # The engine's last messages (a stopping worker's hand-backs).
-            while outputs.poll(_LAST_MESSAGES_MS // 10):
-                route_bytes, final, payload = outputs.recv_multipart()
-                peers.send(route_bytes.decode(), final == _FINAL, payload)
+            self._close(router, outputs, peers)
         finally:
             router.close(linger=_LAST_MESSAGES_MS)
             outputs.close(linger=0)
             stop_authenticator()
+
+    def _close(self, router: zmq.Socket[bytes], outputs: zmq.Socket[bytes], peers: Peers) -> None:
+        """The engine is done: its last messages (a stopping worker's hand-backs)
+        go out, and for _CLOSING_S every request a peer still sends, or that the
+        engine left in the inbox, is handed back at once too. Lost in the closing
+        socket, each would cost its request a death in the frontend."""
+
+        def hand_back(route: str) -> None:
+            reply = ErrorResult(sender_request_id(route), ErrorCode.SHUTTING_DOWN, _HANDED_BACK)
+            peers.send(route, True, encode(reply))
+
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(outputs, zmq.POLLIN)
+        closes_at = time.monotonic() + _CLOSING_S
+        while (left_s := closes_at - time.monotonic()) > 0:
+            events = dict(poller.poll(int(left_s * 1000) + 1))
+            while outputs in events and outputs.poll(0):
+                route_bytes, final, payload = outputs.recv_multipart()
+                peers.send(route_bytes.decode(), final == _FINAL, payload)
+            for _ in range(_MAX_FRAMES_PER_TURN if router in events else 0):
+                try:
+                    frames = router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                for message in peers.receive(frames):
+                    if isinstance(message, GenerateRequest):
+                        hand_back(message.request_id)
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    message, _ = self._inbox.get_nowait()
+                    if isinstance(message, GenerateRequest):
+                        hand_back(message.request_id)
 
 
 def _seed_routing_ids() -> None:
