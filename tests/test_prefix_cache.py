@@ -301,6 +301,24 @@ def test_the_least_recently_used_prefix_is_the_one_replaced() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("num_slots", [2, 3])
+def test_a_newcomer_keeps_its_shared_rows_beside_others_placed_with_it(num_slots: int) -> None:
+    """Sent to another slot to copy a prefix from a free one, it lost the copy
+    when a newcomer placed with it took that free slot first."""
+    rng = random.Random(11)
+    system = random_prompt(rng, 40, 40)  # five blocks
+    engine = tiny_engine(num_slots, prefill_chunk_tokens=CHUNK)
+    for i in range(num_slots):  # every slot holds rows, the system prompt's last used
+        run_schedule(engine, {0: [request(f"old{i}", random_prompt(rng, 20, 20), 1)]})
+    run_schedule(engine, {0: [request("a", system + random_prompt(rng, 5, 5), 1)]})
+    finished = run_schedule(
+        engine,
+        {0: [request("x", system + random_prompt(rng, 3, 3), 1), request("y", [7] * 9, 1)]},
+    )
+    assert finished["x"].num_cached_tokens == 40
+
+
+@pytest.mark.model
 def test_a_scored_prompt_neither_takes_nor_leaves_rows() -> None:
     """Scoring computes a prompt whole, not in the aligned blocks reuse relies on."""
     prompt = random_prompt(random.Random(11), 20, 20)

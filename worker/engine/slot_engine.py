@@ -186,7 +186,8 @@ class SlotEngine(InferenceEngine):
     def _place(self, newcomers: list[Sequence], free: list[int]) -> None:
         """Give each newcomer a free slot: in order; with the prefix cache, the one
         holding most of its prompt, else the least recently used. Those that find
-        their prompt choose first, so that the others do not evict it."""
+        their prompt choose first, so that the others do not evict it, and a slot
+        whose rows one of them copies elsewhere is the last the others take."""
         cache = self.prefix_cache
         if cache is None:
             for seq, slot in zip(newcomers, free, strict=False):
@@ -197,9 +198,21 @@ class SlotEngine(InferenceEngine):
             for seq in newcomers
             if not seq.scores_prompt and cache.best_match(seq.prompt_token_ids, free)
         ]
-        for seq in reusing + [seq for seq in newcomers if seq not in reusing]:
+        sources: set[int] = set()  # free slots whose rows a newcomer copies from
+        in_order = reusing + [seq for seq in newcomers if seq not in reusing]
+        for num_placed, seq in enumerate(in_order):
             prompt = None if seq.scores_prompt else seq.prompt_token_ids
-            seq.slot = cache.choose_free_slot(prompt, free)
+            candidates = [slot for slot in free if slot not in sources] or free
+            seq.slot = cache.choose_free_slot(prompt, candidates)
+            match = None if prompt is None else cache.best_match(prompt, free)
+            if match is not None and match.slot != seq.slot:
+                # Copied from when it prefills, if the newcomers after it leave
+                # that slot alone; else its rows are taken in place.
+                num_after = len(in_order) - num_placed - 1
+                if len(free) - 1 - len(sources | {match.slot}) >= num_after:
+                    sources.add(match.slot)
+                else:
+                    seq.slot = match.slot
             free.remove(seq.slot)
             cache.claim(seq.slot, seq.prompt_token_ids)
             if seq.scores_prompt:
