@@ -9,6 +9,11 @@ Two threads, each owning its sockets:
   aborts the requests of a peer whose pings stopped;
 - the engine thread runs the busy loop: take input, admit + step, send outputs.
 
+Told to stop (SIGTERM, SIGINT, SIGHUP), the engine thread hands every request it
+holds back to its frontend (`shutting_down`: sent on elsewhere, no death
+counted), and the I/O thread does the same for whatever still arrives before
+the socket closes.
+
 If either thread raises, the process ends: nothing stays half alive.
 """
 
@@ -166,15 +171,20 @@ class WorkerServer:
         not yet taken in, goes back to its frontend unfinished, to run elsewhere
         (resumed where it stopped) as if it had never been sent here, rather than
         be replayed as the requests of a worker that died."""
-        request_ids = self.scheduler.held_request_ids()
+        request_ids = self.scheduler.held_request_ids() + self._requests_in_inbox()
+        if request_ids:
+            log.info("stopping: handing %d requests back to their frontends", len(request_ids))
+        return [ErrorResult(rid, ErrorCode.SHUTTING_DOWN, _HANDED_BACK) for rid in request_ids]
+
+    def _requests_in_inbox(self) -> list[str]:
+        """Take what waits in the inbox; the ids of the requests among it."""
+        request_ids = []
         with contextlib.suppress(queue.Empty):
             while True:
                 message, _ = self._inbox.get_nowait()
                 if isinstance(message, GenerateRequest):
                     request_ids.append(message.request_id)
-        if request_ids:
-            log.info("stopping: handing %d requests back to their frontends", len(request_ids))
-        return [ErrorResult(rid, ErrorCode.SHUTTING_DOWN, _HANDED_BACK) for rid in request_ids]
+        return request_ids
 
     def _take_input(self, outputs: list[ToFrontend], block: bool) -> None:
         timeout = _PREPARING_POLL_S if self.scheduler.has_work() else _IDLE_POLL_S
@@ -311,11 +321,8 @@ class WorkerServer:
                 for message in peers.receive(frames):
                     if isinstance(message, GenerateRequest):
                         hand_back(message.request_id)
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    message, _ = self._inbox.get_nowait()
-                    if isinstance(message, GenerateRequest):
-                        hand_back(message.request_id)
+            for route in self._requests_in_inbox():
+                hand_back(route)
 
 
 def _seed_routing_ids() -> None:
