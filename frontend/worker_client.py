@@ -181,7 +181,7 @@ class WorkerClient:
         elif isinstance(message, ErrorResult) and message.code == ErrorCode.SHUTTING_DOWN:
             # The worker is stopping (SIGTERM) and hands back what it holds: each
             # goes to another worker (or its replacement), resumed where it
-            # stopped. No death: it may be what kills no worker.
+            # stopped. Not a death: nothing says that the request kills workers.
             link.on_stopping()
             self._table.put_back(entry)
             self._dispatch()
