@@ -57,7 +57,8 @@ class Metrics:
         # In tokens, as vLLM counts them: prompt tokens looked up, and those found.
         self.prefix_cache_queries = Counter(
             "minibatch_prefix_cache_queries",
-            "Prompt tokens of finished requests, each looked up in the workers' prefix caches",
+            "Prompt tokens of finished requests looked up in the workers' prefix caches "
+            "(none with the cache off, nor of a scored prompt)",
             registry=registry,
         )
         self.prefix_cache_hits = Counter(
@@ -107,7 +108,7 @@ class Metrics:
         self.count_request(endpoint, 200, results[0].finish_reason)
         self.prompt_tokens.inc(results[0].prompt_tokens)
         for result in results:  # each choice looked its prompt up
-            self.prefix_cache_queries.inc(result.prompt_tokens)
+            self.prefix_cache_queries.inc(result.looked_up_tokens)
             self.prefix_cache_hits.inc(result.cached_tokens)
         self.generation_tokens.inc(sum(result.completion_tokens for result in results))
         self.e2e_latency.observe(e2e_s)

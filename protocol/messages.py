@@ -292,7 +292,9 @@ class GenerateResult:
     prompt_logprobs: Logprobs | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
-    # Prompt tokens whose keys and values came from the worker's prefix cache.
+    # Prompt tokens looked up in the worker's prefix cache (0 with the cache off, or
+    # for a scored prompt), and those whose keys and values it held.
+    looked_up_tokens: int = 0
     cached_tokens: int = 0
 
 

@@ -210,7 +210,8 @@ def test_with_the_cache_every_logit_is_the_one_computed_without_it(
             cached = with_cache[request_id]
             assert cached.token_ids == result.token_ids, f"shared {shared}: {request_id}"
             assert not is_exact or cached.logprobs == result.logprobs
-            assert result.num_cached_tokens == 0
+            assert result.num_cached_tokens == result.num_looked_up_tokens == 0
+            assert cached.num_looked_up_tokens == cached.num_prompt_tokens
             num_cached += cached.num_cached_tokens
         assert with_cache["again"].num_cached_tokens == len(arrivals[0][0].prompt_token_ids or [])
     assert num_cached > 0
@@ -331,8 +332,9 @@ def test_a_scored_prompt_neither_takes_nor_leaves_rows() -> None:
             6: [request("after", [*prompt, 1], 1)],
         },
     )
-    assert finished["scored"].num_cached_tokens == 0
+    assert finished["scored"].num_cached_tokens == finished["scored"].num_looked_up_tokens == 0
     assert finished["after"].num_cached_tokens == 16  # from plain's slot, not scored's
+    assert finished["after"].num_looked_up_tokens == len(prompt) + 1
 
 
 @pytest.mark.model

@@ -35,6 +35,7 @@ class FinishedSequence:
     prompt_logprobs: Logprobs | None = None  # unless the first delta carried them
     prompt_token_ids: list[int] | None = None  # with echo
     prompt_text: str | None = None  # with echo: the prompt, a conversation as rendered
+    num_looked_up_tokens: int = 0  # prompt tokens looked up in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens whose rows came from the prefix cache
 
 

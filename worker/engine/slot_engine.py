@@ -407,6 +407,9 @@ class SlotEngine(InferenceEngine):
             prompt_logprobs=self._take_prompt_logprobs(seq),
             prompt_token_ids=list(seq.prompt_token_ids) if seq.request.echo else None,
             prompt_text=seq.prompt_text,
+            num_looked_up_tokens=(
+                0 if self.prefix_cache is None or seq.scores_prompt else len(seq.prompt_token_ids)
+            ),
             num_cached_tokens=seq.num_cached_tokens,
         )
         self._free(seq)

@@ -266,6 +266,7 @@ class Scheduler:
             prompt_logprobs=finished.prompt_logprobs,
             prompt_token_ids=finished.prompt_token_ids,
             prompt_text=finished.prompt_text,
+            looked_up_tokens=finished.num_looked_up_tokens,
             cached_tokens=finished.num_cached_tokens,
         )
 
