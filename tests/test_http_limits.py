@@ -372,9 +372,14 @@ def test_a_long_list_of_bad_token_ids_gets_one_error(stack: Stack) -> None:
     ("content", "message"),
     [
         (
-            b"[" * 100_000 + b"]" * 100_000,
+            b"[" * 10_000 + b"]" * 10_000,
             "body: JSON nested too deeply (the parser stops at about 200 levels); nothing "
             "nested that deep can be sent",
+        ),
+        (
+            b'{"prompt": [' + b"[1]," * 40_000 + b"[1]]}",
+            "body: 40,003 JSON arrays and objects, more than this server's 32,768; no "
+            "request it takes needs that many",
         ),
         (b'["prompt"]', "body: must be a JSON object, got an array"),
         (

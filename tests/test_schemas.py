@@ -12,11 +12,19 @@ import pytest
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from frontend import body as body_module
+from frontend.body import MAX_JSON_CONTAINERS
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError
 from frontend.field_errors import MAX_REPORTED_ERRORS, describe
 from frontend.openai_schemas import ChatBody, CompletionBody
-from frontend.schemas import LARGE_BODY_BYTES, GenerateBody, check_num_fields, parse_body
+from frontend.schemas import (
+    LARGE_BODY_BYTES,
+    GenerateBody,
+    check_num_fields,
+    decode_body,
+    parse_body,
+)
 from protocol.settings import load
 
 
@@ -172,6 +180,35 @@ def test_a_nested_object_is_counted_against_its_own_schema() -> None:
 
 def test_a_few_unknown_fields_are_left_to_pydantic() -> None:
     check_num_fields({"prompt": "hi", "promt": "typo"}, GenerateBody)
+
+
+def test_a_body_of_countless_tiny_arrays_is_refused_before_it_is_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A megabyte of [[1],[1],...] took 0.3-0.5 s of the event loop to parse and
+    validate, where a megabyte of token ids takes 40 ms: past the limit of arrays
+    and objects, a body is refused unparsed. The outer object and list count."""
+    at_limit = {"model": "m", "prompt": [[1]] * (MAX_JSON_CONTAINERS - 2)}
+    parsed, _ = decode_body(json.dumps(at_limit).encode(), CompletionBody, ignore_unknown=True)
+    assert len(parsed.prompt) == MAX_JSON_CONTAINERS - 2
+
+    def no_parse(text: bytes) -> None:
+        raise AssertionError("parsed a body past the limit")
+
+    monkeypatch.setattr(body_module, "parse_json", no_parse)
+    past_limit = {"model": "m", "prompt": [[1]] * (MAX_JSON_CONTAINERS - 1)}
+    with pytest.raises(ApiError) as caught:
+        decode_body(json.dumps(past_limit).encode(), CompletionBody, ignore_unknown=True)
+    assert caught.value.status == 422
+    assert f"{MAX_JSON_CONTAINERS + 1:,} JSON arrays and objects" in caught.value.message
+
+
+def test_brackets_within_strings_are_no_arrays() -> None:
+    """A prompt of code holds brackets by the thousand, escaped quotes too."""
+    prompt = 'x["a"] = {"b": [1]}\n' * MAX_JSON_CONTAINERS
+    body = json.dumps({"model": "m", "prompt": prompt, "stop": ["]", '"['], "max_tokens": 1})
+    parsed, _ = decode_body(body.encode(), CompletionBody, ignore_unknown=True)
+    assert parsed.prompt == prompt
 
 
 def test_large_bodies_are_validated_one_per_turn_of_the_event_loop() -> None:
