@@ -47,7 +47,7 @@ async def read_json_body(request: Request) -> bytes:
     `json_object` parses them."""
     config: FrontendConfig = request.app.state.config
     _check_media_type(request.headers.getlist("content-type"))
-    _check_content_encoding(request.headers.get("content-encoding"))
+    _check_content_encoding(request.headers.getlist("content-encoding"))
     declared = request.headers.get("content-length")
     if declared is not None and int(declared) > config.max_request_bytes:
         refusal = _too_large(config, f"the body's Content-Length, {int(declared):,} bytes,")
@@ -146,10 +146,13 @@ def _check_media_type(content_types: list[str]) -> None:
         )
 
 
-def _check_content_encoding(content_encoding: str | None) -> None:
+def _check_content_encoding(headers: list[str]) -> None:
     # Nothing here decompresses a body (a gzip bomb is a small body that is not);
-    # read as it came, a compressed one would be called invalid JSON.
-    if content_encoding is None or content_encoding.strip().lower() in ("", "identity"):
+    # read as it came, a compressed one would be called invalid JSON. Several
+    # fields are one list of codings (RFC 9110), every one of which must be none.
+    content_encoding = ", ".join(headers)
+    codings = (coding.strip().lower() for coding in content_encoding.split(","))
+    if all(coding in ("", "identity") for coding in codings):
         return
     raise ApiError(
         415,

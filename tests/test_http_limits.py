@@ -291,6 +291,20 @@ def test_a_compressed_body_gets_415_asking_for_it_uncompressed(stack: Stack) -> 
     assert plain.status_code == 200, plain.text
 
 
+@pytest.mark.parametrize("codings", [["identity", "gzip"], ["identity, gzip"], ["", "br"]])
+def test_every_content_encoding_is_read_not_only_the_first(
+    stack: Stack, codings: list[str]
+) -> None:
+    """Two fields are one list: a proxy that read the second would take the body
+    for compressed, and the two would not be answering the same request."""
+    headers = [("Content-Type", JSON)] + [("Content-Encoding", coding) for coding in codings]
+    response = httpx.post(
+        f"{stack.url}/generate", content=b'{"prompt": "hi"}', headers=headers, timeout=10
+    )
+    assert response.status_code == 415
+    assert f"got Content-Encoding {', '.join(codings)!r}" in response.json()["error"]["message"]
+
+
 def test_two_content_type_headers_get_415(stack: Stack) -> None:
     """The first one is JSON, but a proxy in front might have read the second."""
     response = httpx.post(
