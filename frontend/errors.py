@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 from protocol import ErrorCode, ErrorResult, GrammarKind
 
 RETRY_AFTER_S = 1
+MAX_WORKER_MESSAGE_CHARS = 1024  # of a worker's error message, passed on to the client
 
 _STATUS_BY_CODE = {
     ErrorCode.INVALID_REQUEST: 422,
@@ -80,10 +81,13 @@ class ApiError(Exception):
         """The worker's refusal. Its message names the worker's field first
         ("top_k: ..."); that field, as the endpoint's body names it (``field_names``,
         else as /generate's body does), leads the message instead and is ``param``."""
-        field, colon, rest = error.message.partition(":")
+        text = error.message  # a worker bounds its own; a stranger posing as one may not
+        if len(text) > MAX_WORKER_MESSAGE_CHARS:
+            text = text[: MAX_WORKER_MESSAGE_CHARS - 3] + "..."
+        field, colon, rest = text.partition(":")
         param = (field_names.get(field) or _PARAM_BY_WORKER_FIELD.get(field)) if colon else None
-        message = error.message if param is None else f"{param}:{rest}"
-        return cls(_STATUS_BY_CODE.get(error.code, 500), message, error.code, param)
+        message = text if param is None else f"{param}:{rest}"
+        return cls(_STATUS_BY_CODE[error.code], message, error.code, param)
 
 
 def error_body(error: ApiError) -> dict[str, object]:

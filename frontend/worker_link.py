@@ -29,9 +29,19 @@ from zmq.utils.monitor import parse_monitor_message
 from frontend.config import FrontendConfig
 from frontend.inflight import Event, InFlight, QueueNotice
 from frontend.tasks import start_task, stop_tasks
-from protocol import Heartbeat, Hello, ProtocolError, ToWorker, decode_to_frontend, encode
+from protocol import (
+    ErrorCode,
+    ErrorResult,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    ToWorker,
+    decode_to_frontend,
+    encode,
+)
 from protocol.liveness import Liveness, Verdict
 from protocol.peer import worker_socket
+from protocol.throttled import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +94,7 @@ class WorkerLink:
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
         )
         self._retry_after_s = 0.0  # 0 while no handshake has failed since the last success
+        self._malformed = Throttled(log, "malformed frames", logging.ERROR)
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -162,8 +173,18 @@ class WorkerLink:
             try:
                 message = decode_to_frontend(frame)
             except ProtocolError as exc:
-                log.error("dropped a malformed frame from worker %s: %s", self.endpoint, exc)
-                continue
+                fate = "dropped" if exc.request_id is None else "its request fails"
+                self._malformed.warn(f"malformed frame from worker {self.endpoint}, {fate}: {exc}")
+                if exc.request_id is None:
+                    continue
+                # An answer no one can read: its request fails rather than waiting
+                # for one that may never come.
+                message = ErrorResult(
+                    exc.request_id,
+                    ErrorCode.INTERNAL,
+                    f"the worker sent an answer this frontend cannot read ({exc}); "
+                    "retrying may succeed, and this frontend's log names the worker",
+                )
             if isinstance(message, Hello):
                 if message.instance_id != self.instance_id:
                     self._num_sent = self._num_done = 0  # a new worker: no heartbeat yet

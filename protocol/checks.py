@@ -95,16 +95,19 @@ def _container_size(unpacker: msgpack.Unpacker) -> int | None:
 
 class Schema:
     """The fields of one message class (or of a dataclass nested in one), with the
-    checks `_decode` applies."""
+    checks `_decode` applies. With ``counts_only``, every integer (alone or in a
+    list) must be at least 0: in a worker's answers each one is a count, a length
+    or a token id, and a negative one would fail whatever reads it."""
 
-    def __init__(self, cls: type[Any]) -> None:
+    def __init__(self, cls: type[Any], counts_only: bool = False) -> None:
         self.cls = cls
         self.name = getattr(cls, "TYPE", cls.__name__)
         hints = typing.get_type_hints(cls)
         self.fields = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        self.counts = {name for name, kind in self.fields.items() if counts_only and _of_ints(kind)}
         self.packed = packed_fields(cls)
         self.nested = {
-            name: Schema(kind)
+            name: Schema(kind, counts_only)
             for name, annotation in self.fields.items()
             if (kind := _dataclass_in(annotation)) is not None
         }
@@ -156,6 +159,8 @@ class Schema:
                     f"got {type(value).__name__} {preview(value)}",
                     request_id,
                 )
+            elif key in self.counts and (negative := _first_negative_int(value)) is not None:
+                raise ProtocolError(f"{name}.{key} must be at least 0, got {negative}", request_id)
             elif isinstance(value, int) and not _matches(value, annotation, ints_as_floats=False):
                 # An integer sent for a float: a float from here on. torch would
                 # make an integer tensor of it, and one past 2**63 would overflow.
@@ -180,6 +185,21 @@ def _matches(value: Any, annotation: Any, ints_as_floats: bool = True) -> bool:
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, annotation)
+
+
+def _of_ints(annotation: Any) -> bool:
+    """Whether a field holds integers: int, a list of them, either or None."""
+    arms = typing.get_args(annotation) if typing.get_origin(annotation) is not list else ()
+    kinds = [arm for arm in arms or (annotation,) if arm is not type(None)]
+    return all(
+        kind is int or (typing.get_origin(kind) is list and typing.get_args(kind) == (int,))
+        for kind in kinds
+    )
+
+
+def _first_negative_int(value: Any) -> int | None:
+    values = value if isinstance(value, list) else [value]
+    return next((v for v in values if isinstance(v, int) and v < 0), None)
 
 
 _PREVIEW = reprlib.Repr()

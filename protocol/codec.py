@@ -105,10 +105,11 @@ def _decode(frame: bytes, accepted: dict[str, Schema]) -> Message:
     except ProtocolError:
         raise
     except Exception as exc:  # a frame these checks missed is still only a bad frame
-        raise ProtocolError(
-            f"{kind}: cannot be built from this frame: {preview(exc)}", request_id
-        ) from exc
+        # A message's own check (ErrorResult's code) says why in its words.
+        why = f"{type(exc).__name__}: {str(exc)[:_MAX_WHY_CHARS]}"
+        raise ProtocolError(f"{kind}: cannot be built from this frame: {why}", request_id) from exc
 
 
+_MAX_WHY_CHARS = 200
 _TO_WORKER = {cls.TYPE: Schema(cls) for cls in TO_WORKER}
-_TO_FRONTEND = {cls.TYPE: Schema(cls) for cls in TO_FRONTEND}
+_TO_FRONTEND = {cls.TYPE: Schema(cls, counts_only=True) for cls in TO_FRONTEND}

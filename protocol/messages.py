@@ -305,8 +305,12 @@ class ErrorResult:
 
     TYPE: ClassVar[str] = "error"
     request_id: str
-    code: str
+    code: str  # one of ErrorCode.ALL
     message: str
+
+    def __post_init__(self) -> None:
+        if self.code not in ErrorCode.ALL:
+            raise ValueError(f"unknown code {self.code[:40]!r}; the codes are {ErrorCode.ALL}")
 
 
 ToWorker = GenerateRequest | AbortRequest | Ping

@@ -5,15 +5,12 @@ finished; an error in one choice ends the stream and aborts the others."""
 from __future__ import annotations
 
 import json
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import zmq
 
 from protocol import (
     AbortRequest,
@@ -21,16 +18,12 @@ from protocol import (
     ErrorResult,
     GenerateRequest,
     GenerateResult,
-    Heartbeat,
-    Hello,
-    Ping,
     ToFrontend,
     TokenDelta,
-    decode_to_worker,
-    encode,
 )
 from tests.sse import sse_events
 from tests.stack import Stack, live_stack, running_stack
+from tests.stand_in_worker import StandInWorker
 from worker.engine.fake_engine import expected_text
 
 CHAT_PROMPT = "User: Hi\n\nAssistant:"  # the default template's
@@ -132,67 +125,6 @@ def test_a_streamed_echo_starts_every_choice(stack: Stack) -> None:
 
 # --- one choice failing, on a stand-in worker -------------------------------------------
 
-Answer = Callable[[GenerateRequest], list[ToFrontend]]
-
-
-class StandInWorker:
-    """A ROUTER, on its own thread, that speaks the worker's side of the protocol:
-    a hello and heartbeats, and to each request what ``answer`` says. Everything
-    the frontend sends it is in ``received``."""
-
-    def __init__(self, answer: Answer, capacity: int) -> None:
-        self.answer = answer
-        self.capacity = capacity
-        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
-        self.received: list[GenerateRequest | AbortRequest] = []
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-
-    def __enter__(self) -> StandInWorker:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stopping.set()
-        self._thread.join()
-        self.socket.close()
-        self.context.term()
-
-    def wait_for(self, check: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + 5
-        while not check():
-            assert time.monotonic() < deadline, f"not {what}: {self.received}"
-            time.sleep(0.01)
-
-    def _serve(self) -> None:
-        peer: bytes | None = None
-        num_steps = 0
-        next_heartbeat = time.monotonic()
-        while not self._stopping.is_set():
-            if self.socket.poll(20):
-                sender, frame = self.socket.recv_multipart()
-                message = decode_to_worker(frame)
-                if isinstance(message, Ping) and peer is None:
-                    peer = sender
-                    self._send(
-                        peer, Hello("stand-in", "fake", False, self.capacity, 1024, 16, 1 << 20)
-                    )
-                elif isinstance(message, (GenerateRequest, AbortRequest)):
-                    self.received.append(message)
-                    if isinstance(message, GenerateRequest):
-                        for reply in self.answer(message):
-                            self._send(sender, reply)
-            if peer is not None and time.monotonic() >= next_heartbeat:
-                num_steps += 1  # it keeps stepping: never judged hung
-                self._send(peer, Heartbeat("stand-in", num_steps, num_queued=0, num_active=0))
-                next_heartbeat += 0.1
-
-    def _send(self, peer: bytes, message: ToFrontend) -> None:
-        self.socket.send_multipart([peer, encode(message)])
-
 
 def _result(request: GenerateRequest, text: str) -> GenerateResult:
     return GenerateResult(
@@ -200,7 +132,7 @@ def _result(request: GenerateRequest, text: str) -> GenerateResult:
     )
 
 
-def _failing_second_choice(request: GenerateRequest) -> list[ToFrontend]:
+def _failing_second_choice(request: GenerateRequest) -> list[ToFrontend | bytes]:
     """The first choice streams a token and keeps running; the second streams
     one and fails; the third finishes."""
     wire_id = request.request_id

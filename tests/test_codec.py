@@ -14,6 +14,7 @@ from protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
     Admitted,
+    ErrorCode,
     ErrorResult,
     GenerateRequest,
     GenerateResult,
@@ -117,7 +118,7 @@ to_frontend = st.one_of(
         prompt_token_ids=st.none() | ids,
         prompt_text=st.none() | texts,
     ),
-    st.builds(ErrorResult, request_id=texts, code=texts, message=texts),
+    st.builds(ErrorResult, request_id=texts, code=st.sampled_from(ErrorCode.ALL), message=texts),
     st.builds(Waiting, request_id=texts),
     st.builds(Admitted, request_id=texts),
 )
@@ -348,12 +349,62 @@ def test_a_grammar_travels_with_its_kind_and_a_request_from_before_them_has_none
     assert (decoded.grammar_kind, decoded.grammar) == ("", "")
 
 
+def _result_frame(**fields: object) -> bytes:
+    payload: dict[str, object] = {"v": PROTOCOL_VERSION, "type": "result", "request_id": "r1"}
+    payload |= {"text": "", "token_ids": b"", "finish_reason": "length", "prompt_tokens": 3}
+    payload |= {"completion_tokens": 0, "queue_wait_ms": 0.0, "generate_ms": 0.0}
+    return msgpack.packb(payload | fields)
+
+
+@pytest.mark.parametrize(
+    ("frame", "problem"),
+    [
+        (
+            _result_frame(completion_tokens=-1),
+            "result.completion_tokens must be at least 0, got -1",
+        ),
+        (_result_frame(cached_tokens=-5), "result.cached_tokens must be at least 0, got -5"),
+        (
+            msgpack.packb(
+                {"v": PROTOCOL_VERSION, "type": "heartbeat", "instance_id": "i"}
+                | {"num_steps": 1, "num_queued": 0, "num_active": -8}
+            ),
+            "heartbeat.num_active must be at least 0, got -8",
+        ),
+        (
+            msgpack.packb(
+                {"v": PROTOCOL_VERSION, "type": "error", "request_id": "r1"}
+                | {"code": "teapot", "message": "x" * 100_000}
+            ),
+            "unknown code 'teapot'",
+        ),
+    ],
+)
+def test_a_worker_answer_with_a_negative_count_or_an_unknown_code_is_refused(
+    frame: bytes, problem: str
+) -> None:
+    """A count below 0 raised in the frontend's metrics (a 500 with a traceback
+    for every request on that worker), and an unknown code went to the client.
+    The request named keeps its id, so that it can be failed, not left waiting."""
+    with pytest.raises(ProtocolError, match=re.escape(problem)) as caught:
+        decode_to_frontend(frame)
+    assert caught.value.request_id == ("r1" if b"r1" in frame else None)
+    assert len(str(caught.value)) < 400
+
+
+def test_a_float_in_a_worker_answer_may_be_negative() -> None:
+    """Only integers are counts: a logprob, or a clock's time, is not."""
+    result = decode_to_frontend(_result_frame(queue_wait_ms=-0.5))
+    assert isinstance(result, GenerateResult) and result.queue_wait_ms == -0.5
+
+
 @pytest.mark.parametrize(
     ("logprobs", "problem"),
     [
         ({"logprobs": b"abc"}, "logprobs must be numbers packed as little-endian float32"),
         ({"logprobs": [0.5]}, "logprobs must be numbers packed"),
         ({"num_top": "2"}, "Logprobs.num_top must be int"),
+        ({"num_top": -2}, "Logprobs.num_top must be at least 0, got -2"),
         ({"colour": 1}, "Logprobs: unknown fields"),
     ],
 )

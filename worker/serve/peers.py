@@ -22,6 +22,7 @@ from protocol import (
     decode_to_worker,
     encode,
 )
+from protocol.throttled import Throttled
 from worker.engine.interface import RequestRejected
 from worker.serve.validation import RequestLimits, check_generate, is_valid_abort
 
@@ -203,26 +204,3 @@ class Peers:
             message = message[: _MAX_ERROR_CHARS - 3] + "..."
         self._refused.warn(f"request {request_id:.64} from peer {peer.hex()} refused: {message}")
         self._deliver(peer, encode(ErrorResult(request_id, code, message)))
-
-
-class Throttled:
-    """Warnings about what peers send, at most one a second: a peer that floods the
-    socket with garbage must not flood the log too."""
-
-    def __init__(self, logger: logging.Logger, what: str) -> None:
-        self.logger = logger
-        self.what = what
-        self.next_at = 0.0
-        self.num_suppressed = 0
-
-    def warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now < self.next_at:
-            self.num_suppressed += 1
-            return
-        more = (
-            f" ({self.num_suppressed} more {self.what} not logged)" if self.num_suppressed else ""
-        )
-        self.logger.warning("%s%s", message, more)
-        self.next_at = now + 1.0
-        self.num_suppressed = 0

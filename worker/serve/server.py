@@ -46,9 +46,10 @@ from protocol import (
 )
 from protocol.curve import secure_server
 from protocol.settings import ConfigError
+from protocol.throttled import Throttled
 from worker.engine.memory_limit import resident_bytes
 from worker.serve.config import WorkerConfig
-from worker.serve.peers import MAX_QUEUED_PER_PEER, Peers, Throttled, sender_request_id
+from worker.serve.peers import MAX_QUEUED_PER_PEER, Peers, sender_request_id
 from worker.serve.scheduler import QueueFull, Scheduler
 from worker.serve.validation import RequestLimits
 from worker.serve.watchdog import Watchdog

@@ -1,0 +1,85 @@
+"""A worker's side of the protocol, played by the test: a hello, heartbeats, and
+to each request what the test says, to show how the frontend takes answers no
+real worker would send."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from protocol import (
+    AbortRequest,
+    GenerateRequest,
+    Heartbeat,
+    Hello,
+    Ping,
+    ToFrontend,
+    decode_to_worker,
+    encode,
+)
+
+# What the stand-in answers a request: messages, or frames (bytes) sent as they are.
+Answer = Callable[[GenerateRequest], list[ToFrontend | bytes]]
+
+
+class StandInWorker:
+    """A ROUTER, on its own thread, that speaks the worker's side of the protocol:
+    a hello and heartbeats, and to each request what ``answer`` says. Everything
+    the frontend sends it is in ``received``."""
+
+    def __init__(self, answer: Answer, capacity: int) -> None:
+        self.answer = answer
+        self.capacity = capacity
+        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.received: list[GenerateRequest | AbortRequest] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> StandInWorker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stopping.set()
+        self._thread.join()
+        self.socket.close()
+        self.context.term()
+
+    def wait_for(self, check: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 5
+        while not check():
+            assert time.monotonic() < deadline, f"not {what}: {self.received}"
+            time.sleep(0.01)
+
+    def _serve(self) -> None:
+        peer: bytes | None = None
+        num_steps = 0
+        next_heartbeat = time.monotonic()
+        while not self._stopping.is_set():
+            if self.socket.poll(20):
+                sender, frame = self.socket.recv_multipart()
+                message = decode_to_worker(frame)
+                if isinstance(message, Ping) and peer is None:
+                    peer = sender
+                    self._send(
+                        peer, Hello("stand-in", "fake", False, self.capacity, 1024, 16, 1 << 20)
+                    )
+                elif isinstance(message, (GenerateRequest, AbortRequest)):
+                    self.received.append(message)
+                    if isinstance(message, GenerateRequest):
+                        for reply in self.answer(message):
+                            self._send(sender, reply)
+            if peer is not None and time.monotonic() >= next_heartbeat:
+                num_steps += 1  # it keeps stepping: never judged hung
+                self._send(peer, Heartbeat("stand-in", num_steps, num_queued=0, num_active=0))
+                next_heartbeat += 0.1
+
+    def _send(self, peer: bytes, message: ToFrontend | bytes) -> None:
+        frame = message if isinstance(message, bytes) else encode(message)
+        self.socket.send_multipart([peer, frame])

@@ -1,0 +1,99 @@
+"""A worker's answers the frontend cannot read (from a bug, or from a stranger
+posing as a worker) fail their request cleanly, and fill no log."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgpack
+import pytest
+
+from frontend.errors import MAX_WORKER_MESSAGE_CHARS
+from protocol import PROTOCOL_VERSION, ErrorCode, ErrorResult, GenerateRequest, GenerateResult
+from tests.stack import Stack, running_stack
+from tests.stand_in_worker import StandInWorker
+
+
+def _result_frame(request: GenerateRequest, **fields: object) -> bytes:
+    payload: dict[str, object] = {"v": PROTOCOL_VERSION, "type": "result"}
+    payload |= {"request_id": request.request_id, "text": "ab", "token_ids": b""}
+    payload |= {"finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 2}
+    payload |= {"queue_wait_ms": 0.0, "generate_ms": 1.0}
+    return msgpack.packb(payload | fields)
+
+
+def _error_frame(request: GenerateRequest, code: str, message: str) -> bytes:
+    payload = {"v": PROTOCOL_VERSION, "type": "error", "request_id": request.request_id}
+    return msgpack.packb(payload | {"code": code, "message": message})
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path) -> Iterator[tuple[StandInWorker, Stack]]:
+    """A stand-in worker, whose ``answer`` each test sets, and a frontend."""
+    with StandInWorker(lambda request: [], capacity=2) as worker:
+        overrides = {"WORKER_ENDPOINT": worker.endpoint}
+        with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+            stack.wait_live()
+            yield worker, stack
+
+
+def _generate(stack: Stack) -> httpx.Response:
+    body = {"prompt": "hi", "max_new_tokens": 2}
+    return httpx.post(f"{stack.url}/generate", json=body, timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("answer", "problem"),
+    [
+        # Counted into /metrics, a negative count raised and the client got a
+        # 500 with a traceback in the log.
+        (lambda r: _result_frame(r, completion_tokens=-1), "completion_tokens must be at least 0"),
+        (lambda r: _error_frame(r, "teapot", "I am one"), "unknown code 'teapot'"),
+    ],
+)
+def test_an_answer_the_frontend_cannot_read_fails_its_request_with_500(
+    stand_in: tuple[StandInWorker, Stack], answer: object, problem: str
+) -> None:
+    worker, stack = stand_in
+    worker.answer = lambda request: [answer(request)]  # type: ignore[operator]
+    response = _generate(stack)
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["code"] == ErrorCode.INTERNAL
+    assert "the worker sent an answer this frontend cannot read" in error["message"]
+    assert problem in error["message"]
+    assert "Traceback" not in stack.log("frontend")
+
+
+def test_a_worker_message_reaches_the_client_bounded(
+    stand_in: tuple[StandInWorker, Stack],
+) -> None:
+    worker, stack = stand_in
+    long = ErrorCode.UNSUPPORTED, "top_k: " + "x" * 100_000
+    worker.answer = lambda request: [ErrorResult(request.request_id, *long)]
+    response = _generate(stack)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert message.startswith("top_k: xxx") and message.endswith("...")
+    assert len(message) == MAX_WORKER_MESSAGE_CHARS
+
+
+def test_a_flood_of_garbage_frames_is_logged_once_a_second(
+    stand_in: tuple[StandInWorker, Stack],
+) -> None:
+    """One error line per frame: a worker, or whoever took its address, could
+    fill the disk. The request itself is still answered."""
+    worker, stack = stand_in
+
+    def garbage_then_result(request: GenerateRequest) -> list[object]:
+        frames: list[object] = [b"\xc1 not msgpack"] * 500
+        return [*frames, GenerateResult(request.request_id, "ab", [1, 2], "length", 3, 2, 0, 1)]
+
+    worker.answer = garbage_then_result  # type: ignore[assignment]
+    response = _generate(stack)
+    assert response.status_code == 200, response.text
+    assert response.json()["text"] == "ab"
+    log = stack.log("frontend")
+    assert 1 <= log.count("malformed frame from worker") <= 2, log
