@@ -37,11 +37,11 @@ from protocol import (
     encode,
 )
 from protocol.peer import worker_socket
+from protocol.request_checks import RequestLimits
 from worker.engine.interface import InferenceEngine
 from worker.serve.config import WorkerConfig
 from worker.serve.scheduler import Scheduler
 from worker.serve.server import WorkerServer
-from worker.serve.validation import RequestLimits
 
 RESULTS = Path(__file__).parent / "results"
 _PROSE = "The quick brown fox jumps over the lazy dog, and then it rests. "

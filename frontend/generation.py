@@ -24,7 +24,8 @@ from frontend.metrics import Metrics
 from frontend.schemas import check_max_new_tokens, stop_strings
 from frontend.streaming import StreamFormat, stream_response
 from frontend.worker_client import WorkerClient
-from protocol import GenerateRequest, GenerateResult
+from protocol import ErrorResult, GenerateRequest, GenerateResult
+from protocol.request_checks import limits_of, request_problem
 
 # The JSON answer of a request that does not stream, from its choices' results.
 FinalAnswer = Callable[[Accepted, list[GenerateResult]], dict[str, Any]]
@@ -61,6 +62,19 @@ def generate_request(
     )
 
 
+def _check_as_a_worker_would(
+    client: WorkerClient, work: GenerateRequest, field_names: Mapping[str, str]
+) -> None:
+    """Refuse at once, as a worker would (the same checks, with the limits its
+    hello gave), a request no worker can serve: it would otherwise wait for a
+    free slot first, and under load get a 504 instead."""
+    hello = client.hello
+    limits = None if hello is None else limits_of(hello)
+    problem = None if limits is None else request_problem(work, limits)
+    if problem is not None:
+        raise ApiError.from_worker(ErrorResult(work.request_id, *problem), field_names)
+
+
 async def respond(
     http_request: Request,
     work: GenerateRequest,
@@ -79,6 +93,7 @@ async def respond(
     ApiError (503 when the table has no room for them all; a worker error or 504
     before the answer started)."""
     client: WorkerClient = http_request.app.state.client
+    _check_as_a_worker_would(client, work, field_names or {})
     metrics: Metrics = http_request.app.state.metrics
     # Less the time it waited for a first worker to name its model, if it did.
     waited_s = getattr(http_request.state, "waited_for_hello_s", 0.0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class ErrorCode:
@@ -207,6 +207,10 @@ class Hello:
     max_queue_depth: int
     max_message_bytes: int
     protocol_version: int = PROTOCOL_VERSION
+    # The model's limits on a request (`protocol.request_checks`), which a frontend
+    # checks before a request waits for a slot; 0: not said.
+    vocab_size: int = 0
+    max_token_chars: int = 0
     # How the engine computes (precision, decode kernels and their ISA), as /health
     # shows it; empty from a worker that does not say.
     compute: str = ""

@@ -102,6 +102,33 @@ def test_ready_is_503_full_while_max_inflight_requests_are_unanswered(tmp_path: 
         )
 
 
+def test_a_request_no_worker_can_serve_is_refused_while_every_slot_is_busy(
+    tmp_path: Path,
+) -> None:
+    """The frontend checks a request as a worker would, with the limits its hello
+    gave: such requests waited for a free slot first (24 s under load), or got a
+    504 past REQUEST_TIMEOUT_S. Here the one slot is busy for 10 s."""
+    overrides = {"MAX_BATCH_SIZE": "1", "FAKE_STEP_DELAY_S": "0.05"}
+    outside = 0x110000  # the fake model's vocabulary: one token per code point
+    refused = [
+        ("/v1/completions", {"prompt": [1] * 1025}, "prompt: 1,025 tokens and 1 to generate"),
+        ("/v1/completions", {"prompt": [outside]}, f"prompt: token id {outside} is outside"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {str(outside): 1}}, "logit_bias"),
+        ("/generate", {"prompt": "x" * 1025}, "prompt: 1,025 characters, more tokens than"),
+    ]
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        held_body = {"prompt": "hold", "max_new_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"{stack.url}/generate", json=held_body, timeout=30) as held:
+            events = sse_events(held)  # held: a dropped reader would close the stream
+            next(events)
+            for path, fields, problem in refused:
+                body = {"model": "fake", "max_tokens": 1} if path != "/generate" else {}
+                response = httpx.post(f"{stack.url}{path}", json=body | fields, timeout=5)
+                assert response.status_code == 422, response.text
+                assert problem in response.json()["error"]["message"]
+
+
 def test_the_launcher_restarts_a_killed_worker_and_serving_resumes(tmp_path: Path) -> None:
     with running_stack(tmp_path) as stack:
         first = stack.wait_live()

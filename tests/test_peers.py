@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from protocol import GenerateRequest, Hello, Ping, encode
+from protocol.request_checks import RequestLimits
 from worker.serve import peers as peers_module
 from worker.serve.peers import SETTLED_S, Peers
-from worker.serve.validation import RequestLimits
 
 
 class _Router:

@@ -1,4 +1,5 @@
-"""The worker's own checks: each bad field is named, and nothing is read unbounded."""
+"""The checks every request passes (a worker's own, which a frontend runs too):
+each bad field is named, and nothing is read unbounded."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ from protocol.limits import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
 )
+from protocol.request_checks import RequestLimits, is_valid_abort, request_problem
 from protocol.wire import MAX_REQUEST_ID_CHARS
 from worker.engine.fake_engine import FakeEngine
-from worker.engine.interface import RequestRejected
-from worker.serve.validation import RequestLimits, check_generate, is_valid_abort
 
 LIMITS = RequestLimits(vocab_size=1000, context_window=64, max_token_chars=4)
 
@@ -26,6 +26,10 @@ def _request(**fields: object) -> GenerateRequest:
     values: dict[str, object] = {"request_id": "r", "prompt": "hello", "max_new_tokens": 8}
     values.update(fields)
     return GenerateRequest(**values)  # type: ignore[arg-type]
+
+
+def check_generate(request: GenerateRequest, limits: RequestLimits) -> None:
+    assert request_problem(request, limits) is None
 
 
 def test_a_sound_request_passes() -> None:
@@ -191,11 +195,10 @@ def test_each_bad_field_is_refused_by_name(
     fields: dict[str, object], code: str, named: str
 ) -> None:
     request = _request(**fields)
-    with pytest.raises(RequestRejected) as caught:
-        check_generate(request, LIMITS)
-    assert caught.value.code == code
-    assert caught.value.request_id == request.request_id
-    assert named in caught.value.message
+    problem = request_problem(request, LIMITS)
+    assert problem is not None
+    assert problem[0] == code
+    assert named in problem[1]
 
 
 def test_fit_context_lowers_max_new_tokens_for_a_prompt_of_ids_as_for_text() -> None:
@@ -203,7 +206,9 @@ def test_fit_context_lowers_max_new_tokens_for_a_prompt_of_ids_as_for_text() -> 
     ids = _request(prompt="", prompt_token_ids=[1] * 1000, max_new_tokens=1024, fit_context=True)
     text = dataclasses.replace(ids, request_id="text", prompt="x" * 1000, prompt_token_ids=None)
     for request in (ids, text):
-        check_generate(request, RequestLimits.of(engine.info))
+        info = engine.info
+        limits = RequestLimits(info.vocab_size, info.context_window, info.max_token_chars)
+        check_generate(request, limits)
         engine.admit([request])
         finished = []
         while engine.num_active():
@@ -216,8 +221,8 @@ def test_a_huge_id_list_is_refused_on_its_length_before_its_ids_are_read() -> No
         def __iter__(self) -> object:  # type: ignore[override]
             raise AssertionError("the ids were read")
 
-    with pytest.raises(RequestRejected, match="context window"):
-        check_generate(_request(prompt_token_ids=Unreadable([1] * 5_000_000)), LIMITS)
+    problem = request_problem(_request(prompt_token_ids=Unreadable([1] * 5_000_000)), LIMITS)
+    assert problem is not None and "context window" in problem[1]
 
 
 def test_a_huge_logit_bias_is_refused_on_its_length_before_its_entries_are_read() -> None:
@@ -226,8 +231,8 @@ def test_a_huge_logit_bias_is_refused_on_its_length_before_its_entries_are_read(
             raise AssertionError("the entries were read")
 
     huge = Unreadable([1] * 1_000_000)
-    with pytest.raises(RequestRejected, match="logit_bias: at most 300"):
-        check_generate(_request(logit_bias_token_ids=huge, logit_bias_values=huge), LIMITS)
+    problem = request_problem(_request(logit_bias_token_ids=huge, logit_bias_values=huge), LIMITS)
+    assert problem is not None and "logit_bias: at most 300" in problem[1]
 
 
 def test_the_prompt_bound_is_the_window_times_the_longest_token() -> None:

@@ -6,9 +6,8 @@ put back."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from protocol import ErrorCode, GenerateRequest, GrammarKind
+from protocol.request_checks import fit_to_context, overflow_message, overflows, prompt_field
 from worker.engine.chat_template import ChatTemplate, ChatTemplateError
 from worker.engine.grammar import GrammarMatcher, Grammars
 from worker.engine.interface import ModelInfo, RequestRejected
@@ -69,7 +68,7 @@ def _prompt(
         raise RequestRejected(
             request.request_id,
             ErrorCode.INVALID_REQUEST,
-            f"{_prompt_field(request)}: it tokenizes to no tokens",
+            f"{prompt_field(request)}: it tokenizes to no tokens",
         )
     return token_ids, text
 
@@ -94,50 +93,3 @@ def _render_chat(request: GenerateRequest, chat_template: ChatTemplate) -> str:
         )
     except ChatTemplateError as exc:
         raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)) from None
-
-
-def fit_to_context(
-    request: GenerateRequest, num_prompt_tokens: int, window: int
-) -> GenerateRequest:
-    """``request``, with ``fit_context`` its max_new_tokens lowered to what ``window``
-    leaves after a prompt of ``num_prompt_tokens`` (0 where it leaves nothing)."""
-    if not request.fit_context:
-        return request
-    room = window - num_prompt_tokens
-    return dataclasses.replace(request, max_new_tokens=max(0, min(request.max_new_tokens, room)))
-
-
-def overflows(request: GenerateRequest, num_prompt_tokens: int, window: int) -> bool:
-    """Whether ``request`` (fitted by `fit_to_context`) with a prompt of
-    ``num_prompt_tokens`` is refused, in the words of `overflow_message`."""
-    # The resumed output is part of max_new_tokens, so it needs no room of its own.
-    return num_prompt_tokens + request.max_new_tokens > window or (
-        request.fit_context and request.max_new_tokens == 0
-    )
-
-
-def _prompt_field(request: GenerateRequest) -> str:
-    """What a refusal of the prompt names: a conversation's messages, or the prompt."""
-    return "messages" if request.chat_roles else "prompt"
-
-
-def overflow_message(request: GenerateRequest, num_prompt_tokens: int, window: int) -> str:
-    """Why ``request``'s prompt of ``num_prompt_tokens`` does not fit ``window``, in
-    words that hold for every endpoint: each names the number of tokens to
-    generate its own way (max_tokens, max_completion_tokens, max_new_tokens)."""
-    field = _prompt_field(request)
-    if request.fit_context and request.max_new_tokens == 0:
-        return (
-            f"{field}: {num_prompt_tokens:,} tokens leave no room to generate in the "
-            f"context window of {window:,} tokens; shorten it"
-        )
-    if request.max_new_tokens == 0:
-        return (
-            f"{field}: {num_prompt_tokens:,} tokens, more than the context window of "
-            f"{window:,} tokens holds; shorten it"
-        )
-    return (
-        f"{field}: {num_prompt_tokens:,} tokens and {request.max_new_tokens:,} to generate, "
-        f"more than the context window of {window:,} tokens holds; shorten it or ask "
-        "for fewer tokens"
-    )

@@ -22,9 +22,8 @@ from protocol import (
     decode_to_worker,
     encode,
 )
+from protocol.request_checks import RequestLimits, is_valid_abort, request_problem
 from protocol.throttled import Throttled
-from worker.engine.interface import RequestRejected
-from worker.serve.validation import RequestLimits, check_generate, is_valid_abort
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +95,9 @@ class Peers:
         if not self._see(peer):
             return []
         if isinstance(message, GenerateRequest):
-            try:
-                check_generate(message, self.limits)
-            except RequestRejected as rejected:
-                self._answer(peer, message.request_id, rejected.code, rejected.message)
+            problem = request_problem(message, self.limits)
+            if problem is not None:
+                self._answer(peer, message.request_id, *problem)
                 return []
             route = route_for(peer, message.request_id)
             if route in self.routes:

@@ -45,13 +45,13 @@ from protocol import (
     encode,
 )
 from protocol.curve import secure_server
+from protocol.request_checks import RequestLimits
 from protocol.settings import ConfigError
 from protocol.throttled import Throttled
 from worker.engine.memory_limit import resident_bytes
 from worker.serve.config import WorkerConfig
 from worker.serve.peers import MAX_QUEUED_PER_PEER, Peers, sender_request_id
 from worker.serve.scheduler import QueueFull, Scheduler
-from worker.serve.validation import RequestLimits
 from worker.serve.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -81,13 +81,15 @@ class WorkerServer:
         self.config = config
         self.instance_id = uuid.uuid4().hex
         info = scheduler.engine.info
-        self.limits = RequestLimits.of(info)
+        self.limits = RequestLimits(info.vocab_size, info.context_window, info.max_token_chars)
         self.hello = Hello(
             instance_id=self.instance_id,
             model=info.name,
             is_random_weights=info.is_random_weights,
             capacity=scheduler.engine.capacity,
             context_window=info.context_window,
+            vocab_size=self.limits.vocab_size,
+            max_token_chars=self.limits.max_token_chars,
             max_queue_depth=scheduler.max_queue_depth,
             max_message_bytes=config.max_message_bytes,
             compute=info.compute,

@@ -1,19 +1,21 @@
-"""The worker's own checks on every request, before it is queued.
+"""The checks every request passes before a worker queues it, run by both sides.
 
 Anything on the network can reach the worker's socket, so the worker trusts no
-field because a frontend checked it. Each check is cheap and bounded before it
-touches a list: a long id list is refused on its length before its ids are read,
-and a text prompt too long to fit the context window whatever it tokenizes to is
-refused before it is tokenized (tokenizing holds the GIL). A failed check ends
-the one request with an error that names the field; nothing reaches the engine.
+field because a frontend checked it. The frontend runs the same checks with the
+limits a worker's hello gave it, so that a request no worker can serve is refused
+at once, not after waiting for a free slot. Each check is cheap and bounded
+before it touches a list: a long id list is refused on its length before its ids
+are read, and a text prompt too long to fit the context window whatever it
+tokenizes to is refused before it is tokenized (tokenizing holds the GIL). A
+failed check names the field; nothing reaches the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from protocol import AbortRequest, ErrorCode, GenerateRequest, GrammarKind
 from protocol.limits import (
     CHAT_ROLES,
     MAX_CHAT_MESSAGES,
@@ -29,20 +31,17 @@ from protocol.limits import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_K,
 )
+from protocol.messages import AbortRequest, ErrorCode, GenerateRequest, GrammarKind, Hello
 from protocol.wire import MAX_REQUEST_ID_CHARS
-from worker.engine.admission import fit_to_context, overflow_message, overflows
-from worker.engine.interface import ModelInfo, RequestRejected
 
 
 @dataclass(frozen=True)
 class RequestLimits:
+    """What a worker's model allows, as its hello tells it."""
+
     vocab_size: int  # token ids must be below this
     context_window: int  # prompt + max_new_tokens, at most
     max_token_chars: int  # no token's text is longer than this
-
-    @classmethod
-    def of(cls, info: ModelInfo) -> RequestLimits:
-        return cls(info.vocab_size, info.context_window, info.max_token_chars)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -50,16 +49,15 @@ class RequestLimits:
         return self.context_window * self.max_token_chars
 
 
+def limits_of(hello: Hello) -> RequestLimits | None:
+    """The limits a worker's hello gives, if it gives them (0: not said)."""
+    if not (hello.vocab_size and hello.max_token_chars):
+        return None
+    return RequestLimits(hello.vocab_size, hello.context_window, hello.max_token_chars)
+
+
 def is_valid_abort(request: AbortRequest) -> bool:
     return _request_id_problem(request.request_id) is None
-
-
-def check_generate(request: GenerateRequest, limits: RequestLimits) -> None:
-    """Raise `RequestRejected` naming the first field a worker cannot serve."""
-    problem = _first_problem(request, limits)
-    if problem is not None:
-        code, message = problem
-        raise RequestRejected(request.request_id, code, message)
 
 
 def _request_id_problem(request_id: str) -> str | None:
@@ -68,7 +66,8 @@ def _request_id_problem(request_id: str) -> str | None:
     return f"request_id: must be 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(request_id):,}"
 
 
-def _first_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str, str] | None:
+def request_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str, str] | None:
+    """The error code and message of the first field a worker cannot serve, if any."""
     invalid = ErrorCode.INVALID_REQUEST
     window = limits.context_window
     id_problem = _request_id_problem(request.request_id)
@@ -254,3 +253,50 @@ def _sampling_problem(request: GenerateRequest) -> tuple[str, str] | None:
     if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
         return invalid, f"seed: must be 0 to {MAX_SEED}, got {request.seed}"
     return None
+
+
+def fit_to_context(
+    request: GenerateRequest, num_prompt_tokens: int, window: int
+) -> GenerateRequest:
+    """``request``, with ``fit_context`` its max_new_tokens lowered to what ``window``
+    leaves after a prompt of ``num_prompt_tokens`` (0 where it leaves nothing)."""
+    if not request.fit_context:
+        return request
+    room = window - num_prompt_tokens
+    return dataclasses.replace(request, max_new_tokens=max(0, min(request.max_new_tokens, room)))
+
+
+def overflows(request: GenerateRequest, num_prompt_tokens: int, window: int) -> bool:
+    """Whether ``request`` (fitted by `fit_to_context`) with a prompt of
+    ``num_prompt_tokens`` is refused, in the words of `overflow_message`."""
+    # The resumed output is part of max_new_tokens, so it needs no room of its own.
+    return num_prompt_tokens + request.max_new_tokens > window or (
+        request.fit_context and request.max_new_tokens == 0
+    )
+
+
+def prompt_field(request: GenerateRequest) -> str:
+    """What a refusal of the prompt names: a conversation's messages, or the prompt."""
+    return "messages" if request.chat_roles else "prompt"
+
+
+def overflow_message(request: GenerateRequest, num_prompt_tokens: int, window: int) -> str:
+    """Why ``request``'s prompt of ``num_prompt_tokens`` does not fit ``window``, in
+    words that hold for every endpoint: each names the number of tokens to
+    generate its own way (max_tokens, max_completion_tokens, max_new_tokens)."""
+    field = prompt_field(request)
+    if request.fit_context and request.max_new_tokens == 0:
+        return (
+            f"{field}: {num_prompt_tokens:,} tokens leave no room to generate in the "
+            f"context window of {window:,} tokens; shorten it"
+        )
+    if request.max_new_tokens == 0:
+        return (
+            f"{field}: {num_prompt_tokens:,} tokens, more than the context window of "
+            f"{window:,} tokens holds; shorten it"
+        )
+    return (
+        f"{field}: {num_prompt_tokens:,} tokens and {request.max_new_tokens:,} to generate, "
+        f"more than the context window of {window:,} tokens holds; shorten it or ask "
+        "for fewer tokens"
+    )
