@@ -17,13 +17,13 @@ import pytest
 import zmq
 
 from protocol import GenerateRequest, Heartbeat, Hello, encode
-from protocol.settings import CONFIG_ERROR_EXIT_CODE, load
+from protocol.settings import CONFIG_ERROR_EXIT_CODE, ConfigError, load
 from tests.stack import Stack, running_stack
 from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
 from worker.launch import child as child_module
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
-from worker.launch.supervisor import Supervisor, WorkerWatch, _worker_env
+from worker.launch.supervisor import Supervisor, WorkerWatch, _worker_env, check_ports_apart
 from worker.serve.config import WorkerConfig
 
 SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it
@@ -95,6 +95,47 @@ def test_each_of_several_workers_is_told_its_endpoint_cores_and_how_many_share_m
         "",
     )
     assert worker.torch_threads == max(1, len(os.sched_getaffinity(0)) // 3)
+
+
+@pytest.mark.parametrize(
+    ("settings", "http_host", "shared_port"),
+    [
+        (
+            {"PORT": "18111", "NUM_WORKERS": "2", "WORKER_ENDPOINT": "tcp://127.0.0.1:18110"},
+            "127.0.0.1",
+            18111,
+        ),
+        (
+            {"PORT": "18100", "NUM_FRONTENDS": "2", "WORKER_ENDPOINT": "tcp://localhost:18101"},
+            "::1",
+            18101,
+        ),
+        ({"PORT": "5555", "WORKER_ENDPOINT": "tcp://10.0.0.2:5555"}, "0.0.0.0", 5555),
+        (
+            {"PORT": "8000", "NUM_WORKERS": "4", "WORKER_ENDPOINT": "tcp://127.0.0.1:8001"},
+            "127.0.0.1",
+            None,
+        ),
+        ({"PORT": "5555", "WORKER_ENDPOINT": "tcp://10.0.0.2:5555"}, "10.0.0.3", None),
+        (
+            {"PORT": "5555", "NUM_WORKERS": "2", "WORKER_ENDPOINT": "ipc:///tmp/w"},
+            "127.0.0.1",
+            None,
+        ),
+    ],
+)
+def test_frontend_and_worker_ports_that_overlap_are_refused_naming_both(
+    settings: dict[str, str], http_host: str, shared_port: int | None
+) -> None:
+    """Whichever bound second failed, and the first was taken for the other kind:
+    the frontend gave CURVE advice, the worker blamed "another program"."""
+    config = load(SupervisorConfig, [], settings)
+    if shared_port is None:
+        check_ports_apart(config, {"HOST": http_host})
+        return
+    with pytest.raises(ConfigError, match=f"share port {shared_port}") as caught:
+        check_ports_apart(config, {"HOST": http_host})
+    assert "PORT=" in str(caught.value) and "WORKER_ENDPOINT=" in str(caught.value)
 
 
 def test_workers_that_die_after_hello_before_answering_anything_are_a_crash_loop(

@@ -22,6 +22,7 @@ comes from the environment, which both children inherit.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -311,6 +312,48 @@ def worker_endpoints(first: str, num_workers: int) -> list[str]:
     return [f"tcp://{host}:{parts.port + i}" for i in range(num_workers)]
 
 
+def check_ports_apart(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
+    """Refuse frontend ports (PORT and the next NUM_FRONTENDS - 1) that overlap the
+    workers' (WORKER_ENDPOINT's and the next NUM_WORKERS - 1) on one address:
+    whichever binds second fails, and the first, taken for the other kind, made
+    the frontends give CURVE advice and a worker blame "another program"."""
+    first = urlsplit(config.worker_endpoint)
+    if first.scheme != "tcp" or first.port is None:
+        return
+    http_host = environ.get("HOST", "127.0.0.1")  # the frontends' own setting
+    if not _same_address(first.hostname or "", http_host):
+        return
+    http_ports = range(config.port, config.port + config.num_frontends)
+    worker_ports = range(first.port, first.port + config.num_workers)
+    shared = sorted(set(http_ports) & set(worker_ports))
+    if shared:
+        raise ConfigError(
+            f"the frontends' ports (PORT={config.port}, NUM_FRONTENDS={config.num_frontends}: "
+            f"{http_ports.start}-{http_ports.stop - 1}) and the workers' "
+            f"(WORKER_ENDPOINT={config.worker_endpoint}, NUM_WORKERS={config.num_workers}: "
+            f"{worker_ports.start}-{worker_ports.stop - 1}) share port {shared[0]}: move "
+            "one range clear of the other"
+        )
+
+
+def _same_address(worker_host: str, http_host: str) -> bool:
+    """Whether two listeners on these hosts could want one socket: the same host,
+    a wildcard, or loopback on both sides."""
+    hosts = {worker_host.strip("[]").lower(), http_host.strip("[]").lower()}
+    if len(hosts) == 1 or hosts & {"", "*", "0.0.0.0", "::"}:
+        return True
+    return all(_is_loopback(host) for host in hosts)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:
     """One of several workers: its own endpoint, its share of the cores, and how
     many share the memory (each checks that all their KV caches fit)."""
@@ -343,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         config = load(SupervisorConfig, argv, description=__doc__.splitlines()[0])
         check_worker_timing(config, os.environ)
+        check_ports_apart(config, os.environ)
         supervisor = Supervisor(config)
     except ConfigError as exc:
         exit_refusing("supervisor", exc)
