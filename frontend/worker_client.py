@@ -230,6 +230,8 @@ class WorkerClient:
     def on_disconnected(self, link: WorkerLink) -> None:
         if self.is_shutting_down or link.is_stopping:  # stopped, not dead
             log.info("worker at %s closed its connection as it stopped", link.endpoint)
+        elif link.hello is None:  # never live: a refused handshake, which the link logs once
+            log.debug("the connection to %s closed before any hello", link.endpoint)
         else:
             log.error("worker at %s declared dead: its connection closed", link.endpoint)
         link.was_live = False

@@ -39,18 +39,13 @@ from protocol import (
     decode_to_frontend,
     encode,
 )
-from protocol.liveness import Liveness, Verdict
-from protocol.peer import worker_socket
+from protocol.liveness import Liveness, Verdict, WorkerState
+from protocol.peer import HANDSHAKE_FAILED, handshake_advice, worker_socket
 from protocol.throttled import Throttled
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_RETRY_MAX_S = 10.0
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 
 
 class LinkEvents(Protocol):
@@ -91,9 +86,10 @@ class WorkerLink:
         self.is_stopping = False  # it said so, handing requests back: sent nothing more
         self._socket = worker_socket(context, endpoint, config.curve, is_immediate=True)
         self._monitor = self._socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
         )
         self._retry_after_s = 0.0  # 0 while no handshake has failed since the last success
+        self._refusal = ""  # why the last handshake failed, until one succeeds
         self._malformed = Throttled(log, "malformed frames", logging.ERROR)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -124,7 +120,11 @@ class WorkerLink:
         # worker's heartbeats unread past the timeout: that is no silence.
         if not self._socket.closed and typing.cast(int, self._socket.get(zmq.EVENTS)) & zmq.POLLIN:
             self.liveness.on_frames_waiting()
-        return self.liveness.verdict()
+        verdict = self.liveness.verdict()
+        if verdict.state == WorkerState.CONNECTING and self._refusal:
+            reason = f"{self.endpoint} refused this frontend's handshake: {self._refusal}"
+            return Verdict(WorkerState.CONNECTING, reason)
+        return verdict
 
     def send(self, message: ToWorker) -> bool:
         return self.send_frame(encode(message))
@@ -206,31 +206,25 @@ class WorkerLink:
                 if self._retry_after_s:
                     log.info("worker %s accepted this frontend's handshake", self.endpoint)
                     self._retry_after_s = 0.0
+                    self._refusal = ""
                 self._events.on_connected(self)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.liveness.on_disconnected()
                 self._events.on_disconnected(self)
-            elif event["event"] & _HANDSHAKE_FAILED:
+            elif event["event"] & HANDSHAKE_FAILED:
                 if not self._retry_after_s:
                     self._log_refusal(zmq.Event(event["event"]))
+                self._refusal = handshake_advice(event["event"])
                 self._retry_after_s = min(2 * self._retry_after_s or 1.0, HANDSHAKE_RETRY_MAX_S)
                 await asyncio.sleep(self._retry_after_s)
                 self._connect_again()
 
     def _log_refusal(self, event: zmq.Event) -> None:
-        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            cause = (
-                "the worker does not allow this frontend's CURVE key: add the public "
-                "key of CURVE_CLIENT_SECRET_KEY to the worker's CURVE_CLIENT_KEYS, or "
-                "check CURVE_SERVER_PUBLIC_KEY"
-            )
-        else:
-            cause = "set CURVE keys on both the worker and the frontend, or on neither"
         log.error(
             "worker %s refused this frontend's handshake (%s): %s; trying again, at most %gs apart",
             self.endpoint,
             event.name,
-            cause,
+            handshake_advice(event),
             HANDSHAKE_RETRY_MAX_S,
         )
 

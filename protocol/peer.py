@@ -15,12 +15,36 @@ import uuid
 from typing import Any, TypeVar
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol.codec import decode_to_frontend, encode
 from protocol.curve import ClientKeys, secure_client
 from protocol.messages import Hello, Ping
 
 S = TypeVar("S", bound=zmq.Socket[Any])
+
+# A worker's refusals of a client's handshake, as a socket monitor reports them.
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def handshake_advice(event: int) -> str:
+    """Why a handshake failed with ``event``, and what to set."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (
+            "the worker does not allow this client's CURVE key: add the public key of "
+            "CURVE_CLIENT_SECRET_KEY to the worker's CURVE_CLIENT_KEYS, or check "
+            "CURVE_SERVER_PUBLIC_KEY"
+        )
+    # Also what an HTTP port, or anything else that is no worker, makes of a handshake.
+    return (
+        "either nothing at that address is a worker (check WORKER_ENDPOINT: a "
+        "frontend's HTTP port fails so), or CURVE is on at one end only (set CURVE "
+        "keys on both the worker and this client, or on neither)"
+    )
 
 
 def worker_socket(
@@ -51,15 +75,33 @@ def ping(client: str) -> bytes:
     return encode(Ping(f"{client}-{uuid.uuid4().hex[:12]}"))
 
 
-def wait_for_hello(socket: zmq.Socket[bytes], timeout_s: float) -> Hello | None:
+class HandshakeRefused(ConnectionError):
+    """The worker refused the client's handshake; the message says what to set."""
+
+
+def wait_for_hello(
+    socket: zmq.Socket[bytes], timeout_s: float, monitor: zmq.Socket[bytes] | None = None
+) -> Hello | None:
     """The first Hello that arrives on a blocking ``socket`` within ``timeout_s``
     (heartbeats before it are skipped), or None. Raises ProtocolError on a frame
-    that is not this protocol."""
+    that is not this protocol, and HandshakeRefused as soon as ``monitor`` (the
+    socket's, watching `HANDSHAKE_FAILED`) reports a refusal: no Hello follows one."""
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    if monitor is not None:
+        poller.register(monitor, zmq.POLLIN)
     deadline = time.monotonic() + timeout_s
     while (remaining_s := deadline - time.monotonic()) > 0:
-        if not socket.poll(int(remaining_s * 1000) + 1, zmq.POLLIN):
-            break
-        message = decode_to_frontend(socket.recv_multipart()[-1])
-        if isinstance(message, Hello):
-            return message
+        ready = dict(poller.poll(int(remaining_s * 1000) + 1))
+        if monitor is not None and monitor in ready:
+            event = parse_monitor_message(monitor.recv_multipart())["event"]
+            if event & HANDSHAKE_FAILED:
+                name = zmq.Event(event).name
+                raise HandshakeRefused(
+                    f"it refused the handshake ({name}): {handshake_advice(event)}"
+                )
+        if socket in ready:
+            message = decode_to_frontend(socket.recv_multipart()[-1])
+            if isinstance(message, Hello):
+                return message
     return None

@@ -83,8 +83,14 @@ def test_a_peer_without_an_allowed_key_gets_nothing_and_the_worker_serves_on(
                         request = GenerateRequest("stranger-1", "hi", max_new_tokens=2)
                         socket.send(encode(request), zmq.NOBLOCK)
                     assert not socket.poll(1500), "the worker answered a stranger"
-            with pytest.raises(ProbeFailed, match=r"no Hello.*requires CURVE answers only"):
-                probe(endpoint, 1, context)
+            # Each at once, saying what to set, rather than after its timeout.
+            started = time.monotonic()
+            with pytest.raises(ProbeFailed, match=r"no Hello.*CURVE is on at one end only"):
+                probe(endpoint, 30, context)
+            stranger = ClientKeys(server_public_key, stranger_secret_key)
+            with pytest.raises(ProbeFailed, match=r"does not allow this client's CURVE key"):
+                probe(endpoint, 30, context, stranger)
+            assert time.monotonic() - started < 10
         assert "refused a CURVE client" in stack.log("worker")
         body = {"prompt": "still serving", "max_new_tokens": 3}
         response = httpx.post(f"{stack.url}/generate", json=body, timeout=30)
@@ -104,7 +110,12 @@ def test_a_frontend_refused_at_first_reaches_the_worker_restarted_with_its_key(
             "the frontend to report the refusal",
         )
         assert "CURVE_CLIENT_KEYS" in stack.log("frontend")
-        assert stack.health().json()["status"] != "ok"
+        # /health says why, and the refusals are no deaths of a worker never live.
+        health = stack.health().json()
+        assert health["status"] != "ok"
+        assert "does not allow this client's CURVE key" in health["workers"][0]["reason"]
+        time.sleep(4)  # two more tries, 1 s and then 2 s after the first
+        assert "declared dead" not in stack.log("frontend")
         stack.kill("worker")
         stack.env["CURVE_CLIENT_KEYS"] = str(keys / "client.key")
         stack.start("worker", "worker.serve.main")

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -165,18 +166,21 @@ def test_endpoint_defaults_to_worker_environment(
 
 class _HandshakeFailsBeforeSend(zmq.Socket[bytes]):
     """A socket whose ``connect`` returns only after the worker has refused its
-    handshake: the order a busy machine can produce between the probe's connect and
-    its send. libzmq then drops the connection's pipe, and a DEALER without a pipe
-    blocks in ``send``."""
+    handshake (as the probe's own monitor shows, left unread): the order a busy
+    machine can produce between the probe's connect and its send. libzmq then
+    drops the connection's pipe, and a DEALER without a pipe blocks in ``send``."""
+
+    watch: zmq.Socket[bytes] | None = None  # declared: pyzmq takes others for options
+
+    def get_monitor_socket(self, *args: Any, **kwargs: Any) -> zmq.Socket[bytes]:
+        self.watch = super().get_monitor_socket(*args, **kwargs)
+        return self.watch
 
     def connect(self, addr: str) -> None:  # type: ignore[override]
-        monitor_addr = f"inproc://monitor-{id(self)}"
-        self.monitor(monitor_addr, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-        with zmq.Socket(self.context, zmq.PAIR) as monitor:
-            monitor.connect(monitor_addr)
-            super().connect(addr)
-            assert monitor.poll(5000), "the handshake did not fail"
-            self.disable_monitor()
+        super().connect(addr)
+        if self.type != zmq.DEALER:
+            return  # the monitor's own socket, of this class too
+        assert self.watch is not None and self.watch.poll(5000), "the handshake did not fail"
         self.getsockopt(zmq.EVENTS)  # lets the socket see its pipe go
 
 

@@ -19,7 +19,7 @@ import zmq
 from protocol import Hello, ProtocolError
 from protocol.client_config import WorkerClientConfig
 from protocol.curve import ClientKeys
-from protocol.peer import ping, wait_for_hello, worker_socket
+from protocol.peer import HANDSHAKE_FAILED, HandshakeRefused, ping, wait_for_hello, worker_socket
 from protocol.settings import ConfigError, load
 from worker.serve.config import WorkerConfig
 
@@ -51,6 +51,7 @@ def probe(
 ) -> Hello:
     """Ping the worker at ``endpoint`` and return its Hello, or raise `ProbeFailed`."""
     socket = worker_socket(context, endpoint, curve)
+    monitor = socket.get_monitor_socket(HANDSHAKE_FAILED)
     try:
         try:
             socket.connect(endpoint)
@@ -65,10 +66,14 @@ def probe(
                 f"no Hello from a worker at {endpoint}: it refused the connection's "
                 "handshake; check that this client's CURVE settings match the worker's"
             ) from None
-        hello = wait_for_hello(socket, timeout_s)
+        hello = wait_for_hello(socket, timeout_s, monitor)
+    except HandshakeRefused as exc:
+        raise ProbeFailed(f"no Hello from a worker at {endpoint}: {exc}") from None
     except ProtocolError as exc:
         raise ProbeFailed(f"the process at {endpoint} answered, but: {exc}") from exc
     finally:
+        socket.disable_monitor()
+        monitor.close(linger=0)
         socket.close()
     if hello is not None:
         return hello
