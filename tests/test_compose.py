@@ -105,16 +105,27 @@ def test_model_id_is_overridable_from_the_shell() -> None:
     assert worker["environment"]["MODEL_ID"] == "synthetic"
 
 
-def test_the_published_port_is_8000_unless_frontend_port_moves_it() -> None:
-    # Empty counts as unset (`:-`), whatever this shell has.
-    for env, published in (({"FRONTEND_PORT": ""}, 8000), ({"FRONTEND_PORT": "18001"}, 18001)):
-        completed = run_compose_config(env)
-        assert completed.returncode == 0, completed.stderr
-        [port] = yaml.safe_load(completed.stdout)["services"]["frontend"]["ports"]
-        if isinstance(port, str):  # short syntax, as some compose versions print it
-            assert port.rsplit(":", 2)[-2:] == [str(published), "8000"], port
-        else:
-            assert (int(port["published"]), int(port["target"])) == (published, 8000), port
+@pytest.mark.parametrize(
+    ("env", "address", "published"),
+    [
+        ({"FRONTEND_PORT": "", "FRONTEND_BIND_ADDRESS": ""}, "127.0.0.1", 8000),
+        ({"FRONTEND_PORT": "18001", "FRONTEND_BIND_ADDRESS": ""}, "127.0.0.1", 18001),
+        ({"FRONTEND_PORT": "", "FRONTEND_BIND_ADDRESS": "0.0.0.0"}, "0.0.0.0", 8000),
+    ],
+)
+def test_the_port_is_published_on_loopback_unless_told_otherwise(
+    env: dict[str, str], address: str, published: int
+) -> None:
+    """With no API key by default, every interface would have served anyone who
+    reaches the host. Empty counts as unset (`:-`), whatever this shell has."""
+    completed = run_compose_config(env)
+    assert completed.returncode == 0, completed.stderr
+    [port] = yaml.safe_load(completed.stdout)["services"]["frontend"]["ports"]
+    if isinstance(port, str):  # short syntax, as some compose versions print it
+        assert port.removesuffix("/tcp").rsplit(":", 2) == [address, str(published), "8000"], port
+    else:
+        found = (port["host_ip"], int(port["published"]), int(port["target"]))
+        assert found == (address, published, 8000), port
 
 
 @pytest.mark.parametrize("service", ["frontend", "worker"])
@@ -157,7 +168,7 @@ def test_frontend_reaches_the_worker_by_service_name_over_zmq() -> None:
     assert frontend["environment"]["WORKER_ENDPOINT"] == "tcp://worker:5555"
     assert worker["environment"]["WORKER_BIND"] == "tcp://*:5555"
     assert "ports" not in worker, "the worker must not be published outside the network"
-    assert frontend["ports"] == ["${FRONTEND_PORT:-8000}:8000"]
+    assert frontend["ports"] == ["${FRONTEND_BIND_ADDRESS:-127.0.0.1}:${FRONTEND_PORT:-8000}:8000"]
     assert frontend["environment"]["HOST"] == "0.0.0.0"
 
 
