@@ -73,7 +73,9 @@ def request_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[st
     id_problem = _request_id_problem(request.request_id)
     if id_problem is not None:
         return invalid, id_problem
-    if not 0 <= request.max_new_tokens <= window:
+    # With fit_context, max_new_tokens is a ceiling (a chat's MAX_NEW_TOKENS_LIMIT
+    # when it asked for none), lowered at admission to what the prompt leaves.
+    if request.max_new_tokens < 0 or (request.max_new_tokens > window and not request.fit_context):
         return invalid, f"max_new_tokens: must be 0 to {window:,}, got {request.max_new_tokens:,}"
     prompt_problem = (
         _chat_problem(request, limits) if request.chat_roles else _prompt_problem(request, limits)

@@ -201,6 +201,15 @@ def test_each_bad_field_is_refused_by_name(
     assert named in problem[1]
 
 
+def test_with_fit_context_max_new_tokens_may_pass_the_window() -> None:
+    """A chat that asks for no number of tokens gets MAX_NEW_TOKENS_LIMIT as its
+    ceiling; set above the context window, it was refused as if the client had
+    sent max_tokens."""
+    check_generate(_request(max_new_tokens=2000, fit_context=True), LIMITS)
+    problem = request_problem(_request(max_new_tokens=2000), LIMITS)
+    assert problem is not None and "max_new_tokens: must be 0 to 64" in problem[1]
+
+
 def test_fit_context_lowers_max_new_tokens_for_a_prompt_of_ids_as_for_text() -> None:
     engine = FakeEngine(capacity=1, context_window=1024)
     ids = _request(prompt="", prompt_token_ids=[1] * 1000, max_new_tokens=1024, fit_context=True)
