@@ -51,6 +51,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     # SIGHUP (a closed terminal) stops it as SIGTERM does; uvicorn handles only
     # SIGINT and SIGTERM, and SIGHUP's default cut every request in flight.
     signal.signal(signal.SIGHUP, lambda _, frame: server.handle_exit(signal.SIGTERM, frame))
+    # Once it has shut down gracefully, uvicorn raises the signal again under the
+    # handler that was there before: a stop asked for is a clean exit (0), as
+    # the worker's and the supervisor's are, not a process killed by SIGTERM.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.run()
     except KeyboardInterrupt:

@@ -97,6 +97,10 @@ def _quarantined(entry: InFlight) -> ErrorResult:
     return ErrorResult(
         entry.wire_id,
         ErrorCode.WORKERS_DIED,
-        f"the request was in flight on {entry.num_worker_deaths} workers that died; it is "
-        "not replayed again, since it may be what kills them (the worker logs say why)",
+        f"the request was in flight on {_workers(entry.num_worker_deaths)} that died; it is "
+        "not replayed again, since it may be what kills workers (the worker logs say why)",
     )
+
+
+def _workers(count: int) -> str:
+    return "a worker" if count == 1 else f"{count} workers"

@@ -142,9 +142,16 @@ def test_requests_waiting_for_a_first_worker_are_answered_503_when_it_stops(
         stack.processes["frontend"].wait(timeout=GRACEFUL_SHUTDOWN_S)
 
 
-def test_a_frontend_stopped_by_ctrl_c_shuts_down_quietly_with_its_exit_code() -> None:
+@pytest.mark.parametrize(
+    ("stop_signal", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0), (signal.SIGHUP, 0)]
+)
+def test_a_frontend_stopped_by_a_signal_shuts_down_quietly_with_its_exit_code(
+    stop_signal: signal.Signals, exit_code: int
+) -> None:
     """^C: the graceful shutdown, then exit 130 as a shell reports it, without the
-    traceback of the KeyboardInterrupt uvicorn raises again once it is done."""
+    traceback of the KeyboardInterrupt uvicorn raises again once it is done.
+    SIGTERM or SIGHUP: exit 0, as the worker and the supervisor do; uvicorn's
+    raising it again had ended the process as killed by it (143 under Docker)."""
     env = {
         **os.environ,
         "PORT": str(free_port()),
@@ -163,10 +170,10 @@ def test_a_frontend_stopped_by_ctrl_c_shuts_down_quietly_with_its_exit_code() ->
         for line in frontend.stdout:
             if b"Application startup complete" in line:
                 break
-        frontend.send_signal(signal.SIGINT)
+        frontend.send_signal(stop_signal)
         output, _ = frontend.communicate(timeout=30)
     finally:
         frontend.kill()
-    assert frontend.returncode == 130
+    assert frontend.returncode == exit_code
     assert b"Finished server process" in output
     assert b"Traceback" not in output
