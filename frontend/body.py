@@ -38,7 +38,11 @@ UTF8_BOM = b"\xef\xbb\xbf"
 # this server takes needs more: a structured-output grammar is at most 32 Ki
 # characters, a conversation 256 messages, logit_bias one object.
 MAX_JSON_CONTAINERS = 32 * 1024
-_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
+# A string from its opening quote: to its closing one, or to the end of a body
+# that never closes it. It matches wherever a quote is, so the scan never starts
+# again from a later quote of the same string: one pass, whatever the body (an
+# unclosed string's quotes, each rescanned to the end, had made it quadratic).
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 
 
 async def read_json_body(request: Request) -> bytes:

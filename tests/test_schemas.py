@@ -203,6 +203,20 @@ def test_a_body_of_countless_tiny_arrays_is_refused_before_it_is_parsed(
     assert f"{MAX_JSON_CONTAINERS + 1:,} JSON arrays and objects" in caught.value.message
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "never_closed", [b'"\\' * 500_000, b'"' * 999_999, b'"\\\n' * 300_000, b'"abc\\']
+)
+def test_counting_past_the_limit_takes_one_pass_whatever_the_strings(never_closed: bytes) -> None:
+    """A string that never closes, its quotes each scanned again to the end of
+    the body, made the count quadratic: 20 s of the event loop for 100 KB, a
+    half hour for a megabyte."""
+    body = b"[" * (MAX_JSON_CONTAINERS + 1) + never_closed
+    with pytest.raises(ApiError) as caught:
+        decode_body(body, CompletionBody)
+    assert f"{MAX_JSON_CONTAINERS + 1:,} JSON arrays and objects" in caught.value.message
+
+
 def test_brackets_within_strings_are_no_arrays() -> None:
     """A prompt of code holds brackets by the thousand, escaped quotes too."""
     prompt = 'x["a"] = {"b": [1]}\n' * MAX_JSON_CONTAINERS
