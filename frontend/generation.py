@@ -65,14 +65,21 @@ def generate_request(
 def _check_as_a_worker_would(
     client: WorkerClient, work: GenerateRequest, field_names: Mapping[str, str]
 ) -> None:
-    """Refuse at once, as a worker would (the same checks, with the limits its
-    hello gave), a request no worker can serve: it would otherwise wait for a
-    free slot first, and under load get a 504 instead."""
-    hello = client.hello
-    limits = None if hello is None else limits_of(hello)
-    problem = None if limits is None else request_problem(work, limits)
-    if problem is not None:
-        raise ApiError.from_worker(ErrorResult(work.request_id, *problem), field_names)
+    """Refuse at once, as the workers would (the same checks, with the limits
+    their hellos gave), a request that no live worker can serve: it would
+    otherwise wait for a free slot first, and under load get a 504 instead. With
+    no live worker, nothing is judged: the next one may serve another model."""
+    problems = []  # with each worker's context window: the roomiest one's is told
+    for link in client.workers():
+        limits = limits_of(link.hello) if link.hello and link.verdict().is_live else None
+        if limits is not None:
+            problem = request_problem(work, limits)
+            if problem is None:
+                return
+            problems.append((limits.context_window, problem))
+    if problems:
+        _, (code, message) = max(problems)
+        raise ApiError.from_worker(ErrorResult(work.request_id, code, message), field_names)
 
 
 async def respond(

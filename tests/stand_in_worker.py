@@ -30,9 +30,10 @@ class StandInWorker:
     a hello and heartbeats, and to each request what ``answer`` says. Everything
     the frontend sends it is in ``received``."""
 
-    def __init__(self, answer: Answer, capacity: int) -> None:
+    def __init__(self, answer: Answer, capacity: int, hello: Hello | None = None) -> None:
         self.answer = answer
         self.capacity = capacity
+        self.hello = hello or Hello("stand-in", "fake", False, capacity, 1024, 16, 1 << 20)
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -67,9 +68,7 @@ class StandInWorker:
                 message = decode_to_worker(frame)
                 if isinstance(message, Ping) and peer is None:
                     peer = sender
-                    self._send(
-                        peer, Hello("stand-in", "fake", False, self.capacity, 1024, 16, 1 << 20)
-                    )
+                    self._send(peer, self.hello)
                 elif isinstance(message, (GenerateRequest, AbortRequest)):
                     self.received.append(message)
                     if isinstance(message, GenerateRequest):

@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from bench.stack import REPO_ROOT
+from protocol import GenerateRequest, GenerateResult, Hello, ToFrontend
 from tests.sse import sse_events
 from tests.stack import Stack, running_stack
+from tests.stand_in_worker import StandInWorker
 from worker.engine.fake_engine import expected_text
 
 
@@ -127,6 +130,38 @@ def test_a_request_no_worker_can_serve_is_refused_while_every_slot_is_busy(
                 response = httpx.post(f"{stack.url}{path}", json=body | fields, timeout=5)
                 assert response.status_code == 422, response.text
                 assert problem in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("tiny_first", [True, False])
+def test_a_request_is_refused_only_if_no_live_worker_could_serve_it(
+    tmp_path: Path, tiny_first: bool
+) -> None:
+    """One peer's hello (here a worker of context 1 that takes no work) judged
+    every request, whichever came first; a request another live worker serves
+    must reach it."""
+
+    def answer(request: GenerateRequest) -> list[ToFrontend | bytes]:
+        return [GenerateResult(request.request_id, "ab", [97, 98], "length", 2, 2, 0, 1)]
+
+    tiny = Hello("stand-in", "tiny", False, 0, 1, 16, 1 << 20, vocab_size=2, max_token_chars=1)
+    roomy = Hello("stand-in", "roomy", False, 1, 64, 16, 1 << 20, vocab_size=99, max_token_chars=1)
+    with (
+        StandInWorker(answer, capacity=0, hello=tiny) as first,
+        StandInWorker(answer, capacity=1, hello=roomy) as second,
+    ):
+        endpoints = [first.endpoint, second.endpoint]
+        overrides = {"WORKER_ENDPOINTS": ",".join(endpoints if tiny_first else endpoints[::-1])}
+        with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+            stack.wait_for_health("both live", lambda h: h["workers_live"] == 2)
+            served = httpx.post(
+                f"{stack.url}/generate", json={"prompt": "hi", "max_new_tokens": 2}, timeout=10
+            )
+            assert served.status_code == 200, served.text
+            too_long = httpx.post(
+                f"{stack.url}/generate", json={"prompt": "x" * 65, "max_new_tokens": 2}, timeout=10
+            )
+            assert too_long.status_code == 422, too_long.text
+            assert "prompt: 65 characters" in too_long.json()["error"]["message"]
 
 
 def test_the_launcher_restarts_a_killed_worker_and_serving_resumes(tmp_path: Path) -> None:
