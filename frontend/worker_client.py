@@ -230,7 +230,7 @@ class WorkerClient:
     def on_disconnected(self, link: WorkerLink) -> None:
         if self.is_shutting_down or link.is_stopping:  # stopped, not dead
             log.info("worker at %s closed its connection as it stopped", link.endpoint)
-        elif link.hello is None:  # never live: a refused handshake, which the link logs once
+        elif link.hello is None or link.is_refused:  # the link logs a refusal once
             log.debug("the connection to %s closed before any hello", link.endpoint)
         else:
             log.error("worker at %s declared dead: its connection closed", link.endpoint)

@@ -30,6 +30,7 @@ from frontend.config import FrontendConfig
 from frontend.inflight import Event, InFlight, QueueNotice
 from frontend.tasks import start_task, stop_tasks
 from protocol import (
+    AbortRequest,
     ErrorCode,
     ErrorResult,
     Heartbeat,
@@ -39,7 +40,7 @@ from protocol import (
     decode_to_frontend,
     encode,
 )
-from protocol.liveness import Liveness, Verdict, WorkerState
+from protocol.liveness import Liveness, Verdict
 from protocol.peer import HANDSHAKE_FAILED, handshake_advice, worker_socket
 from protocol.throttled import Throttled
 
@@ -121,10 +122,11 @@ class WorkerLink:
         if not self._socket.closed and typing.cast(int, self._socket.get(zmq.EVENTS)) & zmq.POLLIN:
             self.liveness.on_frames_waiting()
         verdict = self.liveness.verdict()
-        if verdict.state == WorkerState.CONNECTING and self._refusal:
-            reason = f"{self.endpoint} refused this frontend's handshake: {self._refusal}"
-            return Verdict(WorkerState.CONNECTING, reason)
-        return verdict
+        if verdict.is_live or not self._refusal:
+            return verdict
+        return Verdict(
+            verdict.state, f"{self.endpoint} refused this frontend's handshake: {self._refusal}"
+        )
 
     def send(self, message: ToWorker) -> bool:
         return self.send_frame(encode(message))
@@ -149,6 +151,11 @@ class WorkerLink:
         """The worker is stopping: it is sent nothing more (until a new instance
         says hello here)."""
         self.is_stopping = True
+
+    @property
+    def is_refused(self) -> bool:
+        """Its latest handshake failed (a key it does not allow), none succeeded since."""
+        return bool(self._refusal)
 
     def free_slots(self) -> int:
         """Slots free for another request, as far as this frontend can tell: the
@@ -178,7 +185,8 @@ class WorkerLink:
                 if exc.request_id is None:
                     continue
                 # An answer no one can read: its request fails rather than waiting
-                # for one that may never come.
+                # for one that may never come, and the worker stops running it.
+                self.send(AbortRequest(exc.request_id))
                 message = ErrorResult(
                     exc.request_id,
                     ErrorCode.INTERNAL,

@@ -126,6 +126,29 @@ def test_a_frontend_refused_at_first_reaches_the_worker_restarted_with_its_key(
         assert stack.log("frontend").count("refused this frontend's handshake") == 1
 
 
+def test_a_worker_restarted_with_another_key_is_one_death_and_health_says_why(
+    tmp_path: Path, keys: Path
+) -> None:
+    """It was live, then its replacement refused this frontend's key: every retry
+    logged the worker "declared dead" again, and /health said only that its
+    connection closed."""
+    other_keys = tmp_path / "other"
+    assert main([str(other_keys)]) == 0
+    with running_stack(tmp_path, curve_env(keys), supervised=False) as stack:
+        stack.wait_live()
+        stack.kill("worker")
+        stack.env["CURVE_CLIENT_KEYS"] = str(other_keys / "client.key")
+        stack.start("worker", "worker.serve.main")
+        stack.wait_until(
+            lambda: "refused this frontend's handshake" in stack.log("frontend"),
+            "the frontend to report the refusal",
+        )
+        reason = stack.health().json()["workers"][0]["reason"]
+        assert "does not allow this client's CURVE key" in reason
+        time.sleep(4)  # two more tries, 1 s and then 2 s after the first
+        assert stack.log("frontend").count("declared dead") == 1
+
+
 @pytest.mark.parametrize(
     ("module", "given", "missing"),
     [

@@ -11,7 +11,14 @@ import msgpack
 import pytest
 
 from frontend.errors import MAX_WORKER_MESSAGE_CHARS
-from protocol import PROTOCOL_VERSION, ErrorCode, ErrorResult, GenerateRequest, GenerateResult
+from protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    ErrorCode,
+    ErrorResult,
+    GenerateRequest,
+    GenerateResult,
+)
 from tests.stack import Stack, running_stack
 from tests.stand_in_worker import StandInWorker
 
@@ -65,6 +72,12 @@ def test_an_answer_the_frontend_cannot_read_fails_its_request_with_500(
     assert "the worker sent an answer this frontend cannot read" in error["message"]
     assert problem in error["message"]
     assert "Traceback" not in stack.log("frontend")
+    # The worker is told to stop running it.
+    (sent,) = [m.request_id for m in worker.received if isinstance(m, GenerateRequest)]
+    worker.wait_for(
+        lambda: [m.request_id for m in worker.received if isinstance(m, AbortRequest)] == [sent],
+        "the request aborted in the worker",
+    )
 
 
 def test_a_worker_message_reaches_the_client_bounded(
