@@ -39,11 +39,12 @@ def handshake_advice(event: int) -> str:
             "CURVE_CLIENT_SECRET_KEY to the worker's CURVE_CLIENT_KEYS, or check "
             "CURVE_SERVER_PUBLIC_KEY"
         )
-    # Also what an HTTP port, or anything else that is no worker, makes of a handshake.
+    # Also what anything that is no worker makes of a handshake, once it hangs up
+    # (an HTTP server, after its header timeout).
     return (
-        "either nothing at that address is a worker (check WORKER_ENDPOINT: a "
-        "frontend's HTTP port fails so), or CURVE is on at one end only (set CURVE "
-        "keys on both the worker and this client, or on neither)"
+        "either nothing at that address is a worker (check WORKER_ENDPOINT), or CURVE "
+        "is on at one end only (set CURVE keys on both the worker and this client, or "
+        "on neither)"
     )
 
 

@@ -107,9 +107,18 @@ def test_each_of_several_workers_is_told_its_endpoint_cores_and_how_many_share_m
         ),
         (
             {"PORT": "18100", "NUM_FRONTENDS": "2", "WORKER_ENDPOINT": "tcp://localhost:18101"},
-            "::1",
+            "127.0.0.1",
             18101,
         ),
+        # Hosts as binding reads them, not as written.
+        ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "127.1", 8000),
+        ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "0", 8000),
+        ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://[::1]:8000"}, "::0", 8000),
+        ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://*:8000"}, "127.0.0.1", 8000),
+        # Another address, or another family (asyncio binds IPv6 alone).
+        ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "127.0.0.2", None),
+        ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "::1", None),
+        ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://[::1]:8000"}, "0.0.0.0", None),
         ({"PORT": "5555", "WORKER_ENDPOINT": "tcp://10.0.0.2:5555"}, "0.0.0.0", 5555),
         (
             {"PORT": "8000", "NUM_WORKERS": "4", "WORKER_ENDPOINT": "tcp://127.0.0.1:8001"},

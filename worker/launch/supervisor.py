@@ -26,6 +26,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -337,21 +338,31 @@ def check_ports_apart(config: SupervisorConfig, environ: Mapping[str, str]) -> N
 
 
 def _same_address(worker_host: str, http_host: str) -> bool:
-    """Whether two listeners on these hosts could want one socket: the same host,
-    a wildcard, or loopback on both sides."""
-    hosts = {worker_host.strip("[]").lower(), http_host.strip("[]").lower()}
-    if len(hosts) == 1 or hosts & {"", "*", "0.0.0.0", "::"}:
-        return True
-    return all(_is_loopback(host) for host in hosts)
+    """Whether listeners on these hosts could want one socket: an address in
+    common, or a wildcard of the other's family. Each is read as binding reads it
+    (``127.1``, ``0``, ``::0``; a ZMQ ``*`` is IPv4's wildcard); a host that does
+    not resolve is left for binding to refuse."""
+    worker = _bind_addresses("0.0.0.0" if worker_host in ("", "*") else worker_host)
+    http = _bind_addresses(http_host)
+    return any(
+        a.version == b.version and (a == b or a.is_unspecified or b.is_unspecified)
+        for a in worker
+        for b in http
+    )
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def _bind_addresses(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        infos = socket.getaddrinfo(host.strip("[]") or None, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    addresses = []
+    for *_, sockaddr in infos:
+        address = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+            address = address.ipv4_mapped
+        addresses.append(address)
+    return addresses
 
 
 def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:
