@@ -71,12 +71,13 @@ def _check_as_a_worker_would(
     no live worker, nothing is judged: the next one may serve another model."""
     problems = []  # with each worker's context window: the roomiest one's is told
     for link in client.workers():
-        limits = limits_of(link.hello) if link.hello and link.verdict().is_live else None
-        if limits is not None:
-            problem = request_problem(work, limits)
-            if problem is None:
-                return
-            problems.append((limits.context_window, problem))
+        if link.hello is None or not link.verdict().is_live:
+            continue
+        limits = limits_of(link.hello)
+        problem = None if limits is None else request_problem(work, limits)
+        if limits is None or problem is None:
+            return  # this one may serve it (one that does not say its limits, too)
+        problems.append((limits.context_window, problem))
     if problems:
         _, (code, message) = max(problems)
         raise ApiError.from_worker(ErrorResult(work.request_id, code, message), field_names)

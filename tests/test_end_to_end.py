@@ -164,6 +164,27 @@ def test_a_request_is_refused_only_if_no_live_worker_could_serve_it(
             assert "prompt: 65 characters" in too_long.json()["error"]["message"]
 
 
+def test_a_live_worker_that_does_not_say_its_limits_may_serve_anything(tmp_path: Path) -> None:
+    """Nothing tells what it refuses: a request it may serve goes to it, whatever
+    another worker's limits say."""
+
+    def answer(request: GenerateRequest) -> list[ToFrontend | bytes]:
+        return [GenerateResult(request.request_id, "ab", [97, 98], "length", 2, 2, 0, 1)]
+
+    tiny = Hello("stand-in", "tiny", False, 0, 1, 16, 1 << 20, vocab_size=2, max_token_chars=1)
+    silent = Hello("stand-in", "silent", False, 1, 64, 16, 1 << 20)  # no limits said
+    with (
+        StandInWorker(answer, capacity=0, hello=tiny) as first,
+        StandInWorker(answer, capacity=1, hello=silent) as second,
+    ):
+        overrides = {"WORKER_ENDPOINTS": f"{first.endpoint},{second.endpoint}"}
+        with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+            stack.wait_for_health("both live", lambda h: h["workers_live"] == 2)
+            body = {"prompt": "x" * 65, "max_new_tokens": 2}
+            response = httpx.post(f"{stack.url}/generate", json=body, timeout=10)
+            assert response.status_code == 200, response.text
+
+
 def test_the_launcher_restarts_a_killed_worker_and_serving_resumes(tmp_path: Path) -> None:
     with running_stack(tmp_path) as stack:
         first = stack.wait_live()

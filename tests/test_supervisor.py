@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -115,6 +116,16 @@ def test_each_of_several_workers_is_told_its_endpoint_cores_and_how_many_share_m
         ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "0", 8000),
         ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://[::1]:8000"}, "::0", 8000),
         ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://*:8000"}, "127.0.0.1", 8000),
+        # A lone worker binds WORKER_BIND, where it is set.
+        (
+            {
+                "PORT": "8000",
+                "WORKER_ENDPOINT": "tcp://192.0.2.2:8000",
+                "WORKER_BIND": "tcp://*:8000",
+            },
+            "127.0.0.1",
+            8000,
+        ),
         # Another address, or another family (asyncio binds IPv6 alone).
         ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "127.0.0.2", None),
         ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "::1", None),
@@ -139,12 +150,26 @@ def test_frontend_and_worker_ports_that_overlap_are_refused_naming_both(
     """Whichever bound second failed, and the first was taken for the other kind:
     the frontend gave CURVE advice, the worker blamed "another program"."""
     config = load(SupervisorConfig, [], settings)
+    environ = {"HOST": http_host, "WORKER_BIND": settings.get("WORKER_BIND", "")}
     if shared_port is None:
-        check_ports_apart(config, {"HOST": http_host})
+        check_ports_apart(config, environ)
         return
     with pytest.raises(ConfigError, match=f"share port {shared_port}") as caught:
-        check_ports_apart(config, {"HOST": http_host})
-    assert "PORT=" in str(caught.value) and "WORKER_ENDPOINT=" in str(caught.value)
+        check_ports_apart(config, environ)
+    assert "PORT=" in str(caught.value) and "WORKER_" in str(caught.value)
+
+
+def test_hosts_are_looked_up_only_for_ports_in_common(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow name server cost 12 s of a silent start for ports apart anyway."""
+
+    def no_lookup(*_: object, **__: object) -> None:
+        raise AssertionError("looked a host up")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_lookup)
+    config = load(
+        SupervisorConfig, [], {"PORT": "8000", "WORKER_ENDPOINT": "tcp://wk.example:8001"}
+    )
+    check_ports_apart(config, {"HOST": "fe.example"})
 
 
 def test_workers_that_die_after_hello_before_answering_anything_are_a_crash_loop(

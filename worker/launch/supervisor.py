@@ -315,23 +315,25 @@ def worker_endpoints(first: str, num_workers: int) -> list[str]:
 
 def check_ports_apart(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
     """Refuse frontend ports (PORT and the next NUM_FRONTENDS - 1) that overlap the
-    workers' (WORKER_ENDPOINT's and the next NUM_WORKERS - 1) on one address:
-    whichever binds second fails, and the first, taken for the other kind, made
-    the frontends give CURVE advice and a worker blame "another program"."""
-    first = urlsplit(config.worker_endpoint)
+    workers' (WORKER_ENDPOINT's, or a lone worker's WORKER_BIND, and the next
+    NUM_WORKERS - 1) on one address: whichever binds second fails, and the first,
+    taken for the other kind, made the frontends give CURVE advice and a worker
+    blame "another program". Hosts are looked up only for ports in common."""
+    # Several workers each bind their own endpoint; a lone one, WORKER_BIND if set.
+    bind = environ.get("WORKER_BIND", "") if config.num_workers == 1 else ""
+    name, endpoint = ("WORKER_BIND", bind) if bind else ("WORKER_ENDPOINT", config.worker_endpoint)
+    first = urlsplit(endpoint)
     if first.scheme != "tcp" or first.port is None:
-        return
-    http_host = environ.get("HOST", "127.0.0.1")  # the frontends' own setting
-    if not _same_address(first.hostname or "", http_host):
         return
     http_ports = range(config.port, config.port + config.num_frontends)
     worker_ports = range(first.port, first.port + config.num_workers)
     shared = sorted(set(http_ports) & set(worker_ports))
-    if shared:
+    http_host = environ.get("HOST", "127.0.0.1")  # the frontends' own setting
+    if shared and _same_address(first.hostname or "", http_host):
         raise ConfigError(
             f"the frontends' ports (PORT={config.port}, NUM_FRONTENDS={config.num_frontends}: "
             f"{http_ports.start}-{http_ports.stop - 1}) and the workers' "
-            f"(WORKER_ENDPOINT={config.worker_endpoint}, NUM_WORKERS={config.num_workers}: "
+            f"({name}={endpoint}, NUM_WORKERS={config.num_workers}: "
             f"{worker_ports.start}-{worker_ports.stop - 1}) share port {shared[0]}: move "
             "one range clear of the other"
         )
