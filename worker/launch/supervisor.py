@@ -355,7 +355,9 @@ def _same_address(worker_host: str, http_host: str) -> bool:
 
 def _bind_addresses(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, 0, type=socket.SOCK_STREAM)
+        # No host (HOST=""): every interface, as a listener reads it.
+        name = host.strip("[]") or None
+        infos = socket.getaddrinfo(name, 0, flags=socket.AI_PASSIVE, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         return []
     addresses = []
