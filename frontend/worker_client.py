@@ -231,7 +231,7 @@ class WorkerClient:
         if self.is_shutting_down or link.is_stopping:  # stopped, not dead
             log.info("worker at %s closed its connection as it stopped", link.endpoint)
         elif link.hello is None or link.is_refused:  # the link logs a refusal once
-            log.debug("the connection to %s closed before any hello", link.endpoint)
+            log.debug("the connection to %s closed: no hello yet, or refused", link.endpoint)
         else:
             log.error("worker at %s declared dead: its connection closed", link.endpoint)
         link.was_live = False
