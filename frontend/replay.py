@@ -84,7 +84,7 @@ def release(
             num_suspects += 1
             table.requeue(entry, is_suspect=True)
     log.warning(
-        "worker at %s %s: replaying %d requests, %d of them one at a time",
+        "worker at %s %s: replaying %d request(s), %d of them one at a time",
         link.endpoint,
         why,
         len(entries) - num_failed,

@@ -75,8 +75,13 @@ def request_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[st
         return invalid, id_problem
     # With fit_context, max_new_tokens is a ceiling (a chat's MAX_NEW_TOKENS_LIMIT
     # when it asked for none), lowered at admission to what the prompt leaves.
-    if request.max_new_tokens < 0 or (request.max_new_tokens > window and not request.fit_context):
-        return invalid, f"max_new_tokens: must be 0 to {window:,}, got {request.max_new_tokens:,}"
+    if request.max_new_tokens < 0:
+        return invalid, f"max_new_tokens: must be at least 0, got {request.max_new_tokens:,}"
+    if request.max_new_tokens > window and not request.fit_context:
+        return invalid, (
+            f"max_new_tokens: {request.max_new_tokens:,} is more than the context window of "
+            f"{window:,} tokens holds; ask for fewer"
+        )
     prompt_problem = (
         _chat_problem(request, limits) if request.chat_roles else _prompt_problem(request, limits)
     )

@@ -286,7 +286,7 @@ def test_a_stream_cut_by_a_worker_kill_continues_where_it_stopped(tmp_path: Path
         assert "".join(texts) == expected_text(prompt, budget)
         assert done["finish_reason"] == "length"
         assert done["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": budget}
-        assert "replaying 1 requests" in stack.log("supervisor")
+        assert "replaying 1 request(s)" in stack.log("supervisor")
 
 
 def test_a_choice_that_only_waited_in_the_queue_of_a_killed_worker_is_no_suspect(
@@ -313,7 +313,7 @@ def test_a_choice_that_only_waited_in_the_queue_of_a_killed_worker_is_no_suspect
                     stack.signal_worker(signal.SIGKILL)
         assert not kill_at
         assert texts == [expected_text(prompt, budget)] * 2
-        assert stack.log("supervisor").count("replaying 2 requests, 0 of them one at a time") == 2
+        assert stack.log("supervisor").count("replaying 2 request(s), 0 of them one at a time") == 2
 
 
 def test_max_worker_deaths_bounds_the_replays_of_a_request_that_made_progress(

@@ -131,7 +131,7 @@ def test_a_killed_workers_requests_are_replayed_on_the_survivor_at_once(
         assert replayed_s < 1.0, f"the replay landed {replayed_s:.2f} s after the kill"
         # They had all made progress there: none waited its turn as a suspect.
         log = stack.log("supervisor")
-        assert f"replaying {num_caught} requests, 0 of them one at a time" in log
+        assert f"replaying {num_caught} request(s), 0 of them one at a time" in log
 
 
 def test_a_poison_request_is_failed_after_two_workers_and_the_rest_succeed(

@@ -415,6 +415,6 @@ def test_a_constrained_stream_cut_by_a_worker_kill_continues_exactly(tmp_path: P
         stack.wait_live()
         uninterrupted = stream(stack, None)
         resumed = stream(stack, kill_after=12)
-        assert "replaying 1 requests" in stack.log("supervisor")
+        assert "replaying 1 request(s)" in stack.log("supervisor")
     jsonschema.validate(json.loads(uninterrupted), schema)
     assert resumed == uninterrupted
