@@ -281,7 +281,13 @@ def test_with_two_workers_replays_on_the_survivor_match_the_fault_free_run(
         killed: dict[str, str] = {}
 
         def pick_victim(kill: int) -> int:
-            endpoint = endpoints[kill % 2]
+            # The one holding the most streams: taking turns, a replacement that
+            # had been given nothing yet was killed holding nothing, and no
+            # request was replayed for that kill.
+            workers = stack.workers()
+            endpoint = max(
+                endpoints, key=lambda e: (workers[e]["held"] or 0, e == endpoints[kill % 2])
+            )
             killed.clear()
             killed[endpoint] = stack.workers()[endpoint]["instance_id"]
             return stack.worker_pid(endpoint)
