@@ -109,8 +109,8 @@ def test_a_request_no_worker_can_serve_is_refused_while_every_slot_is_busy(
     tmp_path: Path,
 ) -> None:
     """The frontend checks a request as a worker would, with the limits its hello
-    gave: such requests waited for a free slot first (24 s under load), or got a
-    504 past REQUEST_TIMEOUT_S. Here the one slot is busy for 10 s."""
+    gave: such requests waited for a free slot first (24 s under load on a Zen 4
+    EPYC), or got a 504 past REQUEST_TIMEOUT_S. Here the one slot is busy for 10 s."""
     overrides = {"MAX_BATCH_SIZE": "1", "FAKE_STEP_DELAY_S": "0.05"}
     outside = 0x110000  # the fake model's vocabulary: one token per code point
     refused = [
