@@ -25,6 +25,7 @@ import llguidance
 from frontend.body import parse_json
 from frontend.errors import ApiError
 from protocol import GrammarKind
+from protocol.grammar_shape import grammar_shape_problem
 from protocol.limits import GRAMMAR_LIMITS, MAX_GRAMMAR_CHARS
 
 if TYPE_CHECKING:
@@ -271,6 +272,8 @@ def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
         return "", _short(str(exc))
     if len(grammar) > MAX_GRAMMAR_CHARS:
         return "", f"its grammar is {len(grammar):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
+    if (shape_problem := grammar_shape_problem(grammar)) is not None:
+        return "", shape_problem
     limits = llguidance.LLParserLimits(**GRAMMAR_LIMITS, verbose_errors=False)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, None, limits=limits

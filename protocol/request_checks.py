@@ -16,6 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from protocol.grammar_shape import grammar_shape_problem
 from protocol.limits import (
     CHAT_ROLES,
     MAX_CHAT_MESSAGES,
@@ -227,8 +228,9 @@ def _logit_bias_problem(request: GenerateRequest, limits: RequestLimits) -> tupl
 
 
 def _grammar_problem(request: GenerateRequest) -> tuple[str, str] | None:
-    """Its kind and length only: whether llguidance can compile it is known once
-    it compiles, off the engine loop (`worker.engine.grammar`)."""
+    """Its kind, length and the shape that llguidance's limits do not bound:
+    whether llguidance can compile it is known once it compiles, off the engine
+    loop (`worker.engine.grammar`)."""
     invalid = ErrorCode.INVALID_REQUEST
     kind, grammar = request.grammar_kind, request.grammar
     if not kind and not grammar:
@@ -246,6 +248,9 @@ def _grammar_problem(request: GenerateRequest) -> tuple[str, str] | None:
             f"{field}: the grammar is {len(grammar):,} characters; at most "
             f"{MAX_GRAMMAR_CHARS:,}: send a smaller schema"
         )
+    shape_problem = grammar_shape_problem(grammar)
+    if shape_problem is not None:
+        return invalid, f"{field}: {shape_problem}"
     return None
 
 

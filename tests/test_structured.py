@@ -38,6 +38,10 @@ PERSON = {
     "required": ["name", "age", "pets"],
     "additionalProperties": False,
 }
+MANY_PATTERNS = {
+    "type": "object",
+    "patternProperties": {f"^k{i}[a-z]*$": {"type": "string"} for i in range(520)},
+}
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 
 
@@ -305,6 +309,17 @@ def test_the_frontend_checks_grammars_without_torch_or_llguidance_torch() -> Non
         ("structured_outputs", {"regex": "("}, "structured_outputs.regex"),
         ("structured_outputs", {"json": "{"}, "structured_outputs.json"),
         ("structured_outputs", {"regex": "a", "choice": ["b"]}, "structured_outputs"),
+        # Checking 520 patternProperties took the frontend 98 s, then killed workers.
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"schema": MANY_PATTERNS}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            "structured_outputs",
+            {"grammar": f"start: %json {json.dumps(MANY_PATTERNS)}"},
+            "structured_outputs.grammar",
+        ),
     ],
 )
 def test_over_http_a_bad_grammar_names_its_field(

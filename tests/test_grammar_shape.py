@@ -1,0 +1,81 @@
+"""Grammars whose shape llguidance's limits do not bound are refused on both
+sides before anything compiles them: an object's patternProperties, whose
+pairwise disjointness check grows much faster than their number, wherever a
+schema sits in the grammar."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import pytest
+
+from frontend.structured import JSON_OPTIONS
+from protocol import ErrorCode, GenerateRequest, GrammarKind
+from protocol.grammar_shape import grammar_shape_problem
+from protocol.limits import MAX_PATTERN_PROPERTIES
+from protocol.request_checks import RequestLimits, request_problem
+
+LIMITS = RequestLimits(vocab_size=1000, context_window=64, max_token_chars=4)
+
+
+def _patterned(count: int) -> dict[str, Any]:
+    """An object with ``count`` disjoint patternProperties: the costly shape."""
+    patterns = {f"^k{i}[a-z]*$": {"type": "string"} for i in range(count)}
+    return {"type": "object", "patternProperties": patterns}
+
+
+def _as_json_schema(schema: dict[str, Any]) -> str:
+    return str(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), JSON_OPTIONS))
+
+
+def _as_lark(schema: dict[str, Any]) -> str:
+    return f"start: %json {json.dumps(schema)}"
+
+
+@pytest.mark.parametrize("wrap", [_as_json_schema, _as_lark])
+def test_at_most_the_limit_of_patterned_properties_passes(wrap: Any) -> None:
+    assert grammar_shape_problem(wrap(_patterned(MAX_PATTERN_PROPERTIES))) is None
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        _as_json_schema(_patterned(MAX_PATTERN_PROPERTIES + 1)),
+        # nested deep in another schema, under a property named like a keyword
+        _as_json_schema({"properties": {"enum": {"items": [_patterned(520)]}}}),
+        _as_lark(_patterned(520)),
+        # Lark inside llguidance's JSON form, as grammar_from may give it
+        json.dumps({"grammars": [{"lark_grammar": "start: %json  " + json.dumps(_patterned(40))}]}),
+        # the keyword spelled with a JSON escape is the same key once read
+        _as_lark(_patterned(40)).replace("patternProperties", "patternPropertie\\u0073"),
+    ],
+    ids=["json-schema", "nested", "lark", "lark-in-json", "escaped-key"],
+)
+def test_too_many_patterned_properties_are_refused_wherever_the_schema_sits(grammar: str) -> None:
+    problem = grammar_shape_problem(grammar)
+    assert problem is not None
+    assert "patternProperties" in problem and f"at most {MAX_PATTERN_PROPERTIES}" in problem
+
+
+def test_json_nested_past_pythons_recursion_is_refused_not_raised() -> None:
+    deep = "[" * 50_000 + "]" * 50_000
+    assert grammar_shape_problem(f"start: %json {deep}") == "its JSON is nested too deeply"
+    deep_object = '{"a": ' * 50_000 + "1" + "}" * 50_000  # llguidance's JSON form
+    assert grammar_shape_problem(deep_object) == "its JSON is nested too deeply"
+
+
+def test_the_worker_refuses_such_a_grammar_before_queueing_it() -> None:
+    """What reaches the worker's socket straight, past no frontend, is checked too."""
+    request = GenerateRequest(
+        request_id="r",
+        prompt="hi",
+        max_new_tokens=4,
+        grammar_kind=GrammarKind.GRAMMAR,
+        grammar=_as_lark(_patterned(520)),
+    )
+    problem = request_problem(request, LIMITS)
+    assert problem is not None
+    assert problem[0] == ErrorCode.INVALID_REQUEST
+    assert problem[1].startswith("structured_outputs.grammar: an object of its schema has 520")
