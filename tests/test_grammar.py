@@ -148,6 +148,27 @@ def test_a_grammar_sent_again_compiles_once_and_the_kept_ones_are_bounded() -> N
     assert len(engine.grammars._compiled) == MAX_COMPILED
 
 
+def test_an_aborted_requests_compile_that_has_not_started_is_dropped() -> None:
+    """Queued compiles of requests that left would otherwise all run, one after
+    another, while a newcomer's grammar waited behind them."""
+    released = threading.Event()
+    engine = FakeEngine(1)
+    engine.grammars = Grammars(lambda: released.wait(10) and fake_grammar_tokenizer())
+    scheduler = Scheduler(engine, 8)
+    grammars = [llguidance.LLMatcher.grammar_from_regex(f"x{i}") for i in range(3)]
+    for i, grammar in enumerate(grammars):
+        scheduler.submit(constrained(f"r{i}", grammar, "regex"))
+    first = engine.grammars._compiled[grammars[0]]
+    deadline = time.monotonic() + 10
+    while not first.running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    scheduler.abort(["r0", "r1", "r2"])  # r0's compile has started: it waits for the tokenizer
+    assert list(engine.grammars._compiled) == [grammars[0]]
+    released.set()
+    scheduler.submit(constrained("again", grammars[2], "regex"))  # prepared anew
+    assert isinstance(run(scheduler)["again"], GenerateResult)
+
+
 @pytest.mark.parametrize(
     ("kind", "grammar", "named"),
     [

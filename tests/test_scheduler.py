@@ -18,7 +18,7 @@ from protocol import (
 from worker.engine.fake_engine import FakeEngine, expected_text
 from worker.engine.interface import StepOutput
 from worker.engine.sequence import Sequence as Sequence_
-from worker.serve.scheduler import QueueFull, Scheduler
+from worker.serve.scheduler import PREPARED_AHEAD, QueueFull, Scheduler
 
 
 class RecordingEngine(FakeEngine):
@@ -312,6 +312,40 @@ def test_a_slot_freed_while_only_unprepared_requests_wait_is_reported_idle() -> 
     scheduler.run_once()
     assert (engine.num_active(), scheduler.num_queued) == (1, 1)
     assert scheduler.num_busy == 1  # no iteration can refill it yet
+
+
+class CountingEngine(RecordingEngine):
+    """Prepares nothing (every grammar still compiling) and records what it was
+    asked to start and to drop."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.prepared: set[str] = set()
+        self.unprepared: list[str] = []
+
+    def prepare(self, request: GenerateRequest) -> bool:
+        self.prepared.add(request.request_id)
+        return False
+
+    def unprepare(self, request: GenerateRequest) -> None:
+        self.unprepared.append(request.request_id)
+
+
+def test_only_the_head_of_the_queue_is_prepared_and_an_aborted_request_is_dropped() -> None:
+    """A peer that queued 120 distinct grammars made the worker compile and hold
+    all of them (3.7 GB); only the free slots and PREPARED_AHEAD more go ahead."""
+    engine = CountingEngine(2)
+    scheduler = Scheduler(engine, max_queue_depth=1000)
+    window = 2 + PREPARED_AHEAD
+    for i in range(window + 50):
+        scheduler.submit(_request(i))
+    scheduler.run_once()
+    assert scheduler.can_run() is False
+    assert engine.prepared == {f"r{i}" for i in range(window)}
+    scheduler.abort(["r0", f"r{window + 1}"])
+    assert engine.unprepared == ["r0", f"r{window + 1}"]
+    scheduler.run_once()  # the head moved on by one
+    assert engine.prepared == {f"r{i}" for i in range(window + 1)}
 
 
 def test_abort_answers_queued_and_running_requests_and_frees_the_slot() -> None:

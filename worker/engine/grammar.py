@@ -186,6 +186,13 @@ class Grammars:
         whether it is done (a grammar that failed is done too)."""
         return self._compiling(grammar).done()
 
+    def cancel(self, grammar: str) -> None:
+        """Drop ``grammar``'s compile if it has not started (a request that would
+        still use it prepares it again)."""
+        future = self._compiled.get(grammar)
+        if future is not None and future.cancel():
+            del self._compiled[grammar]
+
     def matcher(self, request: GenerateRequest) -> GrammarMatcher:
         """A fresh matcher for the request's grammar, which is compiled here if it
         was not prepared. Raises RequestRejected, naming the request field, for a

@@ -99,6 +99,12 @@ class InferenceEngine(ABC):
         preparation failed is done: `admit` rejects it."""
         return True
 
+    def unprepare(self, request: GenerateRequest) -> None:
+        """Drop what `prepare` started for ``request``, which left the queue without
+        being admitted (aborted), unless it already runs: a peer that queues
+        costly grammars and aborts them leaves no backlog of compiles."""
+        return None  # nothing was started
+
     @abstractmethod
     def admit(self, requests: Sequence[GenerateRequest]) -> list[str]:
         """Prefill ``requests`` into free slots and return their request ids.

@@ -145,6 +145,10 @@ class SlotEngine(InferenceEngine):
             return True
         return self.grammars.prepare(request.grammar)
 
+    def unprepare(self, request: GenerateRequest) -> None:
+        if request.grammar and self.grammars is not None:
+            self.grammars.cancel(request.grammar)
+
     def admit(self, requests: Seq[GenerateRequest]) -> list[str]:
         free = [i for i, seq in enumerate(self._slots) if seq is None]
         if len(requests) > len(free):

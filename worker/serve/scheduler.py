@@ -5,7 +5,9 @@ returns. One call of `run_once` is one iteration: admit from the FCFS queue into
 every free slot, advance every active sequence one token, and report each
 finished sequence at once, so its slot is refilled before the next step. A
 queued request that the engine is still preparing (compiling its grammar, off
-this thread) waits in its place while those behind it may go first. A request
+this thread) waits in its place while those behind it may go first; only the
+first `PREPARED_AHEAD` past the free slots are prepared at once, so that a
+queue of costly grammars holds a bounded number compiled. A request
 that waits past an iteration is reported `Waiting`, and `Admitted` when a slot
 takes it, before its prefill runs: the frontend knows what a worker that dies was
 doing with it.
@@ -16,7 +18,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import islice
 
 from protocol import (
     Admitted,
@@ -30,6 +33,12 @@ from protocol import (
 from worker.engine.interface import FinishedSequence, InferenceEngine, RequestRejected, StepOutput
 
 log = logging.getLogger(__name__)
+
+# Queued requests past the free slots whose preparation (a grammar's compile,
+# up to ~35 MB each) may run before a slot is near: a peer that queues a
+# thousand distinct grammars made the worker hold every one compiled, 3.7 GB for
+# 120 of them.
+PREPARED_AHEAD = 16
 
 
 class QueueFull(Exception):
@@ -80,7 +89,7 @@ class Scheduler:
         """Whether `run_once` would do anything now: a sequence is active, or a
         queued request is prepared. When not, the caller may wait for input."""
         return self.engine.num_active() > 0 or any(
-            self.engine.prepare(request) for request, _ in self._queue.values()
+            self.engine.prepare(request) for request in self._next_in_line()
         )
 
     def held_request_ids(self) -> list[str]:
@@ -105,7 +114,8 @@ class Scheduler:
             )
         self._queue[request.request_id] = (request, self._clock() if arrival is None else arrival)
         self._newly_queued.append(request.request_id)
-        self.engine.prepare(request)  # starts now, while it waits for a slot
+        if len(self._queue) <= self.engine.capacity + PREPARED_AHEAD:
+            self.engine.prepare(request)  # starts now, while it waits for a slot
 
     def abort(self, request_ids: list[str]) -> list[ToFrontend]:
         """Drop queued requests and free the slots of running ones. Each known id is
@@ -115,6 +125,7 @@ class Scheduler:
             queued = self._queue.pop(request_id, None)
             self._reported_waiting.discard(request_id)
             if queued is not None:
+                self.engine.unprepare(queued[0])
                 waited_ms = (self._clock() - queued[1]) * 1000
                 outputs.append(GenerateResult(request_id, "", [], "abort", 0, 0, waited_ms, 0.0))
         running = [r for r in request_ids if r in self._admitted_at]
@@ -135,11 +146,11 @@ class Scheduler:
             return outputs
         num_free = self.engine.capacity - self.engine.num_active()
         prepared: list[str] = []
-        for request_id, (request, _) in self._queue.items():
+        for request in self._next_in_line():
             if len(prepared) == num_free:
                 break
             if self.engine.prepare(request):
-                prepared.append(request_id)
+                prepared.append(request.request_id)
         newcomers = [self._queue.pop(request_id) for request_id in prepared]
         notices = self._queue_notices(prepared)
         if send is not None and notices:
@@ -174,8 +185,14 @@ class Scheduler:
     def _count_busy_unless_refilled(self) -> None:
         """Slots freed with no request ready to refill them (none waits, or those
         that wait are still being prepared) are idle now."""
-        if not any(self.engine.prepare(request) for request, _ in self._queue.values()):
+        if not any(self.engine.prepare(request) for request in self._next_in_line()):
             self.num_busy = self.engine.num_active()
+
+    def _next_in_line(self) -> Iterator[GenerateRequest]:
+        """The queued requests that may be prepared now: those the slots could take
+        and `PREPARED_AHEAD` more, first come first."""
+        window = self.engine.capacity + PREPARED_AHEAD
+        return (request for request, _ in islice(self._queue.values(), window))
 
     def _count_finished(self, outputs: list[ToFrontend]) -> None:
         self.num_finished += sum(isinstance(o, (GenerateResult, ErrorResult)) for o in outputs)
