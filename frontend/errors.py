@@ -52,6 +52,7 @@ _TYPE_BY_STATUS = {
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
+    431: "invalid_request_error",
     500: "server_error",
     503: "overloaded_error",
     504: "timeout_error",

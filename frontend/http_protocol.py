@@ -14,6 +14,11 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   limit, its connection held. Once writing has waited BODY_TIMEOUT_S without
   the client taking a byte (what waits to be written has not shrunk), the
   connection is dropped; a client that reads slowly is not.
+- **Head size** (h11's ``max_incomplete_event_size``, 16 KiB). h11 holds to it
+  only a head that is still incomplete after a read, so one that came whole in a
+  single read passed at any size (a 120 KB head of 20,000 fields was served).
+  Every head is measured here, and a larger one gets 431, as h11's own refusal
+  of a head in pieces now does too (uvicorn answered it 400 "not valid HTTP").
 - **Chunks** (MAX_BODY_CHUNKS). h11 parses each chunk of a chunked body as an
   event of its own, ~13 us of the event loop each (Zen 4 EPYC): a 1 MB body
   sent a byte a chunk held every other request and probe for 13 s. A body of
@@ -39,6 +44,12 @@ from frontend.auth import OPEN_PATHS
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError, error_body
 
+_HEAD_TOO_LARGE = ApiError(
+    431,
+    "the request head (its request line and header fields) is larger than this server "
+    "takes; send fewer or shorter header fields",
+    "head_too_large",
+)
 _INVALID_HTTP = ApiError(
     400,
     "the request is not valid HTTP/1.1 (its request line, a header or its Content-Length "
@@ -46,6 +57,8 @@ _INVALID_HTTP = ApiError(
     "invalid_http",
 )
 
+
+_REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
 
 # How long a connection answered 400 stays open to let its client read the answer.
 DRAIN_S = 1.0
@@ -62,16 +75,31 @@ _TOO_MANY_CHUNKS = ApiError(
 )
 
 
-class ChunkCountingConnection(h11.Connection):
-    """h11's server side, refusing a request body of more than MAX_BODY_CHUNKS
-    chunks (as a protocol error, which the protocol answers with a 400)."""
+class EdgeConnection(h11.Connection):
+    """h11's server side, refusing a request head larger than its
+    ``max_incomplete_event_size`` however it arrived (431), and a request body of
+    more than MAX_BODY_CHUNKS chunks (400), as protocol errors."""
 
     num_chunks = 0  # of the request being received
+    is_head_too_large = False
+
+    def __init__(
+        self, our_role: type[h11.SERVER], max_incomplete_event_size: int = 16 * 1024
+    ) -> None:
+        super().__init__(our_role, max_incomplete_event_size=max_incomplete_event_size)
+        self.max_head_bytes = max_incomplete_event_size
 
     def next_event(self) -> type[h11.NEED_DATA] | type[h11.PAUSED] | h11.Event:
-        event = super().next_event()
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.is_head_too_large = exc.error_status_hint == 431  # a head in pieces
+            raise
         if isinstance(event, h11.Request):
             self.num_chunks = 0
+            if _head_bytes(event) > self.max_head_bytes:
+                self.is_head_too_large = True
+                raise h11.RemoteProtocolError(_HEAD_TOO_LARGE.message, error_status_hint=431)
         # chunk_end: a chunk whose size line ends one read starts the next without
         # chunk_start, but every chunk ends once.
         elif isinstance(event, h11.Data) and event.chunk_end:
@@ -79,6 +107,13 @@ class ChunkCountingConnection(h11.Connection):
             if self.num_chunks > MAX_BODY_CHUNKS:
                 raise h11.RemoteProtocolError(_TOO_MANY_CHUNKS.message, error_status_hint=400)
         return event
+
+
+def _head_bytes(request: h11.Request) -> int:
+    """The size of ``request``'s head as sent, give or take its whitespace."""
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    fields = sum(len(name) + len(value) + 4 for name, value in request.headers.raw_items())
+    return line + fields + 2
 
 
 def edge_protocol(config: FrontendConfig) -> type[EdgeProtocol]:
@@ -101,13 +136,13 @@ class EdgeProtocol(H11Protocol):
     is_draining = False  # answered 400: what the client still sends is dropped
     num_drained = 0  # bytes dropped so far
     drain_bytes: ClassVar[int]
-    conn: ChunkCountingConnection  # uvicorn's h11 connection, made to count chunks
+    conn: EdgeConnection  # uvicorn's h11 connection, with the limits above
 
     def __init__(self, config: Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         max_event = config.h11_max_incomplete_event_size  # None: h11's default
         sizes = {} if max_event is None else {"max_incomplete_event_size": max_event}
-        self.conn = ChunkCountingConnection(h11.SERVER, **sizes)
+        self.conn = EdgeConnection(h11.SERVER, **sizes)
 
     @property
     def limit_concurrency(self) -> int | None:
@@ -154,20 +189,25 @@ class EdgeProtocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to what h11 cannot parse, as JSON in the shape of every
-        other error rather than its plain text; the connection closes after it
-        (`_close_after_drain`)."""
+        other error rather than its plain text, and 431 for a head too large; the
+        connection closes after it (`_close_after_drain`)."""
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # answered already
             self.transport.close()
             return
-        too_many = self.conn.num_chunks > MAX_BODY_CHUNKS
-        body = json.dumps(error_body(_TOO_MANY_CHUNKS if too_many else _INVALID_HTTP)).encode()
+        if self.conn.num_chunks > MAX_BODY_CHUNKS:
+            error = _TOO_MANY_CHUNKS
+        elif self.conn.is_head_too_large:
+            error = _HEAD_TOO_LARGE
+        else:
+            error = _INVALID_HTTP
+        body = json.dumps(error_body(error)).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
         ]
         for event in (
-            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Response(status_code=error.status, headers=headers, reason=_REASONS[error.status]),
             h11.Data(data=body),
             h11.EndOfMessage(),
         ):

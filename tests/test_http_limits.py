@@ -19,7 +19,7 @@ import h11
 import httpx
 import pytest
 
-from frontend.http_protocol import MAX_BODY_CHUNKS, ChunkCountingConnection
+from frontend.http_protocol import MAX_BODY_CHUNKS, EdgeConnection
 from tests.stack import Stack, running_stack
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # room for 200,000 short keys, which is ~2 MB
@@ -200,7 +200,7 @@ def test_a_body_of_too_many_chunks_is_refused(stack: Stack) -> None:
 def test_every_chunk_counts_however_the_reads_cut_the_body() -> None:
     """A chunk whose size line ends a read comes back without chunk_start: a body
     sent a segment a chunk passed uncounted."""
-    conn = ChunkCountingConnection(h11.SERVER)
+    conn = EdgeConnection(h11.SERVER)
     conn.receive_data(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
     assert isinstance(conn.next_event(), h11.Request)
     for _ in range(MAX_BODY_CHUNKS):
@@ -211,6 +211,37 @@ def test_every_chunk_counts_however_the_reads_cut_the_body() -> None:
     conn.receive_data(b"1\r\nx\r\n")
     with pytest.raises(h11.RemoteProtocolError, match="more than 4096 chunks"):
         conn.next_event()
+
+
+@pytest.mark.parametrize("in_pieces", [False, True], ids=["one-read", "in-pieces"])
+def test_a_request_head_past_16_kib_gets_431_however_it_arrives(
+    stack: Stack, in_pieces: bool
+) -> None:
+    """Whole in one read, a 120 KB head was served; in pieces, it got a 400
+    that called it malformed."""
+    fields = [f"X-Field-{i}: {'v' * 20}" for i in range(1000)]  # ~30 KB
+    request = head("/generate", f"Content-Type: {JSON}", "Content-Length: 2", *fields) + b"{}"
+    with connect(stack) as sock:
+        if in_pieces:
+            for start in range(0, len(request), 10_000):
+                sock.sendall(request[start : start + 10_000])
+                time.sleep(0.05)
+        else:
+            sock.sendall(request)
+        status, _, body = read_response(sock)
+    assert status == 431, body
+    assert json.loads(body)["error"]["code"] == "head_too_large"
+
+
+def test_a_head_just_under_16_kib_is_served(stack: Stack) -> None:
+    fields = [f"X-Field-{i}: {'v' * 20}" for i in range(400)]  # ~12 KB
+    request = head(
+        "/generate", f"Content-Type: {JSON}", "Connection: close", "Content-Length: 2", *fields
+    )
+    with connect(stack) as sock:
+        sock.sendall(request + b"{}")
+        status, _, body = read_response(sock)
+    assert status == 422, body  # read and judged: "{}" has no prompt
 
 
 def test_a_client_still_sending_a_refused_body_reads_its_400(stack: Stack) -> None:
