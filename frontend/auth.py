@@ -31,7 +31,7 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        problem = self._problem(Headers(scope=scope).get("authorization"))
+        problem = self._problem(Headers(scope=scope).getlist("authorization"))
         if problem is None:
             await self.app(scope, receive, send)
             return
@@ -44,11 +44,14 @@ class ApiKeyMiddleware:
         )
         await refuse(error, scope, receive, send)
 
-    def _problem(self, authorization: str | None) -> str | None:
+    def _problem(self, fields: list[str]) -> str | None:
         """What is wrong with the credentials, or None when they are right."""
-        if authorization is None:
+        if not fields:
             return "this server needs an API key"
-        scheme, _, token = authorization.partition(" ")
+        # Two fields could be read apart by a proxy in front that checks the other.
+        if len(fields) > 1:
+            return f"send one Authorization header, not {len(fields)}"
+        scheme, _, token = fields[0].partition(" ")
         if scheme.lower() != "bearer":
             return f"the Authorization header must use the Bearer scheme, not {scheme[:20]!r}"
         # Header values are latin-1 on the wire; compare bytes so that any value works.

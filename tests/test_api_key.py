@@ -23,7 +23,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield stack
 
 
-def generate(stack: Stack, headers: dict[str, str]) -> httpx.Response:
+def generate(stack: Stack, headers: dict[str, str] | list[tuple[str, str]]) -> httpx.Response:
     body = {"prompt": "key", "max_new_tokens": 3}
     return httpx.post(f"{stack.url}/generate", json=body, headers=headers, timeout=10)
 
@@ -41,10 +41,19 @@ def test_the_right_key_is_served(stack: Stack) -> None:
         ({"Authorization": f"Bearer {KEY}x"}, "the API key is not valid"),
         ({"Authorization": f"Bearer {KEY[:-1]}"}, "the API key is not valid"),
         ({"Authorization": f"Basic {KEY}"}, "the Authorization header must use the Bearer scheme"),
+        # The first field was read: right then wrong was served, wrong then right not.
+        (
+            [("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer x")],
+            "send one Authorization header, not 2",
+        ),
+        (
+            [("Authorization", "Bearer x"), ("Authorization", f"Bearer {KEY}")],
+            "send one Authorization header, not 2",
+        ),
     ],
 )
 def test_a_missing_or_wrong_key_gets_401_saying_what_to_send(
-    stack: Stack, headers: dict[str, str], message: str
+    stack: Stack, headers: dict[str, str] | list[tuple[str, str]], message: str
 ) -> None:
     response = generate(stack, headers)
     assert response.status_code == 401
