@@ -4,6 +4,7 @@ hello, and gives up on a crash loop instead of retrying forever."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -234,6 +235,49 @@ def test_a_stopped_worker_whose_socket_took_the_connection_is_killed_soon(
         assert "no hello since (HEARTBEAT_TIMEOUT_S=0.3)" in worker.kill_reason
     else:
         assert worker.kill_reason is None
+
+
+def _bind_when_free(socket: zmq.Socket[bytes], endpoint: str) -> None:
+    """ZMQ lets go of a closed socket's port on its own thread, a moment later."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            socket.bind(endpoint)
+            return
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_restarted_worker_is_pinged_as_it_binds_and_its_hello_counts_after_its_death(
+    clock: _Clock,
+) -> None:
+    """Killed within PING_INTERVAL_S of binding, a worker that had said hello to its
+    frontends had not been asked here: five such kills in a row ended the stack
+    as a crash loop."""
+    with _watching_a_stand_in() as (supervisor, worker, watch, first_socket):
+        port = int(watch.endpoint.rsplit(":", 1)[1])
+        watch.client = dataclasses.replace(watch.client, ping_interval_s=30.0)
+        while not first_socket.poll(100):
+            watch.poll(0.01)  # the first ping
+        first_socket.close(linger=0)  # the worker dies
+        watch.forget_worker()
+        with zmq.Context() as context, context.socket(zmq.ROUTER) as replacement:
+            replacement.setsockopt(zmq.LINGER, 0)
+            _bind_when_free(replacement, f"tcp://127.0.0.1:{port}")  # its replacement binds
+            worker.start()
+            deadline = time.monotonic() + 5  # well within PING_INTERVAL_S (30 s)
+            while not replacement.poll(10) and time.monotonic() < deadline:
+                watch.poll(0.01)
+            assert replacement.poll(0), "no ping as the replacement bound"
+            peer, _ = replacement.recv_multipart()
+            replacement.send_multipart([peer, encode(Hello("w", "fake", False, 1, 1024, 16, 1))])
+            time.sleep(0.2)  # the hello is on its way; the worker is killed before it is read
+            assert isinstance(worker.process, _FakeProcess)
+            worker.process.returncode = -signal.SIGKILL
+            supervisor._tend(worker, [worker], watch)
+    assert worker.num_failed_starts == 0 and worker.restart_delay_s() == 0
 
 
 def test_a_stopped_process_is_told_from_a_running_one() -> None:

@@ -110,6 +110,11 @@ class WorkerWatch:
             event = parse_monitor_message(self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected_at = self.connected_at or time.monotonic()
+                # A worker binds once it is ready: ping it now, as a frontend does,
+                # not up to PING_INTERVAL_S later. A worker killed in between had
+                # said hello to its frontends but not here, and counted as a
+                # failed start: five such kills in a row ended the stack.
+                self._next_ping = 0.0
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected_at = None
         if time.monotonic() >= self._next_ping:
@@ -221,6 +226,9 @@ class Supervisor:
         cause = child.exit_cause()
         if cause is not None:
             if watch is not None:
+                watch.poll(0)  # a hello it sent before it died: it had come up
+                if watch.liveness.hello is not None:
+                    child.on_up()
                 watch.forget_worker()
             others_serve = any(other.serves for other in kind if other is not child)
             child.schedule_restart(cause, others_serve)
