@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -278,6 +279,34 @@ def test_a_restarted_worker_is_pinged_as_it_binds_and_its_hello_counts_after_its
             worker.process.returncode = -signal.SIGKILL
             supervisor._tend(worker, [worker], watch)
     assert worker.num_failed_starts == 0 and worker.restart_delay_s() == 0
+
+
+def test_children_are_stopped_together_not_one_after_another(tmp_path: Path) -> None:
+    """Each frontend stopped in turn waited for the one before: three took 17 s, and
+    the last served new requests meanwhile. Each child here takes 1 s to stop."""
+    code = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    open(sys.argv[1] + '.term', 'w').write(repr(time.time()))\n"
+        "    time.sleep(1)\n"
+        "    open(sys.argv[1] + '.exit', 'w').write(repr(time.time()))\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "open(sys.argv[1] + '.up', 'w').close()\n"
+        "time.sleep(60)\n"
+    )
+    children = []
+    for i in range(3):
+        child = Child(f"frontend-{i}", "frontend.main", SupervisorConfig(), served_after_s=1.0)
+        child.process = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / str(i))])
+        children.append(child)
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"{i}.up").exists() for i in range(3)):
+        assert time.monotonic() < deadline, "the children did not start"
+        time.sleep(0.05)
+    child_module.stop_together(children)
+    first_exit = float((tmp_path / "0.exit").read_text())
+    assert all(float((tmp_path / f"{i}.term").read_text()) < first_exit for i in range(3))
 
 
 def test_a_stopped_process_is_told_from_a_running_one() -> None:

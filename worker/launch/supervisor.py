@@ -41,7 +41,7 @@ from protocol.lifeline import name_supervisor
 from protocol.liveness import Liveness, PauseWatch, WorkerState
 from protocol.peer import ping, worker_socket
 from protocol.settings import MAX_IPC_PATH_BYTES, MAX_PORT, ConfigError, exit_refusing, load
-from worker.launch.child import Child, CrashLoop
+from worker.launch.child import Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER
 from worker.serve.config import WorkerConfig
@@ -197,10 +197,9 @@ class Supervisor:
                     self._judge(child, watch)
         finally:
             FORK_SERVER.shut_down()
-            for child in self.frontends:
-                child.stop()
-            for child, watch in self.workers:
-                child.stop()
+            stop_together(self.frontends)
+            stop_together([child for child, _ in self.workers])
+            for _, watch in self.workers:
                 watch.close()
             # A stopped one would outlive this process, holding what it holds.
             FORK_SERVER.replace_if_stopped()
