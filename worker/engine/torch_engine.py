@@ -25,6 +25,7 @@ from worker.engine.slot_engine import SlotEngine
 from worker.model.decode_step import SHORTEST_GRAPH_LENGTH, Buckets, DecodeStep, cuda_graph_capture
 from worker.model.gpt2 import GPT2
 from worker.model.host_copy import to_device
+from worker.model.kernels import chosen_isa
 from worker.model.kv_cache import SlotKVCache
 from worker.model.loader import LoadedModel, load_model
 from worker.model.penalties import apply_penalties, suppress_early_stops
@@ -46,6 +47,8 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     (ModelLoadError) when the model or device cannot be used."""
     torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
     device = resolve_device(config.device)
+    if device.type == "cpu":
+        chosen_isa()  # a KERNEL_ISA this CPU cannot run is refused now, not after loading
     precision = Precision.for_device(device, config.dtype, config.weights, config.bfloat16_products)
     if config.prefix_cache and not config.prefill_chunk_tokens:
         logger.warning(

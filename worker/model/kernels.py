@@ -155,11 +155,14 @@ def runnable_isas() -> list[str]:
 def chosen_isa() -> str:
     """KERNEL_ISA if set (and runnable here), else the best ISA this CPU runs."""
     runnable = runnable_isas()
-    asked = os.environ.get("KERNEL_ISA", "")
+    asked = os.environ.get("KERNEL_ISA", "").strip().lower()  # AVX2, as oneDNN spells it
     if not asked:
         return runnable[0]
     if asked not in ISAS:
-        raise KernelIsaError(f"KERNEL_ISA={asked} is not one of {', '.join(ISAS)}: unset it")
+        raise KernelIsaError(
+            f"KERNEL_ISA={asked} is not one of {', '.join(ISAS)}: set one of those this CPU "
+            f"runs ({', '.join(runnable)}), or unset it for the best of them"
+        )
     if asked not in runnable:
         missing = sorted(ISAS[asked][1] - cpu_flags())
         raise KernelIsaError(
