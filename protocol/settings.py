@@ -172,15 +172,19 @@ def load(
 
 
 _BOOLEANS = {"1": True, "true": True, "yes": True, "on": True}
-_BOOLEANS.update({"0": False, "false": False, "no": False, "off": False, "": False})
+_BOOLEANS.update({"0": False, "false": False, "no": False, "off": False})
 
 
 def _parse(env: str, raw: str, kind: Any) -> Any:
     if kind is str:
         return raw
     if kind is bool:
+        # Empty is refused, as for numbers: a .env line `PREFIX_CACHE=` read as
+        # off turned off, without a word, what is on by default.
         if raw.strip().lower() not in _BOOLEANS:
-            raise ConfigError(f"{env} must be 1 or 0 (true or false), got {raw!r}")
+            raise ConfigError(
+                f"{env} must be 1 or 0 (true or false), got {raw!r}; unset it for the default"
+            )
         return _BOOLEANS[raw.strip().lower()]
     try:
         value = kind(raw)

@@ -60,6 +60,9 @@ def test_environment_sets_values_and_flags_override_them() -> None:
         ({"TORCH_THREADS": "-1"}, "TORCH_THREADS must be 0 .every core. to"),
         ({"HEARTBEAT_INTERVAL_S": "0"}, "HEARTBEAT_INTERVAL_S must be at least 0.01 s"),
         ({"TORCH_THREADS": "40000"}, "TORCH_THREADS must be 0 .every core. to"),
+        # Empty read as off turned off, without a word, what is on by default.
+        ({"PREFIX_CACHE": ""}, "PREFIX_CACHE must be 1 or 0 .* got ''; unset it for the default"),
+        ({"PREFIX_CACHE": "maybe"}, "PREFIX_CACHE must be 1 or 0"),
     ],
 )
 def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str) -> None:
