@@ -26,7 +26,13 @@ from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
 from worker.launch import child as child_module
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
-from worker.launch.supervisor import Supervisor, WorkerWatch, _worker_env, check_ports_apart
+from worker.launch.supervisor import (
+    Supervisor,
+    WorkerWatch,
+    _worker_env,
+    check_no_worker_endpoints,
+    check_ports_apart,
+)
 from worker.serve.config import WorkerConfig
 
 SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it
@@ -159,6 +165,14 @@ def test_frontend_and_worker_ports_that_overlap_are_refused_naming_both(
     with pytest.raises(ConfigError, match=f"share port {shared_port}") as caught:
         check_ports_apart(config, environ)
     assert "PORT=" in str(caught.value) and "WORKER_" in str(caught.value)
+
+
+def test_worker_endpoints_are_refused_where_the_supervisor_places_the_workers() -> None:
+    """Listed by --help, and overridden without a word."""
+    config = load(SupervisorConfig, [], {"WORKER_ENDPOINTS": "tcp://127.0.0.1:18641"})
+    with pytest.raises(ConfigError, match="WORKER_ENDPOINTS is for a frontend run alone"):
+        check_no_worker_endpoints(config)
+    check_no_worker_endpoints(load(SupervisorConfig, [], {}))
 
 
 def test_hosts_are_looked_up_only_for_ports_in_common(monkeypatch: pytest.MonkeyPatch) -> None:

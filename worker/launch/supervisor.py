@@ -400,6 +400,17 @@ def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) ->
         raise ConfigError("; ".join(problems))
 
 
+def check_no_worker_endpoints(config: SupervisorConfig) -> None:
+    """WORKER_ENDPOINTS, which --help lists among a frontend's settings, was
+    silently overridden: refused, saying where the workers are."""
+    if config.worker_endpoints.strip():
+        raise ConfigError(
+            "WORKER_ENDPOINTS is for a frontend run alone (minibatch-frontend): "
+            "minibatch-serve tells its frontends the endpoints of the workers it starts, "
+            "on WORKER_ENDPOINT and the ports after it (NUM_WORKERS); unset it"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s supervisor %(levelname)s: %(message)s"
@@ -409,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = load(SupervisorConfig, argv, description=__doc__.splitlines()[0])
         check_worker_timing(config, os.environ)
         check_ports_apart(config, os.environ)
+        check_no_worker_endpoints(config)
         supervisor = Supervisor(config)
     except ConfigError as exc:
         exit_refusing("supervisor", exc)
