@@ -7,6 +7,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,8 @@ def test_a_worker_without_built_kernels_serves_without_them_and_never_compiles(
     monkeypatch.setattr(subprocess, "run", lambda *_, **__: pytest.fail("compiled"))
     with caplog.at_level(logging.WARNING):
         assert load_kernels("baseline") is None
-    assert "python -m worker.model.kernels" in caplog.text
+    assert f"{sys.executable} -m worker.model.kernels" in caplog.text  # this worker's Python
+    assert "CXX=" in caplog.text  # each compiler builds into a directory of its own
     kernels_module._load.cache_clear()  # the next test loads the real build again
 
 

@@ -283,9 +283,13 @@ def _load(isa: str) -> Kernels | None:
     if not path.exists():
         logger.warning(
             "no decode kernels are built for %s at %s, so decode runs on oneDNN and SDPA, "
-            "slower; build them once with `python -m worker.model.kernels` (make install does)",
+            "slower; build them once with `%s -m worker.model.kernels` (make install does, "
+            "on its first run), with the compiler this worker names (CXX=%s: each compiler "
+            "builds into a directory of its own)",
             isa,
             path.parent,
+            sys.executable,
+            _compiler(),
         )
         return None
     torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
