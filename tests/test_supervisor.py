@@ -32,6 +32,7 @@ from worker.launch.supervisor import (
     _worker_env,
     check_no_worker_endpoints,
     check_ports_apart,
+    check_worker_ports_free,
 )
 from worker.serve.config import WorkerConfig
 
@@ -165,6 +166,40 @@ def test_frontend_and_worker_ports_that_overlap_are_refused_naming_both(
     with pytest.raises(ConfigError, match=f"share port {shared_port}") as caught:
         check_ports_apart(config, environ)
     assert "PORT=" in str(caught.value) and "WORKER_" in str(caught.value)
+
+
+@contextlib.contextmanager
+def _listening_on_one_of_two_free_ports(taken: int) -> Iterator[int]:
+    """The first of two neighbouring free ports, with a listener on the one at
+    ``taken`` (0 or 1) past it."""
+    for _ in range(20):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            listener, other = (second, first) if taken else (first, second)
+            listener.listen()
+            other.close()  # free again: only the listener holds its port
+            yield port
+            return
+    raise AssertionError("no two neighbouring free ports")
+
+
+@pytest.mark.parametrize("taken", [0, 1])
+def test_a_worker_port_another_program_listens_on_is_refused_before_anything_starts(
+    taken: int,
+) -> None:
+    """The frontends served through another stack's worker there until this
+    stack's own worker failed to bind."""
+    with _listening_on_one_of_two_free_ports(taken) as port:
+        endpoint = f"tcp://127.0.0.1:{port}"
+        config = load(SupervisorConfig, [], {"WORKER_ENDPOINT": endpoint, "NUM_WORKERS": "2"})
+        with pytest.raises(ConfigError, match=f"port {port + taken} of the workers'"):
+            check_worker_ports_free(config, {})
+    check_worker_ports_free(config, {})  # closed: free again
 
 
 def test_worker_endpoints_are_refused_where_the_supervisor_places_the_workers() -> None:

@@ -22,6 +22,7 @@ comes from the environment, which both children inherit.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import logging
 import os
@@ -346,6 +347,43 @@ def check_ports_apart(config: SupervisorConfig, environ: Mapping[str, str]) -> N
         )
 
 
+def check_worker_ports_free(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
+    """Refuse worker ports another program listens on before anything starts: the
+    frontends, which start at once, served through another stack's worker there
+    for the 8 s until this stack's own worker failed to bind."""
+    bind = environ.get("WORKER_BIND", "") if config.num_workers == 1 else ""
+    name, endpoint = ("WORKER_BIND", bind) if bind else ("WORKER_ENDPOINT", config.worker_endpoint)
+    first = urlsplit(endpoint)
+    if first.scheme != "tcp" or first.port is None:
+        return
+    host = "0.0.0.0" if first.hostname in (None, "", "*") else first.hostname
+    for port in range(first.port, first.port + config.num_workers):
+        if _is_listened_on(host, port):
+            raise ConfigError(
+                f"port {port} of the workers' ({name}={endpoint}, NUM_WORKERS="
+                f"{config.num_workers}) is taken by another program, perhaps another "
+                f"stack's worker: set {name} to a free address"
+            )
+
+
+def _is_listened_on(host: str, port: int) -> bool:
+    """Whether binding ``host``:``port`` fails for a listener already there (a
+    host that is not this machine's is left for the worker's own bind)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return False
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
 def _same_address(worker_host: str, http_host: str) -> bool:
     """Whether listeners on these hosts could want one socket: an address in
     common, or a wildcard of the other's family. Each is read as binding reads it
@@ -421,6 +459,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_worker_timing(config, os.environ)
         check_ports_apart(config, os.environ)
         check_no_worker_endpoints(config)
+        check_worker_ports_free(config, os.environ)
         supervisor = Supervisor(config)
     except ConfigError as exc:
         exit_refusing("supervisor", exc)
