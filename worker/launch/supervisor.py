@@ -321,15 +321,20 @@ def worker_endpoints(first: str, num_workers: int) -> list[str]:
     return [f"tcp://{host}:{parts.port + i}" for i in range(num_workers)]
 
 
+def _workers_bind(config: SupervisorConfig, environ: Mapping[str, str]) -> tuple[str, str]:
+    """The setting and endpoint the first worker binds: several workers each bind
+    their own endpoint; a lone one, WORKER_BIND if set."""
+    bind = environ.get("WORKER_BIND", "") if config.num_workers == 1 else ""
+    return ("WORKER_BIND", bind) if bind else ("WORKER_ENDPOINT", config.worker_endpoint)
+
+
 def check_ports_apart(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
     """Refuse frontend ports (PORT and the next NUM_FRONTENDS - 1) that overlap the
     workers' (WORKER_ENDPOINT's, or a lone worker's WORKER_BIND, and the next
     NUM_WORKERS - 1) on one address: whichever binds second fails, and the first,
     taken for the other kind, made the frontends give CURVE advice and a worker
     blame "another program". Hosts are looked up only for ports in common."""
-    # Several workers each bind their own endpoint; a lone one, WORKER_BIND if set.
-    bind = environ.get("WORKER_BIND", "") if config.num_workers == 1 else ""
-    name, endpoint = ("WORKER_BIND", bind) if bind else ("WORKER_ENDPOINT", config.worker_endpoint)
+    name, endpoint = _workers_bind(config, environ)
     first = urlsplit(endpoint)
     if first.scheme != "tcp" or first.port is None:
         return
@@ -351,8 +356,7 @@ def check_worker_ports_free(config: SupervisorConfig, environ: Mapping[str, str]
     """Refuse worker ports another program listens on before anything starts: the
     frontends, which start at once, served through another stack's worker there
     for the 8 s until this stack's own worker failed to bind."""
-    bind = environ.get("WORKER_BIND", "") if config.num_workers == 1 else ""
-    name, endpoint = ("WORKER_BIND", bind) if bind else ("WORKER_ENDPOINT", config.worker_endpoint)
+    name, endpoint = _workers_bind(config, environ)
     first = urlsplit(endpoint)
     if first.scheme != "tcp" or first.port is None:
         return

@@ -114,7 +114,7 @@ class Scheduler:
             )
         self._queue[request.request_id] = (request, self._clock() if arrival is None else arrival)
         self._newly_queued.append(request.request_id)
-        if len(self._queue) <= self.engine.capacity + PREPARED_AHEAD:
+        if len(self._queue) <= self._prepare_window:
             self.engine.prepare(request)  # starts now, while it waits for a slot
 
     def abort(self, request_ids: list[str]) -> list[ToFrontend]:
@@ -191,8 +191,11 @@ class Scheduler:
     def _next_in_line(self) -> Iterator[GenerateRequest]:
         """The queued requests that may be prepared now: those the slots could take
         and `PREPARED_AHEAD` more, first come first."""
-        window = self.engine.capacity + PREPARED_AHEAD
-        return (request for request, _ in islice(self._queue.values(), window))
+        return (request for request, _ in islice(self._queue.values(), self._prepare_window))
+
+    @property
+    def _prepare_window(self) -> int:
+        return self.engine.capacity + PREPARED_AHEAD
 
     def _count_finished(self, outputs: list[ToFrontend]) -> None:
         self.num_finished += sum(isinstance(o, (GenerateResult, ErrorResult)) for o in outputs)
