@@ -68,6 +68,9 @@ def create_app(config: FrontendConfig) -> Starlette:
         middleware=_middleware(config),
         lifespan=lifespan,
     )
+    # Starlette would answer "/generate/" with a redirect built from the client's
+    # Host header; a 404 that names the route meant says the same without echoing it.
+    app.router.redirect_slashes = False
     app.state.config = config
     app.state.client = client
     app.state.large_body_turn = asyncio.Lock()  # see frontend.schemas.LARGE_BODY_BYTES
@@ -135,11 +138,20 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     """Unknown paths and wrong methods, in the same error shape as everything else,
     and counted as every refusal is."""
     assert isinstance(exc, HTTPException)
-    message = f"{request.method} {request.url.path}: {exc.detail}; see GET /openapi.json"
+    path = request.url.path
+    message = f"{request.method} {path}: {exc.detail}; see GET /openapi.json"
+    meant = path.rstrip("/")
+    if exc.status_code == 404 and meant != path and _is_route(request, meant):
+        message = f"{request.method} {path}: {exc.detail}; did you mean {meant}?"
     # A 405's Allow header names the methods the path takes.
     headers = dict(exc.headers or {})
     code = _CODE_BY_HTTP_STATUS.get(exc.status_code)
     return await _api_error(request, ApiError(exc.status_code, message, code, headers=headers))
+
+
+def _is_route(request: Request, path: str) -> bool:
+    routes = request.app.router.routes
+    return any(isinstance(route, Route) and route.path_regex.match(path) for route in routes)
 
 
 _CODE_BY_HTTP_STATUS = {404: "not_found", 405: "method_not_allowed"}

@@ -553,6 +553,17 @@ def test_an_unknown_path_or_method_gets_the_usual_error_shape(stack: Stack) -> N
     assert (error["type"], error["code"]) == ("invalid_request_error", "method_not_allowed")
 
 
+def test_a_trailing_slash_gets_a_404_naming_the_route_not_a_redirect(stack: Stack) -> None:
+    # Starlette's redirect would send the client to whatever its Host header named.
+    headers = {"Host": "elsewhere.example"}
+    response = httpx.post(f"{stack.url}/generate/", json={"prompt": "hi"}, headers=headers)
+    assert response.status_code == 404
+    assert "location" not in response.headers
+    assert response.json()["error"]["message"] == (
+        "POST /generate/: Not Found; did you mean /generate?"
+    )
+
+
 def test_a_body_after_a_utf8_byte_order_mark_is_read(stack: Stack) -> None:
     content = b'\xef\xbb\xbf{"prompt": "hi", "max_new_tokens": 2}'
     headers = {"Content-Type": JSON}
