@@ -12,7 +12,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from frontend.auth import ApiKeyMiddleware
@@ -20,6 +20,7 @@ from frontend.chat_api import chat_completions
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError, error_response, handle_api_error
 from frontend.framing import AmbiguousFramingMiddleware
+from frontend.json_response import JSONResponse
 from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, UNROUTED, Metrics
 from frontend.native_api import generate
 from frontend.openai_api import completions, models, retrieve_model

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
+from frontend.json_response import JSONResponse
 from protocol import ErrorCode, ErrorResult, GrammarKind
 
 RETRY_AFTER_S = 1

@@ -15,11 +15,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from frontend.accepted import CLIENT_CLOSED_REQUEST, Accepted, ClientGone, accept, final_results
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError
+from frontend.json_response import JSONResponse
 from frontend.metrics import Metrics
 from frontend.schemas import check_max_new_tokens, stop_strings
 from frontend.streaming import StreamFormat, stream_response

@@ -11,7 +11,7 @@ import typing
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from frontend.accepted import Accepted
 from frontend.choice_stream import ChoiceStream
@@ -19,6 +19,7 @@ from frontend.choices import best_choices, num_to_generate
 from frontend.errors import ApiError
 from frontend.generation import respond
 from frontend.inflight import InFlight
+from frontend.json_response import JSONResponse
 from frontend.logprobs import TextOffsets, TokenScore, completion_logprobs, unpack
 from frontend.openai_common import (
     Envelope,

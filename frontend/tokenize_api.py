@@ -13,12 +13,13 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from frontend.accepted import Accepted
 from frontend.chat_api import conversation
 from frontend.errors import ApiError
 from frontend.generation import FinalAnswer, generate_request, respond
+from frontend.json_response import JSONResponse
 from frontend.metrics import TOKENIZER_ENDPOINTS
 from frontend.openai_common import check_requested_model, ignored_fields_headers, log_ignored_fields
 from frontend.openai_schemas import ChatMessage
