@@ -45,6 +45,7 @@ async def generate(request: Request) -> Response:
         top_k=body.top_k,
         seed=body.seed,
         stream=body.stream,
+        cache_salt=body.cache_salt or "",
     )
     request_id = body.request_id or work.request_id
 

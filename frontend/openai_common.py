@@ -155,6 +155,7 @@ def openai_request(
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias_token_ids=[int(key) for key in body.logit_bias or {}],
         logit_bias_values=list((body.logit_bias or {}).values()),
+        cache_salt=body.cache_salt or "",
         **prompt,
     )
 

@@ -23,7 +23,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from frontend.field_errors import short_name
-from frontend.schemas import STRICT, StopStrings, StopTokenIds, TokenIds
+from frontend.schemas import STRICT, CacheSalt, StopStrings, StopTokenIds, TokenIds
 from protocol.limits import (
     CHAT_ROLES,
     MAX_CHAT_MESSAGES,
@@ -136,6 +136,7 @@ class OpenAIBody(BaseModel):
         f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], added to its logit",
     )
     user: str | None = Field(None, description="accepted and ignored")
+    cache_salt: CacheSalt | None = None
     response_format: ResponseFormat | None = Field(
         None,
         description="OpenAI's: {type: text}, {type: json_object}, or {type: json_schema, "

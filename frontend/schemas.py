@@ -22,6 +22,7 @@ from frontend.body import json_object, read_json_body
 from frontend.errors import ApiError
 from frontend.field_errors import MAX_REPORTED_ERRORS, describe, short_name
 from protocol.limits import (
+    MAX_CACHE_SALT_CHARS,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -41,6 +42,15 @@ StopStrings = (
     | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)]
     | None
 )
+
+CacheSalt = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="requests share prefix-cache rows only with those of the same salt",
+    ),
+]
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -67,6 +77,7 @@ class GenerateBody(BaseModel):
     stop_token_ids: StopTokenIds = Field(default_factory=list)
     ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks)")
     stream: bool = Field(False, description="send server-sent events as tokens arrive")
+    cache_salt: CacheSalt | None = None
 
 
 def check_num_fields(value: dict[str, Any], schema: type[BaseModel], where: str = "body") -> None:

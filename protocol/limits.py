@@ -23,6 +23,7 @@ MAX_PRESENCE_PENALTY = 2.0  # and frequency: OpenAI's range is [-2, 2]
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API
 MAX_LOGIT_BIAS_VALUE = 100.0  # and -100: OpenAI's range
 MAX_CHOICES = 8  # OpenAI's n and best_of: worker requests one client request fans out to
+MAX_CACHE_SALT_CHARS = 256  # a tenant's name or a hash of it (vLLM's cache_salt)
 
 # A request's grammar (structured outputs): the schema, regex, choices or
 # grammar as sent, and llguidance's grammar made from it, at most this long.

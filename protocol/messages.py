@@ -109,6 +109,11 @@ class GenerateRequest:
     grammar or Lark text), and ``grammar_kind`` (a `GrammarKind`) says which
     request field it came from. The grammar's end ends the output (finish_reason
     stop), even before ``min_tokens``.
+
+    ``cache_salt`` (vLLM's): requests reuse one another's prefix-cache rows only
+    when their salts are equal, so that a tenant with a salt of its own cannot
+    tell from ``cached_tokens``, or from the time to a first token, what others
+    sent.
     """
 
     TYPE: ClassVar[str] = "generate"
@@ -141,6 +146,7 @@ class GenerateRequest:
     echo: bool = False
     grammar_kind: str = ""
     grammar: str = ""
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)

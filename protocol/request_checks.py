@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from protocol.grammar_shape import grammar_shape_problem
 from protocol.limits import (
     CHAT_ROLES,
+    MAX_CACHE_SALT_CHARS,
     MAX_CHAT_MESSAGES,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
@@ -99,6 +100,8 @@ def request_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[st
             f"resume_text_len: must be 0 to {max_resume_chars:,} for "
             f"{len(request.resume_token_ids)} resumed tokens, got {request.resume_text_len:,}"
         )
+    if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+        return invalid, f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters"
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         return invalid, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids"
     if len(request.stop) > MAX_STOP_STRINGS:

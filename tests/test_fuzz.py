@@ -82,6 +82,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "frequency_penalty": st.none() | boundary_floats,
     "logit_bias": logit_biases,
     "user": st.none() | small_texts,
+    "cache_salt": st.none() | small_texts | st.text(min_size=256, max_size=257),
     "min_tokens": st.none() | boundary_ints,
     "repetition_penalty": st.none() | boundary_floats,
     "messages": st.lists(

@@ -219,7 +219,8 @@ def test_the_prefix_cache_over_http_counts_what_it_served(
     tmp_path: Path, small_model_dir: Path
 ) -> None:
     """Each answer's usage says how many prompt tokens came from the prefix cache,
-    /metrics counts them, and the answers are the ones computed in full."""
+    /metrics counts them, and the answers are the ones computed in full. A prompt
+    sent before, with a cache_salt of its own, finds nothing."""
     system = [(7 * i) % 500 + 10 for i in range(20)]  # 20 tokens: two blocks of 8
     overrides = {"MODEL_ID": str(small_model_dir), "DEVICE": "cpu", "PREFILL_CHUNK_TOKENS": "8"}
     answers = {}
@@ -230,11 +231,13 @@ def test_the_prefix_cache_over_http_counts_what_it_served(
             stack.wait_live(timeout_s=120)
             client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
             model_name = client.models.list().data[0].id
+            prompts = ([*system, 1, 2, 3], [*system, 4, 5], [*system, 1, 2, 3])
+            salts = ({}, {}, {}, {"cache_salt": "tenant b"})
             completions = [
                 client.completions.create(
-                    model=model_name, prompt=[prompt], max_tokens=4, temperature=0
+                    model=model_name, prompt=[prompt], max_tokens=4, temperature=0, extra_body=salt
                 )
-                for prompt in ([*system, 1, 2, 3], [*system, 4, 5], [*system, 1, 2, 3])
+                for prompt, salt in zip([*prompts, prompts[0]], salts, strict=True)
             ]
             metrics = {
                 sample.name: sample.value
@@ -246,9 +249,9 @@ def test_the_prefix_cache_over_http_counts_what_it_served(
         for completion in completions:
             assert completion.usage is not None and completion.usage.prompt_tokens_details
             cached.append(completion.usage.prompt_tokens_details.cached_tokens)
-        expected = [0, 0, 0] if prefix_cache == "0" else [0, 16, 23]  # blocks; then all
+        expected = [0, 0, 0, 0] if prefix_cache == "0" else [0, 16, 23, 0]  # blocks; all
         assert cached == expected
-        looked_up = 0 if prefix_cache == "0" else 23 + 22 + 23
+        looked_up = 0 if prefix_cache == "0" else 23 + 22 + 23 + 23
         assert metrics["minibatch_prefix_cache_queries_total"] == looked_up
         assert metrics["minibatch_prefix_cache_hits_total"] == sum(expected)
     assert answers["1"] == answers["0"]

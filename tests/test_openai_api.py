@@ -367,6 +367,21 @@ def test_min_tokens_above_max_tokens_is_a_422(client: openai.OpenAI) -> None:
     assert isinstance(raised.value.body, dict) and raised.value.body["param"] == "min_tokens"
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/generate"])
+def test_a_cache_salt_is_taken_and_an_empty_or_long_one_is_a_422(
+    stack: Stack, endpoint: str
+) -> None:
+    body: dict[str, object] = {"prompt": "hi", "cache_salt": "tenant a"}
+    body |= {"model": "fake", "max_tokens": 2} if endpoint != "/generate" else {}
+    taken = httpx.post(f"{stack.url}{endpoint}", json=body, timeout=10)
+    assert taken.status_code == 200, taken.text
+    assert IGNORED_FIELDS_HEADER not in taken.headers
+    for salt in ("", "x" * 257):
+        refused = httpx.post(f"{stack.url}{endpoint}", json=body | {"cache_salt": salt})
+        assert refused.status_code == 422
+        assert refused.json()["error"]["param"] == "cache_salt"
+
+
 def test_unknown_fields_are_ignored_and_named(stack: Stack) -> None:
     body = {
         "model": "fake",

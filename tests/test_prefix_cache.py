@@ -91,6 +91,21 @@ def test_copied_rows_are_held_by_the_receiving_slot() -> None:
     assert cache.best_match(prompt, [1]) == Match(1, 8, is_whole=False)
 
 
+def test_rows_are_shared_only_between_prompts_of_one_salt() -> None:
+    cache = PrefixCache(num_slots=2, block=BLOCK)
+    prompt = list(range(9))
+    cache.written(0, prompt, 9, salt="tenant a")
+    assert cache.best_match(prompt, salt="tenant a") == Match(0, 9, is_whole=True)
+    assert cache.best_match(prompt, salt="tenant b") is None
+    assert cache.best_match(prompt) is None  # no salt is a salt of its own
+    assert cache.choose_free_slot(prompt, [0, 1], salt="tenant b") == 1  # leaves a's rows
+    cache.copied(Match(0, 8, is_whole=False), 1)
+    assert cache.best_match(prompt, [1], salt="tenant a") == Match(1, 8, is_whole=False)
+    assert cache.best_match(prompt, [1], salt="tenant b") is None
+    cache.claim(0, prompt, salt="tenant b")  # b's prompt overwrites a's rows
+    assert cache.num_rows_held(0) == 0
+
+
 # --- on the torch engine --------------------------------------------------------------
 
 torch = pytest.importorskip("torch")
@@ -270,6 +285,25 @@ def test_the_same_prompt_again_needs_no_prefill(monkeypatch: pytest.MonkeyPatch)
     finished = run_schedule(engine, {0: choices})
     assert sum(counts) == 20
     assert len({tuple(finished[f"c{i}"].token_ids) for i in range(4)}) > 1  # their own draws
+
+
+@pytest.mark.model
+def test_a_prompt_of_another_salt_is_computed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant with a salt of its own learns nothing of another's prompts: not
+    from cached_tokens, nor from the time its prefill takes."""
+    rng = random.Random(8)
+    system = random_prompt(rng, 40, 40)
+    engine = tiny_engine(4, prefill_chunk_tokens=CHUNK)
+    counts = _count_prefilled(monkeypatch)
+    salts = ["a", "b", "a", ""]
+    prompts = [system + random_prompt(rng, 3, 3) for _ in salts]
+    arrivals = {
+        10 * i: [request(f"q{i}", prompt, 2, cache_salt=salt)]
+        for i, (prompt, salt) in enumerate(zip(prompts, salts, strict=True))
+    }
+    finished = run_schedule(engine, arrivals)
+    assert [finished[f"q{i}"].num_cached_tokens for i in range(4)] == [0, 0, 40, 0]
+    assert sum(counts) == 4 * 43 - 40
 
 
 @pytest.mark.model

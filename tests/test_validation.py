@@ -98,6 +98,7 @@ def test_a_sound_request_passes() -> None:
         ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, ErrorCode.INVALID_REQUEST, "stop: each"),
         ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, ErrorCode.INVALID_REQUEST, "stop: at most 4"),
         ({"stop_token_ids": [1] * 65}, ErrorCode.INVALID_REQUEST, "stop_token_ids: at most"),
+        ({"cache_salt": "x" * 257}, ErrorCode.INVALID_REQUEST, "cache_salt: at most 256"),
         ({"request_id": ""}, ErrorCode.INVALID_REQUEST, "request_id"),
         ({"request_id": "x" * 257}, ErrorCode.INVALID_REQUEST, "request_id"),
         ({"min_tokens": 9}, ErrorCode.INVALID_REQUEST, "min_tokens"),

@@ -80,7 +80,7 @@ def _waits_for_shared_rows(
     if seq.scores_prompt:
         return False
     for other, _, end in chunks:
-        if not other.scores_prompt:
+        if not other.scores_prompt and other.cache_salt == seq.cache_salt:
             written = min(end, len(other.prompt_token_ids))
             rows = other.prompt_token_ids[:written]
             is_whole = written == len(other.prompt_token_ids)

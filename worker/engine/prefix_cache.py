@@ -5,6 +5,8 @@ is needed. A newcomer whose prompt begins with tokens some slot holds takes
 those rows instead of computing them: in place when the slot is free, or copied
 within the cache tensor from a busy one. Matching is per slot, as llama.cpp's
 server does it; there are as many entries as slots, so nothing grows.
+Rows are shared only between prompts of the same salt (a request's
+``cache_salt``, "" without one): one tenant's prompts never serve another's.
 
 Only rows that prefill wrote in whole aligned blocks of ``block`` tokens are
 reused, never rows written by decode: the engine prefills every prompt in those
@@ -28,6 +30,7 @@ class Entry:
     values prefill wrote there."""
 
     token_ids: list[int] = field(default_factory=list)
+    salt: str = ""  # of the prompt that wrote them
     # The rows are a whole prompt and the engine kept the logits after it.
     is_whole: bool = False
     last_used: int = -1  # when a sequence last left the slot; -1: never
@@ -48,12 +51,14 @@ class PrefixCache:
         self._entries = [Entry() for _ in range(num_slots)]
         self._clock = 0
 
-    def num_reusable(self, prompt: Sequence[int], slot: int) -> int:
+    def num_reusable(self, prompt: Sequence[int], slot: int, *, salt: str = "") -> int:
         """How many of ``prompt``'s first rows may be taken from ``slot``: whole
         blocks of the longest common prefix, leaving at least the prompt's last
         token to compute; or all of them when the slot holds exactly this prompt
-        with its logits."""
+        with its logits. None from rows of another ``salt``."""
         entry = self._entries[slot]
+        if entry.salt != salt:
+            return 0
         return self.num_shared(prompt, entry.token_ids, entry.is_whole)
 
     def num_shared(self, prompt: Sequence[int], rows: Sequence[int], is_whole: bool) -> int:
@@ -64,18 +69,22 @@ class PrefixCache:
         shared = _common_prefix(rows, prompt)
         return min(shared, len(prompt) - 1) // self.block * self.block
 
-    def best_match(self, prompt: Sequence[int], slots: Sequence[int] | None = None) -> Match | None:
+    def best_match(
+        self, prompt: Sequence[int], slots: Sequence[int] | None = None, *, salt: str = ""
+    ) -> Match | None:
         """The slot (of ``slots``, default all) with the most rows to reuse for
-        ``prompt``; None when none has any."""
+        ``prompt`` of ``salt``; None when none has any."""
         best: Match | None = None
         for slot in range(len(self._entries)) if slots is None else slots:
-            num_tokens = self.num_reusable(prompt, slot)
+            num_tokens = self.num_reusable(prompt, slot, salt=salt)
             if num_tokens and (best is None or num_tokens > best.num_tokens):
                 is_whole = num_tokens == len(prompt)
                 best = Match(slot, num_tokens, is_whole)
         return best
 
-    def choose_free_slot(self, prompt: Sequence[int] | None, free: Sequence[int]) -> int:
+    def choose_free_slot(
+        self, prompt: Sequence[int] | None, free: Sequence[int], *, salt: str = ""
+    ) -> int:
         """The free slot for a newcomer: the one holding most of its ``prompt``
         (None: one that will reuse nothing), unless the newcomer would overwrite
         rows there that it does not use while another free slot is empty or was
@@ -88,7 +97,7 @@ class PrefixCache:
             return self._entries[slot].last_used
 
         empty = [slot for slot in free if not self._entries[slot].token_ids]
-        match = None if prompt is None else self.best_match(prompt, free)
+        match = None if prompt is None else self.best_match(prompt, free, salt=salt)
         if match is None:
             return min(empty or free, key=last_used)
         others = [slot for slot in free if slot != match.slot]
@@ -98,12 +107,13 @@ class PrefixCache:
         other = min(empty or others, key=last_used)
         return other if other in empty or last_used(other) < last_used(match.slot) else match.slot
 
-    def claim(self, slot: int, prompt: Sequence[int]) -> None:
+    def claim(self, slot: int, prompt: Sequence[int], *, salt: str = "") -> None:
         """A newcomer took ``slot``: only the rows it reuses in place stay valid,
         since it overwrites the rest."""
-        num_tokens = self.num_reusable(prompt, slot)
+        num_tokens = self.num_reusable(prompt, slot, salt=salt)
         entry = self._entries[slot]
         entry.is_whole = entry.is_whole and num_tokens == len(prompt)
+        entry.salt = salt
         del entry.token_ids[num_tokens:]
 
     def copied(self, source: Match, slot: int) -> None:
@@ -111,14 +121,16 @@ class PrefixCache:
         entry, other = self._entries[slot], self._entries[source.slot]
         entry.token_ids = other.token_ids[: source.num_tokens]
         entry.is_whole = source.is_whole
+        entry.salt = other.salt
         self.released(source.slot)
 
-    def written(self, slot: int, prompt: Sequence[int], end: int) -> None:
+    def written(self, slot: int, prompt: Sequence[int], end: int, *, salt: str = "") -> None:
         """Prefill wrote ``prompt``'s rows up to ``end`` into ``slot`` (the logits
         after it kept when that is the whole prompt)."""
         entry = self._entries[slot]
         entry.token_ids = list(prompt[:end])
         entry.is_whole = end == len(prompt)
+        entry.salt = salt
 
     def forget(self, slot: int) -> None:
         """``slot``'s rows can no longer be trusted (they were not all written by

@@ -107,6 +107,11 @@ class Sequence:
         return len(self.output_token_ids) < self.request.min_tokens
 
     @property
+    def cache_salt(self) -> str:
+        """Prefix-cache rows are shared only among prompts of one salt."""
+        return self.request.cache_salt
+
+    @property
     def scores_prompt(self) -> bool:
         """This attempt's prefill scores the prompt, before it has and after:
         asked for, and not delivered by an earlier attempt (whose first delta

@@ -204,15 +204,16 @@ class SlotEngine(InferenceEngine):
         reusing = [
             seq
             for seq in newcomers
-            if not seq.scores_prompt and cache.best_match(seq.prompt_token_ids, free)
+            if not seq.scores_prompt
+            and cache.best_match(seq.prompt_token_ids, free, salt=seq.cache_salt)
         ]
         sources: set[int] = set()  # free slots whose rows a newcomer copies from
         in_order = reusing + [seq for seq in newcomers if seq not in reusing]
         for num_placed, seq in enumerate(in_order):
             prompt = None if seq.scores_prompt else seq.prompt_token_ids
             candidates = [slot for slot in free if slot not in sources] or free
-            seq.slot = cache.choose_free_slot(prompt, candidates)
-            match = None if prompt is None else cache.best_match(prompt, free)
+            seq.slot = cache.choose_free_slot(prompt, candidates, salt=seq.cache_salt)
+            match = None if prompt is None else cache.best_match(prompt, free, salt=seq.cache_salt)
             if match is not None and match.slot != seq.slot:
                 # Copied from when it prefills, if the newcomers after it leave
                 # that slot alone; else its rows are taken in place.
@@ -222,7 +223,7 @@ class SlotEngine(InferenceEngine):
                 else:
                     seq.slot = match.slot
             free.remove(seq.slot)
-            cache.claim(seq.slot, seq.prompt_token_ids)
+            cache.claim(seq.slot, seq.prompt_token_ids, salt=seq.cache_salt)
             if seq.scores_prompt:
                 cache.forget(seq.slot)  # scored prompts go in whole, not in blocks
 
@@ -269,7 +270,7 @@ class SlotEngine(InferenceEngine):
                 self._free(seq)
 
     def _reuse_rows_for(self, seq: Sequence, done: int, cache: PrefixCache) -> None:
-        match = cache.best_match(seq.prompt_token_ids)
+        match = cache.best_match(seq.prompt_token_ids, salt=seq.cache_salt)
         if match is None or match.num_tokens <= done:
             return
         if match.slot != seq.slot:
@@ -322,7 +323,9 @@ class SlotEngine(InferenceEngine):
             self._num_prefilled[seq.request_id] = end
             if self.prefix_cache is not None and not seq.scores_prompt:
                 written = min(end, len(seq.prompt_token_ids))
-                self.prefix_cache.written(seq.slot, seq.prompt_token_ids, written)
+                self.prefix_cache.written(
+                    seq.slot, seq.prompt_token_ids, written, salt=seq.cache_salt
+                )
         finished = [seq for seq, _, end in chunks if end == len(seq.context_token_ids)]
         for seq, token_id in zip(finished, first_tokens, strict=True):
             del self._num_prefilled[seq.request_id]
