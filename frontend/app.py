@@ -77,6 +77,7 @@ def create_app(config: FrontendConfig) -> Starlette:
     app.state.large_body_turn = asyncio.Lock()  # see frontend.schemas.LARGE_BODY_BYTES
     app.state.metrics = Metrics(client)
     app.state.started_at = int(time.time())
+    app.state.count_connections = lambda: 0  # open HTTP connections: set by the server
     return app
 
 
@@ -216,18 +217,28 @@ async def health(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     """For load balancers: 200 only when a worker is live and there is room for
-    more requests; 503 (hold off) otherwise."""
+    more requests and connections; 503 (hold off) otherwise."""
     client = _client(request)
     status = _status(client)
-    has_room = client.num_inflight < client.config.max_inflight_requests
-    is_ready = status["status"] == "ok" and has_room
-    if status["status"] == "ok" and not has_room:
+    full = _why_full(client, request.app.state.count_connections())
+    is_ready = status["status"] == "ok" and full is None
+    if status["status"] == "ok" and full is not None:
         status["status"] = "full"
-        status["reason"] = (
-            f"MAX_INFLIGHT_REQUESTS={client.config.max_inflight_requests} requests in flight"
-        )
+        status["reason"] = full
     status["ready"] = is_ready
     return JSONResponse(status, status_code=200 if is_ready else 503)
+
+
+def _why_full(client: WorkerClient, num_connections: int) -> str | None:
+    """Why a new request would be refused 503 now, if it would: no room for it in
+    flight, or no connection left (the probe's own counts, as it does when
+    uvicorn refuses a request past MAX_CONNECTIONS)."""
+    config = client.config
+    if client.num_inflight >= config.max_inflight_requests:
+        return f"MAX_INFLIGHT_REQUESTS={config.max_inflight_requests} requests in flight"
+    if num_connections >= config.max_connections:
+        return f"MAX_CONNECTIONS={config.max_connections} connections open"
+    return None
 
 
 async def metrics(request: Request) -> Response:

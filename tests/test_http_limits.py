@@ -575,7 +575,8 @@ def test_past_max_connections_only_the_probes_are_answered(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """A client holding MAX_CONNECTIONS idle connections blinds no orchestrator:
-    /health, /ready and /metrics answer, everything else gets 503."""
+    /health, /ready and /metrics answer, everything else gets 503, and /ready
+    says so (503 "full") until connections are free again."""
     tmp_path = tmp_path_factory.mktemp("connections")
     overrides = {"MAX_CONNECTIONS": "4", "HEADER_TIMEOUT_S": "30"}
     with running_stack(tmp_path, overrides, supervised=False) as stack:
@@ -584,9 +585,15 @@ def test_past_max_connections_only_the_probes_are_answered(
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
         try:
             time.sleep(0.2)  # the server has taken them
-            for path in ("/health", "/ready", "/metrics"):
+            for path in ("/health", "/metrics"):
                 probe = httpx.get(f"{stack.url}{path}", timeout=GIVE_UP_S)
                 assert probe.status_code == 200, (path, probe.text)
+            full = httpx.get(f"{stack.url}/ready", timeout=GIVE_UP_S)
+            assert full.status_code == 503
+            assert (full.json()["status"], full.json()["reason"]) == (
+                "full",
+                "MAX_CONNECTIONS=4 connections open",
+            )
             body = {"prompt": "hi", "max_new_tokens": 2}
             refused = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
             assert refused.status_code == 503
@@ -594,6 +601,7 @@ def test_past_max_connections_only_the_probes_are_answered(
             for connection in idle:
                 connection.close()
         time.sleep(0.2)
+        assert httpx.get(f"{stack.url}/ready", timeout=GIVE_UP_S).status_code == 200
         answered = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
         assert answered.status_code == 200, answered.text
 
