@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from protocol import ErrorCode, GenerateRequest
+from protocol.settings import ConfigError
 from worker.engine.chat_template import ChatTemplateError, choose_chat_template, jinja_template
 from worker.engine.fake_engine import FakeEngine
 from worker.engine.interface import RequestRejected
@@ -34,6 +35,26 @@ def test_a_chat_template_file_is_rendered_as_hugging_face_renders_it(tmp_path: P
     template = choose_chat_template(str(path), None, TOKENS)
     rendered = template.render(["user"], ["  Hi  "], add_generation_prompt=True)
     assert rendered == "<s><|user|>Hi\n<|assistant|>"
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),
+        ("{{ messages[5].content }}", "UndefinedError"),
+        (b"\xff\xfe", "utf-8"),
+    ],
+)
+def test_a_chat_template_file_that_cannot_render_is_refused_at_start(
+    tmp_path: Path, text: str | bytes, why: str
+) -> None:
+    """Accepted, it failed every chat request with a 422 that blamed the client."""
+    path = tmp_path / "broken.jinja"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError, match=f"CHAT_TEMPLATE='{path}' cannot render") as refused:
+        choose_chat_template(str(path), None, TOKENS)
+    assert why in str(refused.value)
+    assert str(refused.value).endswith("unset CHAT_TEMPLATE to use the model's own")
 
 
 def test_a_template_that_raises_refuses_the_request_by_name() -> None:

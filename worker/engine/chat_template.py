@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from protocol.settings import ConfigError
+
 log = logging.getLogger(__name__)
 
 # Plain text a base model can continue: "User: hi\n\nAssistant:". Role names are
@@ -81,9 +83,10 @@ def jinja_template(
 def choose_chat_template(
     path: str, hf_tokenizer: Any | None, special_tokens: Mapping[str, str]
 ) -> ChatTemplate:
-    """CHAT_TEMPLATE's file, else the tokenizer's own template, else the default."""
+    """CHAT_TEMPLATE's file, else the tokenizer's own template, else the default.
+    Raises ConfigError for a file that cannot render a one-message conversation."""
     if path:
-        chosen = jinja_template(Path(path).read_text(encoding="utf-8"), path, special_tokens)
+        chosen = _template_file(path, special_tokens)
     elif hf_tokenizer is not None and getattr(hf_tokenizer, "chat_template", None):
 
         def render(messages: Messages, add_generation_prompt: bool) -> str:
@@ -99,4 +102,19 @@ def choose_chat_template(
             DEFAULT_CHAT_TEMPLATE, "the default: 'Role: content' lines", special_tokens
         )
     log.info("chat template: %s", chosen.source)
+    return chosen
+
+
+def _template_file(path: str, special_tokens: Mapping[str, str]) -> ChatTemplate:
+    """CHAT_TEMPLATE's template, tried once at start: one with a syntax error
+    would otherwise fail every chat request, each answered as the client's fault."""
+    try:
+        chosen = jinja_template(Path(path).read_text(encoding="utf-8"), path, special_tokens)
+        chosen.render(["user"], ["Hello"], add_generation_prompt=True)
+    except (OSError, UnicodeDecodeError, ChatTemplateError) as exc:
+        why = str(exc).removeprefix("messages: ")
+        raise ConfigError(
+            f"CHAT_TEMPLATE={path!r} cannot render a conversation of one user message "
+            f"({why}): fix the template, or unset CHAT_TEMPLATE to use the model's own"
+        ) from None
     return chosen
