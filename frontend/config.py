@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from protocol.client_config import WorkerClientConfig
 from protocol.settings import MAX_PORT, ConfigError, require_positive, setting
 
+# A body limit this low still holds a request's fields at their limits (a grammar
+# of MAX_GRAMMAR_CHARS, stop strings, logit_bias) beside a prompt; a lower one
+# refused everything (MAX_REQUEST_BYTES=10: every request 413).
+MIN_REQUEST_BYTES = 64 * 1024
+
 
 @dataclass(frozen=True)
 class FrontendConfig(WorkerClientConfig):
@@ -77,7 +82,13 @@ class FrontendConfig(WorkerClientConfig):
             )
         require_positive(self, "port", "max_new_tokens_limit", "max_inflight_requests")
         require_positive(self, "max_worker_deaths")
-        require_positive(self, "request_timeout_s", "max_request_bytes", "body_timeout_s")
+        require_positive(self, "request_timeout_s", "body_timeout_s")
+        if self.max_request_bytes < MIN_REQUEST_BYTES:
+            raise ConfigError(
+                f"MAX_REQUEST_BYTES must be at least {MIN_REQUEST_BYTES:,} (64 KiB), room for "
+                "a request's fields at their limits beside a prompt; got "
+                f"{self.max_request_bytes:,}"
+            )
         require_positive(self, "header_timeout_s", "keep_alive_timeout_s", "max_connections")
         if self.port > MAX_PORT:
             raise ConfigError(f"PORT must be at most {MAX_PORT}, got {self.port}")

@@ -13,11 +13,14 @@ from types import FrameType
 import uvicorn
 
 from frontend.app import create_app
+from frontend.auth import OPEN_PATHS
 from frontend.config import FrontendConfig
 from frontend.http_protocol import edge_protocol
 from frontend.worker_client import WorkerClient
 from protocol.lifeline import follow_supervisor
 from protocol.settings import ConfigError, exit_refusing, load
+
+log = logging.getLogger(__name__)
 
 # What a stopping frontend gives its requests under way to finish.
 GRACEFUL_SHUTDOWN_S = 5
@@ -35,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_can_listen(config.host, config.port)
     except ConfigError as exc:
         exit_refusing("frontend", exc)
+    _log_access(config)
     app = create_app(config)
     server_config = uvicorn.Config(
         app,
@@ -66,6 +70,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(_INTERRUPTED_EXIT_CODE)
 
 
+def _log_access(config: FrontendConfig) -> None:
+    """Who may use the API, said once at start: an operator sees whether API_KEY
+    took effect without sending a request."""
+    if config.api_key:
+        open_paths = ", ".join(sorted(OPEN_PATHS))
+        log.info("API_KEY is set: every path but %s needs 'Authorization: Bearer'", open_paths)
+    else:
+        log.info("no API_KEY: anyone who reaches %s:%d may use the API", config.host, config.port)
+
+
 _LISTEN_HINTS = {
     errno.EADDRINUSE: "stop the program that holds it, or set PORT to a free port",
     errno.EADDRNOTAVAIL: "set HOST to an address of this machine (0.0.0.0: all of them)",
@@ -83,7 +97,10 @@ def check_can_listen(host: str, port: int) -> None:
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except OSError as exc:
-        raise ConfigError(f"HOST {host!r} is not an address to listen on: {exc}") from exc
+        raise ConfigError(
+            f"HOST {host!r} is not an address to listen on ({exc}): set HOST to an address "
+            "or a name of this machine (0.0.0.0: all of them)"
+        ) from exc
     for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as probe:
             # As asyncio's server binds: TIME_WAIT is no obstacle, and IPv6 leaves

@@ -49,9 +49,11 @@ def _as_set(default: Any) -> str:
 
 
 def setting(env: str, default: Any, help: str, is_secret: bool = False) -> Any:
-    """A config field read from ``env``."""
+    """A config field read from ``env``. A secret set to nothing is refused: it
+    would turn off, without a word, what it guards (`load`)."""
     # A secret stays out of repr(), so that logging a config cannot leak it.
-    return field(default=default, repr=not is_secret, metadata={"env": env, "help": help})
+    metadata = {"env": env, "help": help, "is_secret": is_secret}
+    return field(default=default, repr=not is_secret, metadata=metadata)
 
 
 def require_positive(config: object, *names: str) -> None:
@@ -167,6 +169,12 @@ def load(
             raw = environ.get(env)
         if raw is None:
             continue
+        if f.metadata["is_secret"] and raw == "":
+            # A .env line `API_KEY=` served the API to anyone.
+            raise ConfigError(
+                f"{env} is set but empty, which would turn off what it guards: give it "
+                "a value, or unset it"
+            )
         values[f.name] = _parse(env, raw, hints[f.name])
     return cls(**values)
 
@@ -183,7 +191,8 @@ def _parse(env: str, raw: str, kind: Any) -> Any:
         # off turned off, without a word, what is on by default.
         if raw.strip().lower() not in _BOOLEANS:
             raise ConfigError(
-                f"{env} must be 1 or 0 (true or false), got {raw!r}; unset it for the default"
+                f"{env} must be 1 or 0 (true or false, yes or no, on or off), got {raw!r}; "
+                "unset it for the default"
             )
         return _BOOLEANS[raw.strip().lower()]
     try:

@@ -34,6 +34,12 @@ def test_the_right_key_is_served(stack: Stack) -> None:
     assert response.json()["text"] == expected_text("key", 3)
 
 
+def test_the_frontend_says_at_start_that_the_api_needs_the_key(stack: Stack) -> None:
+    log = stack.log("frontend")
+    assert "API_KEY is set: every path but /health, /metrics, /ready needs" in log
+    assert KEY not in log
+
+
 @pytest.mark.parametrize(
     ("headers", "message"),
     [

@@ -62,7 +62,8 @@ def test_environment_sets_values_and_flags_override_them() -> None:
         ({"TORCH_THREADS": "40000"}, "TORCH_THREADS must be 0 .every core. to"),
         # Empty read as off turned off, without a word, what is on by default.
         ({"PREFIX_CACHE": ""}, "PREFIX_CACHE must be 1 or 0 .* got ''; unset it for the default"),
-        ({"PREFIX_CACHE": "maybe"}, "PREFIX_CACHE must be 1 or 0"),
+        ({"PREFIX_CACHE": "maybe"}, "PREFIX_CACHE must be 1 or 0 .true or false, yes or no"),
+        ({"CURVE_SERVER_SECRET_KEY": ""}, "CURVE_SERVER_SECRET_KEY is set but empty"),
     ],
 )
 def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str) -> None:
@@ -88,6 +89,8 @@ def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str
         ({"MAX_NEW_TOKENS_LIMIT": "1e30"}, "MAX_NEW_TOKENS_LIMIT must be int"),
         ({"MAX_NEW_TOKENS_LIMIT": str(2**31)}, "MAX_NEW_TOKENS_LIMIT must be a finite number"),
         ({"HOST": ""}, "HOST must not be empty"),
+        ({"MAX_REQUEST_BYTES": "10"}, "MAX_REQUEST_BYTES must be at least 65,536"),
+        ({"API_KEY": ""}, "API_KEY is set but empty, which would turn off what it guards"),
         ({"API_KEY": " "}, "API_KEY .1 characters. must be printable ASCII"),
         ({"API_KEY": "sk-key\n"}, "API_KEY .7 characters. must be printable ASCII"),
         ({"API_KEY": "clé"}, "API_KEY .3 characters. must be printable ASCII"),
