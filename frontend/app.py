@@ -25,6 +25,7 @@ from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, UNROUTED, Metrics
 from frontend.native_api import generate
 from frontend.openai_api import completions, models, retrieve_model
 from frontend.openapi import openapi_schema
+from frontend.refusal import log_refusal
 from frontend.tokenize_api import detokenize, tokenize, version
 from frontend.worker_client import WorkerClient
 from frontend.worker_link import WorkerLink
@@ -99,6 +100,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     # Every error that reaches here is the request's one answer: count it once.
     request_metrics: Metrics = request.app.state.metrics
     request_metrics.count_request(_route_path(request), exc.status, NO_FINISH_REASON)
+    log_refusal(request.method, request.url.path, exc)
     return await handle_api_error(request, exc)
 
 

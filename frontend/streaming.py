@@ -29,6 +29,7 @@ from frontend.accepted import (
 )
 from frontend.errors import ApiError
 from frontend.metrics import NO_FINISH_REASON
+from frontend.refusal import log_refusal
 from frontend.worker_client import WorkerClient
 from protocol import GenerateResult, TokenDelta
 
@@ -93,6 +94,7 @@ async def _frames(
             event = await next_event(http_request, client, accepted)
         except ApiError as exc:
             accepted.metrics.count_request(accepted.endpoint, exc.status, NO_FINISH_REASON)
+            log_refusal(http_request.method, http_request.url.path, exc)
             for frame in stream_format.error(exc):
                 yield frame
             return

@@ -151,6 +151,19 @@ def test_invalid_value_is_a_422_naming_the_parameter(client: openai.OpenAI) -> N
     assert isinstance(raised.value.body, dict) and raised.value.body["param"] == "temperature"
 
 
+def test_a_refusal_gets_a_log_line_with_what_the_client_sent_escaped(stack: Stack) -> None:
+    time.sleep(1.1)  # refusals are logged at most once a second
+    body = {"model": "fake", "prompt": "hi", "temperature": 2.5}
+    refused = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert refused.status_code == 422
+    time.sleep(1.1)
+    missing = httpx.get(f"{stack.url}/v2/caf%C3%A9", timeout=10)
+    assert missing.status_code == 404
+    log = stack.log("frontend")
+    assert "POST /v1/completions: 422 invalid_request: temperature: must be at most 2" in log
+    assert "GET /v2/caf\\xe9: 404 not_found: GET /v2/caf\\xe9: Not Found" in log
+
+
 def test_unknown_model_is_a_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="serves 'fake'"):
         client.completions.create(model="gpt-4", prompt="hi")
