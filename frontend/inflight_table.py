@@ -22,7 +22,7 @@ from protocol import GenerateRequest
 
 
 class Overloaded(Exception):
-    """MAX_INFLIGHT_REQUESTS requests are already waiting for an answer."""
+    """MAX_INFLIGHT_REQUESTS requests are already in flight, waiting for an answer."""
 
 
 class InFlightTable:
@@ -48,8 +48,9 @@ class InFlightTable:
         room for them all."""
         if len(self._by_request_id) + len(requests) > self.max_inflight_requests:
             needs = f"; this one needs {len(requests)}, one per choice" if len(requests) > 1 else ""
+            num = len(self._by_request_id)
             raise Overloaded(
-                f"{len(self._by_request_id)} requests are already waiting "
+                f"{num} {'request is' if num == 1 else 'requests are'} already in flight "
                 f"(MAX_INFLIGHT_REQUESTS={self.max_inflight_requests}){needs}; retry later"
             )
         for request in requests:

@@ -235,7 +235,10 @@ def test_choices_take_their_room_in_flight_all_or_none(tmp_path: Path) -> None:
             next(events)  # one of the four places is taken
             refused = _complete(stack, n=4)
             assert refused.status_code == 503, refused.text
-            assert "needs 4" in refused.json()["error"]["message"]
+            assert refused.json()["error"]["message"] == (
+                "1 request is already in flight (MAX_INFLIGHT_REQUESTS=4); this one needs 4, "
+                "one per choice; retry later"
+            )
             assert refused.headers["Retry-After"]
             assert stack.health().json()["inflight"] == 1  # none of the four went in
             assert _complete(stack, n=3, max_tokens=2).status_code == 200
