@@ -112,8 +112,10 @@ def test_a_worker_without_built_kernels_serves_without_them_and_never_compiles(
     monkeypatch.setattr(subprocess, "run", lambda *_, **__: pytest.fail("compiled"))
     with caplog.at_level(logging.WARNING):
         assert load_kernels("baseline") is None
-    assert f"{sys.executable} -m worker.model.kernels" in caplog.text  # this worker's Python
-    assert "CXX=" in caplog.text  # each compiler builds into a directory of its own
+    # What builds where this worker looks: its KERNELS_DIR, its compiler (each
+    # builds into a directory of its own), its Python.
+    command = f"KERNELS_DIR={tmp_path} CXX={kernels_module._compiler()} {sys.executable} -m"
+    assert f"`{command} worker.model.kernels`" in caplog.text
     kernels_module._load.cache_clear()  # the next test loads the real build again
 
 

@@ -668,6 +668,25 @@ def test_a_supervisor_killed_outright_takes_its_frontend_and_workers_with_it(
         assert "its supervisor" in stack.log("supervisor")  # the children's stderr
 
 
+def test_a_supervisor_told_to_stop_ends_everything_it_started_saying_so(
+    tmp_path: Path,
+) -> None:
+    """Each child's warning that its supervisor is gone is for a supervisor that
+    was killed; a stop asked for ended with the fork server's, as if it had been."""
+    with running_stack(tmp_path, {}) as stack:
+        stack.wait_live()
+        supervisor = stack.processes["supervisor"]
+        children = psutil.Process(supervisor.pid).children(recursive=True)
+        supervisor.terminate()
+        assert supervisor.wait(timeout=30) == 0
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"still running: {[p.pid for p in alive]}\n{stack.logs()}"
+        log = stack.log("supervisor")
+        assert "stopping: the frontends, then the workers" in log
+        assert log.rstrip().endswith("supervisor INFO: stopped")
+        assert "its supervisor" not in log
+
+
 def test_a_stopped_frontend_is_replaced(tmp_path: Path) -> None:
     """Stopped (SIGSTOP), a frontend held its port and answered nobody, for ever:
     the supervisor had no heartbeat of it to judge by."""

@@ -197,13 +197,14 @@ class Supervisor:
                     self._tend(child, workers, watch)
                     self._judge(child, watch)
         finally:
+            log.info("stopping: the frontends, then the workers")
             FORK_SERVER.shut_down()
             stop_together(self.frontends)
             stop_together([child for child, _ in self.workers])
             for _, watch in self.workers:
                 watch.close()
-            # A stopped one would outlive this process, holding what it holds.
-            FORK_SERVER.replace_if_stopped()
+            FORK_SERVER.stop()
+            log.info("stopped")
 
     def _notice_own_pause(self) -> None:
         """Before each verdict: a supervisor that did not run would kill a live

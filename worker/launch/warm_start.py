@@ -97,6 +97,19 @@ class ForkServer:
         """Bring up no other fork server from now on."""
         self.is_shutting_down = True
 
+    def stop(self) -> None:
+        """At the supervisor's own stop, once the workers have: end the fork server
+        now (resumed first, if stopped: it would outlive this process), rather than
+        leave it to find its supervisor gone, which it reports as a warning, as it
+        should when the supervisor was killed."""
+        self.replace_if_stopped()
+        process = self.process()
+        if process is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+            process.wait(timeout=_DEATH_TIMEOUT_S)
+
     def on_lost(self) -> None:
         """The fork server died: bring up another before the next fork."""
         self._ready.clear()

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -230,14 +231,17 @@ def _compile_commands(isa: str, out: Path) -> list[list[str]]:
     return [*commands, [*link, "-o", str(out / library_path(isa).name)]]
 
 
+def buildable_isas() -> list[str]:
+    """Every one of ISAS this machine's architecture has."""
+    return list(ISAS) if platform.machine() == "x86_64" else ["baseline"]
+
+
 def build(isas: list[str] | None = None, jobs: int | None = None) -> Path:
-    """Compile the libraries for ``isas`` (default every one of ISAS this machine's
-    architecture has) into
+    """Compile the libraries for ``isas`` (default `buildable_isas`) into
     ``build_directory()``. The build happens in a scratch directory that is renamed
     into place whole, so a killed build leaves nothing half-written behind."""
-    if isas is None:
-        isas = list(ISAS) if platform.machine() == "x86_64" else ["baseline"]
     directory = build_directory()
+    isas = buildable_isas() if isas is None else isas
     todo = [isa for isa in isas if not library_path(isa).exists()]
     if not todo:
         return directory
@@ -281,15 +285,19 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
 def _load(isa: str) -> Kernels | None:
     path = library_path(isa)
     if not path.exists():
+        # The command as this worker would find what it builds: KERNELS_DIR and CXX
+        # each choose the directory.
+        kernels_dir = os.environ.get("KERNELS_DIR")
+        setting = f"KERNELS_DIR={shlex.quote(kernels_dir)} " if kernels_dir else ""
         logger.warning(
             "no decode kernels are built for %s at %s, so decode runs on oneDNN and SDPA, "
-            "slower; build them once with `%s -m worker.model.kernels` (make install does, "
-            "on its first run), with the compiler this worker names (CXX=%s: each compiler "
-            "builds into a directory of its own)",
+            "slower; build them once with `%sCXX=%s %s -m worker.model.kernels` (make "
+            "install does, on its first run)",
             isa,
             path.parent,
+            setting,
+            shlex.quote(_compiler()),
             sys.executable,
-            _compiler(),
         )
         return None
     torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
@@ -310,11 +318,14 @@ def main() -> None:
     if shutil.which(_compiler()) is None:
         sys.exit(f"no C++ compiler ({_compiler()}) to build the decode kernels with: install g++")
     started = time.monotonic()
-    directory = build()
+    isas = buildable_isas()
+    were_built = all(library_path(isa).exists() for isa in isas)
+    directory = build(isas)
+    done = "were built before" if were_built else f"built in {time.monotonic() - started:.1f} s"
     logger.info(
-        "decode kernels for %s built in %.1f s in %s; this CPU runs %s",
-        ", ".join(ISAS),
-        time.monotonic() - started,
+        "decode kernels for %s %s, in %s; this CPU runs %s",
+        ", ".join(isas),
+        done,
         directory,
         chosen_isa(),
     )
