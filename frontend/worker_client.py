@@ -280,7 +280,9 @@ class WorkerClient:
                 link.endpoint,
             )
         elif not verdict.is_live and link.was_live:
-            log.error("worker declared %s: %s", verdict.state.value, verdict.reason)
+            log.error(
+                "worker at %s declared %s: %s", link.endpoint, verdict.state.value, verdict.reason
+            )
         link.was_live = verdict.is_live
         is_any_other_live = any(
             other.verdict().is_live for other in self._pool.links() if other is not link

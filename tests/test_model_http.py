@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,8 @@ def test_context_overflow_is_422_with_both_numbers_and_the_limit(
         assert metrics["minibatch_worker_rss_bytes"] > metrics["minibatch_worker_kv_cache_bytes"]
         compute = stack.health().json()["workers"][0]["compute"]
         assert "kernels" in compute
+        cores = len(os.sched_getaffinity(0))  # a lone worker's TORCH_THREADS default
+        assert compute.endswith(f", {cores} thread{'s' if cores > 1 else ''}"), compute
         # oneDNN's shapes from the prefill just run; none where every product is
         # on the kernel (float32 too, on an AVX-512 build).
         shapes = metrics["minibatch_worker_matmul_shapes"]

@@ -365,7 +365,7 @@ def test_a_worker_that_was_only_late_keeps_its_requests(tmp_path: Path) -> None:
         stack.wait_for_health("slots busy", lambda h: h["active"] == 2)
         worker = stack.processes["worker"]
         worker.send_signal(signal.SIGSTOP)
-        declared = "worker declared dead"
+        declared = f"worker at {stack.worker_endpoint} declared dead: no heartbeat from worker"
         stack.wait_until(lambda: declared in stack.log("frontend"), declared)
         worker.send_signal(signal.SIGCONT)
         _assert_fault_free_answers(bodies, futures)

@@ -231,7 +231,7 @@ class TorchEngine(SlotEngine):
         # rows it holds, so that the same prompt again needs no prefill at all.
         self._kept_logits: torch.Tensor | None = None  # (slots, V)
         logger.info(
-            "serving %s%s; %s; %s; prefix cache %s",
+            "engine ready: %s%s; %s; %s; prefix cache %s",
             loaded.name,
             " (random weights)" if loaded.is_random_weights else "",
             info.compute,

@@ -88,7 +88,11 @@ class GPT2:
         paths = collections.Counter(projection.decode_path for projection in projections)
         products = ", ".join(f"{count} on {path}" for path, count in sorted(paths.items()))
         kernels = "no decode kernels" if self.kernels is None else self.kernels.describe()
-        return f"{kernels}; decode products {products}; CPU {cpu_summary()}"
+        threads = torch.get_num_threads()  # NUM_WORKERS share the cores (TORCH_THREADS)
+        return (
+            f"{kernels}; decode products {products}; CPU {cpu_summary()}, "
+            f"{threads} thread{'s' if threads > 1 else ''}"
+        )
 
     @property
     def device(self) -> torch.device:
