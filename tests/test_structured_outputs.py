@@ -424,7 +424,14 @@ def test_a_grammar_too_costly_for_a_step_fails_its_request_alone(new_engine: Any
 
 @pytest.mark.parametrize(
     "kind, value",
-    [("choice", json.dumps(["x<|endoftext|>"])), ("regex", r"ab<\|endoftext\|>c")],
+    [
+        ("choice", json.dumps(["x<|endoftext|>"])),
+        ("regex", r"ab<\|endoftext\|>c"),
+        # The token itself, named, where the grammar cannot end: it was taken, and
+        # the output ended at it as "stop", not a sentence of the grammar.
+        ("grammar", 'start: "b" <|endoftext|> "a"'),
+        ("grammar", 'start: <|endoftext|> "a"'),
+    ],
 )
 def test_a_grammar_that_asks_for_the_end_tokens_text_fails_saying_so(
     new_engine: Any, kind: str, value: str
@@ -438,8 +445,9 @@ def test_a_grammar_that_asks_for_the_end_tokens_text_fails_saying_so(
     assert request_id == "spelled"
     field = f"structured_outputs.{kind}"
     assert str(error) == (
-        f"{field}: the grammar asks for '<|endoftext|>' as text, which this model's "
-        "tokenizer keeps for its end token; leave it out of the grammar"
+        f"{field}: the grammar asks for '<|endoftext|>' where it cannot end, and this "
+        "model's tokenizer keeps that for its end token, after which nothing follows; "
+        "leave it out of the grammar"
     )
     assert [seq.request_id for seq in finished] == ["n"]
 

@@ -112,13 +112,15 @@ class GrammarMatcher:
         failed (see `error`)."""
         # llguidance tokenizes the end token's text in a grammar (a choice
         # "a<|endoftext|>") as the end token, offers it there, then refuses it as
-        # text. Only so is the end token taken where the grammar cannot end.
+        # text; a Lark grammar may name the token itself (`"b" <|endoftext|> "a"`),
+        # and takes it. Only so is the end token offered where the grammar cannot
+        # end, and either way the output cannot go on past it: the request fails.
         self.wants_eos_text = (
             token_id == self.eos_token_id
             and not self.matcher.is_error()
             and not self.matcher.is_accepting()
         )
-        return bool(self.matcher.consume_token(token_id))
+        return bool(self.matcher.consume_token(token_id)) and not self.wants_eos_text
 
     @property
     def is_done(self) -> bool:
@@ -130,8 +132,9 @@ class GrammarMatcher:
         """Why the grammar failed, naming the request field."""
         if self.wants_eos_text:
             return (
-                f"{self.field}: the grammar asks for {self.eos_text!r} as text, which this "
-                "model's tokenizer keeps for its end token; leave it out of the grammar"
+                f"{self.field}: the grammar asks for {self.eos_text!r} where it cannot end, "
+                "and this model's tokenizer keeps that for its end token, after which "
+                "nothing follows; leave it out of the grammar"
             )
         problem = _explained(self.matcher.get_error()) or "the token was not one the grammar allows"
         return f"{self.field}: the output could not follow the grammar: {problem}"
