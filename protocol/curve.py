@@ -29,6 +29,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from protocol.throttled import Throttled
+
 log = logging.getLogger(__name__)
 
 _Z85_KEY_LENGTH = 40
@@ -161,13 +163,17 @@ class _AllowedKeys:
 
     def __init__(self, keys: frozenset[bytes]) -> None:
         self.keys = keys
+        # Warning, not debug: a frontend with the wrong key otherwise just never
+        # hears the worker, and nothing says why. At most one a second: 15,000
+        # handshakes with random keys wrote 2 MB of them in 40 s.
+        self._refusals = Throttled(log, "refused CURVE clients")
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.keys:
             return True
-        # Warning, not debug: a frontend with the wrong key otherwise just never
-        # hears the worker, and nothing says why.
-        log.warning("refused a CURVE client whose public key %s is not allowed", key.decode())
+        self._refusals.warn(
+            f"refused a CURVE client whose public key {key.decode()} is not allowed"
+        )
         return False
 
 

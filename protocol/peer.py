@@ -20,6 +20,7 @@ from zmq.utils.monitor import parse_monitor_message
 from protocol.codec import decode_to_frontend, encode
 from protocol.curve import ClientKeys, secure_client
 from protocol.messages import Hello, Ping
+from protocol.wire import MAX_WORKER_MESSAGE_BYTES
 
 S = TypeVar("S", bound=zmq.Socket[Any])
 
@@ -63,6 +64,7 @@ def worker_socket(
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_WORKER_MESSAGE_BYTES)
     if is_immediate:
         socket.setsockopt(zmq.IMMEDIATE, 1)
     if endpoint.startswith("tcp://["):

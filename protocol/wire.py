@@ -25,6 +25,11 @@ MAX_MAP_ITEMS = 64
 # back at it. (A frontend's ids are a client's id of at most 128 characters, or a
 # uuid, and an attempt number.)
 MAX_REQUEST_ID_CHARS = 256
+# The largest frame a client takes from a worker: a result with 20 alternatives'
+# logprobs for every one of 200,000 tokens (about 320 bytes a token, packed)
+# fits. A peer posing as a worker that sent one of 200 MB made a frontend hold
+# 670 MB; past this, the connection is dropped, as a dead worker's.
+MAX_WORKER_MESSAGE_BYTES = 64 * 1024 * 1024
 assert array.array(UINT32).itemsize == array.array(FLOAT32).itemsize == 4
 
 

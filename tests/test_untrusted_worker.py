@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import msgpack
+import psutil
 import pytest
 
 from frontend.errors import MAX_WORKER_MESSAGE_CHARS
@@ -19,6 +20,7 @@ from protocol import (
     GenerateRequest,
     GenerateResult,
 )
+from protocol.wire import MAX_WORKER_MESSAGE_BYTES
 from tests.stack import Stack, running_stack
 from tests.stand_in_worker import StandInWorker
 
@@ -91,6 +93,22 @@ def test_a_worker_message_reaches_the_client_bounded(
     message = response.json()["error"]["message"]
     assert message.startswith("top_k: xxx") and message.endswith("...")
     assert len(message) == MAX_WORKER_MESSAGE_CHARS
+
+
+def test_a_frame_too_large_drops_the_worker_not_the_frontends_memory(tmp_path: Path) -> None:
+    """A peer posing as a worker sent 200 MB in one frame: the frontend held 670
+    MB. Past MAX_WORKER_MESSAGE_BYTES the connection is dropped unread, as a dead
+    worker's; the request waits for a live one, within its deadline."""
+    huge = b"\x00" * (MAX_WORKER_MESSAGE_BYTES + 1)
+    with StandInWorker(lambda request: [huge], capacity=2) as worker:
+        overrides = {"WORKER_ENDPOINT": worker.endpoint, "REQUEST_TIMEOUT_S": "5"}
+        with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+            stack.wait_live()
+            response = _generate(stack)
+            assert response.status_code == 504, response.text
+            assert "declared dead: its connection closed" in stack.log("frontend")
+            rss = psutil.Process(stack.processes["frontend"].pid).memory_info().rss
+            assert rss < MAX_WORKER_MESSAGE_BYTES
 
 
 def test_a_flood_of_garbage_frames_is_logged_once_a_second(
