@@ -220,3 +220,31 @@ def test_a_burst_on_an_idle_worker_prefills_in_passes_each_counted_and_exact(
     results = {o.request_id: o for o in outputs if isinstance(o, GenerateResult)}
     for r in requests:
         assert results[r.request_id].token_ids == reference_ids(model, r)
+
+
+def test_beside_streams_one_prompt_to_score_goes_in_a_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each scored prompt goes in whole; the 8 choices of one request scoring a
+    1,020-token prompt went in together and held every stream 20 to 40 s."""
+    engine = tiny_engine(capacity=4, prefill_chunk_tokens=CHUNK)
+    scored_per_step: list[int] = []
+    prefill = GPT2.prefill
+
+    def counting(self: GPT2, token_ids, lengths, slots, cache, keep_all=(), *args, **kw):  # type: ignore[no-untyped-def]
+        scored_per_step.append(len(keep_all))
+        return prefill(self, token_ids, lengths, slots, cache, keep_all, *args, **kw)
+
+    monkeypatch.setattr(GPT2, "prefill", counting)
+    rng = random.Random(21)
+    stream = request("stream", random_prompt(rng, 4, 4), 30, ignore_eos=True)
+    engine.admit([stream])
+    engine.step()
+    prompt = random_prompt(rng, 40, 40)
+    engine.admit([request(f"score{i}", prompt, 0, prompt_logprobs=1) for i in range(3)])
+    scored_per_step.clear()
+    for _ in range(3):
+        before = len(engine._by_id["stream"].output_token_ids)
+        engine.step()
+        assert len(engine._by_id["stream"].output_token_ids) == before + 1
+    assert scored_per_step == [1, 1, 1]
