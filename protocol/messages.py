@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class ErrorCode:
@@ -217,6 +217,7 @@ class Hello:
     # checks before a request waits for a slot; 0: not said.
     vocab_size: int = 0
     max_token_chars: int = 0
+    max_token_bytes: int = 0  # of UTF-8 a token stands for, where that bounds a prompt
     # How the engine computes (precision, decode kernels and their ISA), as /health
     # shows it; empty from a worker that does not say.
     compute: str = ""

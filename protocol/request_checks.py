@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protocol.grammar_shape import grammar_shape_problem
@@ -44,18 +45,45 @@ class RequestLimits:
     vocab_size: int  # token ids must be below this
     context_window: int  # prompt + max_new_tokens, at most
     max_token_chars: int  # no token's text is longer than this
+    max_token_bytes: int = 0  # no token covers more UTF-8 of a prompt (0: not said)
 
     @property
     def max_prompt_chars(self) -> int:
         """A longer text prompt needs more tokens than the context window holds."""
         return self.context_window * self.max_token_chars
 
+    def prompt_overflow(self, field: str, texts: Sequence[str]) -> tuple[str, str] | None:
+        """CONTEXT_OVERFLOW for ``texts`` (a prompt, or a conversation's contents)
+        that more tokens than the context window holds would spell, judged by
+        their length alone: a prompt of 131,072 emoji is 131,072 characters, and
+        took the worker's tokenizer a second before it was refused."""
+        window = self.context_window
+        num_chars = sum(len(text) for text in texts)
+        if num_chars > self.max_prompt_chars:
+            return ErrorCode.CONTEXT_OVERFLOW, (
+                f"{field}: {num_chars:,} characters, more tokens than the context window "
+                f"({window:,} tokens of at most {self.max_token_chars} characters) holds; "
+                "shorten it"
+            )
+        if not self.max_token_bytes or num_chars * 4 <= window * self.max_token_bytes:
+            return None  # no text of this many characters is long enough in UTF-8
+        num_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+        if num_bytes > window * self.max_token_bytes:
+            return ErrorCode.CONTEXT_OVERFLOW, (
+                f"{field}: {num_bytes:,} bytes of UTF-8, more tokens than the context "
+                f"window ({window:,} tokens of at most {self.max_token_bytes} bytes) holds; "
+                "shorten it"
+            )
+        return None
+
 
 def limits_of(hello: Hello) -> RequestLimits | None:
     """The limits a worker's hello gives, if it gives them (0: not said)."""
     if not (hello.vocab_size and hello.max_token_chars):
         return None
-    return RequestLimits(hello.vocab_size, hello.context_window, hello.max_token_chars)
+    return RequestLimits(
+        hello.vocab_size, hello.context_window, hello.max_token_chars, hello.max_token_bytes
+    )
 
 
 def is_valid_abort(request: AbortRequest) -> bool:
@@ -139,12 +167,8 @@ def _prompt_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[st
             return ErrorCode.CONTEXT_OVERFLOW, overflow_message(fitted, num_prompt, window)
     elif not request.prompt:
         return invalid, "prompt: must not be empty"
-    elif len(request.prompt) > limits.max_prompt_chars:
-        return ErrorCode.CONTEXT_OVERFLOW, (
-            f"prompt: {len(request.prompt):,} characters, more tokens than the context "
-            f"window ({window:,} tokens of at most {limits.max_token_chars} characters) "
-            "holds; shorten it"
-        )
+    else:
+        return limits.prompt_overflow("prompt", [request.prompt])
     return None
 
 
@@ -164,14 +188,7 @@ def _chat_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str,
         if role not in CHAT_ROLES:
             roles_allowed = ", ".join(CHAT_ROLES)
             return invalid, f"messages.{i}.role: {role[:64]!r} is not one of {roles_allowed}"
-    num_chars = sum(len(content) for content in contents)
-    if num_chars > limits.max_prompt_chars:
-        return ErrorCode.CONTEXT_OVERFLOW, (
-            f"messages: {num_chars:,} characters, more tokens than the context window "
-            f"({limits.context_window:,} tokens of at most {limits.max_token_chars} "
-            "characters) holds; shorten it"
-        )
-    return None
+    return limits.prompt_overflow("messages", contents)
 
 
 def _scoring_problem(request: GenerateRequest) -> tuple[str, str] | None:

@@ -18,6 +18,7 @@ from protocol.limits import (
 from protocol.request_checks import RequestLimits, is_valid_abort, request_problem
 from protocol.wire import MAX_REQUEST_ID_CHARS
 from worker.engine.fake_engine import FakeEngine
+from worker.model.loader import TextTokenizer, gpt2_tokenizer
 
 LIMITS = RequestLimits(vocab_size=1000, context_window=64, max_token_chars=4)
 
@@ -255,3 +256,31 @@ def test_an_abort_needs_a_bounded_id() -> None:
     assert is_valid_abort(AbortRequest("r"))
     assert not is_valid_abort(AbortRequest(""))
     assert not is_valid_abort(AbortRequest("x" * (MAX_REQUEST_ID_CHARS + 1)))
+
+
+def test_a_prompt_too_long_in_bytes_for_its_tokens_is_refused_before_tokenizing() -> None:
+    """A byte-level token covers at most max_token_bytes of UTF-8: 131,072 emoji
+    passed the character bound and took the tokenizer a second to refuse."""
+    limits = RequestLimits(vocab_size=1000, context_window=64, max_token_chars=4, max_token_bytes=4)
+    fits = "😀" * 64  # 256 bytes: it may be 64 tokens
+    assert request_problem(_request(prompt=fits, fit_context=True), limits) is None
+    for request in (
+        _request(prompt=fits + "a"),
+        _request(prompt="", chat_roles=["user", "user"], chat_contents=[fits, "a"]),
+    ):
+        problem = request_problem(request, limits)
+        assert problem is not None and problem[0] == ErrorCode.CONTEXT_OVERFLOW
+        field = "messages" if request.chat_roles else "prompt"
+        assert problem[1] == (
+            f"{field}: 257 bytes of UTF-8, more tokens than the context window (64 tokens "
+            "of at most 4 bytes) holds; shorten it"
+        )
+    no_bound = dataclasses.replace(limits, max_token_bytes=0)  # a normalizer, say
+    assert request_problem(_request(prompt=fits + "a", fit_context=True), no_bound) is None
+
+
+def test_gpt2s_tokens_cover_at_most_128_bytes_of_a_prompt() -> None:
+    tokenizer = TextTokenizer(gpt2_tokenizer(), 50256)
+    assert tokenizer.max_token_bytes == 128
+    longest = max(len(tokenizer.token_bytes(i)) for i in range(50257))
+    assert longest <= tokenizer.max_token_bytes

@@ -59,6 +59,9 @@ class ModelInfo:
     context_window: int
     vocab_size: int  # token ids the model can embed: 0 to vocab_size - 1
     max_token_chars: int  # the longest text one token decodes to, or more
+    # The most UTF-8 bytes of a prompt one token covers, where the tokenizer
+    # bounds that (0: it does not say).
+    max_token_bytes: int = 0
     # How it computes, for /health and logs: precision, kernels and their ISA.
     compute: str = ""
     kv_cache_bytes: int = 0  # preallocated at start, for every slot

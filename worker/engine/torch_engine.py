@@ -201,6 +201,7 @@ class TorchEngine(SlotEngine):
             context_window=config.n_positions,
             vocab_size=config.vocab_size,
             max_token_chars=loaded.tokenizer.max_token_chars,
+            max_token_bytes=loaded.tokenizer.max_token_bytes,
             compute=f"{self.precision.describe()}; {self.gpt2.describe_kernels()}",
             kv_cache_bytes=self.cache.kv.numel() * self.cache.kv.element_size(),
         )

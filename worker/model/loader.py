@@ -62,6 +62,12 @@ class TextTokenizer:
             else None
         )
         self._added_ids = set(backend.get_added_tokens_decoder())
+        # A byte-level token spells at most max_token_chars bytes of the text (an
+        # added token, spelled as itself, is ASCII), so a prompt needs at least one
+        # token per that many bytes. A normalizer could shorten the text first
+        # (NFC joins characters): then nothing is said.
+        is_byte_level = self._byte_of is not None and backend.normalizer is None
+        self.max_token_bytes = self.max_token_chars if is_byte_level else 0
 
     def encode(self, text: str) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=False).ids)

@@ -81,7 +81,9 @@ class WorkerServer:
         self.config = config
         self.instance_id = uuid.uuid4().hex
         info = scheduler.engine.info
-        self.limits = RequestLimits(info.vocab_size, info.context_window, info.max_token_chars)
+        self.limits = RequestLimits(
+            info.vocab_size, info.context_window, info.max_token_chars, info.max_token_bytes
+        )
         self.hello = Hello(
             instance_id=self.instance_id,
             model=info.name,
@@ -90,6 +92,7 @@ class WorkerServer:
             context_window=info.context_window,
             vocab_size=self.limits.vocab_size,
             max_token_chars=self.limits.max_token_chars,
+            max_token_bytes=self.limits.max_token_bytes,
             max_queue_depth=scheduler.max_queue_depth,
             max_message_bytes=config.max_message_bytes,
             compute=info.compute,
