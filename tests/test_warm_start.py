@@ -35,6 +35,16 @@ def _fork_server(stack: Stack) -> psutil.Process:
     return server
 
 
+def _fork_servers(stack: Stack) -> list[int]:
+    supervisor = psutil.Process(stack.processes["supervisor"].pid)
+    return [
+        child.pid
+        for child in supervisor.children()
+        if " ".join(child.cmdline()).split() == [FORK_SERVER_TITLE]
+        and child.status() != psutil.STATUS_ZOMBIE
+    ]
+
+
 @contextlib.contextmanager
 def _killed_at_exit(pid: int) -> Iterator[None]:
     try:
@@ -96,6 +106,31 @@ def test_a_worker_outlives_its_fork_server_and_its_replacement_brings_a_new_one(
         # Watched directly now: its death is seen, and a new fork server forks the next.
         stack.wait_live(instance_not=str(first["instance_id"]))
         assert _fork_server(stack).pid != server.pid
+        assert _generate(stack, "hi") == expected_text("hi", 3)
+
+
+def test_a_fork_server_that_dies_with_no_worker_of_its_own_is_noticed_before_a_fork(
+    tmp_path: Path,
+) -> None:
+    """No worker reports the death of a replacement fork server that has forked
+    none: the next fork brought one up itself, holding the supervisor 5 to 28 s."""
+    with running_stack(tmp_path) as stack:
+        first = stack.wait_live()
+        (worker,) = stack.worker_pids()
+        with _killed_at_exit(worker):
+            server = _fork_server(stack)
+            os.kill(server.pid, signal.SIGKILL)
+            stack.wait_until(
+                lambda: _fork_servers(stack) not in ([], [server.pid]), "a replacement"
+            )
+            (replacement,) = _fork_servers(stack)
+            time.sleep(1.0)  # up: the fake model preloads nothing
+            os.kill(replacement, signal.SIGKILL)
+            time.sleep(0.5)
+            os.kill(worker, signal.SIGKILL)
+            stack.wait_live(instance_not=str(first["instance_id"]))
+        assert "the fork server is gone; bringing up another" in stack.log("supervisor")
+        assert "did not run for" not in stack.log("supervisor")
         assert _generate(stack, "hi") == expected_text("hi", 3)
 
 

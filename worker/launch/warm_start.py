@@ -81,6 +81,17 @@ class ForkServer:
     def is_ready(self) -> bool:
         return self._ready.is_set()
 
+    def is_up(self) -> bool:
+        """Ready, and its process still there. A fork server that dies with no
+        worker of its own to report it (a replacement that has forked none yet)
+        is noticed here, before a fork, and another is brought up on its thread:
+        else the next fork brought one up itself, holding the supervisor's loop
+        5 to 28 s with no worker and no frontend tended."""
+        if self.is_ready and self.process() is None:
+            log.warning("the fork server is gone; bringing up another")
+            self.on_lost()
+        return self.is_ready
+
     def warm_up(self) -> None:
         """Bring the fork server up, unless that is under way or done, given up on,
         or the supervisor is shutting down."""
