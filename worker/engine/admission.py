@@ -6,8 +6,6 @@ put back."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from protocol import ErrorCode, GenerateRequest, GrammarKind
 from protocol.request_checks import fit_to_context, overflow_message, overflows, prompt_field
 from worker.engine.chat_template import ChatTemplate, ChatTemplateError
@@ -16,50 +14,31 @@ from worker.engine.interface import ModelInfo, RequestRejected
 from worker.engine.sequence import Sequence, Tokenizer
 
 
-@dataclass(frozen=True)
-class Prompt:
-    """A request's prompt, read and checked: it fits the context window."""
-
-    token_ids: list[int]
-    text: str | None  # as sent, or rendered from a conversation; None for ids
-
-
-def read_prompt(
-    request: GenerateRequest, tokenizer: Tokenizer, chat_template: ChatTemplate, info: ModelInfo
-) -> Prompt:
-    """``request``'s prompt tokenized (or rendered from a conversation, or its ids
-    as given) and checked against the vocabulary and the context window. Raises
-    RequestRejected naming what is wrong. Touches nothing shared: it may run on a
-    thread of its own (`PromptReader`)."""
-    token_ids, text = _prompt(request, tokenizer, chat_template, info)
-    fitted = fit_to_context(request, len(token_ids), info.context_window)
-    if overflows(fitted, len(token_ids), info.context_window):
-        raise RequestRejected(
-            request.request_id,
-            ErrorCode.CONTEXT_OVERFLOW,
-            overflow_message(fitted, len(token_ids), info.context_window),
-        )
-    return Prompt(token_ids, text)
-
-
 def new_sequence(
     request: GenerateRequest,
     slot: int,
-    prompt: Prompt,
     tokenizer: Tokenizer,
+    chat_template: ChatTemplate,
     info: ModelInfo,
     grammars: Grammars | None = None,
 ) -> Sequence:
-    """``request`` as the sequence its slot will hold, with its ``prompt`` (from
-    `read_prompt`): its grammar's matcher from ``grammars``, and any output a
-    resumed request already streamed put back, through the grammar too. Raises
-    RequestRejected naming what is wrong."""
-    token_ids = prompt.token_ids
+    """``request`` as the sequence its slot will hold: its prompt tokenized (or
+    rendered from a conversation), checked against the context window, its
+    grammar's matcher from ``grammars``, and any output a resumed request already
+    streamed put back, through the grammar too. Raises RequestRejected naming
+    what is wrong."""
+    token_ids, text = _prompt(request, tokenizer, chat_template, info)
     request = fit_to_context(request, len(token_ids), info.context_window)
+    if overflows(request, len(token_ids), info.context_window):
+        raise RequestRejected(
+            request.request_id,
+            ErrorCode.CONTEXT_OVERFLOW,
+            overflow_message(request, len(token_ids), info.context_window),
+        )
     grammar = _grammar(request, grammars, info) if request.grammar else None
     seq = Sequence(request, token_ids, tokenizer, slot, grammar)
     if request.echo:
-        seq.prompt_text = tokenizer.decode(token_ids) if prompt.text is None else prompt.text
+        seq.prompt_text = tokenizer.decode(token_ids) if text is None else text
     try:
         seq.resume(request.resume_token_ids, request.resume_text_len)
     except ValueError as exc:

@@ -95,11 +95,11 @@ class InferenceEngine(ABC):
 
     def prepare(self, request: GenerateRequest) -> bool:
         """Start, off the calling thread, what admitting ``request`` needs that may
-        take long (compiling its grammar, reading a long prompt), and return whether
-        it is done. Cheap: the scheduler calls it for each queued request it might
-        admit, and admits only those it is done for, so that the running batch
-        never waits on one (`admit` would do the rest on the caller's thread). A
-        request whose preparation failed is done: `admit` rejects it."""
+        take long (compiling its grammar), and return whether it is done. Cheap:
+        the scheduler calls it for each queued request it might admit, and admits
+        only those it is done for, so that the running batch never waits on one
+        (`admit` would do the rest on the caller's thread). A request whose
+        preparation failed is done: `admit` rejects it."""
         return True
 
     def unprepare(self, request: GenerateRequest) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 from typing import TypeVar
 
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
-from worker.engine.admission import Prompt, new_sequence, read_prompt
+from worker.engine.admission import new_sequence
 from worker.engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, jinja_template
 from worker.engine.grammar import Grammars
 from worker.engine.interface import (
@@ -24,7 +24,6 @@ from worker.engine.interface import (
 from worker.engine.logprobs import TokenLogprob, pack
 from worker.engine.prefill_plan import Chunk, block_tokens_for, plan_chunks
 from worker.engine.prefix_cache import Match, PrefixCache
-from worker.engine.prompts import PromptReader
 from worker.engine.sequence import Sequence, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -77,7 +76,6 @@ class SlotEngine(InferenceEngine):
         self._num_prefilled: dict[str, int] = {}
         self.tokenizer = tokenizer
         self.chat_template = chat_template or jinja_template(DEFAULT_CHAT_TEMPLATE, "default")
-        self.prompts = PromptReader(self._read_prompt)
         self._slots: list[Sequence | None] = [None] * capacity
         self._by_id: dict[str, Sequence] = {}
         self._token_texts: dict[int, str] = {}  # each token's own text, for logprobs
@@ -143,13 +141,11 @@ class SlotEngine(InferenceEngine):
         ]
 
     def prepare(self, request: GenerateRequest) -> bool:
-        grammar_ready = True
-        if request.grammar and self.grammars is not None:
-            grammar_ready = self.grammars.prepare(request.grammar)
-        return self.prompts.prepare(request) and grammar_ready
+        if not request.grammar or self.grammars is None:
+            return True
+        return self.grammars.prepare(request.grammar)
 
     def unprepare(self, request: GenerateRequest) -> None:
-        self.prompts.cancel(request)
         if request.grammar and self.grammars is not None:
             self.grammars.cancel(request.grammar)
 
@@ -361,11 +357,9 @@ class SlotEngine(InferenceEngine):
                 ErrorCode.INVALID_REQUEST,
                 f"request {request.request_id} is already being generated",
             )
-        prompt = self.prompts.take(request)
-        return new_sequence(request, slot, prompt, self.tokenizer, self.info, self.grammars)
-
-    def _read_prompt(self, request: GenerateRequest) -> Prompt:
-        return read_prompt(request, self.tokenizer, self.chat_template, self.info)
+        return new_sequence(
+            request, slot, self.tokenizer, self.chat_template, self.info, self.grammars
+        )
 
     def _scratch_position(self, slot: int) -> int:
         """A position of ``slot``'s cache row that a dummy decode row (for a slot

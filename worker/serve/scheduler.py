@@ -4,13 +4,13 @@ Transport-free: the server feeds requests in and sends out whatever `run_once`
 returns. One call of `run_once` is one iteration: admit from the FCFS queue into
 every free slot, advance every active sequence one token, and report each
 finished sequence at once, so its slot is refilled before the next step. A
-queued request that the engine is still preparing (compiling its grammar or
-reading a long prompt, off this thread) waits in its place while those behind
-it may go first; only the first `PREPARED_AHEAD` past the free slots are
-prepared at once, so that a queue of costly grammars holds a bounded number
-compiled. A request that waits past an iteration is reported `Waiting`, and
-`Admitted` when a slot takes it, before its prefill runs: the frontend knows
-what a worker that dies was doing with it.
+queued request that the engine is still preparing (compiling its grammar, off
+this thread) waits in its place while those behind it may go first; only the
+first `PREPARED_AHEAD` past the free slots are prepared at once, so that a
+queue of costly grammars holds a bounded number compiled. A request
+that waits past an iteration is reported `Waiting`, and `Admitted` when a slot
+takes it, before its prefill runs: the frontend knows what a worker that dies was
+doing with it.
 """
 
 from __future__ import annotations
