@@ -105,7 +105,7 @@ class GrammarMatcher:
         self.eos_token_id = eos_token_id  # allowed where the grammar may end
         self.eos_text = eos_text  # the end token's text, for errors
         self.field = field  # the request field the grammar came from, for errors
-        self.wants_eos_text = False
+        self.takes_eos_midway = False
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False if the grammar does not allow it, or has
@@ -115,12 +115,12 @@ class GrammarMatcher:
         # text; a Lark grammar may name the token itself (`"b" <|endoftext|> "a"`),
         # and takes it. Only so is the end token offered where the grammar cannot
         # end, and either way the output cannot go on past it: the request fails.
-        self.wants_eos_text = (
+        self.takes_eos_midway = (
             token_id == self.eos_token_id
             and not self.matcher.is_error()
             and not self.matcher.is_accepting()
         )
-        return bool(self.matcher.consume_token(token_id)) and not self.wants_eos_text
+        return bool(self.matcher.consume_token(token_id)) and not self.takes_eos_midway
 
     @property
     def is_done(self) -> bool:
@@ -130,7 +130,7 @@ class GrammarMatcher:
     @property
     def error(self) -> str:
         """Why the grammar failed, naming the request field."""
-        if self.wants_eos_text:
+        if self.takes_eos_midway:
             return (
                 f"{self.field}: the grammar asks for {self.eos_text!r} where it cannot end, "
                 "and this model's tokenizer keeps that for its end token, after which "
