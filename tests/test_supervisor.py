@@ -34,6 +34,7 @@ from worker.launch.supervisor import (
     check_ports_apart,
     check_worker_ports_free,
 )
+from worker.launch.warm_start import FORK_SERVER_TITLE
 from worker.serve.config import WorkerConfig
 
 SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it
@@ -677,8 +678,13 @@ def test_a_supervisor_told_to_stop_ends_everything_it_started_saying_so(
         stack.wait_live()
         supervisor = stack.processes["supervisor"]
         children = psutil.Process(supervisor.pid).children(recursive=True)
+        (fork_server,) = [
+            c for c in children if " ".join(c.cmdline()).split() == [FORK_SERVER_TITLE]
+        ]
         supervisor.terminate()
         assert supervisor.wait(timeout=30) == 0
+        # Ended by the supervisor before it exits, not left to find it gone.
+        assert not fork_server.is_running()
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"still running: {[p.pid for p in alive]}\n{stack.logs()}"
         log = stack.log("supervisor")
