@@ -110,9 +110,9 @@ class ForkServer:
 
     def stop(self) -> None:
         """At the supervisor's own stop, once the workers have: end the fork server
-        now (resumed first, if stopped: it would outlive this process), rather than
-        leave it to find its supervisor gone, which it reports as a warning, as it
-        should when the supervisor was killed."""
+        now (killed, if stopped: it would outlive this process), rather than leave
+        it to find its supervisor gone, which it reports as a warning, as it should
+        when the supervisor was killed."""
         self.replace_if_stopped()
         process = self.process()
         if process is None:
