@@ -226,7 +226,8 @@ def test_beside_streams_one_prompt_to_score_goes_in_a_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each scored prompt goes in whole; the 8 choices of one request scoring a
-    1,020-token prompt went in together and held every stream 20 to 40 s."""
+    1,020-token prompt went in together and held every stream 20 to 40 s (loaded
+    2-core Xeon)."""
     engine = tiny_engine(capacity=4, prefill_chunk_tokens=CHUNK)
     scored_per_step: list[int] = []
     prefill = GPT2.prefill

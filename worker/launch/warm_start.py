@@ -86,7 +86,8 @@ class ForkServer:
         worker of its own to report it (a replacement that has forked none yet)
         is noticed here, before a fork, and another is brought up on its thread:
         else the next fork brought one up itself, holding the supervisor's loop
-        5 to 28 s with no worker and no frontend tended."""
+        5 to 28 s (2-core Xeon, idle to loaded) with no worker and no frontend
+        tended."""
         if self.is_ready and self.process() is None:
             log.warning("the fork server is gone; bringing up another")
             self.on_lost()
