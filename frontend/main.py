@@ -19,6 +19,7 @@ from frontend.http_protocol import edge_protocol
 from frontend.worker_client import WorkerClient
 from protocol.lifeline import follow_supervisor
 from protocol.settings import ConfigError, exit_refusing, load
+from protocol.throttled import ThrottleWarnings
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         timeout_keep_alive=config.keep_alive_timeout_s,
         limit_concurrency=config.max_connections,
     )
+    # uvicorn logs a warning for each malformed request, websocket upgrade and
+    # request past MAX_CONNECTIONS: a client could write the log at will.
+    logging.getLogger("uvicorn.error").addFilter(ThrottleWarnings())
     server = _Server(server_config, app.state.client)
     # /ready says "full" while every connection uvicorn takes is in use.
     app.state.count_connections = lambda: len(server.server_state.connections)

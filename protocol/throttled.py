@@ -8,6 +8,26 @@ import logging
 import time
 
 
+class _OnceASecond:
+    """The rule both throttles keep: one line a second, the next one counting the
+    lines left out meanwhile."""
+
+    def __init__(self) -> None:
+        self.next_at = 0.0
+        self.num_suppressed = 0
+
+    def admit(self) -> int | None:
+        """None if a line now is to be left out; else how many were left out since
+        the last one admitted."""
+        now = time.monotonic()
+        if now < self.next_at:
+            self.num_suppressed += 1
+            return None
+        num_suppressed, self.num_suppressed = self.num_suppressed, 0
+        self.next_at = now + 1.0
+        return num_suppressed
+
+
 class Throttled:
     """One kind of warning, logged at most once a second, with a count of those
     left out since the last one."""
@@ -16,17 +36,39 @@ class Throttled:
         self.logger = logger
         self.what = what
         self.level = level
-        self.next_at = 0.0
-        self.num_suppressed = 0
+        self.rule = _OnceASecond()
 
     def warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now < self.next_at:
-            self.num_suppressed += 1
+        num_suppressed = self.rule.admit()
+        if num_suppressed is None:
             return
-        more = (
-            f" ({self.num_suppressed} more {self.what} not logged)" if self.num_suppressed else ""
-        )
+        more = f" ({num_suppressed} more {self.what} not logged)" if num_suppressed else ""
         self.logger.log(self.level, "%s%s", message, more)
-        self.next_at = now + 1.0
-        self.num_suppressed = 0
+
+
+_MAX_TEMPLATES = 256
+
+
+class ThrottleWarnings(logging.Filter):
+    """For a library's logger whose warnings a peer triggers at will (uvicorn's
+    "Invalid HTTP request received." for each malformed request): each warning
+    (or error) of the same message template passes at most once a second, with a
+    count of those left out. Lower levels pass untouched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rules: dict[object, _OnceASecond] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        if record.msg not in self.rules and len(self.rules) >= _MAX_TEMPLATES:
+            self.rules.clear()  # a library that logs ever new texts, not templates
+        rule = self.rules.setdefault(record.msg, _OnceASecond())
+        num_suppressed = rule.admit()
+        if num_suppressed is None:
+            return False
+        if num_suppressed:
+            record.msg = f"{record.getMessage()} ({num_suppressed} more not logged)"
+            record.args = None
+        return True

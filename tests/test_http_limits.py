@@ -489,6 +489,24 @@ def test_a_malformed_content_length_gets_400_in_the_usual_error_shape(
     assert error["message"].startswith("the request is not valid HTTP/1.1")
 
 
+def test_a_flood_of_malformed_requests_writes_a_line_a_second_not_one_each(
+    stack: Stack,
+) -> None:
+    warning = "Invalid HTTP request received."  # uvicorn's own, for each
+    lines_before = stack.log("frontend").count(warning)
+    started = time.monotonic()
+    for i in range(41):
+        with connect(stack) as sock:
+            sock.sendall(head("/generate", f"Content-Type: {JSON}", "Content-Length: -1"))
+            assert read_response(sock)[0] == 400
+        if i == 39:
+            time.sleep(1.1)  # the next one is logged, with a count of those left out
+    elapsed_s = time.monotonic() - started
+    log = stack.log("frontend")
+    assert log.count(warning) - lines_before <= elapsed_s + 2
+    assert f"{warning} (" in log and "more not logged)" in log
+
+
 def test_a_body_that_stalls_gets_408(stack: Stack) -> None:
     with connect(stack) as sock:
         started = time.monotonic()

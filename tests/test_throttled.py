@@ -1,0 +1,57 @@
+"""Log throttles: a peer that triggers a warning at will gets one line a second."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from protocol import throttled
+from protocol.throttled import ThrottleWarnings
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(throttled.time, "monotonic", clock)
+    return clock
+
+
+def test_a_repeated_warning_passes_once_a_second_with_a_count_of_those_left_out(
+    clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    logger = logging.getLogger("test_throttled.repeated")
+    logger.addFilter(ThrottleWarnings())
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        for _ in range(50):
+            logger.warning("Invalid HTTP request received.")
+            logger.warning("peer %s sent %d bytes", "a", 3)
+            logger.info("started")  # below warnings: never throttled
+        clock.now += 1.0
+        logger.warning("Invalid HTTP request received.")
+        logger.warning("peer %s sent %d bytes", "b", 4)
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines.count("started") == 50
+    assert [line for line in lines if line != "started"] == [
+        "Invalid HTTP request received.",
+        "peer a sent 3 bytes",
+        "Invalid HTTP request received. (49 more not logged)",
+        "peer b sent 4 bytes (49 more not logged)",
+    ]
+
+
+def test_a_logger_of_ever_new_texts_keeps_a_bounded_table(clock: Clock) -> None:
+    throttle = ThrottleWarnings()
+    logger = logging.getLogger("test_throttled.new_texts")
+    for i in range(10_000):
+        record = logger.makeRecord(logger.name, logging.WARNING, __file__, 0, f"t{i}", None, None)
+        assert throttle.filter(record)
+    assert len(throttle.rules) <= throttled._MAX_TEMPLATES
