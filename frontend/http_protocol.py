@@ -23,6 +23,9 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   event of its own, ~13 us of the event loop each (Zen 4 EPYC): a 1 MB body
   sent a byte a chunk held every other request and probe for 13 s. A body of
   more chunks than that is refused (400, the connection closed).
+- **Absolute-form targets** (``GET http://host/health``, as clients send to a
+  proxy) are served as their path, as RFC 9112 asks; uvicorn routed the whole
+  URL as a path, a 404.
 - **Probes.** uvicorn answers every request 503 while MAX_CONNECTIONS
   connections are open (its ``limit_concurrency``), idle ones included, so a
   client holding that many would blind the orchestrator's probes too, and have
@@ -100,6 +103,7 @@ class EdgeConnection(h11.Connection):
             if _head_bytes(event) > self.max_head_bytes:
                 self.is_head_too_large = True
                 raise h11.RemoteProtocolError(_HEAD_TOO_LARGE.message, error_status_hint=431)
+            event = _in_origin_form(event)
         # chunk_end: a chunk whose size line ends one read starts the next without
         # chunk_start, but every chunk ends once.
         elif isinstance(event, h11.Data) and event.chunk_end:
@@ -107,6 +111,25 @@ class EdgeConnection(h11.Connection):
             if self.num_chunks > MAX_BODY_CHUNKS:
                 raise h11.RemoteProtocolError(_TOO_MANY_CHUNKS.message, error_status_hint=400)
         return event
+
+
+def _in_origin_form(request: h11.Request) -> h11.Request:
+    """``request`` with an absolute-form target (``GET http://host/health``, as
+    sent to a proxy) in origin form (``/health``): RFC 9112 asks a server to take
+    both, and uvicorn would route the whole URL as a path (404)."""
+    scheme, _, rest = request.target.partition(b"://")
+    if not rest or scheme.lower() not in (b"http", b"https"):
+        return request
+    path_start = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0), default=len(rest))
+    target = rest[path_start:]
+    if not target.startswith(b"/"):
+        target = b"/" + target
+    return h11.Request(
+        method=request.method,
+        target=target,
+        headers=request.headers,
+        http_version=request.http_version,
+    )
 
 
 def _head_bytes(request: h11.Request) -> int:

@@ -571,6 +571,23 @@ def test_an_unknown_path_or_method_gets_the_usual_error_shape(stack: Stack) -> N
     assert (error["type"], error["code"]) == ("invalid_request_error", "method_not_allowed")
 
 
+@pytest.mark.parametrize(
+    ("target", "status"),
+    [
+        ("http://example.com/health", 200),
+        ("HTTPS://example.com:8443/health?x=1", 200),
+        ("http://example.com", 404),
+        ("http://example.com/nowhere", 404),
+    ],
+)
+def test_an_absolute_form_target_is_routed_by_its_path(
+    stack: Stack, target: str, status: int
+) -> None:
+    with connect(stack) as sock:
+        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        assert read_response(sock)[0] == status
+
+
 def test_a_trailing_slash_gets_a_404_naming_the_route_not_a_redirect(stack: Stack) -> None:
     # Starlette's redirect would send the client to whatever its Host header named.
     headers = {"Host": "elsewhere.example"}
