@@ -222,30 +222,43 @@ def test_a_burst_on_an_idle_worker_prefills_in_passes_each_counted_and_exact(
         assert results[r.request_id].token_ids == reference_ids(model, r)
 
 
-def test_beside_streams_one_prompt_to_score_goes_in_a_step(
+def test_beside_streams_a_prompt_to_score_goes_in_chunks_and_scores_as_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Each scored prompt goes in whole; the 8 choices of one request scoring a
-    1,020-token prompt went in together and held every stream 20 to 40 s (loaded
-    2-core Xeon)."""
+    """A scored prompt went in whole: one of 1,020 tokens held every stream about
+    1 s a step (quiet 2-core Xeon), and the 8 choices of one such request, in one
+    step, 20 to 40 s loaded. Now each chunk scores its own positions."""
     engine = tiny_engine(capacity=4, prefill_chunk_tokens=CHUNK)
-    scored_per_step: list[int] = []
+    prefilled_per_call: list[int] = []
     prefill = GPT2.prefill
 
-    def counting(self: GPT2, token_ids, lengths, slots, cache, keep_all=(), *args, **kw):  # type: ignore[no-untyped-def]
-        scored_per_step.append(len(keep_all))
-        return prefill(self, token_ids, lengths, slots, cache, keep_all, *args, **kw)
+    def counting(self: GPT2, token_ids, lengths, *args, **kwargs):  # type: ignore[no-untyped-def]
+        prefilled_per_call.append(sum(lengths))
+        return prefill(self, token_ids, lengths, *args, **kwargs)
 
     monkeypatch.setattr(GPT2, "prefill", counting)
     rng = random.Random(21)
-    stream = request("stream", random_prompt(rng, 4, 4), 30, ignore_eos=True)
+    stream = request("stream", random_prompt(rng, 4, 4), 60, ignore_eos=True)
     engine.admit([stream])
     engine.step()
-    prompt = random_prompt(rng, 40, 40)
-    engine.admit([request(f"score{i}", prompt, 0, prompt_logprobs=1) for i in range(3)])
-    scored_per_step.clear()
-    for _ in range(3):
+    prompt = random_prompt(rng, 70, 70)
+    scoring = [request(f"score{i}", prompt, 1, prompt_logprobs=3) for i in range(2)]
+    engine.admit(scoring)
+    prefilled_per_call.clear()
+    results = {}
+    while len(results) < len(scoring):
         before = len(engine._by_id["stream"].output_token_ids)
-        engine.step()
+        output = engine.step()
+        results.update((f.request_id, f) for f in output.finished)
         assert len(engine._by_id["stream"].output_token_ids) == before + 1
-    assert scored_per_step == [1, 1, 1]
+    assert max(prefilled_per_call) <= CHUNK
+    assert sum(prefilled_per_call) == 2 * len(prompt)  # each scored prompt computed, in chunks
+    alone = run_schedule(tiny_engine(capacity=1), {0: [scoring[0]]})["score0"]
+    for result in results.values():
+        chunked, whole = result.prompt_logprobs, alone.prompt_logprobs
+        assert chunked is not None and whole is not None
+        assert len(chunked.logprobs) == len(prompt)
+        assert chunked.top_token_ids == whole.top_token_ids
+        assert chunked.logprobs[1:] == pytest.approx(whole.logprobs[1:], abs=1e-5)
+        assert chunked.top_logprobs == pytest.approx(whole.top_logprobs, abs=1e-5, nan_ok=True)
+        assert result.token_ids == alone.token_ids

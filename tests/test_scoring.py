@@ -53,17 +53,18 @@ def synthetic() -> TorchEngine:
 def test_logprobs_and_echo_match_hf_log_softmax(
     synthetic: TorchEngine, prefill_chunk_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In chunks too: a prompt to be scored goes in whole, the others in chunks."""
+    """In chunks too: the prompt scored alone arrives as the others decode, and
+    goes in a chunk a step, each chunk scoring its own positions."""
     monkeypatch.setattr(synthetic, "prefill_chunk_tokens", prefill_chunk_tokens)
     rng = random.Random(1)
-    prompts = [[rng.randrange(50000) for _ in range(n)] for n in (5, 23, 11)]
+    prompts = [[rng.randrange(50000) for _ in range(n)] for n in (5, 23, 40)]
     requests = [
         request("a", prompts[0], 6, logprobs=5, prompt_logprobs=5, echo=True, ignore_eos=True),
         # sampled, beside greedy rows: logprobs are of the raw distribution all the same
         request("b", prompts[1], 4, logprobs=2, temperature=0.9, seed=3, ignore_eos=True),
         request("c", prompts[2], 0, prompt_logprobs=1, echo=True),  # scoring alone
     ]
-    finished = finish(synthetic, requests)
+    finished = run_schedule(synthetic, {0: requests[:2], 1: requests[2:]})
     worst = 0.0
     for r in requests:
         result = finished[r.request_id]

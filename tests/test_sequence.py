@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from protocol import GenerateRequest
 from worker.engine.fake_engine import CharTokenizer
+from worker.engine.logprobs import UNSCORED, TokenLogprob
 from worker.engine.sequence import Sequence
 
 EOS = 0
@@ -324,3 +325,15 @@ def test_a_resumed_sequence_completes_a_character_split_at_the_cut() -> None:
     seq = make(stream=True)
     seq.resume("a€".encode()[:2], num_chars_shown=1)
     assert feed(seq, "€".encode()[1:]) == ["", "€"]
+
+
+def test_a_prompt_scored_in_chunks_is_whole_once_and_a_chunk_run_again_replaces_its_own() -> None:
+    seq = make(prompt_logprobs=0)
+    scores = [UNSCORED, *(TokenLogprob(-float(i), [], []) for i in range(1, 6))]
+    seq.score_prompt_tokens(0, scores[:3], is_last=False)
+    assert seq.wants_prompt_logprobs and seq.take_prompt_logprobs() is None
+    seq.score_prompt_tokens(3, scores[3:5], is_last=False)
+    seq.score_prompt_tokens(3, scores[3:5], is_last=False)  # that chunk again, after a failure
+    seq.score_prompt_tokens(5, scores[5:], is_last=True)
+    assert not seq.wants_prompt_logprobs
+    assert seq.take_prompt_logprobs() == scores

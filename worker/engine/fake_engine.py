@@ -188,7 +188,7 @@ class FakeEngine(SlotEngine):
             if seq.wants_prompt_logprobs:
                 num_top = seq.request.prompt_logprobs or 0
                 scores = [fake_logprob(t, num_top) for t in seq.prompt_token_ids[1:]]
-                seq.set_prompt_logprobs([UNSCORED, *scores])
+                seq.score_prompt_tokens(0, [UNSCORED, *scores], is_last=True)
         return self._next_tokens(newcomers)
 
     def _decode(self, active: list[Sequence]) -> list[int]:

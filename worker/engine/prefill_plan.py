@@ -41,13 +41,13 @@ def plan_chunks(
     their clients' next requests arrive together), each step then prefilling
     several of them. A block apiece still moves them along.
 
-    Two kinds go in whole whatever the budget: a resumed sequence, whose client
-    is already waiting mid-stream (it is a running stream itself, and the sooner
-    every resumed one is back the shorter the stall its worker's death caused),
-    and a prompt to be scored (its scores need every position's hidden state at
-    once). Beside streams, only one prompt to be scored goes in a step: the 8
-    choices of one request scoring a 1,020-token prompt, all in one step, held
-    every stream 20 to 40 s on a loaded 2-core Xeon.
+    A resumed sequence goes in whole whatever the budget: its client is already
+    waiting mid-stream (it is a running stream itself, and the sooner every
+    resumed one is back the shorter the stall its worker's death caused). A
+    prompt to be scored goes in chunks as any other, each scoring its own
+    positions: whole, one 1,020-token prompt held every stream about 1 s on a
+    quiet 2-core Xeon, and the 8 choices of one such request, all in one step,
+    20 to 40 s loaded.
 
     A chunk inside a prompt ends on a multiple of ``block`` (at most
     ``budget``): the engine computes a prompt's attention in those blocks
@@ -61,10 +61,7 @@ def plan_chunks(
         if cache is not None and _waits_for_shared_rows(seq, done, chunks, cache):
             continue
         end = len(seq.context_token_ids)
-        if holds_up_streams and seq.wants_prompt_logprobs:  # never a resumed one
-            if any(other.wants_prompt_logprobs for other, _, _ in chunks):
-                continue  # one scored prompt a step: the next one waits
-        elif holds_up_streams and not seq.is_resumed:
+        if holds_up_streams and not seq.is_resumed:
             end = min(end, done + (min(budget, block) if chunks else budget))
             if end < len(seq.prompt_token_ids):
                 end = end // block * block

@@ -74,6 +74,7 @@ class Sequence:
         self._num_delivered_logprobs = 0
         self._num_resumed = 0
         self.prompt_logprobs: list[TokenLogprob] | None = None
+        self._prompt_scores: list[TokenLogprob] = []  # of the chunks scored so far
         self._is_prompt_scored = False
         # Text is built as tokens arrive only when something needs it before the
         # end: stop strings or streaming. Otherwise it is decoded once, at finish.
@@ -115,8 +116,9 @@ class Sequence:
     def scores_prompt(self) -> bool:
         """This attempt's prefill scores the prompt, before it has and after:
         asked for, and not delivered by an earlier attempt (whose first delta
-        carried them, with its first token). Such a prompt is computed whole, so
-        its rows and the logits after it are never the prefix cache's."""
+        carried them, with its first token). Every position of such a prompt is
+        computed, so its rows and the logits after it are never the prefix
+        cache's."""
         return self.request.prompt_logprobs is not None and not self.request.resume_token_ids
 
     @property
@@ -124,9 +126,15 @@ class Sequence:
         """The prefill must score the prompt: `scores_prompt`, and not done yet."""
         return self.scores_prompt and not self._is_prompt_scored
 
-    def set_prompt_logprobs(self, scores: list[TokenLogprob]) -> None:
-        self.prompt_logprobs = scores
-        self._is_prompt_scored = True
+    def score_prompt_tokens(self, first: int, scores: list[TokenLogprob], is_last: bool) -> None:
+        """The logprobs of prompt tokens ``first`` onwards (a chunk's; a chunk run
+        again after a failure replaces what it gave before); ``is_last``: the
+        prompt is scored to its end, and `prompt_logprobs` holds it all."""
+        del self._prompt_scores[first:]
+        self._prompt_scores += scores
+        if is_last:
+            self.prompt_logprobs, self._prompt_scores = self._prompt_scores, []
+            self._is_prompt_scored = True
 
     def record_logprob(self, score: TokenLogprob) -> None:
         """The logprobs of the token about to be appended."""

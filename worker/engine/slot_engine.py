@@ -221,7 +221,7 @@ class SlotEngine(InferenceEngine):
             free.remove(seq.slot)
             cache.claim(seq.slot, seq.prompt_token_ids, salt=seq.cache_salt)
             if seq.scores_prompt:
-                cache.forget(seq.slot)  # scored prompts go in whole, not in blocks
+                cache.forget(seq.slot)  # a scored prompt's every row is computed
 
     def step(self, on_prefilled: Callable[[StepOutput], None] | None = None) -> StepOutput:
         output = StepOutput()

@@ -317,11 +317,25 @@ class TorchEngine(SlotEngine):
             starts=[start for _, start, _ in chunks],
             block=self.block_tokens,
         )  # (B, V)
-        for i, prompt_hidden in zip(scored, hidden, strict=True):
-            seq = chunks[i][0]
-            num_top = seq.request.prompt_logprobs or 0
-            seq.set_prompt_logprobs(self._score_prompt(prompt_hidden, contexts[i], num_top))
+        for i, chunk_hidden in zip(scored, hidden, strict=True):
+            self._score_chunk(*chunks[i], chunk_hidden)
         return logits
+
+    def _score_chunk(self, seq: Sequence, start: int, end: int, hidden: torch.Tensor) -> None:
+        """Score the prompt tokens that positions [start, end) predict, from their
+        final hidden states (L, C): tokens start + 1 up to end, within the prompt
+        (the token after its last position is the output's first); the first
+        token has no score. The LM head runs over a few positions at a time, to
+        bound the (n, V) logits."""
+        num_top = seq.request.prompt_logprobs or 0
+        targets = self._tensor(seq.prompt_token_ids[start + 1 : end + 1])
+        scores = [UNSCORED] if start == 0 else []
+        for first in range(0, len(targets), _PROMPT_SCORE_CHUNK):
+            last = min(first + _PROMPT_SCORE_CHUNK, len(targets))
+            logprobs = self.gpt2.logits(hidden[first:last]).float().log_softmax(dim=-1)
+            scores += _scores(logprobs, targets[first:last], num_top)
+        is_last = end == len(seq.prompt_token_ids)
+        seq.score_prompt_tokens(0 if start == 0 else start + 1, scores, is_last)
 
     @torch.inference_mode()
     def _decode(self, active: list[Sequence]) -> list[int]:
@@ -371,20 +385,6 @@ class TorchEngine(SlotEngine):
             for i, score in zip(scored, scores, strict=True):
                 seqs[i].record_logprob(score)
         return next_ids
-
-    def _score_prompt(
-        self, hidden: torch.Tensor, token_ids: list[int], num_top: int
-    ) -> list[TokenLogprob]:
-        """Each prompt token's logprobs given the tokens before it, from the final
-        hidden states (L, C) of the whole prompt; the first token has none. The
-        LM head runs over a few positions at a time, to bound the (n, V) logits."""
-        scores = [UNSCORED]
-        targets = self._tensor(token_ids[1:])
-        for start in range(0, len(token_ids) - 1, _PROMPT_SCORE_CHUNK):
-            end = min(start + _PROMPT_SCORE_CHUNK, len(token_ids) - 1)
-            logprobs = self.gpt2.logits(hidden[start:end]).float().log_softmax(dim=-1)
-            scores += _scores(logprobs, targets[start:end], num_top)
-        return scores
 
     def _release(self, slot: int) -> None:
         self._seeds[slot] = None
