@@ -64,6 +64,7 @@ def test_environment_sets_values_and_flags_override_them() -> None:
         ({"PREFIX_CACHE": ""}, "PREFIX_CACHE must be 1 or 0 .* got ''; unset it for the default"),
         ({"PREFIX_CACHE": "maybe"}, "PREFIX_CACHE must be 1 or 0 .true or false, yes or no"),
         ({"CURVE_SERVER_SECRET_KEY": ""}, "CURVE_SERVER_SECRET_KEY is set but empty"),
+        ({"STOP_GRACE_S": "-1"}, "STOP_GRACE_S must be >= 0"),
     ],
 )
 def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str) -> None:
@@ -219,6 +220,8 @@ def test_a_client_whose_timing_cannot_work_with_the_workers_is_told_what_to_chan
         ({"HEARTBEAT_INTERVAL_S": "3"}, "raise HEARTBEAT_TIMEOUT_S"),  # twice is 6 > 5
         ({"PING_INTERVAL_S": "15"}, "lower PING_INTERVAL_S"),
         ({"FRONTEND_TIMEOUT_S": "0.5"}, "lower PING_INTERVAL_S"),
+        ({"STOP_GRACE_S": "4"}, None),
+        ({"STOP_GRACE_S": "4.5"}, "lower STOP_GRACE_S"),  # killed before it hands back
         # Wrong in itself: the worker refuses it, naming it (test_restarts).
         ({"HEARTBEAT_TIMEOUT_S": "0.2", "MAX_BATCH_SIZE": "0"}, None),
     ],

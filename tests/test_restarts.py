@@ -70,11 +70,14 @@ def test_a_worker_told_to_stop_hands_its_requests_back_uncounted_as_a_death(
 ) -> None:
     """SIGTERM (docker stop, a rolling restart) cost the requests a worker held
     a death each, as a kill does: with MAX_WORKER_DEATHS=1 they failed with 500
-    workers_died. They go back to the frontend, and on, resumed."""
+    workers_died. They go back to the frontend, and on, resumed: those that
+    wait at once, those that run once STOP_GRACE_S is over (60 tokens take
+    1.2 s)."""
     overrides = {
         "MAX_BATCH_SIZE": str(CAPACITY),
         "FAKE_STEP_DELAY_S": "0.02",
         "MAX_WORKER_DEATHS": "1",
+        "STOP_GRACE_S": "0.5",
     }
     with running_stack(tmp_path, overrides) as stack:
         stack.wait_live()

@@ -360,6 +360,18 @@ def test_abort_answers_queued_and_running_requests_and_frees_the_slot() -> None:
     assert engine.num_active() == 0 and not scheduler.has_work()
 
 
+def test_a_stopping_worker_takes_the_queue_and_runs_what_it_admitted_to_the_end() -> None:
+    engine = FakeEngine(2)
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    for i in range(5):
+        scheduler.submit(_request(i, max_new_tokens=3))
+    scheduler.run_once()
+    assert scheduler.take_queued() == ["r2", "r3", "r4"]  # handed back, unanswered
+    assert scheduler.num_running == 2 and scheduler.num_queued == 0
+    finals = _finals(_run(scheduler))
+    assert sorted(finals) == ["r0", "r1"] and scheduler.num_running == 0
+
+
 def test_results_carry_timings_and_token_counts() -> None:
     ticks = iter(range(100))
     scheduler = Scheduler(FakeEngine(1), max_queue_depth=10, clock=lambda: float(next(ticks)))

@@ -105,18 +105,36 @@ def test_what_is_left_when_the_grace_ends_is_answered_not_cut(tmp_path: Path) ->
         assert "shutting down: ending 3 requests that did not finish" in stack.log("frontend")
 
 
-def test_streams_end_with_an_error_at_once_when_their_worker_stops_too(tmp_path: Path) -> None:
-    """As a signal to the whole process group stops them (systemd, ^C)."""
+def test_stopped_with_its_frontend_a_worker_finishes_what_it_can_within_its_grace(
+    tmp_path: Path,
+) -> None:
+    """As a signal to the whole process group stops them (systemd, ^C). The
+    worker handed everything back at once, and every request under way was
+    answered 503; it now lets what it runs go on for STOP_GRACE_S (3 s), while
+    the frontend waits for a live worker: the short stream finishes, the long
+    one ends with an error when the grace does, and the waiting request is
+    answered at once."""
     with running_stack(tmp_path, OVERRIDES, supervised=False) as stack:
         stack.wait_live()
-        streams = [Background(lambda: _stream(stack, LONG)) for _ in range(CAPACITY)]
+        streams = [Background(lambda n=n: _stream(stack, n)) for n in (SHORT, LONG)]
         stack.wait_for_health("running", lambda h: h["active"] == CAPACITY)
+        waiting = Background(lambda: _plain(stack, SHORT))
+        stack.wait_for_health("waiting", lambda h: h["queued"] == 1)
         stopped_at = time.monotonic()
         for name in ("frontend", "worker"):
             stack.processes[name].send_signal(signal.SIGTERM)
-        for stream in streams:
-            assert _error_code(stream.result()) == "shutting_down"
-        assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S / 2
+        refused = waiting.result()
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        short, long = (stream.result() for stream in streams)
+        assert short[-1][0] == "done", short[-1]
+        assert _error_code(long) == "shutting_down"
+        assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S - 0.5
+        worker_log = stack.log("worker")
+        assert "letting 2 requests run for up to 3 s" in worker_log
+        # The long stream came back from the worker: the frontend's own end at
+        # its grace found nothing left.
+        stack.processes["frontend"].wait(timeout=GRACEFUL_SHUTDOWN_S)
+        assert "ending" not in stack.log("frontend")
 
 
 def test_requests_waiting_for_a_first_worker_are_answered_503_when_it_stops(

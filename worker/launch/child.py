@@ -19,7 +19,9 @@ from worker.launch.warm_start import FORK_SERVER, UNKNOWN_EXIT_CODE, ForkedWorke
 
 log = logging.getLogger("supervisor")
 
-_STOP_GRACE_S = 5.0
+# How long a child told to stop (SIGTERM) has before it is killed.
+KILL_AFTER_S = 5.0
+
 # How a process ends when stopped from outside, not failing: killed by a signal no
 # process sends itself, or exiting after a graceful stop on one (0; 130, as after
 # ^C), or with a status its fork server could not report. A crash is SIGSEGV,
@@ -232,12 +234,12 @@ class Child:
 
 def stop_together(children: Sequence[Child]) -> None:
     """SIGTERM to every one of ``children`` at once, then SIGKILL to those still
-    running _STOP_GRACE_S later: stopped one after another, three frontends each
+    running KILL_AFTER_S later: stopped one after another, three frontends each
     finishing their streams took 17 s, and the last served new requests meanwhile."""
     running = [c.process for c in children if c.process is not None and c.process.poll() is None]
     for process in running:
         process.terminate()
-    deadline = time.monotonic() + _STOP_GRACE_S
+    deadline = time.monotonic() + KILL_AFTER_S
     for process in running:
         try:
             process.wait(timeout=max(0.0, deadline - time.monotonic()))

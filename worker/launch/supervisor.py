@@ -42,7 +42,7 @@ from protocol.lifeline import name_supervisor
 from protocol.liveness import Liveness, PauseWatch, WorkerState
 from protocol.peer import ping, worker_socket
 from protocol.settings import MAX_IPC_PATH_BYTES, MAX_PORT, ConfigError, exit_refusing, load
-from worker.launch.child import Child, CrashLoop, stop_together
+from worker.launch.child import KILL_AFTER_S, Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER
 from worker.serve.config import WorkerConfig
@@ -439,6 +439,13 @@ def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) ->
     except ConfigError:
         return
     problems = config.timing_problems(worker.heartbeat_interval_s, worker.frontend_timeout_s)
+    # The worker's last second goes to handing back what is left, and closing.
+    if worker.stop_grace_s > KILL_AFTER_S - 1:
+        problems.append(
+            f"STOP_GRACE_S={worker.stop_grace_s:g} is more than {KILL_AFTER_S - 1:g}: "
+            f"minibatch-serve kills a worker {KILL_AFTER_S:g} s after it asks it to stop, "
+            "before it could hand back what it still runs; lower STOP_GRACE_S"
+        )
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -65,6 +65,12 @@ class WorkerConfig:
     frontend_timeout_s: float = setting(
         "FRONTEND_TIMEOUT_S", 10.0, "drop a frontend's requests after this long without a ping"
     )
+    stop_grace_s: float = setting(
+        "STOP_GRACE_S",
+        3.0,
+        "how long a worker told to stop (SIGTERM) lets the requests it runs go on before "
+        "it hands the rest back to their frontends (0: at once); it takes nothing new meanwhile",
+    )
     engine_watchdog_s: float = setting(
         "ENGINE_WATCHDOG_S",
         90.0,
@@ -153,6 +159,10 @@ class WorkerConfig:
                 f"{self.max_message_bytes:,}"
             )
         require_positive(self, "frontend_timeout_s", "engine_watchdog_s")
+        if self.stop_grace_s < 0:
+            raise ConfigError(
+                f"STOP_GRACE_S must be >= 0 (0: hand back at once), got {self.stop_grace_s:g}"
+            )
         check_endpoint(self, "endpoint")
         if self.bind_endpoint:
             check_endpoint(self, "bind_endpoint")

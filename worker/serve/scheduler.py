@@ -96,6 +96,22 @@ class Scheduler:
         """Every request queued or running here."""
         return [*self._queue, *self._admitted_at]
 
+    @property
+    def num_running(self) -> int:
+        """Requests admitted into slots, not yet finished."""
+        return len(self._admitted_at)
+
+    def take_queued(self) -> list[str]:
+        """Drop every queued request, unanswered (a stopping worker hands them
+        back); their ids."""
+        for request, _ in self._queue.values():
+            self.engine.unprepare(request)
+        request_ids = list(self._queue)
+        self._queue.clear()
+        self._reported_waiting.clear()
+        self._newly_queued.clear()
+        return request_ids
+
     def is_known(self, request_id: str) -> bool:
         return request_id in self._queue or request_id in self._admitted_at
 

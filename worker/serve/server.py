@@ -9,10 +9,11 @@ Two threads, each owning its sockets:
   aborts the requests of a peer whose pings stopped;
 - the engine thread runs the busy loop: take input, admit + step, send outputs.
 
-Told to stop (SIGTERM, SIGINT, SIGHUP), the engine thread hands every request it
-holds back to its frontend (`shutting_down`: sent on elsewhere, no death
-counted), and the I/O thread does the same for whatever still arrives before
-the socket closes.
+Told to stop (SIGTERM, SIGINT, SIGHUP), the engine thread hands every request
+that has not started back to its frontend (`shutting_down`: sent on elsewhere,
+no death counted), and so each new one; it lets those it runs go on for up to
+STOP_GRACE_S, then hands back what is left. The I/O thread hands back whatever
+still arrives before the socket closes.
 
 If either thread raises, the process ends: nothing stays half alive.
 """
@@ -167,17 +168,38 @@ class WorkerServer:
                         f"the engine failed {self.scheduler.num_failures_in_a_row} times in a "
                         "row; exiting so that a new worker replaces this one"
                     )
-            send(self._hand_back())
+            self._finish_running(send)
+            send(self._hand_back(self.scheduler.held_request_ids() + self._requests_in_inbox()))
         finally:
             self._engine_done.set()
             outputs_socket.close(linger=_LAST_MESSAGES_MS)
 
-    def _hand_back(self) -> list[ToFrontend]:
-        """Stopping (SIGTERM): every request this worker holds, queued, running or
-        not yet taken in, goes back to its frontend unfinished, to run elsewhere
-        (resumed where it stopped) as if it had never been sent here, rather than
+    def _finish_running(self, send: Callable[[list[ToFrontend]], None]) -> None:
+        """Stopping: step the requests that run here for up to STOP_GRACE_S, or
+        until none is left, taking nothing new (`_apply` hands it back). A signal
+        to a whole process group (^C, systemd) stops the frontends with the
+        workers: handed back at once, every request under way was answered 503,
+        where the frontends had 5 s to let them finish."""
+        deadline = time.monotonic() + self.config.stop_grace_s
+        outputs = self._hand_back(self.scheduler.take_queued())
+        self._take_input(outputs, block=False)  # aborts count; new requests go back
+        send(outputs)
+        if self.scheduler.num_running and self.config.stop_grace_s > 0:
+            log.info(
+                "stopping: letting %d requests run for up to %g s (STOP_GRACE_S)",
+                self.scheduler.num_running,
+                self.config.stop_grace_s,
+            )
+        while self.scheduler.num_running and time.monotonic() < deadline:
+            outputs = []
+            self._take_input(outputs, block=False)
+            outputs.extend(self.scheduler.run_once(send))
+            send(outputs)
+
+    def _hand_back(self, request_ids: list[str]) -> list[ToFrontend]:
+        """Stopping: these requests go back to their frontends unfinished, to run
+        elsewhere (resumed where they stopped) as if never sent here, rather than
         be replayed as the requests of a worker that died."""
-        request_ids = self.scheduler.held_request_ids() + self._requests_in_inbox()
         if request_ids:
             log.info("stopping: handing %d requests back to their frontends", len(request_ids))
         return [ErrorResult(rid, ErrorCode.SHUTTING_DOWN, _HANDED_BACK) for rid in request_ids]
@@ -203,7 +225,9 @@ class WorkerServer:
             return
 
     def _apply(self, message: ToWorker, received_at: float, outputs: list[ToFrontend]) -> None:
-        if isinstance(message, GenerateRequest):
+        if isinstance(message, GenerateRequest) and self._stopping.is_set():
+            outputs.append(ErrorResult(message.request_id, ErrorCode.SHUTTING_DOWN, _HANDED_BACK))
+        elif isinstance(message, GenerateRequest):
             try:
                 self.scheduler.submit(message, received_at)
             except QueueFull as full:
