@@ -8,7 +8,7 @@ import pytest
 
 from protocol import GenerateRequest, Hello, Ping, encode
 from protocol.request_checks import RequestLimits
-from worker.serve import peers as peers_module
+from tests.fake_clock import FakeClock
 from worker.serve.peers import SETTLED_S, Peers
 
 
@@ -20,20 +20,6 @@ class _Router:
 
     def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
         self.sent.append(frames[0])
-
-
-class _Clock:
-    now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
-    clock = _Clock()
-    monkeypatch.setattr(peers_module.time, "monotonic", clock)
-    return clock
 
 
 def _table(max_peers: int) -> Peers:
@@ -51,7 +37,7 @@ def _request(peers: Peers, peer: bytes) -> None:
 
 
 def test_a_flood_of_newcomers_with_requests_does_not_push_out_an_idle_frontend(
-    clock: _Clock,
+    clock: FakeClock,
 ) -> None:
     # The frontend waits between requests while a flood's requests, each from a
     # peer of its own, have not yet been refused by the engine.
@@ -65,7 +51,7 @@ def test_a_flood_of_newcomers_with_requests_does_not_push_out_an_idle_frontend(
     assert list(peers.last_seen) == [b"frontend", b"a1", b"a2"]  # a3 waits for a place
 
 
-def test_the_newest_newcomer_squatting_a_place_is_forgotten_for_the_next(clock: _Clock) -> None:
+def test_the_newest_newcomer_squatting_a_place_is_forgotten_for_the_next(clock: FakeClock) -> None:
     peers = _table(max_peers=3)
     _ping(peers, b"frontend")
     clock.now += SETTLED_S + 1
@@ -76,7 +62,7 @@ def test_the_newest_newcomer_squatting_a_place_is_forgotten_for_the_next(clock: 
 
 
 def test_a_flood_of_peers_leaving_with_requests_is_logged_once_a_second(
-    clock: _Clock, caplog: pytest.LogCaptureFixture
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     peers = _table(max_peers=2000)
     flood = [f"peer-{i}".encode() for i in range(1000)]

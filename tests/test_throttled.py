@@ -8,25 +8,11 @@ import pytest
 
 from protocol import throttled
 from protocol.throttled import ThrottleWarnings
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    clock = Clock()
-    monkeypatch.setattr(throttled.time, "monotonic", clock)
-    return clock
+from tests.fake_clock import FakeClock
 
 
 def test_a_repeated_warning_passes_once_a_second_with_a_count_of_those_left_out(
-    clock: Clock, caplog: pytest.LogCaptureFixture
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     logger = logging.getLogger("test_throttled.repeated")
     logger.addFilter(ThrottleWarnings())
@@ -48,7 +34,7 @@ def test_a_repeated_warning_passes_once_a_second_with_a_count_of_those_left_out(
     ]
 
 
-def test_a_logger_of_ever_new_texts_keeps_a_bounded_table(clock: Clock) -> None:
+def test_a_logger_of_ever_new_texts_keeps_a_bounded_table(clock: FakeClock) -> None:
     throttle = ThrottleWarnings()
     logger = logging.getLogger("test_throttled.new_texts")
     for i in range(10_000):
