@@ -202,6 +202,8 @@ class WorkerLink:
                 if message.instance_id == self.instance_id:
                     self._num_sent = self._num_done = 0
                     self._is_queue_full = False
+                    if message.is_stopping:
+                        self.on_stopping()
                 self.liveness.on_heartbeat(message)
                 self._events.on_heartbeat(self)
             else:

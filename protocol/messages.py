@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class ErrorCode:
@@ -243,6 +243,9 @@ class Heartbeat:
     num_finished: int = 0
     rss_bytes: int = 0  # the worker process's resident memory; 0 where unknown
     num_matmul_shapes: int = 0  # see the worker's InferenceEngine.num_matmul_shapes
+    # Told to stop: it takes nothing new, and what it runs ends or is handed back
+    # within its STOP_GRACE_S. Its connection closing then is no death.
+    is_stopping: bool = False
 
 
 @dataclass(frozen=True, slots=True)

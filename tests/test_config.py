@@ -220,8 +220,8 @@ def test_a_client_whose_timing_cannot_work_with_the_workers_is_told_what_to_chan
         ({"HEARTBEAT_INTERVAL_S": "3"}, "raise HEARTBEAT_TIMEOUT_S"),  # twice is 6 > 5
         ({"PING_INTERVAL_S": "15"}, "lower PING_INTERVAL_S"),
         ({"FRONTEND_TIMEOUT_S": "0.5"}, "lower PING_INTERVAL_S"),
-        ({"STOP_GRACE_S": "4"}, None),
-        ({"STOP_GRACE_S": "4.5"}, "lower STOP_GRACE_S"),  # killed before it hands back
+        ({"STOP_GRACE_S": "3"}, None),
+        ({"STOP_GRACE_S": "3.5"}, "lower STOP_GRACE_S"),  # its hand-back comes too late
         # Wrong in itself: the worker refuses it, naming it (test_restarts).
         ({"HEARTBEAT_TIMEOUT_S": "0.2", "MAX_BATCH_SIZE": "0"}, None),
     ],

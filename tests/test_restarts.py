@@ -114,6 +114,24 @@ def test_requests_sent_to_a_worker_as_it_stops_are_handed_back_too(tmp_path: Pat
             pool.shutdown()
 
 
+def test_a_worker_stopping_with_nothing_to_hand_back_is_not_declared_dead(
+    tmp_path: Path,
+) -> None:
+    """The frontend learned of a stop only from a request handed back: one that
+    had none there logged the closed connection as a death, an ERROR at every
+    rolling restart. The worker's heartbeats now say it is stopping."""
+    with running_stack(tmp_path, {"FAKE_STEP_DELAY_S": "0.02"}, supervised=False) as stack:
+        stack.wait_live()
+        stack.processes["worker"].send_signal(signal.SIGTERM)
+        stack.processes["worker"].wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while "closed its connection" not in (log := stack.log("frontend")):
+            assert time.monotonic() < deadline, log
+            time.sleep(0.05)
+        assert "closed its connection as it stopped" in log
+        assert "declared dead" not in log
+
+
 def test_a_stopped_worker_is_declared_dead_and_replaced(tmp_path: Path) -> None:
     overrides = {"MAX_BATCH_SIZE": str(CAPACITY), "FAKE_STEP_DELAY_S": "0.02"}
     with running_stack(tmp_path, overrides) as stack:

@@ -21,6 +21,7 @@ import zmq
 
 from protocol import GenerateRequest, Heartbeat, Hello, encode
 from protocol.settings import CONFIG_ERROR_EXIT_CODE, ConfigError, load
+from tests.fake_clock import FakeClock
 from tests.stack import Stack, running_stack
 from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
 from worker.launch import child as child_module
@@ -38,14 +39,6 @@ from worker.launch.warm_start import FORK_SERVER_TITLE
 from worker.serve.config import WorkerConfig
 
 SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class _FakeProcess:
@@ -67,18 +60,20 @@ class _FakeProcess:
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """A clock for the `Child` under test (time itself runs on), whose processes
+    are stand-ins."""
     monkeypatch.setattr(child_module.subprocess, "Popen", _FakeProcess)
-    return _Clock()
+    return FakeClock()
 
 
-def _worker(clock: _Clock, crash_loop_limit: int) -> Child:
+def _worker(clock: FakeClock, crash_loop_limit: int) -> Child:
     config = SupervisorConfig(crash_loop_limit=crash_loop_limit)
     return Child("worker", "worker.serve.main", config, served_after_s=10.0, clock=clock)
 
 
 def _run_and_die(
-    child: Child, clock: _Clock, *num_finished: int, code: int = 1, others_serve: bool = False
+    child: Child, clock: FakeClock, *num_finished: int, code: int = 1, others_serve: bool = False
 ) -> None:
     """Start ``child``, see it up once per ``num_finished`` (a second apart), then let
     it die (by default a crash: exit code 1) and schedule its restart."""
@@ -225,7 +220,7 @@ def test_hosts_are_looked_up_only_for_ports_in_common(monkeypatch: pytest.Monkey
 
 
 def test_workers_that_die_after_hello_before_answering_anything_are_a_crash_loop(
-    clock: _Clock,
+    clock: FakeClock,
 ) -> None:
     # A poison request: each worker says hello, takes it and dies at once.
     child = _worker(clock, crash_loop_limit=3)
@@ -236,7 +231,7 @@ def test_workers_that_die_after_hello_before_answering_anything_are_a_crash_loop
 
 
 def test_a_crash_loop_while_other_workers_serve_is_retried_at_the_longest_backoff(
-    clock: _Clock,
+    clock: FakeClock,
 ) -> None:
     child = _worker(clock, crash_loop_limit=2)
     for _ in range(6):
@@ -267,7 +262,7 @@ def _watching_a_stand_in() -> Iterator[tuple[Supervisor, Child, WorkerWatch, zmq
 
 @pytest.mark.parametrize("is_stopped", [True, False])
 def test_a_stopped_worker_whose_socket_took_the_connection_is_killed_soon(
-    clock: _Clock, is_stopped: bool
+    clock: FakeClock, is_stopped: bool
 ) -> None:
     """Frozen right after binding, before the supervisor heard its hello: replaced
     after HEARTBEAT_TIMEOUT_S, not WORKER_START_TIMEOUT_S. A worker that is not
@@ -302,7 +297,7 @@ def _bind_when_free(socket: zmq.Socket[bytes], endpoint: str) -> None:
 
 
 def test_a_restarted_worker_is_pinged_as_it_binds_and_its_hello_counts_after_its_death(
-    clock: _Clock,
+    clock: FakeClock,
 ) -> None:
     """Killed within PING_INTERVAL_S of binding, a worker that had said hello to its
     frontends had not been asked here: five such kills in a row ended the stack
@@ -375,7 +370,7 @@ def test_a_stopped_process_is_told_from_a_running_one() -> None:
         child.process.wait()
 
 
-def test_a_worker_killed_after_serving_still_serves_while_it_restarts(clock: _Clock) -> None:
+def test_a_worker_killed_after_serving_still_serves_while_it_restarts(clock: FakeClock) -> None:
     """So that a kill of the healthy worker, while another crash-loops, does not
     make the supervisor give up on the stack."""
     child = _worker(clock, crash_loop_limit=5)
@@ -391,7 +386,7 @@ def test_a_worker_killed_after_serving_still_serves_while_it_restarts(clock: _Cl
 
 
 def test_a_supervisor_that_was_paused_reads_the_heartbeats_before_judging(
-    clock: _Clock,
+    clock: FakeClock,
 ) -> None:
     """Paused past HEARTBEAT_TIMEOUT_S (SIGSTOP) while the worker went on sending
     heartbeats: they wait unread, and the live worker is not killed for silence."""
@@ -413,7 +408,7 @@ def test_a_supervisor_that_was_paused_reads_the_heartbeats_before_judging(
 
 
 def test_a_supervisor_paused_past_the_workers_frontend_timeout_asks_before_judging(
-    clock: _Clock,
+    clock: FakeClock,
 ) -> None:
     """Paused past FRONTEND_TIMEOUT_S, the worker took the supervisor for gone and
     stopped its heartbeats: on resuming, the supervisor pings at once and gives the
@@ -441,7 +436,7 @@ def test_a_supervisor_paused_past_the_workers_frontend_timeout_asks_before_judgi
 
 
 def test_a_worker_forked_warm_has_a_minute_to_say_hello_however_long_the_timeout(
-    clock: _Clock,
+    clock: FakeClock,
 ) -> None:
     config = SupervisorConfig(worker_start_timeout_s=300, warm_start=False)
     supervisor = Supervisor(config)
@@ -457,7 +452,7 @@ def test_a_worker_forked_warm_has_a_minute_to_say_hello_however_long_the_timeout
 
 
 def test_a_worker_killed_after_answering_a_request_is_not_a_failed_start(
-    clock: _Clock,
+    clock: FakeClock,
 ) -> None:
     # The fault drill: SIGKILL a worker that has served, again and again.
     child = _worker(clock, crash_loop_limit=1)
@@ -467,7 +462,7 @@ def test_a_worker_killed_after_answering_a_request_is_not_a_failed_start(
 
 
 def test_a_worker_that_served_restarts_at_once_and_failed_starts_back_off(
-    clock: _Clock,
+    clock: FakeClock,
 ) -> None:
     child = _worker(clock, crash_loop_limit=10)
     _run_and_die(child, clock, 0, 2)
@@ -479,7 +474,7 @@ def test_a_worker_that_served_restarts_at_once_and_failed_starts_back_off(
 
 
 def test_a_fork_server_that_never_comes_up_is_given_up_on_for_a_start_from_scratch(
-    clock: _Clock, monkeypatch: pytest.MonkeyPatch
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Preloading hangs (a stalled download, say): the supervisor's loop goes on,
     # and after WORKER_START_TIMEOUT_S the worker starts the old way.
@@ -496,7 +491,7 @@ def test_a_fork_server_that_never_comes_up_is_given_up_on_for_a_start_from_scrat
     assert isinstance(child.process, _FakeProcess)
 
 
-def test_a_worker_live_for_a_while_has_served_even_without_requests(clock: _Clock) -> None:
+def test_a_worker_live_for_a_while_has_served_even_without_requests(clock: FakeClock) -> None:
     child = _worker(clock, crash_loop_limit=1)
     child.start()
     child.on_up()
@@ -508,7 +503,7 @@ def test_a_worker_live_for_a_while_has_served_even_without_requests(clock: _Cloc
     assert child.has_served
 
 
-def test_a_worker_that_ran_a_step_has_served(clock: _Clock) -> None:
+def test_a_worker_that_ran_a_step_has_served(clock: FakeClock) -> None:
     child = _worker(clock, crash_loop_limit=1)
     child.start()
     child.on_up(has_worked=True)
@@ -517,7 +512,7 @@ def test_a_worker_that_ran_a_step_has_served(clock: _Clock) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP])
 def test_kills_from_outside_after_hello_are_no_crash_loop(
-    clock: _Clock, sig: signal.Signals
+    clock: FakeClock, sig: signal.Signals
 ) -> None:
     """An operator's drill, or the OOM killer, killing the worker every few seconds
     before it had served ended the whole stack as a crash loop."""
@@ -527,7 +522,7 @@ def test_kills_from_outside_after_hello_are_no_crash_loop(
     assert child.num_failed_starts == 0 and child.restart_delay_s() == 0
 
 
-def test_kills_before_hello_and_crashes_after_it_are_failed_starts(clock: _Clock) -> None:
+def test_kills_before_hello_and_crashes_after_it_are_failed_starts(clock: FakeClock) -> None:
     child = _worker(clock, crash_loop_limit=3)
     _run_and_die(child, clock, code=-signal.SIGKILL)  # never came up
     _run_and_die(child, clock, 0, code=-signal.SIGSEGV)
@@ -535,7 +530,7 @@ def test_kills_before_hello_and_crashes_after_it_are_failed_starts(clock: _Clock
         _run_and_die(child, clock, 0)  # exit code 1
 
 
-def test_a_child_killed_by_a_real_time_signal_is_named_by_its_number(clock: _Clock) -> None:
+def test_a_child_killed_by_a_real_time_signal_is_named_by_its_number(clock: FakeClock) -> None:
     child = _worker(clock, crash_loop_limit=5)
     child.start()
     assert isinstance(child.process, _FakeProcess)
@@ -551,7 +546,7 @@ def _exit_code(stack: Stack, timeout_s: float = 20) -> int:
 
 
 def test_a_child_that_refuses_its_configuration_is_given_up_on_at_its_first_exit(
-    clock: _Clock,
+    clock: FakeClock,
 ) -> None:
     child = _worker(clock, crash_loop_limit=5)
     with pytest.raises(CrashLoop, match="worker refused its configuration") as caught:
@@ -739,7 +734,7 @@ def test_a_supervisor_killed_outright_while_its_children_are_stopped_leaves_none
 
 
 @pytest.mark.parametrize("code", [0, 130, 255])
-def test_a_graceful_exit_after_hello_is_no_failed_start(clock: _Clock, code: int) -> None:
+def test_a_graceful_exit_after_hello_is_no_failed_start(clock: FakeClock, code: int) -> None:
     """SIGTERM, SIGHUP or ^C stop a worker gracefully (exit 0, 130), and a worker
     whose stuck fork server was replaced has no known status (255): five such in
     a row ended the stack as a crash loop."""
@@ -749,7 +744,7 @@ def test_a_graceful_exit_after_hello_is_no_failed_start(clock: _Clock, code: int
     assert child.num_failed_starts == 0
 
 
-def test_a_child_killed_because_it_was_stopped_did_not_fail_its_start(clock: _Clock) -> None:
+def test_a_child_killed_because_it_was_stopped_did_not_fail_its_start(clock: FakeClock) -> None:
     """Stopped from outside (SIGSTOP, a debugger), then killed by the supervisor."""
     child = _worker(clock, crash_loop_limit=1)
     child.start()

@@ -244,6 +244,10 @@ def stop_together(children: Sequence[Child]) -> None:
         try:
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            name = next(c.name for c in children if c.process is process)
+            log.warning(
+                "%s (pid %d) did not stop within %g s: killed", name, process.pid, KILL_AFTER_S
+            )
             process.kill()
             process.wait()
 

@@ -429,6 +429,13 @@ def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:
     return env
 
 
+# The longest STOP_GRACE_S: a worker's hand-back at its end (a step may run past
+# it) must reach the frontends stopped alongside before they answer what is left
+# themselves, 4 s into their stop (frontend/worker_client.py), and the worker must
+# not be killed (KILL_AFTER_S) before it is sent.
+MAX_STOP_GRACE_S = 3.0
+
+
 def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
     """Refuse timing the workers' settings, in this same environment, make
     unworkable with the supervisor's: it would declare a live worker dead between
@@ -439,12 +446,12 @@ def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) ->
     except ConfigError:
         return
     problems = config.timing_problems(worker.heartbeat_interval_s, worker.frontend_timeout_s)
-    # The worker's last second goes to handing back what is left, and closing.
-    if worker.stop_grace_s > KILL_AFTER_S - 1:
+    if worker.stop_grace_s > MAX_STOP_GRACE_S:
         problems.append(
-            f"STOP_GRACE_S={worker.stop_grace_s:g} is more than {KILL_AFTER_S - 1:g}: "
-            f"minibatch-serve kills a worker {KILL_AFTER_S:g} s after it asks it to stop, "
-            "before it could hand back what it still runs; lower STOP_GRACE_S"
+            f"STOP_GRACE_S={worker.stop_grace_s:g} is more than {MAX_STOP_GRACE_S:g}: "
+            "frontends stopped with the workers answer what is left 4 s into their stop, "
+            f"and minibatch-serve kills a worker {KILL_AFTER_S:g} s after asking it to stop, "
+            "so what it hands back later is lost; lower STOP_GRACE_S"
         )
     if problems:
         raise ConfigError("; ".join(problems))

@@ -277,8 +277,14 @@ class WorkerServer:
         poller.register(outputs, zmq.POLLIN)
         next_heartbeat = time.monotonic()
         watchdog = Watchdog(self.scheduler, self.config.engine_watchdog_s)
+        is_stop_announced = False
         try:
             while not self._engine_done.is_set():
+                if self._stopping.is_set() and not is_stop_announced:
+                    # Told at once, the frontends send nothing more, and see the
+                    # connection close as a stop, not a death.
+                    next_heartbeat = time.monotonic()
+                    is_stop_announced = True
                 timeout_ms = max(0.0, next_heartbeat - time.monotonic()) * 1000
                 events = dict(poller.poll(int(min(timeout_ms, _IDLE_POLL_S * 1000))))
                 # A bounded batch per turn, in count and time: a peer flooding the
@@ -299,21 +305,7 @@ class WorkerServer:
                         peers.send(route_bytes.decode(), final == _FINAL, payload)
                 if time.monotonic() >= next_heartbeat:
                     next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
-                    peers.heartbeat(
-                        Heartbeat(
-                            instance_id=self.instance_id,
-                            num_steps=self.scheduler.num_steps,
-                            # Requests wait in the inbox while a step runs: a frontend
-                            # that counted only the scheduler's would think a slot
-                            # free that one of them takes. Read in the order requests
-                            # move (inbox, queue, batch), so none is missed.
-                            num_queued=self._inbox.qsize() + self.scheduler.num_queued,
-                            num_active=self.scheduler.num_busy,
-                            num_finished=self.scheduler.num_finished,
-                            rss_bytes=resident_bytes(),
-                            num_matmul_shapes=self.scheduler.engine.num_matmul_shapes(),
-                        )
-                    )
+                    peers.heartbeat(self._heartbeat(is_stop_announced))
                     peers.expire()
                     watchdog.check()
                 for route in peers.take_orphans():
@@ -324,11 +316,29 @@ class WorkerServer:
             outputs.close(linger=0)
             stop_authenticator()
 
+    def _heartbeat(self, is_stopping: bool) -> Heartbeat:
+        return Heartbeat(
+            instance_id=self.instance_id,
+            num_steps=self.scheduler.num_steps,
+            # Requests wait in the inbox while a step runs: a frontend that counted
+            # only the scheduler's would think a slot free that one of them takes.
+            # Read in the order requests move (inbox, queue, batch), so none is missed.
+            num_queued=self._inbox.qsize() + self.scheduler.num_queued,
+            num_active=self.scheduler.num_busy,
+            num_finished=self.scheduler.num_finished,
+            rss_bytes=resident_bytes(),
+            num_matmul_shapes=self.scheduler.engine.num_matmul_shapes(),
+            is_stopping=is_stopping,
+        )
+
     def _close(self, router: zmq.Socket[bytes], outputs: zmq.Socket[bytes], peers: Peers) -> None:
-        """The engine is done: its last messages (a stopping worker's hand-backs)
-        go out, and for _CLOSING_S every request a peer still sends, or that the
-        engine left in the inbox, is handed back at once too. Lost in the closing
-        socket, each would cost its request a death in the frontend."""
+        """The engine is done: a last heartbeat says this worker is stopping (one
+        that stopped at once, before the next, had told no one), its last messages
+        (a stopping worker's hand-backs) go out, and for _CLOSING_S every request a
+        peer still sends, or that the engine left in the inbox, is handed back at
+        once too. Lost in the closing socket, each would cost its request a death
+        in the frontend."""
+        peers.heartbeat(self._heartbeat(is_stopping=True))
 
         def hand_back(route: str) -> None:
             reply = ErrorResult(sender_request_id(route), ErrorCode.SHUTTING_DOWN, _HANDED_BACK)
