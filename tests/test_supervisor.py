@@ -354,6 +354,29 @@ def test_children_are_stopped_together_not_one_after_another(tmp_path: Path) -> 
     assert all(float((tmp_path / f"{i}.term").read_text()) < first_exit for i in range(3))
 
 
+def _ignores_sigterm(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    ignored = int(
+        next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16
+    )
+    return bool(ignored & (1 << (signal.SIGTERM - 1)))
+
+
+def test_a_child_that_does_not_stop_in_time_is_killed_and_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(child_module, "KILL_AFTER_S", 0.5)
+    child = Child("worker", "worker.serve.main", SupervisorConfig(), served_after_s=1.0)
+    child.process = subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 30"])
+    deadline = time.monotonic() + 10
+    while not _ignores_sigterm(child.process.pid):
+        assert time.monotonic() < deadline, "the child never ignored SIGTERM"
+        time.sleep(0.01)
+    child_module.stop_together([child])
+    assert child.process.returncode == -signal.SIGKILL
+    assert f"worker (pid {child.process.pid}) did not stop within 0.5 s: killed" in caplog.text
+
+
 def test_a_stopped_process_is_told_from_a_running_one() -> None:
     config = SupervisorConfig()
     child = Child("sleeper", "worker.serve.main", config, 10.0)
