@@ -27,8 +27,14 @@ from frontend.inflight_table import Overloaded
 from frontend.metrics import Metrics
 from frontend.worker_client import WorkerClient
 from protocol import ErrorResult, GenerateRequest, GenerateResult, TokenDelta
+from protocol.throttled import Throttled
 
 log = logging.getLogger(__name__)
+# A client can hang up, or let requests time out, as fast as it likes: their
+# lines are held to one a second each (`/metrics` counts every one).
+_CLOSED_EARLY = Throttled(log, "responses closed early", logging.INFO)
+_CLIENT_GONE = Throttled(log, "client disconnects", logging.INFO)
+_DEADLINE_PASSED = Throttled(log, "requests past their deadline")
 
 # nginx's code for "client closed request": logged, never received by anyone.
 CLIENT_CLOSED_REQUEST = 499
@@ -134,7 +140,7 @@ def abandon(client: WorkerClient, accepted: Accepted) -> None:
     if not accepted.is_answered:
         accepted.cancel(client)
         accepted.on_client_gone()
-        log.info("request %s: response closed early; aborted", accepted.request_id)
+        _CLOSED_EARLY.warn(f"request {accepted.request_id}: response closed early; aborted")
 
 
 async def next_event(
@@ -170,9 +176,9 @@ async def next_event(
     accepted.cancel(client)
     if accepted.disconnect in done:
         accepted.on_client_gone()
-        log.info("request %s: client disconnected; aborted", accepted.request_id)
+        _CLIENT_GONE.warn(f"request {accepted.request_id}: client disconnected; aborted")
         raise ClientGone(accepted.request_id)
-    log.warning("request %s: deadline passed; aborted", accepted.request_id)
+    _DEADLINE_PASSED.warn(f"request {accepted.request_id}: deadline passed; aborted")
     verdict = client.verdict()
     # Fewer tokens help only where a worker is there to make them.
     advice = "retry later, or ask for fewer tokens" if verdict.is_live else "retry later"

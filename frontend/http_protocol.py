@@ -19,10 +19,14 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   single read passed at any size (a 120 KB head of 20,000 fields was served).
   Every head is measured here, and a larger one gets 431, as h11's own refusal
   of a head in pieces now does too (uvicorn answered it 400 "not valid HTTP").
-- **Chunks** (MAX_BODY_CHUNKS). h11 parses each chunk of a chunked body as an
-  event of its own, ~13 us of the event loop each (Zen 4 EPYC): a 1 MB body
-  sent a byte a chunk held every other request and probe for 13 s. A body of
-  more chunks than that is refused (400, the connection closed).
+- **Chunks** (FREE_CHUNKS, MIN_MEAN_CHUNK_BYTES). h11 parses each chunk of a
+  chunked body as an event of its own, ~13 us of the event loop each (Zen 4
+  EPYC): a 1 MB body sent a byte a chunk held every other request and probe for
+  13 s, and 60 clients sending 4,000 one-byte chunks a request (a bound of 4,096
+  chunks a body) kept /health 3 s slow. A body may come in FREE_CHUNKS chunks
+  of any size, and one more for every MIN_MEAN_CHUNK_BYTES it holds; past that
+  it is refused (400, the connection closed): the event loop's cost stays in
+  proportion to the bytes a client sends.
 - **Absolute-form targets** (``GET http://host/health``, as clients send to a
   proxy) are served as their path, as RFC 9112 asks; uvicorn routed the whole
   URL as a path, a 404.
@@ -66,14 +70,16 @@ _REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
 # How long a connection answered 400 stays open to let its client read the answer.
 DRAIN_S = 1.0
 
-# Chunks of one request body: a 1 MiB body in chunks of 256 bytes, ~50 ms of the
-# event loop. Clients that stream a body send kilobytes a chunk.
-MAX_BODY_CHUNKS = 4096
+# The chunks a request body may come in: FREE_CHUNKS, and one more for every
+# MIN_MEAN_CHUNK_BYTES of it. Clients that stream a body send kilobytes a chunk.
+FREE_CHUNKS = 64
+MIN_MEAN_CHUNK_BYTES = 1024
 
 _TOO_MANY_CHUNKS = ApiError(
     400,
-    f"the request body came in more than {MAX_BODY_CHUNKS} chunks; send it with a "
-    "Content-Length, or in larger chunks",
+    f"the request body came in more than {FREE_CHUNKS} chunks of under "
+    f"{MIN_MEAN_CHUNK_BYTES} bytes on average; send it with a Content-Length, or in "
+    "larger chunks",
     "too_many_chunks",
 )
 
@@ -81,10 +87,12 @@ _TOO_MANY_CHUNKS = ApiError(
 class EdgeConnection(h11.Connection):
     """h11's server side, refusing a request head larger than its
     ``max_incomplete_event_size`` however it arrived (431), and a request body of
-    more than MAX_BODY_CHUNKS chunks (400), as protocol errors."""
+    more chunks than its size allows (400), as protocol errors."""
 
     num_chunks = 0  # of the request being received
+    num_body_bytes = 0
     is_head_too_large = False
+    has_too_many_chunks = False
 
     def __init__(
         self, our_role: type[h11.SERVER], max_incomplete_event_size: int = 16 * 1024
@@ -99,16 +107,18 @@ class EdgeConnection(h11.Connection):
             self.is_head_too_large = exc.error_status_hint == 431  # a head in pieces
             raise
         if isinstance(event, h11.Request):
-            self.num_chunks = 0
+            self.num_chunks = self.num_body_bytes = 0
             if _head_bytes(event) > self.max_head_bytes:
                 self.is_head_too_large = True
                 raise h11.RemoteProtocolError(_HEAD_TOO_LARGE.message, error_status_hint=431)
             event = _in_origin_form(event)
-        # chunk_end: a chunk whose size line ends one read starts the next without
-        # chunk_start, but every chunk ends once.
-        elif isinstance(event, h11.Data) and event.chunk_end:
-            self.num_chunks += 1
-            if self.num_chunks > MAX_BODY_CHUNKS:
+        elif isinstance(event, h11.Data):
+            self.num_body_bytes += len(event.data)
+            # chunk_end: a chunk whose size line ends one read starts the next
+            # without chunk_start, but every chunk ends once.
+            self.num_chunks += event.chunk_end
+            if self.num_chunks > FREE_CHUNKS + self.num_body_bytes // MIN_MEAN_CHUNK_BYTES:
+                self.has_too_many_chunks = True
                 raise h11.RemoteProtocolError(_TOO_MANY_CHUNKS.message, error_status_hint=400)
         return event
 
@@ -217,7 +227,7 @@ class EdgeProtocol(H11Protocol):
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # answered already
             self.transport.close()
             return
-        if self.conn.num_chunks > MAX_BODY_CHUNKS:
+        if self.conn.has_too_many_chunks:
             error = _TOO_MANY_CHUNKS
         elif self.conn.is_head_too_large:
             error = _HEAD_TOO_LARGE
@@ -251,7 +261,13 @@ class EdgeProtocol(H11Protocol):
             cycle.disconnected = True
             cycle.message_event.set()
         if self.transport.can_write_eof():
-            self.transport.write_eof()  # the answer is whole: the client reads to the end
+            # The answer is whole: the client reads to the end. (A client gone
+            # already makes this raise: there is no one left to drain for.)
+            try:
+                self.transport.write_eof()
+            except OSError:
+                self.transport.abort()
+                return
         self.loop.call_later(DRAIN_S, self.transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -69,6 +69,8 @@ class ThrottleWarnings(logging.Filter):
         if num_suppressed is None:
             return False
         if num_suppressed:
-            record.msg = f"{record.getMessage()} ({num_suppressed} more not logged)"
+            # rstrip: uvicorn's "Exception in ASGI application\n" put the count on
+            # a line of its own.
+            record.msg = f"{record.getMessage().rstrip()} ({num_suppressed} more not logged)"
             record.args = None
         return True

@@ -19,7 +19,7 @@ import h11
 import httpx
 import pytest
 
-from frontend.http_protocol import MAX_BODY_CHUNKS, EdgeConnection
+from frontend.http_protocol import FREE_CHUNKS, EdgeConnection, EdgeProtocol
 from tests.stack import Stack, running_stack
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # room for 200,000 short keys, which is ~2 MB
@@ -203,14 +203,57 @@ def test_every_chunk_counts_however_the_reads_cut_the_body() -> None:
     conn = EdgeConnection(h11.SERVER)
     conn.receive_data(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
     assert isinstance(conn.next_event(), h11.Request)
-    for _ in range(MAX_BODY_CHUNKS):
+    for _ in range(FREE_CHUNKS):
         for piece in (b"1\r\n", b"x\r\n"):
             conn.receive_data(piece)
             while conn.next_event() is not h11.NEED_DATA:
                 pass
     conn.receive_data(b"1\r\nx\r\n")
-    with pytest.raises(h11.RemoteProtocolError, match="more than 4096 chunks"):
+    with pytest.raises(h11.RemoteProtocolError, match=f"more than {FREE_CHUNKS} chunks"):
         conn.next_event()
+
+
+@pytest.mark.parametrize(("chunk_bytes", "is_read"), [(2048, True), (1024, True), (512, False)])
+def test_a_long_body_may_come_in_as_many_chunks_as_its_size_allows(
+    chunk_bytes: int, is_read: bool
+) -> None:
+    """A bound of 4,096 chunks a body still let 60 clients, each sending 4,000
+    one-byte chunks a request, keep /health 3 s slow (loaded Xeon): the event
+    loop's cost now stays in proportion to the bytes sent."""
+    conn = EdgeConnection(h11.SERVER)
+    conn.receive_data(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert isinstance(conn.next_event(), h11.Request)
+    conn.receive_data(b"%x\r\n%s\r\n" % (chunk_bytes, b"x" * chunk_bytes) * 1000)
+    try:
+        while conn.next_event() is not h11.NEED_DATA:
+            pass
+    except h11.RemoteProtocolError:
+        assert not is_read and conn.num_chunks == 2 * FREE_CHUNKS + 1
+    else:
+        assert is_read and conn.num_chunks == 1000
+
+
+def test_a_400_to_a_client_already_gone_drops_its_connection_quietly() -> None:
+    """A request, then bytes that are not HTTP, then a hang-up: answered 400 once
+    the first answer was sent, the client was gone, and the end of the answer
+    raised OSError into the app, a 500 logged with its traceback."""
+
+    class GoneTransport:
+        is_aborted = False
+
+        def can_write_eof(self) -> bool:
+            return True
+
+        def write_eof(self) -> None:
+            raise OSError(107, "Transport endpoint is not connected")
+
+        def abort(self) -> None:
+            self.is_aborted = True
+
+    protocol = EdgeProtocol.__new__(EdgeProtocol)
+    protocol.transport = GoneTransport()  # type: ignore[assignment]
+    protocol._close_after_drain()
+    assert protocol.transport.is_aborted  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("in_pieces", [False, True], ids=["one-read", "in-pieces"])
@@ -281,7 +324,7 @@ def test_a_body_refused_400_is_not_answered_again_when_its_time_runs_out(stack: 
     with connect(stack) as sock:
         sock.sendall(head("/generate", f"Content-Type: {JSON}", "Transfer-Encoding: chunked"))
         time.sleep(TIMEOUT_S * 0.6)
-        sock.sendall(b"1\r\nx\r\n" * (MAX_BODY_CHUNKS + 1))
+        sock.sendall(b"1\r\nx\r\n" * (FREE_CHUNKS + 1))
         time.sleep(TIMEOUT_S * 0.6)  # past the body's timeout, the connection still open
         status, _, body = read_response(sock)
     assert status == 400 and json.loads(body)["error"]["code"] == "too_many_chunks"
@@ -505,6 +548,28 @@ def test_a_flood_of_malformed_requests_writes_a_line_a_second_not_one_each(
     log = stack.log("frontend")
     assert log.count(warning) - lines_before <= elapsed_s + 2
     assert f"{warning} (" in log and "more not logged)" in log
+
+
+def test_a_flood_of_hang_ups_writes_a_line_a_second_not_one_each(stack: Stack) -> None:
+    line = "client disconnected; aborted"
+    lines_before = stack.log("frontend").count(line)
+    body = json.dumps({"prompt": "hang up", "max_new_tokens": 400}).encode()
+    started = time.monotonic()
+    for _ in range(30):
+        with connect(stack) as sock:
+            sock.sendall(head("/generate", f"Content-Type: {JSON}", f"Content-Length: {len(body)}"))
+            sock.sendall(body)
+            time.sleep(0.05)  # the request runs; the client goes
+    time.sleep(1.1)
+    with connect(stack) as sock:  # the next one is logged, with a count of those left out
+        sock.sendall(head("/generate", f"Content-Type: {JSON}", f"Content-Length: {len(body)}"))
+        sock.sendall(body)
+        time.sleep(0.05)
+    deadline = time.monotonic() + GIVE_UP_S
+    while "more client disconnects not logged" not in (log := stack.log("frontend")):
+        assert time.monotonic() < deadline, log[-2000:]
+        time.sleep(0.05)
+    assert log.count(line) - lines_before <= time.monotonic() - started + 2
 
 
 def test_a_body_that_stalls_gets_408(stack: Stack) -> None:
