@@ -21,7 +21,7 @@ from tests.model_fixtures import (
     tiny_engine,
     tiny_model,
 )
-from worker.engine import slot_engine
+from worker.engine import prefill_plan, slot_engine
 from worker.engine.torch_engine import TorchEngine
 from worker.model.gpt2 import GPT2
 from worker.serve.scheduler import Scheduler
@@ -115,6 +115,63 @@ def test_with_no_stream_to_hold_up_prompts_go_in_whole() -> None:
     engine.admit([request(f"r{i}", random_prompt(rng, 50, 60), 5) for i in range(3)])
     engine.step()
     assert all(seq.output_token_ids for seq in engine.active_sequences())
+
+
+def test_a_resumed_newcomer_holds_up_the_others_as_a_stream_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a worker's death every request, its resumed streams too, comes to
+    the next one as a newcomer: with nothing decoding, 25 scoring requests went
+    in whole beside a resumed stream, which stalled 28 s (loaded Xeon)."""
+    model = tiny_model().model
+    engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK)
+    prefilled: list[list[int]] = []  # each call's chunk lengths
+    prefill = GPT2.prefill
+
+    def recording(self: GPT2, token_ids, lengths, *args, **kwargs):  # type: ignore[no-untyped-def]
+        prefilled.append(list(lengths))
+        return prefill(self, token_ids, lengths, *args, **kwargs)
+
+    monkeypatch.setattr(GPT2, "prefill", recording)
+    rng = random.Random(9)
+    fresh = request("fresh", random_prompt(rng, 20, 20), 10, ignore_eos=True)
+    earlier = reference_ids(model, fresh)
+    resumed = dataclasses.replace(fresh, request_id="resumed", resume_token_ids=earlier[:5])
+    engine.admit([resumed, request("long", random_prompt(rng, 60, 60), 4, prompt_logprobs=1)])
+    engine.step()
+    # The resumed context (25 tokens) took the step's budget whole: the other
+    # waits for the next step, and then goes in a chunk at a time.
+    assert prefilled == [[20]]
+    assert len(engine._by_id["resumed"].output_token_ids) > 5
+    engine.step()
+    assert prefilled[1] == [CHUNK]
+
+
+def test_with_no_stream_to_hold_up_a_step_scores_at_most_a_pass_of_prompt_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """8 choices scoring a 1,024-token prompt, in one step on an idle worker,
+    made steps of 14 s (loaded Xeon): a worker told to stop could not act on it,
+    nor a newcomer start."""
+    monkeypatch.setattr(prefill_plan, "PREFILL_PASS_TOKENS", 64)
+    engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK)
+    scored_per_step: list[int] = []
+    prefill = GPT2.prefill
+
+    def counting(self: GPT2, token_ids, lengths, slots, cache, keep_all=(), *args, **kw):  # type: ignore[no-untyped-def]
+        scored_per_step.append(sum(lengths[i] for i in keep_all))
+        return prefill(self, token_ids, lengths, slots, cache, keep_all, *args, **kw)
+
+    monkeypatch.setattr(GPT2, "prefill", counting)
+    rng = random.Random(10)
+    prompt = random_prompt(rng, 50, 50)
+    scoring = [request(f"score{i}", prompt, 0, prompt_logprobs=2) for i in range(3)]
+    results = run_schedule(engine, {0: scoring})
+    assert max(scored_per_step) <= 64 and sum(scored_per_step) == 3 * 50
+    alone = run_schedule(tiny_engine(capacity=1), {0: scoring[:1]})["score0"].prompt_logprobs
+    for result in results.values():
+        assert result.prompt_logprobs is not None and alone is not None
+        assert result.prompt_logprobs.logprobs[1:] == pytest.approx(alone.logprobs[1:], abs=1e-5)
 
 
 def test_chunked_outputs_match_hugging_face_for_prompts_and_resumes() -> None:

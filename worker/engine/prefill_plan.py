@@ -10,6 +10,13 @@ from worker.engine.sequence import Sequence
 # A sequence and the context positions [start, end) to run into its slot.
 Chunk = tuple[Sequence, int, int]
 
+# Context tokens one pass over the model takes at most, when a step prefills more
+# (whole prompts, or chunks while no stream waits): a step's prefill runs in such
+# passes, each counted as progress by heartbeats, since one pass of 64 prompts of
+# 950 tokens took over 30 s on a 2-core EPYC, past the clients' STEP_TIMEOUT_S, and the
+# worker was taken for hung. Past a few thousand rows no product gets faster.
+PREFILL_PASS_TOKENS = 2048
+
 # A prompt's attention is computed in aligned blocks of this many positions
 # (`GPT2.prefill`): a block's keys then depend only on the tokens up to it, so
 # the prefix cache can reuse any whole block. Small, as vLLM's 16-token blocks,
@@ -47,7 +54,10 @@ def plan_chunks(
     prompt to be scored goes in chunks as any other, each scoring its own
     positions: whole, one 1,020-token prompt held every stream about 1 s on a
     quiet 2-core Xeon, and the 8 choices of one such request, all in one step,
-    20 to 40 s loaded.
+    20 to 40 s loaded. With no stream held up, a step still scores at most
+    PREFILL_PASS_TOKENS prompt tokens (the LM head runs at every position):
+    8 such choices in one step made steps of 14 s on a loaded Xeon, in which a
+    worker told to stop could not act, nor a newcomer start.
 
     A chunk inside a prompt ends on a multiple of ``block`` (at most
     ``budget``): the engine computes a prompt's attention in those blocks
@@ -57,18 +67,23 @@ def plan_chunks(
     share them. A newcomer whose next rows an older one computes this step waits
     for them (`_waits_for_shared_rows`)."""
     chunks: list[Chunk] = []
+    scored_left = PREFILL_PASS_TOKENS
     for seq, done in prefilling:
         if cache is not None and _waits_for_shared_rows(seq, done, chunks, cache):
             continue
         end = len(seq.context_token_ids)
         if holds_up_streams and not seq.is_resumed:
             end = min(end, done + (min(budget, block) if chunks else budget))
-            if end < len(seq.prompt_token_ids):
-                end = end // block * block
-            if end <= done:
-                continue
+        elif seq.wants_prompt_logprobs:  # never a resumed one
+            end = min(end, done + scored_left)
+        if end < len(seq.prompt_token_ids):
+            end = end // block * block
+        if end <= done:
+            continue
         chunks.append((seq, done, end))
         budget -= end - done
+        if seq.wants_prompt_logprobs:
+            scored_left -= end - done
     return chunks
 
 

@@ -22,19 +22,12 @@ from worker.engine.interface import (
     StepOutput,
 )
 from worker.engine.logprobs import TokenLogprob, pack
-from worker.engine.prefill_plan import Chunk, block_tokens_for, plan_chunks
+from worker.engine.prefill_plan import PREFILL_PASS_TOKENS, Chunk, block_tokens_for, plan_chunks
 from worker.engine.prefix_cache import Match, PrefixCache
 from worker.engine.sequence import Sequence, Tokenizer
 
 log = logging.getLogger(__name__)
 _Item = TypeVar("_Item")
-
-# Context tokens one pass over the model takes at most, when a step prefills more
-# (whole prompts, or chunks while no stream waits): a step's prefill runs in such
-# passes, each counted as progress by heartbeats, since one pass of 64 prompts of
-# 950 tokens took over 30 s on a 2-core EPYC, past the clients' STEP_TIMEOUT_S, and the
-# worker was taken for hung. Past a few thousand rows no product gets faster.
-PREFILL_PASS_TOKENS = 2048
 
 
 class SlotEngine(InferenceEngine):
@@ -227,7 +220,10 @@ class SlotEngine(InferenceEngine):
         output = StepOutput()
         # prefill
         if self._num_prefilled:
-            holds_up_streams = bool(self.decoding_sequences())
+            # A resumed newcomer is a stream too: its client waits mid-answer.
+            holds_up_streams = bool(self.decoding_sequences()) or any(
+                self._by_id[request_id].is_resumed for request_id in self._num_prefilled
+            )
             self._prefill_step(holds_up_streams, output)
             if not holds_up_streams and self._num_prefilled and self.prefix_cache is not None:
                 # Newcomers that waited for rows computed just now (the first wave
