@@ -62,9 +62,12 @@ class ThrottleWarnings(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return True
-        if record.msg not in self.rules and len(self.rules) >= _MAX_TEMPLATES:
+        # A template is a library's constant text; anything else logged (an
+        # exception, a dict) is throttled by its type.
+        key = record.msg if isinstance(record.msg, str) else type(record.msg)
+        if key not in self.rules and len(self.rules) >= _MAX_TEMPLATES:
             self.rules.clear()  # a library that logs ever new texts, not templates
-        rule = self.rules.setdefault(record.msg, _OnceASecond())
+        rule = self.rules.setdefault(key, _OnceASecond())
         num_suppressed = rule.admit()
         if num_suppressed is None:
             return False

@@ -41,3 +41,11 @@ def test_a_logger_of_ever_new_texts_keeps_a_bounded_table(clock: FakeClock) -> N
         record = logger.makeRecord(logger.name, logging.WARNING, __file__, 0, f"t{i}", None, None)
         assert throttle.filter(record)
     assert len(throttle.rules) <= throttled._MAX_TEMPLATES
+
+
+def test_what_is_logged_need_not_be_text(clock: FakeClock) -> None:
+    throttle = ThrottleWarnings()
+    logger = logging.getLogger("test_throttled.objects")
+    for msg in ({"a": 1}, {"b": 2}):  # unhashable; the second within the second
+        record = logger.makeRecord(logger.name, logging.WARNING, __file__, 0, msg, None, None)
+        assert throttle.filter(record) is (msg == {"a": 1})
