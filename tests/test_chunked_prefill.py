@@ -21,7 +21,7 @@ from tests.model_fixtures import (
     tiny_engine,
     tiny_model,
 )
-from worker.engine import prefill_plan, slot_engine
+from worker.engine import slot_engine
 from worker.engine.torch_engine import TorchEngine
 from worker.model.gpt2 import GPT2
 from worker.serve.scheduler import Scheduler
@@ -153,16 +153,21 @@ def test_with_no_stream_to_hold_up_a_step_scores_at_most_a_pass_of_prompt_tokens
     """8 choices scoring a 1,024-token prompt, in one step on an idle worker,
     made steps of 14 s (loaded Xeon): a worker told to stop could not act on it,
     nor a newcomer start."""
-    monkeypatch.setattr(prefill_plan, "PREFILL_PASS_TOKENS", 64)
+    monkeypatch.setattr(slot_engine, "PREFILL_PASS_TOKENS", 64)
     engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK)
     scored_per_step: list[int] = []
-    prefill = GPT2.prefill
+    prefill, step = GPT2.prefill, engine.step
 
     def counting(self: GPT2, token_ids, lengths, slots, cache, keep_all=(), *args, **kw):  # type: ignore[no-untyped-def]
-        scored_per_step.append(sum(lengths[i] for i in keep_all))
+        scored_per_step[-1] += sum(lengths[i] for i in keep_all)
         return prefill(self, token_ids, lengths, slots, cache, keep_all, *args, **kw)
 
+    def stepping(*args, **kwargs):  # type: ignore[no-untyped-def]
+        scored_per_step.append(0)
+        return step(*args, **kwargs)
+
     monkeypatch.setattr(GPT2, "prefill", counting)
+    monkeypatch.setattr(engine, "step", stepping)
     rng = random.Random(10)
     prompt = random_prompt(rng, 50, 50)
     scoring = [request(f"score{i}", prompt, 0, prompt_logprobs=2) for i in range(3)]

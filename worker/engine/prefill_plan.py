@@ -36,6 +36,7 @@ def plan_chunks(
     block: int,
     holds_up_streams: bool,
     cache: PrefixCache | None,
+    scored_budget: int,
 ) -> list[Chunk]:
     """This step's chunks for ``prefilling`` (each newcomer with how many of its
     context tokens are in its slot, oldest first): up to ``budget`` more context
@@ -55,8 +56,8 @@ def plan_chunks(
     positions: whole, one 1,020-token prompt held every stream about 1 s on a
     quiet 2-core Xeon, and the 8 choices of one such request, all in one step,
     20 to 40 s loaded. With no stream held up, a step still scores at most
-    PREFILL_PASS_TOKENS prompt tokens (the LM head runs at every position):
-    8 such choices in one step made steps of 14 s on a loaded Xeon, in which a
+    ``scored_budget`` prompt tokens (the LM head runs at every position): 8
+    such choices in one step made steps of 14 s on a loaded Xeon, in which a
     worker told to stop could not act, nor a newcomer start.
 
     A chunk inside a prompt ends on a multiple of ``block`` (at most
@@ -67,7 +68,7 @@ def plan_chunks(
     share them. A newcomer whose next rows an older one computes this step waits
     for them (`_waits_for_shared_rows`)."""
     chunks: list[Chunk] = []
-    scored_left = PREFILL_PASS_TOKENS
+    scored_left = scored_budget
     for seq, done in prefilling:
         if cache is not None and _waits_for_shared_rows(seq, done, chunks, cache):
             continue

@@ -228,8 +228,9 @@ class SlotEngine(InferenceEngine):
             if not holds_up_streams and self._num_prefilled and self.prefix_cache is not None:
                 # Newcomers that waited for rows computed just now (the first wave
                 # of a burst with one system prompt, n choices) take them and go in
-                # at once: no stream was decoding to be held up.
-                self._prefill_step(False, output)
+                # at once: no stream was decoding to be held up. (Prompts to be
+                # scored share no rows: they had this step's scoring.)
+                self._prefill_step(False, output, may_score=False)
         # Newcomers whose first token finished them leave before the decode.
         self._collect(output)
         if on_prefilled is not None and (output.deltas or output.finished or output.failed):
@@ -274,9 +275,12 @@ class SlotEngine(InferenceEngine):
             del self._num_prefilled[seq.request_id]
             self._take_first_token(seq, self._first_token_from_kept_logits(seq))
 
-    def _prefill_step(self, holds_up_streams: bool, output: StepOutput) -> None:
+    def _prefill_step(
+        self, holds_up_streams: bool, output: StepOutput, may_score: bool = True
+    ) -> None:
         """Take what the prefix cache holds, then run this step's chunks
-        (`plan_chunks`; ``holds_up_streams``: keep to the chunk budget)."""
+        (`plan_chunks`; ``holds_up_streams``: keep to the chunk budget;
+        ``may_score``: score up to a pass of prompt tokens)."""
         if self.prefix_cache is not None:
             self._reuse_cached_rows(self.prefix_cache, output)
         prefilling = [
@@ -288,6 +292,7 @@ class SlotEngine(InferenceEngine):
             self.block_tokens,
             holds_up_streams,
             self.prefix_cache,
+            scored_budget=PREFILL_PASS_TOKENS if may_score else 0,
         )
         for k, group in enumerate(_passes(chunks, lambda chunk: chunk[2] - chunk[1])):
             if k:
