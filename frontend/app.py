@@ -200,6 +200,7 @@ def _worker_status(link: WorkerLink) -> dict[str, Any]:
         "endpoint": link.endpoint,
         "state": verdict.state.value,
         "reason": verdict.reason,
+        "stopping": link.is_stopping,  # it takes nothing new
         "instance_id": hello.instance_id if hello else None,
         "capacity": hello.capacity if hello else None,
         "compute": hello.compute if hello else None,
@@ -218,28 +219,30 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """For load balancers: 200 only when a worker is live and there is room for
-    more requests and connections; 503 (hold off) otherwise."""
+    """For load balancers: 200 only when a worker is live and takes new requests,
+    and there is room for more requests and connections; 503 (hold off) otherwise."""
     client = _client(request)
     status = _status(client)
-    full = _why_full(client, request.app.state.count_connections())
-    is_ready = status["status"] == "ok" and full is None
-    if status["status"] == "ok" and full is not None:
-        status["status"] = "full"
-        status["reason"] = full
-    status["ready"] = is_ready
-    return JSONResponse(status, status_code=200 if is_ready else 503)
+    if status["status"] == "ok":
+        refusal = _why_not_ready(client, request.app.state.count_connections())
+        if refusal is not None:
+            status["status"], status["reason"] = refusal
+    status["ready"] = status["status"] == "ok"
+    return JSONResponse(status, status_code=200 if status["ready"] else 503)
 
 
-def _why_full(client: WorkerClient, num_connections: int) -> str | None:
-    """Why a new request would be refused 503 now, if it would: no room for it in
-    flight, or no connection left (the probe's own counts, as it does when
-    uvicorn refuses a request past MAX_CONNECTIONS)."""
+def _why_not_ready(client: WorkerClient, num_connections: int) -> tuple[str, str] | None:
+    """Why a new request would wait or be refused 503 now, if it would: every
+    live worker is stopping (taking nothing new), no room for it in flight, or
+    no connection left (the probe's own counts, as it does when uvicorn refuses
+    a request past MAX_CONNECTIONS)."""
     config = client.config
+    if not client.any_worker_takes_work():
+        return "stopping", "every live worker is stopping, and takes no new request"
     if client.num_inflight >= config.max_inflight_requests:
-        return f"MAX_INFLIGHT_REQUESTS={config.max_inflight_requests} requests in flight"
+        return "full", f"MAX_INFLIGHT_REQUESTS={config.max_inflight_requests} requests in flight"
     if num_connections >= config.max_connections:
-        return f"MAX_CONNECTIONS={config.max_connections} connections open"
+        return "full", f"MAX_CONNECTIONS={config.max_connections} connections open"
     return None
 
 

@@ -18,7 +18,9 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   only a head that is still incomplete after a read, so one that came whole in a
   single read passed at any size (a 120 KB head of 20,000 fields was served).
   Every head is measured here, and a larger one gets 431, as h11's own refusal
-  of a head in pieces now does too (uvicorn answered it 400 "not valid HTTP").
+  of a head in pieces now does too (uvicorn answered it 400 "not valid HTTP");
+  so do the trailer fields after a chunked body (6,000 of them, 59 KB, were
+  read).
 - **Chunks** (FREE_CHUNKS, MIN_MEAN_CHUNK_BYTES). h11 parses each chunk of a
   chunked body as an event of its own, ~13 us of the event loop each (Zen 4
   EPYC): a 1 MB body sent a byte a chunk held every other request and probe for
@@ -73,7 +75,7 @@ DRAIN_S = 1.0
 # The chunks a request body may come in: FREE_CHUNKS, and one more for every
 # MIN_MEAN_CHUNK_BYTES of it. Clients that stream a body send kilobytes a chunk.
 FREE_CHUNKS = 64
-MIN_MEAN_CHUNK_BYTES = 1024
+MIN_MEAN_CHUNK_BYTES = 256
 
 _TOO_MANY_CHUNKS = ApiError(
     400,
@@ -112,6 +114,13 @@ class EdgeConnection(h11.Connection):
                 self.is_head_too_large = True
                 raise h11.RemoteProtocolError(_HEAD_TOO_LARGE.message, error_status_hint=431)
             event = _in_origin_form(event)
+        elif (
+            isinstance(event, h11.EndOfMessage)
+            and _fields_bytes(event.headers) > self.max_head_bytes
+        ):
+            # A chunked body's trailer fields: a head of their own, bounded alike.
+            self.is_head_too_large = True
+            raise h11.RemoteProtocolError(_HEAD_TOO_LARGE.message, error_status_hint=431)
         elif isinstance(event, h11.Data):
             self.num_body_bytes += len(event.data)
             # chunk_end: a chunk whose size line ends one read starts the next
@@ -145,8 +154,11 @@ def _in_origin_form(request: h11.Request) -> h11.Request:
 def _head_bytes(request: h11.Request) -> int:
     """The size of ``request``'s head as sent, give or take its whitespace."""
     line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
-    fields = sum(len(name) + len(value) + 4 for name, value in request.headers.raw_items())
-    return line + fields + 2
+    return line + _fields_bytes(request.headers) + 2
+
+
+def _fields_bytes(headers: h11._headers.Headers) -> int:
+    return sum(len(name) + len(value) + 4 for name, value in headers.raw_items())
 
 
 def edge_protocol(config: FrontendConfig) -> type[EdgeProtocol]:

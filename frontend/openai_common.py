@@ -20,8 +20,10 @@ from frontend.schemas import name_fields, parse_body
 from frontend.structured import grammar_fields
 from frontend.worker_client import WorkerClient
 from protocol import GenerateRequest, GenerateResult
+from protocol.throttled import Throttled
 
 log = logging.getLogger(__name__)
+_IGNORED_FIELDS = Throttled(log, "requests with ignored fields")
 
 MAX_MODEL_NAME_CHARS = 200  # of a model name quoted back: a hub id may be long
 
@@ -57,12 +59,12 @@ def ignored_fields_headers(ignored: list[str]) -> dict[str, str]:
 
 
 def log_ignored_fields(request_id: str, ignored: list[str]) -> None:
+    """A line for unknown fields ignored (the client also gets a header naming
+    them): at most one a second, as a client may send them at will."""
     if ignored:
-        log.warning(
-            "request %s: ignored %d unknown fields: %s",
-            request_id,
-            len(ignored),
-            printable(name_fields(ignored)),
+        fields = printable(name_fields(ignored))
+        _IGNORED_FIELDS.warn(
+            f"request {request_id}: ignored {len(ignored)} unknown fields: {fields}"
         )
 
 

@@ -260,14 +260,14 @@ class WorkerClient:
     # --- sending and replay --------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        if self.is_shutting_down and not self._any_worker_takes_work():
+        if self.is_shutting_down and not self.any_worker_takes_work():
             # Its workers are stopping too: what none holds now will never run.
             for entry in self._table.take_unheld():
                 self._table.resolve(entry, _shutting_down(entry, "no worker is left to run it"))
             return
         dispatch(self._table, self._pool.links())
 
-    def _any_worker_takes_work(self) -> bool:
+    def any_worker_takes_work(self) -> bool:
         """Whether a worker is live and not stopping."""
         return any(link.verdict().is_live and not link.is_stopping for link in self._pool.links())
 

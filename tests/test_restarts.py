@@ -132,6 +132,26 @@ def test_a_worker_stopping_with_nothing_to_hand_back_is_not_declared_dead(
         assert "declared dead" not in log
 
 
+def test_while_its_only_worker_stops_the_frontend_is_not_ready(tmp_path: Path) -> None:
+    """/ready said 200, "live", for the whole of the worker's grace, while new
+    requests could only wait."""
+    with running_stack(tmp_path, {"FAKE_STEP_DELAY_S": "0.05"}, supervised=False) as stack:
+        stack.wait_live()
+        pool, futures = _in_background(stack, _bodies(1, max_new_tokens=400))
+        stack.wait_for_health("running", lambda h: h["active"] == 1)
+        stack.processes["worker"].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2  # within its 3 s grace
+        while (ready := httpx.get(f"{stack.url}/ready", timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline, "still ready while its worker stops"
+            time.sleep(0.05)
+        assert (ready.status_code, ready.json()["status"]) == (503, "stopping")
+        assert [worker["stopping"] for worker in ready.json()["workers"]] == [True]
+        stack.processes["worker"].wait(timeout=10)
+        stack.start("worker", "worker.serve.main")
+        _assert_fault_free_answers(_bodies(1, max_new_tokens=400), futures)
+        pool.shutdown()
+
+
 def test_a_stopped_worker_is_declared_dead_and_replaced(tmp_path: Path) -> None:
     overrides = {"MAX_BATCH_SIZE": str(CAPACITY), "FAKE_STEP_DELAY_S": "0.02"}
     with running_stack(tmp_path, overrides) as stack:
