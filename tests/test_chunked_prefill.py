@@ -117,6 +117,32 @@ def test_with_no_stream_to_hold_up_prompts_go_in_whole() -> None:
     assert all(seq.output_token_ids for seq in engine.active_sequences())
 
 
+@pytest.mark.parametrize("cost", [1.0, 1.9, 4.5])
+def test_beside_streams_a_scored_token_takes_its_cost_of_the_budget(
+    monkeypatch: pytest.MonkeyPatch, cost: float
+) -> None:
+    """The LM head runs at a scored position too (about 1.9 tokens' work for
+    distilgpt2): chunks of scored prompts are shorter, so that a step stalls the
+    streams about as long either way; the first still moves by a block."""
+    engine = tiny_engine(capacity=3, prefill_chunk_tokens=64)
+    monkeypatch.setattr(engine, "scored_token_cost", cost)
+    chunks: list[list[int]] = []
+    prefill = GPT2.prefill
+
+    def recording(self: GPT2, token_ids, lengths, *args, **kwargs):  # type: ignore[no-untyped-def]
+        chunks.append(list(lengths))
+        return prefill(self, token_ids, lengths, *args, **kwargs)
+
+    monkeypatch.setattr(GPT2, "prefill", recording)
+    rng = random.Random(11)
+    engine.admit([request("stream", random_prompt(rng, 4, 4), 30, ignore_eos=True)])
+    engine.step()
+    engine.admit([request("score", random_prompt(rng, 100, 100), 1, prompt_logprobs=1)])
+    chunks.clear()
+    engine.step()
+    assert chunks == [[max(16, int(64 / cost) // 16 * 16)]]
+
+
 def test_a_resumed_newcomer_holds_up_the_others_as_a_stream_would(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

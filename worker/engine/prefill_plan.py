@@ -37,6 +37,7 @@ def plan_chunks(
     holds_up_streams: bool,
     cache: PrefixCache | None,
     scored_budget: int,
+    scored_token_cost: float = 1.0,
 ) -> list[Chunk]:
     """This step's chunks for ``prefilling`` (each newcomer with how many of its
     context tokens are in its slot, oldest first): up to ``budget`` more context
@@ -55,10 +56,12 @@ def plan_chunks(
     prompt to be scored goes in chunks as any other, each scoring its own
     positions: whole, one 1,020-token prompt held every stream about 1 s on a
     quiet 2-core Xeon, and the 8 choices of one such request, all in one step,
-    20 to 40 s loaded. With no stream held up, a step still scores at most
-    ``scored_budget`` prompt tokens (the LM head runs at every position): 8
-    such choices in one step made steps of 14 s on a loaded Xeon, in which a
-    worker told to stop could not act, nor a newcomer start.
+    20 to 40 s loaded. Each of its tokens takes ``scored_token_cost`` of the
+    budget (the LM head runs at its position too: about 1.9 tokens' work for
+    distilgpt2), so that a step stalls the streams about as long either way.
+    With no stream held up, a step still scores at most ``scored_budget``
+    prompt tokens: 8 such choices in one step made steps of 14 s on a loaded
+    Xeon, in which a worker told to stop could not act, nor a newcomer start.
 
     A chunk inside a prompt ends on a multiple of ``block`` (at most
     ``budget``): the engine computes a prompt's attention in those blocks
@@ -73,8 +76,11 @@ def plan_chunks(
         if cache is not None and _waits_for_shared_rows(seq, done, chunks, cache):
             continue
         end = len(seq.context_token_ids)
+        cost = scored_token_cost if seq.wants_prompt_logprobs else 1.0
         if holds_up_streams and not seq.is_resumed:
-            end = min(end, done + (min(budget, block) if chunks else budget))
+            allowed = int((min(budget, block) if chunks else budget) / cost)
+            # The oldest always moves by a block at least.
+            end = min(end, done + (allowed if chunks else max(allowed, block)))
         elif seq.wants_prompt_logprobs:  # never a resumed one
             end = min(end, done + scored_left)
         if end < len(seq.prompt_token_ids):
@@ -82,7 +88,7 @@ def plan_chunks(
         if end <= done:
             continue
         chunks.append((seq, done, end))
-        budget -= end - done
+        budget -= round((end - done) * cost)
         if seq.wants_prompt_logprobs:
             scored_left -= end - done
     return chunks

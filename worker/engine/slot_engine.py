@@ -31,6 +31,10 @@ _Item = TypeVar("_Item")
 
 
 class SlotEngine(InferenceEngine):
+    # What a prompt token to be scored costs against one only prefilled (see
+    # `plan_chunks`); an engine whose model says otherwise sets its own.
+    scored_token_cost = 1.0
+
     def __init__(
         self,
         info: ModelInfo,
@@ -293,6 +297,7 @@ class SlotEngine(InferenceEngine):
             holds_up_streams,
             self.prefix_cache,
             scored_budget=PREFILL_PASS_TOKENS if may_score else 0,
+            scored_token_cost=self.scored_token_cost,
         )
         for k, group in enumerate(_passes(chunks, lambda chunk: chunk[2] - chunk[1])):
             if k:
