@@ -142,6 +142,39 @@ def disable_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(module, "load_kernels", lambda: None)
 
 
+@dataclass(frozen=True)
+class PrefillCall:
+    """One call into `GPT2.prefill`: each chunk's start and length, and which
+    chunks it scores (keeps every position of)."""
+
+    starts: list[int]
+    lengths: list[int]
+    scored: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def num_scored(self) -> int:
+        return sum(self.lengths[i] for i in self.scored)
+
+
+def record_prefills(monkeypatch: pytest.MonkeyPatch) -> list[PrefillCall]:
+    """Every call into `GPT2.prefill` from now on, in order."""
+    calls: list[PrefillCall] = []
+    prefill = gpt2.GPT2.prefill
+
+    def recording(self, token_ids, lengths, slots, cache, keep_all=(), starts=None, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(
+            PrefillCall(list(starts or [0] * len(lengths)), list(lengths), sorted(keep_all))
+        )
+        return prefill(self, token_ids, lengths, slots, cache, keep_all, starts, **kwargs)
+
+    monkeypatch.setattr(gpt2.GPT2, "prefill", recording)
+    return calls
+
+
 def reference_ids(model: GPT2LMHeadModel, request: GenerateRequest) -> list[int]:
     """Standalone HF greedy generate for one request, cut where the engine stops."""
     assert request.prompt_token_ids is not None

@@ -5,6 +5,7 @@ Hugging Face over the random schedule in chunks is in test_torch_engine.py."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from protocol import ErrorResult, GenerateResult
 from tests.model_fixtures import (
     CONTEXT_WINDOW,
     random_prompt,
+    record_prefills,
     reference_ids,
     request,
     run_schedule,
@@ -23,7 +25,6 @@ from tests.model_fixtures import (
 )
 from worker.engine import slot_engine
 from worker.engine.torch_engine import TorchEngine
-from worker.model.gpt2 import GPT2
 from worker.serve.scheduler import Scheduler
 
 pytestmark = pytest.mark.model
@@ -35,14 +36,7 @@ def test_a_long_prompt_goes_in_a_chunk_a_step_while_the_streams_decode(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK)
-    prefilled_per_call: list[int] = []
-    prefill = GPT2.prefill
-
-    def counting_prefill(self: GPT2, token_ids, lengths, *args, **kwargs):  # type: ignore[no-untyped-def]
-        prefilled_per_call.append(sum(lengths))
-        return prefill(self, token_ids, lengths, *args, **kwargs)
-
-    monkeypatch.setattr(GPT2, "prefill", counting_prefill)
+    calls = record_prefills(monkeypatch)
     rng = random.Random(3)
     streams = [request(f"s{i}", random_prompt(rng, 4, 8), 30, ignore_eos=True) for i in range(2)]
     engine.admit(streams)
@@ -52,11 +46,11 @@ def test_a_long_prompt_goes_in_a_chunk_a_step_while_the_streams_decode(
     steps_to_first_token = 0
     while not engine._by_id["long"].output_token_ids:
         before = [len(engine._by_id[s.request_id].output_token_ids) for s in streams]
-        prefilled_per_call.clear()
+        calls.clear()
         engine.step()
         steps_to_first_token += 1
         # Every step prefills at most one chunk, and decodes each stream.
-        assert prefilled_per_call and max(prefilled_per_call) <= CHUNK
+        assert calls and max(call.num_tokens for call in calls) <= CHUNK
         after = [len(engine._by_id[s.request_id].output_token_ids) for s in streams]
         assert after == [n + 1 for n in before]
     assert steps_to_first_token == -(-len(long_prompt) // CHUNK)  # ceil(100 / 16) = 7
@@ -70,18 +64,11 @@ def test_beside_streams_the_oldest_newcomer_takes_the_budget_and_the_others_a_bl
     prompt whole; the 30-token prompt, oldest now, takes the budget next, its
     chunk ending on a block."""
     engine = tiny_engine(capacity=4, prefill_chunk_tokens=CHUNK, block_tokens=4)
-    chunks: list[list[tuple[int, int]]] = []  # (start, length) per prompt, per call
-    prefill = GPT2.prefill
-
-    def recording(self: GPT2, token_ids, lengths, slots, cache, keep_all=(), starts=None, **kw):  # type: ignore[no-untyped-def]
-        chunks.append(list(zip(starts or [0] * len(lengths), lengths, strict=True)))
-        return prefill(self, token_ids, lengths, slots, cache, keep_all, starts, **kw)
-
-    monkeypatch.setattr(GPT2, "prefill", recording)
+    calls = record_prefills(monkeypatch)
     rng = random.Random(13)
     engine.admit([request("stream", random_prompt(rng, 4, 4), 30, ignore_eos=True)])
     engine.step()
-    chunks.clear()
+    calls.clear()
     engine.admit(
         [
             request(name, random_prompt(rng, length, length), 5)
@@ -90,6 +77,7 @@ def test_beside_streams_the_oldest_newcomer_takes_the_budget_and_the_others_a_bl
     )
     for _ in range(3):
         engine.step()
+    chunks = [list(zip(call.starts, call.lengths, strict=True)) for call in calls]
     assert chunks == [[(0, 6), (0, 4), (0, 3)], [(4, 16)], [(20, 10)]]
 
 
@@ -126,21 +114,14 @@ def test_beside_streams_a_scored_token_takes_its_cost_of_the_budget(
     streams about as long either way; the first still moves by a block."""
     engine = tiny_engine(capacity=3, prefill_chunk_tokens=64)
     monkeypatch.setattr(engine, "scored_token_cost", cost)
-    chunks: list[list[int]] = []
-    prefill = GPT2.prefill
-
-    def recording(self: GPT2, token_ids, lengths, *args, **kwargs):  # type: ignore[no-untyped-def]
-        chunks.append(list(lengths))
-        return prefill(self, token_ids, lengths, *args, **kwargs)
-
-    monkeypatch.setattr(GPT2, "prefill", recording)
+    calls = record_prefills(monkeypatch)
     rng = random.Random(11)
     engine.admit([request("stream", random_prompt(rng, 4, 4), 30, ignore_eos=True)])
     engine.step()
     engine.admit([request("score", random_prompt(rng, 100, 100), 1, prompt_logprobs=1)])
-    chunks.clear()
+    calls.clear()
     engine.step()
-    assert chunks == [[max(16, int(64 / cost) // 16 * 16)]]
+    assert [call.lengths for call in calls] == [[max(16, int(64 / cost) // 16 * 16)]]
 
 
 def test_a_resumed_newcomer_holds_up_the_others_as_a_stream_would(
@@ -151,14 +132,7 @@ def test_a_resumed_newcomer_holds_up_the_others_as_a_stream_would(
     in whole beside a resumed stream, which stalled 28 s (loaded Xeon)."""
     model = tiny_model().model
     engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK)
-    prefilled: list[list[int]] = []  # each call's chunk lengths
-    prefill = GPT2.prefill
-
-    def recording(self: GPT2, token_ids, lengths, *args, **kwargs):  # type: ignore[no-untyped-def]
-        prefilled.append(list(lengths))
-        return prefill(self, token_ids, lengths, *args, **kwargs)
-
-    monkeypatch.setattr(GPT2, "prefill", recording)
+    calls = record_prefills(monkeypatch)
     rng = random.Random(9)
     fresh = request("fresh", random_prompt(rng, 20, 20), 10, ignore_eos=True)
     earlier = reference_ids(model, fresh)
@@ -167,10 +141,10 @@ def test_a_resumed_newcomer_holds_up_the_others_as_a_stream_would(
     engine.step()
     # The resumed context (25 tokens) took the step's budget whole: the other
     # waits for the next step, and then goes in a chunk at a time.
-    assert prefilled == [[20]]
+    assert [call.lengths for call in calls] == [[20]]
     assert len(engine._by_id["resumed"].output_token_ids) > 5
     engine.step()
-    assert prefilled[1] == [CHUNK]
+    assert calls[1].lengths == [CHUNK]
 
 
 def test_with_no_stream_to_hold_up_a_step_scores_at_most_a_pass_of_prompt_tokens(
@@ -181,23 +155,24 @@ def test_with_no_stream_to_hold_up_a_step_scores_at_most_a_pass_of_prompt_tokens
     nor a newcomer start."""
     monkeypatch.setattr(slot_engine, "PREFILL_PASS_TOKENS", 64)
     engine = tiny_engine(capacity=3, prefill_chunk_tokens=CHUNK)
-    scored_per_step: list[int] = []
-    prefill, step = GPT2.prefill, engine.step
-
-    def counting(self: GPT2, token_ids, lengths, slots, cache, keep_all=(), *args, **kw):  # type: ignore[no-untyped-def]
-        scored_per_step[-1] += sum(lengths[i] for i in keep_all)
-        return prefill(self, token_ids, lengths, slots, cache, keep_all, *args, **kw)
+    calls = record_prefills(monkeypatch)
+    calls_before_step: list[int] = []  # how many calls there were as each step began
+    step = engine.step
 
     def stepping(*args, **kwargs):  # type: ignore[no-untyped-def]
-        scored_per_step.append(0)
+        calls_before_step.append(len(calls))
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(GPT2, "prefill", counting)
     monkeypatch.setattr(engine, "step", stepping)
     rng = random.Random(10)
     prompt = random_prompt(rng, 50, 50)
     scoring = [request(f"score{i}", prompt, 0, prompt_logprobs=2) for i in range(3)]
     results = run_schedule(engine, {0: scoring})
+    bounds = [*calls_before_step, len(calls)]
+    scored_per_step = [
+        sum(call.num_scored for call in calls[start:end])
+        for start, end in itertools.pairwise(bounds)
+    ]
     assert max(scored_per_step) <= 64 and sum(scored_per_step) == 3 * 50
     alone = run_schedule(tiny_engine(capacity=1), {0: scoring[:1]})["score0"].prompt_logprobs
     for result in results.values():
@@ -317,14 +292,7 @@ def test_beside_streams_a_prompt_to_score_goes_in_chunks_and_scores_as_whole(
     1 s a step (quiet 2-core Xeon), and the 8 choices of one such request, in one
     step, 20 to 40 s loaded. Now each chunk scores its own positions."""
     engine = tiny_engine(capacity=4, prefill_chunk_tokens=CHUNK)
-    prefilled_per_call: list[int] = []
-    prefill = GPT2.prefill
-
-    def counting(self: GPT2, token_ids, lengths, *args, **kwargs):  # type: ignore[no-untyped-def]
-        prefilled_per_call.append(sum(lengths))
-        return prefill(self, token_ids, lengths, *args, **kwargs)
-
-    monkeypatch.setattr(GPT2, "prefill", counting)
+    calls = record_prefills(monkeypatch)
     rng = random.Random(21)
     stream = request("stream", random_prompt(rng, 4, 4), 60, ignore_eos=True)
     engine.admit([stream])
@@ -332,15 +300,15 @@ def test_beside_streams_a_prompt_to_score_goes_in_chunks_and_scores_as_whole(
     prompt = random_prompt(rng, 70, 70)
     scoring = [request(f"score{i}", prompt, 1, prompt_logprobs=3) for i in range(2)]
     engine.admit(scoring)
-    prefilled_per_call.clear()
+    calls.clear()
     results = {}
     while len(results) < len(scoring):
         before = len(engine._by_id["stream"].output_token_ids)
         output = engine.step()
         results.update((f.request_id, f) for f in output.finished)
         assert len(engine._by_id["stream"].output_token_ids) == before + 1
-    assert max(prefilled_per_call) <= CHUNK
-    assert sum(prefilled_per_call) == 2 * len(prompt)  # each scored prompt computed, in chunks
+    assert max(call.num_tokens for call in calls) <= CHUNK
+    assert sum(call.num_scored for call in calls) == 2 * len(prompt)  # each computed, in chunks
     alone = run_schedule(tiny_engine(capacity=1), {0: [scoring[0]]})["score0"]
     for result in results.values():
         chunked, whole = result.prompt_logprobs, alone.prompt_logprobs

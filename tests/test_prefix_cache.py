@@ -116,6 +116,7 @@ from tests.model_fixtures import (  # noqa: E402
     disable_kernels,
     force_kernels,
     random_prompt,
+    record_prefills,
     request,
     run_schedule,
     tiny_engine,
@@ -123,7 +124,6 @@ from tests.model_fixtures import (  # noqa: E402
 from worker.engine.interface import FinishedSequence  # noqa: E402
 from worker.engine.sequence import Sequence  # noqa: E402
 from worker.engine.torch_engine import TorchEngine  # noqa: E402
-from worker.model.gpt2 import GPT2  # noqa: E402
 from worker.model.sampler import Sampler  # noqa: E402
 
 CHUNK = 8
@@ -232,31 +232,18 @@ def test_with_the_cache_every_logit_is_the_one_computed_without_it(
     assert num_cached > 0
 
 
-def _count_prefilled(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Prompt tokens each GPT2.prefill call computes, from now on."""
-    counts: list[int] = []
-    prefill = GPT2.prefill
-
-    def counting(self: GPT2, token_ids, lengths, *args, **kwargs):  # type: ignore[no-untyped-def]
-        counts.append(sum(lengths))
-        return prefill(self, token_ids, lengths, *args, **kwargs)
-
-    monkeypatch.setattr(GPT2, "prefill", counting)
-    return counts
-
-
 @pytest.mark.model
 def test_a_shared_prefix_is_computed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(4)
     system = random_prompt(rng, 40, 40)  # five blocks
     questions = [random_prompt(rng, 3, 3) for _ in range(4)]
     engine = tiny_engine(4, prefill_chunk_tokens=CHUNK)
-    counts = _count_prefilled(monkeypatch)
+    calls = record_prefills(monkeypatch)
     arrivals = {0: [request(f"q{i}", system + q, 4) for i, q in enumerate(questions)]}
     finished = run_schedule(engine, arrivals)
     # The first computes the system prompt and its question; the others wait for
     # its rows, copy them, and compute their own last block (its 3 tokens).
-    assert sum(counts) == 43 + 3 * 3
+    assert sum(call.num_tokens for call in calls) == 43 + 3 * 3
     assert [finished[f"q{i}"].num_cached_tokens for i in range(4)] == [0, 40, 40, 40]
 
 
@@ -278,12 +265,12 @@ def test_the_same_prompt_again_needs_no_prefill(monkeypatch: pytest.MonkeyPatch)
     """n choices of one prompt: prefilled once, each drawing from the same logits."""
     prompt = random_prompt(random.Random(6), 20, 20)
     engine = tiny_engine(4, prefill_chunk_tokens=CHUNK)
-    counts = _count_prefilled(monkeypatch)
+    calls = record_prefills(monkeypatch)
     choices = [
         request(f"c{i}", prompt, 6, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)
     ]
     finished = run_schedule(engine, {0: choices})
-    assert sum(counts) == 20
+    assert sum(call.num_tokens for call in calls) == 20
     assert len({tuple(finished[f"c{i}"].token_ids) for i in range(4)}) > 1  # their own draws
 
 
@@ -294,7 +281,7 @@ def test_a_prompt_of_another_salt_is_computed_again(monkeypatch: pytest.MonkeyPa
     rng = random.Random(8)
     system = random_prompt(rng, 40, 40)
     engine = tiny_engine(4, prefill_chunk_tokens=CHUNK)
-    counts = _count_prefilled(monkeypatch)
+    calls = record_prefills(monkeypatch)
     salts = ["a", "b", "a", ""]
     prompts = [system + random_prompt(rng, 3, 3) for _ in salts]
     arrivals = {
@@ -303,7 +290,7 @@ def test_a_prompt_of_another_salt_is_computed_again(monkeypatch: pytest.MonkeyPa
     }
     finished = run_schedule(engine, arrivals)
     assert [finished[f"q{i}"].num_cached_tokens for i in range(4)] == [0, 0, 40, 0]
-    assert sum(counts) == 4 * 43 - 40
+    assert sum(call.num_tokens for call in calls) == 4 * 43 - 40
 
 
 @pytest.mark.model
