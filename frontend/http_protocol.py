@@ -25,7 +25,7 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   chunked body as an event of its own, ~13 us of the event loop each (Zen 4
   EPYC): a 1 MB body sent a byte a chunk held every other request and probe for
   13 s, and 60 clients sending 4,000 one-byte chunks a request (a bound of 4,096
-  chunks a body) kept /health 3 s slow. A body may come in FREE_CHUNKS chunks
+  chunks a body) kept /health 3 s slow (2-core Xeon, loaded). A body may come in FREE_CHUNKS chunks
   of any size, and one more for every MIN_MEAN_CHUNK_BYTES it holds; past that
   it is refused (400, the connection closed): the event loop's cost stays in
   proportion to the bytes a client sends.
