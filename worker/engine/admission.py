@@ -11,23 +11,23 @@ from protocol.request_checks import fit_to_context, overflow_message, overflows,
 from worker.engine.chat_template import ChatTemplate, ChatTemplateError
 from worker.engine.grammar import GrammarMatcher, Grammars
 from worker.engine.interface import ModelInfo, RequestRejected
+from worker.engine.prompt_tokens import PromptTokens
 from worker.engine.sequence import Sequence, Tokenizer
 
 
 def new_sequence(
     request: GenerateRequest,
+    prompt: PromptTokens,
     slot: int,
     tokenizer: Tokenizer,
-    chat_template: ChatTemplate,
     info: ModelInfo,
     grammars: Grammars | None = None,
 ) -> Sequence:
-    """``request`` as the sequence its slot will hold: its prompt tokenized (or
-    rendered from a conversation), checked against the context window, its
-    grammar's matcher from ``grammars``, and any output a resumed request already
-    streamed put back, through the grammar too. Raises RequestRejected naming
-    what is wrong."""
-    token_ids, text = _prompt(request, tokenizer, chat_template, info)
+    """``request`` as the sequence its slot will hold: its ``prompt`` (from
+    `tokenize_prompt`) checked against the context window, its grammar's matcher
+    from ``grammars``, and any output a resumed request already streamed put
+    back, through the grammar too. Raises RequestRejected naming what is wrong."""
+    token_ids, text = prompt
     request = fit_to_context(request, len(token_ids), info.context_window)
     if overflows(request, len(token_ids), info.context_window):
         raise RequestRejected(
@@ -46,10 +46,12 @@ def new_sequence(
     return seq
 
 
-def _prompt(
+def tokenize_prompt(
     request: GenerateRequest, tokenizer: Tokenizer, chat_template: ChatTemplate, info: ModelInfo
-) -> tuple[list[int], str | None]:
-    """The prompt's token ids, and its text unless it came as ids."""
+) -> PromptTokens:
+    """The prompt's token ids (text tokenized, a conversation rendered through
+    ``chat_template`` first), and its text unless it came as ids. Raises
+    RequestRejected naming what is wrong."""
     text: str | None = None
     if request.prompt_token_ids is not None:
         token_ids = list(request.prompt_token_ids)

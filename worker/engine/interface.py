@@ -95,17 +95,18 @@ class InferenceEngine(ABC):
 
     def prepare(self, request: GenerateRequest) -> bool:
         """Start, off the calling thread, what admitting ``request`` needs that may
-        take long (compiling its grammar), and return whether it is done. Cheap:
-        the scheduler calls it for each queued request it might admit, and admits
-        only those it is done for, so that the running batch never waits on one
-        (`admit` would do the rest on the caller's thread). A request whose
-        preparation failed is done: `admit` rejects it."""
+        take long (compiling its grammar, tokenizing a long prompt), and return
+        whether it is done. Cheap: the scheduler calls it for each queued request
+        it might admit, and admits only those it is done for, so that the running
+        batch never waits on one (`admit` would do the rest on the caller's
+        thread). A request whose preparation failed is done: `admit` rejects it."""
         return True
 
     def unprepare(self, request: GenerateRequest) -> None:
         """Drop what `prepare` started for ``request``, which left the queue without
-        being admitted (aborted), unless it already runs: a peer that queues
-        costly grammars and aborts them leaves no backlog of compiles."""
+        being admitted (aborted, refused at admission), unless it already runs: a
+        peer that queues costly grammars and aborts them leaves no backlog of
+        compiles."""
         return None  # nothing was started
 
     @abstractmethod

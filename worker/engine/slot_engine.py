@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 from typing import TypeVar
 
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
-from worker.engine.admission import new_sequence
+from worker.engine.admission import new_sequence, tokenize_prompt
 from worker.engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, jinja_template
 from worker.engine.grammar import Grammars
 from worker.engine.interface import (
@@ -24,6 +24,7 @@ from worker.engine.interface import (
 from worker.engine.logprobs import TokenLogprob, pack
 from worker.engine.prefill_plan import PREFILL_PASS_TOKENS, Chunk, block_tokens_for, plan_chunks
 from worker.engine.prefix_cache import Match, PrefixCache
+from worker.engine.prompt_tokens import PromptTokenizer, PromptTokens
 from worker.engine.sequence import Sequence, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class SlotEngine(InferenceEngine):
         self._num_prefilled: dict[str, int] = {}
         self.tokenizer = tokenizer
         self.chat_template = chat_template or jinja_template(DEFAULT_CHAT_TEMPLATE, "default")
+        self.prompts = PromptTokenizer(self._tokenize_prompt)
         self._slots: list[Sequence | None] = [None] * capacity
         self._by_id: dict[str, Sequence] = {}
         self._token_texts: dict[int, str] = {}  # each token's own text, for logprobs
@@ -138,11 +140,13 @@ class SlotEngine(InferenceEngine):
         ]
 
     def prepare(self, request: GenerateRequest) -> bool:
+        has_prompt = self.prompts.prepare(request)
         if not request.grammar or self.grammars is None:
-            return True
-        return self.grammars.prepare(request.grammar)
+            return has_prompt
+        return self.grammars.prepare(request.grammar) and has_prompt
 
     def unprepare(self, request: GenerateRequest) -> None:
+        self.prompts.forget(request)
         if request.grammar and self.grammars is not None:
             self.grammars.cancel(request.grammar)
 
@@ -170,6 +174,8 @@ class SlotEngine(InferenceEngine):
         else:
             for seq, token_id in zip(to_prefill, first_tokens, strict=True):
                 self._take_first_token(seq, token_id)
+        for request in requests:
+            self.prompts.forget(request)
         return [seq.request_id for seq in newcomers]
 
     def num_extra_prefill_passes(self) -> int:
@@ -363,9 +369,12 @@ class SlotEngine(InferenceEngine):
                 ErrorCode.INVALID_REQUEST,
                 f"request {request.request_id} is already being generated",
             )
-        return new_sequence(
-            request, slot, self.tokenizer, self.chat_template, self.info, self.grammars
-        )
+        prompt = self.prompts.take(request)
+        return new_sequence(request, prompt, slot, self.tokenizer, self.info, self.grammars)
+
+    def _tokenize_prompt(self, request: GenerateRequest) -> PromptTokens:
+        """On the engine thread, or on the prompts' own (`PromptTokenizer`)."""
+        return tokenize_prompt(request, self.tokenizer, self.chat_template, self.info)
 
     def _scratch_position(self, slot: int) -> int:
         """A position of ``slot``'s cache row that a dummy decode row (for a slot

@@ -31,6 +31,10 @@ from protocol.settings import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# One prompt at a time, on the thread that asks: a pool of a thread per core
+# (the tokenizers library's default for a batch) would take cores from torch.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 SYNTHETIC = "synthetic"
 EOS_TEXT = "<|endoftext|>"  # GPT-2's end token, id 50256
 SYNTHETIC_SEED = 0
@@ -70,7 +74,11 @@ class TextTokenizer:
         self.max_token_bytes = self.max_token_chars if is_byte_level else 0
 
     def encode(self, text: str) -> list[int]:
-        return list(self.backend.encode(text, add_special_tokens=False).ids)
+        # `encode_batch` lets go of the GIL while it works (`encode` holds it:
+        # 60 ms for a 131,000-character prompt, in which the engine thread,
+        # prompts being tokenized beside it, could not run a line).
+        [encoding] = self.backend.encode_batch([text], add_special_tokens=False)
+        return list(encoding.ids)
 
     def decode(self, token_ids: Seq[int]) -> str:
         return str(self.backend.decode(list(token_ids), skip_special_tokens=False))

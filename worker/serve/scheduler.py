@@ -227,6 +227,9 @@ class Scheduler:
                 self.engine.admit([request for request, _ in newcomers])
             except RequestRejected as rejected:
                 outputs.append(ErrorResult(rejected.request_id, rejected.code, rejected.message))
+                for request, _ in newcomers:
+                    if request.request_id == rejected.request_id:
+                        self.engine.unprepare(request)
                 newcomers = [n for n in newcomers if n[0].request_id != rejected.request_id]
                 continue
             except Exception as exc:
@@ -240,6 +243,7 @@ class Scheduler:
                         self._admit([newcomer], admitted_at, outputs)
                     return
                 log.exception("admit failed for request %s", newcomers[0][0].request_id)
+                self.engine.unprepare(newcomers[0][0])
                 outputs.append(_internal_error(newcomers[0][0].request_id, exc))
                 self.num_failures_in_a_row += 1
                 return
