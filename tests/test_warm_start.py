@@ -192,6 +192,34 @@ def test_a_fork_server_killed_while_it_preloads_is_brought_up_again(
     assert len(_DiesPreloading.starts) == min(num_deaths + 1, 3)  # none brought up again
 
 
+class _EndedBySupervisorStop(_DiesPreloading):
+    """A fork server that dies preloading because the supervisor stops (a
+    frontend refused its settings: exit 78, and the supervisor gave up)."""
+
+    server: warm_start.ForkServer
+
+    def start(self) -> None:
+        _DiesPreloading.starts.append(1)
+        self.server.shut_down()
+        raise EOFError("unexpected EOF")
+
+
+def test_a_fork_server_ended_by_the_supervisors_stop_is_not_brought_up_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each such stop logged "the fork server died before it was up" twice, then
+    gave up on it with a traceback, after the line naming the setting to fix."""
+    server = warm_start.ForkServer()
+    monkeypatch.setattr(_DiesPreloading, "starts", [])
+    monkeypatch.setattr(_EndedBySupervisorStop, "server", server, raising=False)
+    monkeypatch.setattr(warm_start._FORK_SERVER, "Process", _EndedBySupervisorStop)
+    server.warm_up()
+    assert server._warming is not None
+    server._warming.join(timeout=10)
+    assert len(_DiesPreloading.starts) == 1 and not server.is_ready
+    assert not [r for r in caplog.records if r.name == warm_start.log.name], caplog.text
+
+
 def _group_members(pgid: int) -> list[psutil.Process]:
     members = []
     for process in psutil.process_iter():

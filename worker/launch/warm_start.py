@@ -206,6 +206,8 @@ class ForkServer:
             except Exception as exc:  # it could not start, or died preloading
                 if generation != self._generation:
                     return  # a fork server killed as stuck: its replacement is on its way
+                if self.is_shutting_down:
+                    return  # ended by the supervisor's stop (or its group's signal)
                 if attempt < _MAX_BRING_UPS:
                     log.error(
                         "the fork server died before it was up (%s: %s); bringing up "
