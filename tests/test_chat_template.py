@@ -60,7 +60,7 @@ def test_a_chat_template_file_that_cannot_render_is_refused_at_start(
 def test_a_template_that_raises_refuses_the_request_by_name() -> None:
     template = jinja_template(
         "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}",
-        "strict",
+        "/srv/secret/strict.jinja",
     )
     with pytest.raises(ChatTemplateError, match="first must be user"):
         template.render(["assistant"], ["x"], add_generation_prompt=True)
@@ -71,6 +71,7 @@ def test_a_template_that_raises_refuses_the_request_by_name() -> None:
         engine.admit([chat])
     assert rejected.value.code == ErrorCode.INVALID_REQUEST
     assert rejected.value.message.startswith("messages: ")
+    assert "/srv/secret" not in rejected.value.message  # the server's paths are its own
     assert engine.num_active() == 0
 
 

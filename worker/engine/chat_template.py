@@ -37,7 +37,9 @@ class ChatTemplateError(ValueError):
 
 class ChatTemplate:
     def __init__(self, source: str, render: Callable[[Messages, bool], str]) -> None:
-        self.source = source  # for the log: where the template came from
+        # For the log: where the template came from (a path, for CHAT_TEMPLATE),
+        # which is the operator's to know and no client's.
+        self.source = source
         self._render = render
 
     def render(
@@ -51,8 +53,7 @@ class ChatTemplate:
             return self._render(messages, add_generation_prompt)
         except Exception as exc:  # jinja2 and the template itself raise many types
             raise ChatTemplateError(
-                f"messages: the chat template ({self.source}) cannot render them: "
-                f"{type(exc).__name__}: {exc}"
+                f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}"
             ) from None
 
 
