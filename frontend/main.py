@@ -45,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         app,
         host=config.host,
         port=config.port,
+        # uvicorn's own lines through this process's format, which names it:
+        # its default "INFO:     Shutting down" could be any frontend's.
+        log_config=None,
         log_level="info",
         access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

@@ -183,9 +183,11 @@ def test_a_frontend_stopped_by_a_signal_shuts_down_quietly_with_its_exit_code(
         # As from a terminal: ^C's default action, whatever this test runner ignores.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    lines: list[bytes] = []
     try:
         assert frontend.stdout is not None
         for line in frontend.stdout:
+            lines.append(line)
             if b"Application startup complete" in line:
                 break
         frontend.send_signal(stop_signal)
@@ -195,3 +197,6 @@ def test_a_frontend_stopped_by_a_signal_shuts_down_quietly_with_its_exit_code(
     assert frontend.returncode == exit_code
     assert b"Finished server process" in output
     assert b"Traceback" not in output
+    lines += output.splitlines()
+    # uvicorn's own lines too: with several frontends, each says whose it is.
+    assert all(f" frontend[{frontend.pid}] ".encode() in line for line in lines if line), lines
