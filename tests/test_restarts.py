@@ -296,6 +296,26 @@ def test_a_port_another_program_holds_stops_the_stack_at_once_naming_it(
         assert "restart #" not in log
 
 
+def test_a_worker_started_alone_on_a_port_in_use_says_so_before_loading_its_model(
+    tmp_path: Path,
+) -> None:
+    """It found the port taken only when it bound, once its model had loaded."""
+    port = free_port()
+    overrides = {"WORKER_ENDPOINT": f"tcp://127.0.0.1:{port}", "FAKE_START_DELAY_S": "60"}
+    with (
+        socket.create_server(("127.0.0.1", port)),
+        running_stack(tmp_path, overrides, supervised=False, start=("worker",)) as stack,
+    ):
+        try:
+            code = stack.processes["worker"].wait(timeout=20)  # not the model's 60 s
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the worker is loading its model\n{stack.logs()}") from None
+        assert code == CONFIG_ERROR_EXIT_CODE
+        assert f"port {port} (WORKER_ENDPOINT=tcp://127.0.0.1:{port}) is taken" in stack.log(
+            "worker"
+        )
+
+
 def test_a_wedged_engine_makes_the_worker_exit_for_its_restart_policy(tmp_path: Path) -> None:
     # No supervisor here, as under Docker: the worker's own watchdog must act.
     overrides = {"FAKE_STEP_DELAY_S": "30", "ENGINE_WATCHDOG_S": "1"}

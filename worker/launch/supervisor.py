@@ -22,7 +22,6 @@ comes from the environment, which both children inherit.
 from __future__ import annotations
 
 import contextlib
-import errno
 import ipaddress
 import logging
 import os
@@ -45,7 +44,7 @@ from protocol.settings import MAX_IPC_PATH_BYTES, MAX_PORT, ConfigError, exit_re
 from worker.launch.child import KILL_AFTER_S, Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER
-from worker.serve.config import WorkerConfig
+from worker.serve.config import WorkerConfig, is_listened_on
 
 log = logging.getLogger("supervisor")
 
@@ -363,30 +362,12 @@ def check_worker_ports_free(config: SupervisorConfig, environ: Mapping[str, str]
         return
     host = "0.0.0.0" if first.hostname in (None, "", "*") else first.hostname
     for port in range(first.port, first.port + config.num_workers):
-        if _is_listened_on(host, port):
+        if is_listened_on(host, port):
             raise ConfigError(
                 f"port {port} of the workers' ({name}={endpoint}, NUM_WORKERS="
                 f"{config.num_workers}) is taken by another program, perhaps another "
                 f"stack's worker: set {name} to a free address"
             )
-
-
-def _is_listened_on(host: str, port: int) -> bool:
-    """Whether binding ``host``:``port`` fails for a listener already there (a
-    host that is not this machine's is left for the worker's own bind)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (OSError, UnicodeError):
-        return False
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return True
-    return False
 
 
 def _same_address(worker_host: str, http_host: str) -> bool:

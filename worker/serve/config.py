@@ -3,9 +3,12 @@ how it computes."""
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from dataclasses import dataclass
 from functools import cached_property
+from urllib.parse import urlsplit
 
 from protocol.curve import ServerKeys, read_public_keys, read_secret_key
 from protocol.settings import (
@@ -208,3 +211,37 @@ class WorkerConfig:
     @property
     def listen_endpoint(self) -> str:
         return self.bind_endpoint or self.endpoint
+
+
+def check_endpoint_free(config: WorkerConfig) -> None:
+    """Raises ConfigError when another program listens on the TCP port the worker
+    is to bind: found before the model loads (seconds, minutes for a large one),
+    not by the bind after it."""
+    endpoint = urlsplit(config.listen_endpoint)
+    if endpoint.scheme != "tcp" or endpoint.port is None:
+        return
+    host = "0.0.0.0" if endpoint.hostname in (None, "", "*") else endpoint.hostname
+    if is_listened_on(host, endpoint.port):
+        name = "WORKER_BIND" if config.bind_endpoint else "WORKER_ENDPOINT"
+        raise ConfigError(
+            f"port {endpoint.port} ({name}={config.listen_endpoint}) is taken by another "
+            f"program, perhaps another worker: set {name} to a free address"
+        )
+
+
+def is_listened_on(host: str, port: int) -> bool:
+    """Whether binding ``host``:``port`` fails for a listener already there (a
+    host that is not this machine's is left for the worker's own bind)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return False
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False

@@ -11,7 +11,7 @@ from protocol.lifeline import follow_supervisor
 from protocol.settings import ConfigError, exit_refusing, load
 from worker.engine.fake_engine import FAKE_MODEL_NAME, FakeEngine, FakeEngineConfig
 from worker.engine.interface import InferenceEngine
-from worker.serve.config import WorkerConfig
+from worker.serve.config import WorkerConfig, check_endpoint_free
 from worker.serve.scheduler import Scheduler
 from worker.serve.server import WorkerServer
 
@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     follow_supervisor("worker")
     try:
         config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")
+        check_endpoint_free(config)
         engine = build_engine(config)
     except ConfigError as exc:  # a bad value, or a model or device that cannot be used
         exit_refusing("worker", exc)
