@@ -182,7 +182,7 @@ class WorkerClient:
             # The worker is stopping (SIGTERM) and hands back what it holds: each
             # goes to another worker (or its replacement), resumed where it
             # stopped. Not a death: nothing says that the request kills workers.
-            link.on_stopping()
+            link.on_handed_back()
             self._table.put_back(entry)
             self._dispatch()
         else:
@@ -229,7 +229,12 @@ class WorkerClient:
 
     def on_disconnected(self, link: WorkerLink) -> None:
         if self.is_shutting_down or link.is_stopping:  # stopped, not dead
-            log.info("worker at %s closed its connection as it stopped", link.endpoint)
+            log.info(
+                "worker at %s closed its connection as it stopped, having handed back %d "
+                "request(s) to run elsewhere",
+                link.endpoint,
+                link.num_handed_back,
+            )
         elif link.hello is None or link.is_refused:  # the link logs a refusal once
             log.debug("the connection to %s closed: no hello yet, or refused", link.endpoint)
         else:

@@ -85,6 +85,7 @@ class WorkerLink:
         # it): nothing more goes to it before its next heartbeat says how full it is.
         self._is_queue_full = False
         self.is_stopping = False  # it said so, handing requests back: sent nothing more
+        self.num_handed_back = 0  # requests this instance handed back as it stopped
         self._socket = worker_socket(context, endpoint, config.curve, is_immediate=True)
         self._monitor = self._socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
@@ -152,6 +153,11 @@ class WorkerLink:
         says hello here)."""
         self.is_stopping = True
 
+    def on_handed_back(self) -> None:
+        """The stopping worker handed back a request this frontend sent it."""
+        self.on_stopping()
+        self.num_handed_back += 1
+
     @property
     def is_refused(self) -> bool:
         """Its latest handshake failed (a key it does not allow), none succeeded since."""
@@ -197,6 +203,7 @@ class WorkerLink:
                 if message.instance_id != self.instance_id:
                     self._num_sent = self._num_done = 0  # a new worker: no heartbeat yet
                     self._is_queue_full = self.is_stopping = False
+                    self.num_handed_back = 0
                 self._events.on_hello(self, message)
             elif isinstance(message, Heartbeat):
                 if message.instance_id == self.instance_id:

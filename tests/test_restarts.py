@@ -132,6 +132,26 @@ def test_a_worker_stopping_with_nothing_to_hand_back_is_not_declared_dead(
         assert "declared dead" not in log
 
 
+def test_the_frontend_logs_how_many_requests_a_stopping_worker_handed_back(
+    tmp_path: Path,
+) -> None:
+    """A death logs its replays; a stop logged no count, which only the
+    worker's own log had."""
+    overrides = {"FAKE_STEP_DELAY_S": "0.02", "STOP_GRACE_S": "0"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        bodies = _bodies(3, max_new_tokens=400)
+        pool, futures = _in_background(stack, bodies)
+        stack.wait_for_health("all running", lambda h: h["active"] == 3)
+        stack.processes["worker"].send_signal(signal.SIGTERM)
+        stack.processes["worker"].wait(timeout=10)
+        stack.start("worker", "worker.serve.main")
+        _assert_fault_free_answers(bodies, futures)
+        pool.shutdown()
+        log = stack.log("frontend")
+        assert "closed its connection as it stopped, having handed back 3 request(s)" in log
+
+
 def test_while_its_only_worker_stops_the_frontend_is_not_ready(tmp_path: Path) -> None:
     """/ready said 200, "live", for the whole of the worker's grace, while new
     requests could only wait."""
