@@ -264,6 +264,20 @@ def test_a_rejected_request_fails_alone_and_the_rest_are_admitted() -> None:
     assert engine.admitted == ["r0", "r2"]
 
 
+def test_refusing_requests_at_admission_counts_as_progress() -> None:
+    """Prompts each refused once tokenized never step: a worker taking a flood of
+    them in was declared hung (STEP_TIMEOUT_S) and killed."""
+    engine = RecordingEngine(2)
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    for i in range(4):
+        scheduler.submit(_request(i, max_new_tokens=5000))  # beyond the context window
+    progress = [scheduler.num_steps]
+    while scheduler.has_work():
+        scheduler.run_once()
+        progress.append(scheduler.num_steps)
+    assert progress == [0, 1, 2] and engine.admitted == []
+
+
 def test_a_step_failure_fails_the_active_set_resets_and_serving_goes_on() -> None:
     engine = RecordingEngine(2, fail_step_if=lambda step: step == 2)
     scheduler = Scheduler(engine, max_queue_depth=10)

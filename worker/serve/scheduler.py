@@ -176,7 +176,14 @@ class Scheduler:
         # Queue time ends when admission starts; the prefill counts as generation.
         self._admit(newcomers, self._clock(), outputs)
         self.num_busy = self.engine.num_active()
-        if self.engine.num_active() > 0 and self._step(outputs, send):
+        # A failed step is no progress. Admission with nothing to step is: a queue
+        # of prompts each refused once tokenized (too long for the context window)
+        # never steps, and a worker taking it in was declared hung after
+        # STEP_TIMEOUT_S and killed.
+        if self.engine.num_active() > 0:
+            if self._step(outputs, send):
+                self._num_working_iterations += 1
+        elif newcomers:
             self._num_working_iterations += 1
         self._count_finished(outputs)
         self._count_busy_unless_refilled()
