@@ -6,10 +6,10 @@ of 131,000 characters took 50 to 90 ms to tokenize on a 2-vCPU Xeon, only to be
 refused for the context window, and 16 clients sending such prompts in a loop
 held a stream's tokens up to 1.45 s apart, every step waiting on them. A text
 longer than `INLINE_PROMPT_CHARS` (a conversation's contents, summed) is now
-rendered and tokenized on this thread, and the scheduler admits its request
-once that is done (`InferenceEngine.prepare`); the batch steps on meanwhile. A
-shorter one is tokenized at admission, where the hand-off would cost more than
-the work (a step's wait).
+rendered and tokenized on this thread, at the lowest priority, and the
+scheduler admits its request once that is done (`InferenceEngine.prepare`);
+the batch steps on meanwhile. A shorter one is tokenized at admission, where
+the hand-off would cost more than the work (a step's wait).
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ from protocol import GenerateRequest
 # most (GPT-2's BPE took 0.4 to 0.7 us a character on random text), and more
 # than most prompts have.
 INLINE_PROMPT_CHARS = 2048
+# The thread's nice value, the lowest priority: it runs on what torch's threads
+# leave. At normal priority it took one of their two cores, and a flood of
+# refused prompts still held a stream's tokens 0.9 to 1.5 s apart (against
+# 0.5 to 0.6 s niced; docs/performance.md). A long prompt then waits longer
+# for its turn only on a machine busy with other work.
 PROMPTS_NICE = 19
 
 # A request's prompt as token ids, and its text (a conversation as rendered)
