@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 from protocol import ErrorCode, ErrorResult, GenerateRequest, GenerateResult, TokenDelta
 from worker.engine.fake_engine import CharTokenizer, FakeEngine
-from worker.engine.prompt_tokens import INLINE_PROMPT_CHARS
+from worker.engine.prompt_tokens import INLINE_PROMPT_CHARS, PROMPTS_NICE
 from worker.model.loader import TextTokenizer, gpt2_tokenizer
 from worker.serve.scheduler import Scheduler
 
@@ -22,9 +23,11 @@ class GatedTokenizer(CharTokenizer):
     def __init__(self) -> None:
         self.release = threading.Event()
         self.threads: list[str] = []
+        self.nice_values: list[int] = []
 
     def encode(self, text: str) -> list[int]:
         self.threads.append(threading.current_thread().name)
+        self.nice_values.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         if len(text) > INLINE_PROMPT_CHARS:
             assert self.release.wait(timeout=30)
         return super().encode(text)
@@ -66,6 +69,8 @@ def test_streams_step_on_while_a_long_prompt_is_tokenized_beside_them() -> None:
     assert isinstance(result, GenerateResult) and result.prompt_tokens == LONG + 500
     assert tokenizer.threads[0] == "MainThread"  # the short prompt, at admission
     assert tokenizer.threads[1].startswith("prompts")
+    # Beside torch's threads, at the lowest priority: a step waits for its slowest.
+    assert tokenizer.nice_values == [os.getpriority(os.PRIO_PROCESS, 0), PROMPTS_NICE]
     assert len(tokenizer.threads) == 2 and len(engine.prompts) == 0
 
 
