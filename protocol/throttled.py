@@ -4,8 +4,10 @@ peers they do not trust."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
+import weakref
 
 
 class _OnceASecond:
@@ -38,12 +40,33 @@ class Throttled:
         self.level = level
         self.rule = _OnceASecond()
 
+        _every_throttle.add(self)
+
     def warn(self, message: str) -> None:
         num_suppressed = self.rule.admit()
         if num_suppressed is None:
             return
         more = f" ({num_suppressed} more {self.what} not logged)" if num_suppressed else ""
         self.logger.log(self.level, "%s%s", message, more)
+
+    def flush(self) -> None:
+        """Log how many lines were left out since the last one, if any."""
+        num_suppressed, self.rule.num_suppressed = self.rule.num_suppressed, 0
+        if num_suppressed:
+            self.logger.log(self.level, "%d more %s not logged", num_suppressed, self.what)
+
+
+_every_throttle: weakref.WeakSet[Throttled] = weakref.WeakSet()
+
+
+@atexit.register
+def flush_every_throttle() -> None:
+    """At exit, the count of each throttle's lines left out since its last one: a
+    stopping frontend's 503s were logged as one line, the count to follow with
+    a next line that never came. (Registered after `logging`'s own exit
+    handler, so it runs before that one shuts the handlers.)"""
+    for throttle in list(_every_throttle):
+        throttle.flush()
 
 
 _MAX_TEMPLATES = 256

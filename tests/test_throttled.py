@@ -49,3 +49,21 @@ def test_what_is_logged_need_not_be_text(clock: FakeClock) -> None:
     for msg in ({"a": 1}, {"b": 2}):  # unhashable; the second within the second
         record = logger.makeRecord(logger.name, logging.WARNING, __file__, 0, msg, None, None)
         assert throttle.filter(record) is (msg == {"a": 1})
+
+
+def test_what_was_left_out_is_counted_at_exit(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stopping frontend's 503s were one line: the count of the rest waited
+    for a next line that never came."""
+    logger = logging.getLogger("test_throttled.at_exit")
+    refused = throttled.Throttled(logger, "failed requests")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        for _ in range(6):
+            refused.warn("POST /generate: 503 shutting_down")
+        throttled.flush_every_throttle()
+        throttled.flush_every_throttle()  # counted once
+    assert [record.getMessage() for record in caplog.records] == [
+        "POST /generate: 503 shutting_down",
+        "5 more failed requests not logged",
+    ]
