@@ -129,6 +129,11 @@ class _WorkerCollector(Collector):
         yield GaugeMetricFamily(
             "minibatch_worker_up", "Workers live, judged from connections and heartbeats", len(live)
         )
+        yield GaugeMetricFamily(
+            "minibatch_worker_stopping",
+            "Live workers that are stopping: they finish what they run and take nothing new",
+            sum(link.is_stopping for link in live),
+        )
         yield CounterMetricFamily(
             "minibatch_worker_restarts",
             "Times a new worker instance replaced the previous one at its address",
@@ -140,8 +145,12 @@ class _WorkerCollector(Collector):
             self.client.num_inflight,
         )
         # A dead worker's last numbers would be stale: only live ones count.
-        seen = [(link.liveness.hello, link.liveness.last_heartbeat) for link in live]
-        loads = [(hello, heartbeat) for hello, heartbeat in seen if hello and heartbeat]
+        seen = [(link, link.liveness.hello, link.liveness.last_heartbeat) for link in live]
+        loads = [(hello, heartbeat) for _, hello, heartbeat in seen if hello and heartbeat]
+        # A stopping worker's slots take nothing new.
+        taking = [
+            (hello, beat) for link, hello, beat in seen if hello and beat and not link.is_stopping
+        ]
         if not loads:
             return
         yield GaugeMetricFamily(
@@ -156,8 +165,8 @@ class _WorkerCollector(Collector):
         )
         yield GaugeMetricFamily(
             "minibatch_free_slots",
-            "Batch slots free for new sequences in the live workers",
-            sum(hello.capacity - heartbeat.num_active for hello, heartbeat in loads),
+            "Batch slots free for new sequences in the live workers that are not stopping",
+            sum(hello.capacity - heartbeat.num_active for hello, heartbeat in taking),
         )
         # Each worker's memory, so that growth shows (labelled by its address).
         rss = GaugeMetricFamily(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,7 +16,7 @@ from frontend.app import create_app
 from frontend.config import FrontendConfig
 from protocol.settings import load
 from tests.sse import sse_events
-from tests.stack import Stack, free_port, running_stack
+from tests.stack import Stack, free_port, live_stack, running_stack
 
 CAPACITY = 4
 
@@ -159,6 +161,26 @@ def test_worker_gauges_follow_heartbeats(stack: Stack) -> None:
         assert value(samples, "minibatch_num_requests_waiting") == 0
         assert value(samples, "minibatch_free_slots") == CAPACITY - 1
         assert value(samples, "minibatch_frontend_inflight") == 1
+
+
+def test_a_stopping_worker_is_counted_and_its_slots_are_not_free(tmp_path: Path) -> None:
+    """A drain showed as 1 worker up with its slots free, which take nothing new."""
+    overrides = {"FAKE_STEP_DELAY_S": "0.01", "MAX_BATCH_SIZE": str(CAPACITY)}
+    body = {"prompt": "drained", "max_new_tokens": 500, "stream": True}
+    with (
+        live_stack(tmp_path, overrides) as stack,
+        httpx.stream("POST", f"{stack.url}/generate", json=body, timeout=30) as response,
+    ):
+        reader = sse_events(response)  # kept: a collected reader closes the stream
+        next(reader)
+        stack.wait_for_health("running", lambda h: h["active"] == 1)
+        assert value(scrape(stack), "minibatch_worker_stopping") == 0
+        stack.processes["worker"].send_signal(signal.SIGTERM)  # it runs on for its grace
+        stack.wait_for_health("stopping", lambda h: h["workers"][0]["stopping"])
+        samples = scrape(stack)
+        assert value(samples, "minibatch_worker_stopping") == 1
+        assert value(samples, "minibatch_worker_up") == 1
+        assert value(samples, "minibatch_free_slots") == 0
 
 
 def test_each_workers_memory_is_reported(stack: Stack) -> None:
