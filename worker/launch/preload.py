@@ -30,7 +30,8 @@ def _preload() -> None:
     # workers, handed to init, are resumed too and stop themselves.
     follow_supervisor("fork server")
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s fork-server %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO,
+        format="%(asctime)s fork-server[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
     try:
         config = load(WorkerConfig, [], os.environ)
