@@ -206,6 +206,11 @@ class EdgeProtocol(H11Protocol):
         super().connection_made(transport)
         self._start_head_timer()
 
+    def _unsupported_upgrade_warning(self) -> None:
+        # uvicorn's own advised installing a websocket library: this server has
+        # no websockets, by design, and answers the request as plain HTTP.
+        self.logger.warning("Unsupported upgrade request: answered as plain HTTP")
+
     def data_received(self, data: bytes) -> None:
         if self.is_draining:  # after a 400: dropped unread (see `_close_after_drain`)
             self.num_drained += len(data)

@@ -653,6 +653,22 @@ def test_an_absolute_form_target_is_routed_by_its_path(
         assert read_response(sock)[0] == status
 
 
+def test_a_websocket_upgrade_is_answered_as_plain_http_and_logged_without_advice(
+    stack: Stack,
+) -> None:
+    """uvicorn's warning told the operator to install a websocket library."""
+    with connect(stack) as sock:
+        sock.sendall(
+            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+            b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+        )
+        sock.shutdown(socket.SHUT_WR)  # no second request: the server closes after this one
+        assert read_response(sock)[0] == 200
+    log = stack.log("frontend")
+    assert "Unsupported upgrade request: answered as plain HTTP" in log
+    assert "pip install" not in log
+
+
 def test_a_trailing_slash_gets_a_404_naming_the_route_not_a_redirect(stack: Stack) -> None:
     # Starlette's redirect would send the client to whatever its Host header named.
     headers = {"Host": "elsewhere.example"}
