@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -99,8 +100,11 @@ def prompt_chars(request: GenerateRequest) -> int:
 
 
 def _yield_to_the_engine() -> None:
-    """Lower this thread's priority (Linux: a thread's own nice value), so that
-    it takes the cores that torch's threads leave, not theirs: a step waits for
-    its slowest thread, and one preempted by a prompt's tokenizing held it up."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PROMPTS_NICE)
+    """Lower this thread's priority, so that it takes the cores that torch's
+    threads leave, not theirs: a step waits for its slowest thread, and one
+    preempted by a prompt's tokenizing held it up. Linux only: there a thread
+    has a nice value of its own, under its thread id (elsewhere that id could
+    name another process)."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PROMPTS_NICE)
