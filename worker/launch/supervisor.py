@@ -44,7 +44,7 @@ from protocol.settings import MAX_IPC_PATH_BYTES, MAX_PORT, ConfigError, exit_re
 from worker.launch.child import KILL_AFTER_S, Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER
-from worker.serve.config import WorkerConfig, is_listened_on
+from worker.serve.config import WorkerConfig, is_listened_on, tcp_bind_address
 
 log = logging.getLogger("supervisor")
 
@@ -357,11 +357,11 @@ def check_worker_ports_free(config: SupervisorConfig, environ: Mapping[str, str]
     frontends, which start at once, served through another stack's worker there
     for the 8 s until this stack's own worker failed to bind."""
     name, endpoint = _workers_bind(config, environ)
-    first = urlsplit(endpoint)
-    if first.scheme != "tcp" or first.port is None:
+    first = tcp_bind_address(endpoint)
+    if first is None:
         return
-    host = "0.0.0.0" if first.hostname in (None, "", "*") else first.hostname
-    for port in range(first.port, first.port + config.num_workers):
+    host, first_port = first
+    for port in range(first_port, first_port + config.num_workers):
         if is_listened_on(host, port):
             raise ConfigError(
                 f"port {port} of the workers' ({name}={endpoint}, NUM_WORKERS="

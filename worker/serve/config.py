@@ -217,16 +217,22 @@ def check_endpoint_free(config: WorkerConfig) -> None:
     """Raises ConfigError when another program listens on the TCP port the worker
     is to bind: found before the model loads (seconds, minutes for a large one),
     not by the bind after it."""
-    endpoint = urlsplit(config.listen_endpoint)
-    if endpoint.scheme != "tcp" or endpoint.port is None:
-        return
-    host = "0.0.0.0" if endpoint.hostname in (None, "", "*") else endpoint.hostname
-    if is_listened_on(host, endpoint.port):
+    address = tcp_bind_address(config.listen_endpoint)
+    if address is not None and is_listened_on(*address):
         name = "WORKER_BIND" if config.bind_endpoint else "WORKER_ENDPOINT"
         raise ConfigError(
-            f"port {endpoint.port} ({name}={config.listen_endpoint}) is taken by another "
+            f"port {address[1]} ({name}={config.listen_endpoint}) is taken by another "
             f"program, perhaps another worker: set {name} to a free address"
         )
+
+
+def tcp_bind_address(endpoint: str) -> tuple[str, int] | None:
+    """The host and port a bind of ``endpoint`` takes (ZMQ's ``*``: IPv4's
+    wildcard); None unless it is a TCP endpoint with a port."""
+    parts = urlsplit(endpoint)
+    if parts.scheme != "tcp" or parts.port is None:
+        return None
+    return "0.0.0.0" if parts.hostname in (None, "", "*") else parts.hostname, parts.port
 
 
 def is_listened_on(host: str, port: int) -> bool:
