@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -324,6 +325,66 @@ def test_a_restarted_worker_is_pinged_as_it_binds_and_its_hello_counts_after_its
             worker.process.returncode = -signal.SIGKILL
             supervisor._tend(worker, [worker], watch)
     assert worker.num_failed_starts == 0 and worker.restart_delay_s() == 0
+
+
+@contextlib.contextmanager
+def _held_relay(target_port: int) -> Iterator[tuple[int, threading.Event]]:
+    """A TCP port that accepts one connection at once and relays it to
+    ``target_port`` only once the event is set: the connect is seen, its ZMTP
+    handshake is held back meanwhile."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+    release = threading.Event()
+
+    def pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def relay() -> None:
+        with contextlib.suppress(TimeoutError), listener.accept()[0] as client:
+            release.wait()
+            with socket.create_connection(("127.0.0.1", target_port)) as upstream:
+                back = threading.Thread(target=pump, args=(upstream, client), daemon=True)
+                back.start()
+                pump(client, upstream)
+                back.join(5)
+
+    relaying = threading.Thread(target=relay, daemon=True)
+    relaying.start()
+    try:
+        yield listener.getsockname()[1], release
+    finally:
+        release.set()
+        relaying.join(10)
+        listener.close()
+
+
+def test_a_ping_refused_during_the_handshake_is_sent_once_the_handshake_is_done() -> None:
+    """The connect comes before ZMTP's handshake, and until the handshake is done a
+    send is refused: the ping tried then was dropped and not due again for
+    PING_INTERVAL_S, so a worker killed meanwhile counted as a failed start."""
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as worker_socket:
+        worker_socket.setsockopt(zmq.LINGER, 0)
+        port = worker_socket.bind_to_random_port("tcp://127.0.0.1")
+        with _held_relay(port) as (relay_port, release):
+            client = dataclasses.replace(SupervisorConfig(), ping_interval_s=30.0)
+            watch = WorkerWatch(client, f"tcp://127.0.0.1:{relay_port}")
+            try:
+                deadline = time.monotonic() + 5
+                while watch.connected_at is None:
+                    assert time.monotonic() < deadline, "the relay's connect was not seen"
+                    watch.poll(0.01)
+                watch.poll(0.01)  # its ping is tried, and refused
+                release.set()
+                deadline = time.monotonic() + 5  # well within PING_INTERVAL_S (30 s)
+                while not worker_socket.poll(10) and time.monotonic() < deadline:
+                    watch.poll(0.01)
+                assert worker_socket.poll(0), "no ping once the handshake was done"
+            finally:
+                watch.close()
 
 
 def test_children_are_stopped_together_not_one_after_another(tmp_path: Path) -> None:

@@ -21,7 +21,6 @@ comes from the environment, which both children inherit.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import os
@@ -118,9 +117,14 @@ class WorkerWatch:
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected_at = None
         if time.monotonic() >= self._next_ping:
-            self._next_ping = time.monotonic() + self.client.ping_interval_s
-            with contextlib.suppress(zmq.Again):  # no worker connected yet
+            try:
                 self._socket.send(self._ping, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                # No worker, or its connection is still in ZMTP's handshake (the
+                # TCP connect comes first): the ping is due again at the next poll.
+                pass
+            else:
+                self._next_ping = time.monotonic() + self.client.ping_interval_s
         while self._socket.poll(int(timeout_s * 1000)):
             timeout_s = 0
             try:
