@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -162,21 +163,33 @@ def load(
         )
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        env = f.metadata["env"]
-        raw = getattr(args, f.name)
-        if raw is None:
-            raw = environ.get(env)
-        if raw is None:
-            continue
-        if f.metadata["is_secret"] and raw == "":
-            # A .env line `API_KEY=` served the API to anyone.
-            raise ConfigError(
-                f"{env} is set but empty, which would turn off what it guards: give it "
-                "a value, or unset it"
-            )
-        values[f.name] = _parse(env, raw, hints[f.name])
-    return cls(**values)
+    flags: dict[str, str] = {}  # the variables a flag set, and that flag
+    try:
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            env = f.metadata["env"]
+            raw = getattr(args, f.name)
+            if raw is None:
+                raw = environ.get(env)
+            else:
+                flags[env] = "--" + f.name.replace("_", "-")
+            if raw is None:
+                continue
+            if f.metadata["is_secret"] and raw == "":
+                # A .env line `API_KEY=` served the API to anyone.
+                raise ConfigError(
+                    f"{env} is set but empty, which would turn off what it guards: give "
+                    "it a value, or unset it"
+                )
+            values[f.name] = _parse(env, raw, hints[f.name])
+        return cls(**values)
+    except ConfigError as exc:
+        # Refusals name the variable; one that a flag set says so, or
+        # `--max-batch-size 0` is refused as MAX_BATCH_SIZE, which was never set.
+        named = set(re.findall(r"\b[A-Z][A-Z0-9_]*\b", str(exc)))
+        given = [f"{flag} sets {env}" for env, flag in flags.items() if env in named]
+        if not given:
+            raise
+        raise ConfigError(f"{exc} ({'; '.join(given)})") from None
 
 
 _BOOLEANS = {"1": True, "true": True, "yes": True, "on": True}

@@ -41,6 +41,26 @@ def test_environment_sets_values_and_flags_override_them() -> None:
 
 
 @pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-batch-size", "0"], r"MAX_BATCH_SIZE must be > 0, got 0 \(--max-batch-size sets"),
+        (["--max-batch-size", "x"], r"MAX_BATCH_SIZE must be int, got 'x' \(--max-batch-size"),
+        (["--prefix-cache", ""], r"PREFIX_CACHE must be 1 or 0 .* \(--prefix-cache sets PREF"),
+    ],
+)
+def test_a_bad_value_given_by_a_flag_names_the_flag(argv: list[str], message: str) -> None:
+    """The variable alone sent the user looking for a setting they never made."""
+    with pytest.raises(ConfigError, match=message):
+        load(WorkerConfig, argv, {"MODEL_ID": "fake"})
+
+
+def test_a_bad_value_from_the_environment_names_no_flag() -> None:
+    with pytest.raises(ConfigError) as refused:
+        load(WorkerConfig, ["--model-id", "fake"], {"MAX_BATCH_SIZE": "0"})
+    assert str(refused.value) == "MAX_BATCH_SIZE must be > 0, got 0"
+
+
+@pytest.mark.parametrize(
     ("env", "message"),
     [
         ({"MAX_BATCH_SIZE": "eight"}, "MAX_BATCH_SIZE must be int"),
