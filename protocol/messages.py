@@ -85,7 +85,9 @@ class GenerateRequest:
     shown: generation continues after them exactly as if the attempt had not been
     interrupted (held-back text, stop strings, seeded sampling), and
     ``max_new_tokens`` counts them. ``request_id`` is unique among one frontend's
-    requests in flight (the worker keys requests by sender and id). Sampling is
+    requests in flight (the worker keys requests by sender and id): a request is
+    in flight until its final answer, an abort's included, and one sent under an
+    id in flight is ignored, so that a frame delivered twice runs once. Sampling is
     greedy when ``temperature`` is 0. ``stream`` asks for a `TokenDelta` after
     each step.
 
@@ -151,7 +153,9 @@ class GenerateRequest:
 
 @dataclass(frozen=True, slots=True)
 class AbortRequest:
-    """Stop a request and free its slot; the worker answers with finish_reason abort."""
+    """Stop a request and free its slot; the worker answers with finish_reason abort
+    (or with the request's own end, if that came first). Its id is in flight until
+    that answer: a request sent under it before then is ignored."""
 
     TYPE: ClassVar[str] = "abort"
     request_id: str

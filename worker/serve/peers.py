@@ -101,7 +101,10 @@ class Peers:
                 return []
             route = route_for(peer, message.request_id)
             if route in self.routes:
-                self._refused.warn(f"peer {peer.hex()} repeated request {route}; ignored")
+                self._refused.warn(
+                    f"peer {peer.hex()} sent request {route} again before its final answer "
+                    "(an abort's included); ignored: a request id is reused only once answered"
+                )
                 return []
             self.routes[route] = peer
             return [dataclasses.replace(message, request_id=route)]
