@@ -151,17 +151,7 @@ def load(
     """Build ``cls`` from the environment, overridden by command-line flags."""
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(description=description)
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        env = f.metadata["env"]
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            default=None,
-            metavar=env,
-            help=f"{f.metadata['help']} (env {env}, default {_as_set(f.default)})",
-        )
-    args = parser.parse_args(argv)
+    args = _parser(cls, description).parse_args(argv)
     values: dict[str, Any] = {}
     flags: dict[str, str] = {}  # the variables a flag set, and that flag
     try:
@@ -190,6 +180,32 @@ def load(
         if not given:
             raise
         raise ConfigError(f"{exc} ({'; '.join(given)})") from None
+
+
+def flag_settings(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str, str]:
+    """The variables that ``argv``'s flags set, as the environment would set them:
+    for a process that passes its settings on to the processes it starts."""
+    args = _parser(cls).parse_args(argv)
+    return {
+        f.metadata["env"]: getattr(args, f.name)
+        for f in dataclasses.fields(cls)
+        if getattr(args, f.name) is not None
+    }
+
+
+def _parser(cls: type[Any], description: str | None = None) -> argparse.ArgumentParser:
+    """A flag for each of ``cls``'s settings: ``--max-batch-size`` for MAX_BATCH_SIZE."""
+    parser = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(cls):
+        env = f.metadata["env"]
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            default=None,
+            metavar=env,
+            help=f"{f.metadata['help']} (env {env}, default {_as_set(f.default)})",
+        )
+    return parser
 
 
 _BOOLEANS = {"1": True, "true": True, "yes": True, "on": True}

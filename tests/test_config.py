@@ -14,7 +14,7 @@ from protocol.limits import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID,
 )
-from protocol.settings import ConfigError, load
+from protocol.settings import ConfigError, flag_settings, load
 from protocol.wire import MAX_REQUEST_ID_CHARS
 from worker.launch.config import SupervisorConfig
 from worker.launch.supervisor import Supervisor, check_worker_timing
@@ -52,6 +52,14 @@ def test_a_bad_value_given_by_a_flag_names_the_flag(argv: list[str], message: st
     """The variable alone sent the user looking for a setting they never made."""
     with pytest.raises(ConfigError, match=message):
         load(WorkerConfig, argv, {"MODEL_ID": "fake"})
+
+
+def test_flag_settings_are_the_variables_the_flags_set() -> None:
+    argv = ["--torch-threads", "1", "--heartbeat-timeout-s", "8"]
+    assert flag_settings(SupervisorConfig, argv) == {
+        "TORCH_THREADS": "1",
+        "HEARTBEAT_TIMEOUT_S": "8",
+    }
 
 
 def test_a_bad_value_from_the_environment_names_no_flag() -> None:

@@ -23,7 +23,7 @@ import zmq
 from protocol import GenerateRequest, Heartbeat, Hello, encode
 from protocol.settings import CONFIG_ERROR_EXIT_CODE, ConfigError, load
 from tests.fake_clock import FakeClock
-from tests.stack import Stack, running_stack
+from tests.stack import Stack, free_port, running_stack
 from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
 from worker.launch import child as child_module
 from worker.launch.child import Child, CrashLoop
@@ -666,6 +666,17 @@ def test_a_worker_killed_by_signal_37_is_restarted_and_the_supervisor_lives_on(
         os.kill(pid, SIGRTMIN_PLUS_3)
         stack.wait_live(instance_not=str(first["instance_id"]))
         assert "worker stopped (killed by signal 37)" in stack.log("supervisor")
+
+
+def test_the_supervisors_flags_reach_the_processes_it_starts(tmp_path: Path) -> None:
+    """A flag set only the supervisor's view: the worker, reading the environment,
+    bound the endpoint that the environment named, and no frontend found it."""
+    with running_stack(tmp_path, start=(), supervised=False) as stack:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        command = [sys.executable, "-m", "worker.launch.supervisor", "--worker-endpoint", endpoint]
+        stack.start_command("supervisor", command, stack.env)
+        stack.wait_live()
+        assert f"serving fake on {endpoint}" in stack.log("supervisor")
 
 
 def _send_poison(endpoint: str, request_id: str) -> None:

@@ -39,7 +39,14 @@ from protocol.client_config import WorkerClientConfig
 from protocol.lifeline import name_supervisor
 from protocol.liveness import Liveness, PauseWatch, WorkerState
 from protocol.peer import ping, worker_socket
-from protocol.settings import MAX_IPC_PATH_BYTES, MAX_PORT, ConfigError, exit_refusing, load
+from protocol.settings import (
+    MAX_IPC_PATH_BYTES,
+    MAX_PORT,
+    ConfigError,
+    exit_refusing,
+    flag_settings,
+    load,
+)
 from worker.launch.child import KILL_AFTER_S, Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
 from worker.launch.warm_start import FORK_SERVER
@@ -460,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     name_supervisor()  # before any child starts: each inherits it
     try:
         config = load(SupervisorConfig, argv, description=__doc__.splitlines()[0])
+        # The children read their settings from the environment, so a flag given
+        # here is set there too: `--torch-threads 1` had reached no worker.
+        os.environ.update(flag_settings(SupervisorConfig, argv))
         check_worker_timing(config, os.environ)
         check_ports_apart(config, os.environ)
         check_no_worker_endpoints(config)
