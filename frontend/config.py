@@ -46,7 +46,7 @@ class FrontendConfig(WorkerClientConfig):
         "HEADER_TIMEOUT_S",
         10.0,
         "close a connection that has not sent a whole request head this long after it "
-        "opened or after its previous response",
+        "opened, or after the first byte of its next request",
     )
     keep_alive_timeout_s: int = setting(
         "KEEP_ALIVE_TIMEOUT_S", 5, "close an idle keep-alive connection after this many seconds"
