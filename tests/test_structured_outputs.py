@@ -453,6 +453,23 @@ def test_a_grammar_that_asks_for_the_end_tokens_text_fails_saying_so(
 
 
 @pytest.mark.parametrize(
+    ("grammar", "text"),
+    [('start: "a" <|endoftext|>', "a"), ('start: "a" <[50256]>', "a"), ("start: <[50256]>", "")],
+)
+def test_a_grammar_that_ends_with_the_end_token_ends_the_output_there(
+    new_engine: Any, grammar: str, text: str
+) -> None:
+    """The end token named as the grammar's last symbol was judged from before it
+    was taken, where the grammar could not yet end: the request failed, saying
+    that the grammar asked for it where it cannot end."""
+    engine = new_engine()
+    engine.admit([constrained("ends", "grammar", grammar)])
+    failed, (finished,) = run_to_the_end(engine)
+    assert failed == []
+    assert (finished.text, finished.finish_reason) == (text, "stop")
+
+
+@pytest.mark.parametrize(
     "grammar", ["start: x+\nx: x x | /[a-z]/", "start: start start | start start start | /[a-z]/"]
 )
 def test_an_ambiguous_grammar_fails_before_its_steps_grow_costly(

@@ -115,12 +115,18 @@ class GrammarMatcher:
         # text; a Lark grammar may name the token itself (`"b" <|endoftext|> "a"`),
         # and takes it. Only so is the end token offered where the grammar cannot
         # end, and either way the output cannot go on past it: the request fails.
-        self.takes_eos_midway = (
+        # A grammar that names it last (`"a" <|endoftext|>`) ends with it, and so
+        # does the output.
+        is_eos_before_the_end = (
             token_id == self.eos_token_id
             and not self.matcher.is_error()
             and not self.matcher.is_accepting()
         )
-        return bool(self.matcher.consume_token(token_id)) and not self.takes_eos_midway
+        is_taken = bool(self.matcher.consume_token(token_id))
+        self.takes_eos_midway = is_eos_before_the_end and not (
+            is_taken and self.matcher.is_accepting()
+        )
+        return is_taken and not self.takes_eos_midway
 
     @property
     def is_done(self) -> bool:
