@@ -303,8 +303,11 @@ def overflows(request: GenerateRequest, num_prompt_tokens: int, window: int) -> 
     """Whether ``request`` (fitted by `fit_to_context`) with a prompt of
     ``num_prompt_tokens`` is refused, in the words of `overflow_message`."""
     # The resumed output is part of max_new_tokens, so it needs no room of its own.
+    # Fitting may lower max_new_tokens under min_tokens (sent past max_new_tokens,
+    # min_tokens is refused on its own): the output would end before min_tokens.
     return num_prompt_tokens + request.max_new_tokens > window or (
-        request.fit_context and request.max_new_tokens == 0
+        request.fit_context
+        and (request.max_new_tokens == 0 or request.min_tokens > request.max_new_tokens)
     )
 
 
@@ -322,6 +325,13 @@ def overflow_message(request: GenerateRequest, num_prompt_tokens: int, window: i
         return (
             f"{field}: {num_prompt_tokens:,} tokens leave no room to generate in the "
             f"context window of {window:,} tokens; shorten it"
+        )
+    if request.fit_context and request.min_tokens > request.max_new_tokens:
+        return (
+            f"{field}: {num_prompt_tokens:,} tokens leave room for "
+            f"{request.max_new_tokens:,} to generate in the context window of {window:,} "
+            f"tokens, fewer than min_tokens ({request.min_tokens:,}); shorten it or lower "
+            "min_tokens"
         )
     if request.max_new_tokens == 0:
         return (

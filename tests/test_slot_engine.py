@@ -202,6 +202,22 @@ def test_fit_context_lowers_max_new_tokens_to_what_the_window_leaves() -> None:
     assert rejected.value.code == ErrorCode.CONTEXT_OVERFLOW
 
 
+def test_fit_context_that_leaves_fewer_tokens_than_min_tokens_is_refused() -> None:
+    """Lowered to what the window left, max_new_tokens fell under min_tokens: the
+    output ended there, and min_tokens went unmet without a word."""
+    engine = FakeEngine(capacity=1, context_window=16)
+    with pytest.raises(RequestRejected) as rejected:
+        engine.admit([GenerateRequest("r", "ten chars!", 500, min_tokens=7, fit_context=True)])
+    assert rejected.value.code == ErrorCode.CONTEXT_OVERFLOW
+    assert str(rejected.value) == (
+        "prompt: 10 tokens leave room for 6 to generate in the context window of 16 "
+        "tokens, fewer than min_tokens (7); shorten it or lower min_tokens"
+    )
+    engine.admit([GenerateRequest("r", "ten chars!", 500, min_tokens=6, fit_context=True)])
+    [result] = _finished(engine)
+    assert len(result.token_ids) == 6
+
+
 def test_no_stop_ends_the_output_before_min_tokens() -> None:
     free = run(FakeEngine(capacity=1), streaming(max_new_tokens=20)).result
     stop_id = free.token_ids[1]
