@@ -42,7 +42,11 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
+import struct
+import termios
 from typing import Any, ClassVar
 
 import h11
@@ -231,7 +235,7 @@ class EdgeProtocol(H11Protocol):
         is written, or not at all."""
         super().pause_writing()
         if self.reader_timer is None:
-            self._watch_reader(self.transport.get_write_buffer_size())
+            self._watch_reader(self._num_untaken())
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -322,8 +326,22 @@ class EdgeProtocol(H11Protocol):
             self.reader_timeout_s, self._check_reader, num_waiting
         )
 
+    def _num_untaken(self) -> int:
+        """The bytes of the answer the client has not taken: those in the
+        transport's buffer and those in the kernel's send queue. The transport's
+        buffer alone shrinks only once the kernel's queue (megabytes) has drained
+        by about a third: a client reading 500 KB/s was dropped as not reading."""
+        num_untaken = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            # Linux's SIOCOUTQ: bytes sent that the client has not acknowledged.
+            with contextlib.suppress(OSError, ValueError):
+                queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                num_untaken += struct.unpack("i", queued)[0]
+        return num_untaken
+
     def _check_reader(self, num_waiting_before: int) -> None:
-        num_waiting = self.transport.get_write_buffer_size()
+        num_waiting = self._num_untaken()
         if num_waiting < num_waiting_before:
             self._watch_reader(num_waiting)  # slow, but reading
             return
