@@ -108,12 +108,12 @@ def _bodies() -> list[dict[str, Any]]:
 
 class Load:
     """Every request streamed through the official client, CONCURRENCY at a time;
-    counts the chunks delivered so far, and which streams are mid-way."""
+    counts the requests started so far, and which streams are mid-way."""
 
     def __init__(self, client: openai.OpenAI, model: str) -> None:
         self.client = client
         self.model = model
-        self.num_chunks = 0
+        self.num_started = 0
         self.midway: set[int] = set()
         self.chunks_of: dict[int, int] = {}  # the streams under way: chunks so far
         self._lock = threading.Lock()
@@ -122,6 +122,7 @@ class Load:
         text, finish_reason = "", None
         logprobs: list[tuple[str, float | None]] = []
         with self._lock:
+            self.num_started += 1
             self.chunks_of[index] = 0
         chunks = self.client.completions.create(model=self.model, stream=True, timeout=60, **body)
         for chunk in chunks:
@@ -132,7 +133,6 @@ class Load:
                 scores = choice.logprobs
                 logprobs += zip(scores.tokens or [], scores.token_logprobs or [], strict=True)
             with self._lock:
-                self.num_chunks += 1
                 self.chunks_of[index] += 1
                 self.midway.add(index)
         with self._lock:
@@ -141,9 +141,11 @@ class Load:
         return text, finish_reason, logprobs
 
     def have_all_moved_since(self, chunks_then: dict[int, int]) -> bool:
-        """Whether every stream under way has had a chunk since ``chunks_then``."""
+        """Whether every stream under way at ``chunks_then`` (its chunks by stream)
+        that is still under way has had a chunk since. Those started since need
+        none: under load there is nearly always one that has had none yet."""
         with self._lock:
-            return all(n > chunks_then.get(i, 0) for i, n in self.chunks_of.items())
+            return all(self.chunks_of.get(i, n + 1) > n for i, n in chunks_then.items())
 
     def run(
         self, bodies: list[dict[str, Any]], meanwhile: Callable[[], None] = lambda: None
@@ -154,54 +156,70 @@ class Load:
             return [future.result(timeout=120) for future in futures]
 
 
-def _kill_under_load(
-    stack: Stack,
-    load: Load,
-    num_chunks: int,
-    pick_victim: Callable[[int], int],
-    replaced: Callable[[], bool],
-) -> list[int]:
-    """SIGKILL a worker (``pick_victim(kill)``'s pid) NUM_KILLS times, when a
-    quarter, a half and three quarters of the run's ``num_chunks`` have arrived,
-    each time once the last victim is ``replaced``; returns how many streams
-    were mid-way at each kill."""
-    midway = []
+def _kill_under_load(stack: Stack, load: Load) -> list[int]:
+    """SIGKILL a worker NUM_KILLS times, spread over the requests started after
+    the first CONCURRENCY, each once the last victim is replaced; returns how
+    many streams were mid-way at each kill. Counted in requests started, which
+    only go up as earlier ones end: kills at shares of the fault-free run's
+    chunks came late on a loaded machine, where the frontend sends a slow
+    client's tokens in fewer chunks, and the run had ended before its last kill."""
+    endpoints = sorted(stack.workers())
+    midway: list[int] = []
     chunks_at_kill: dict[int, int] = {}
     for kill in range(NUM_KILLS):
-        threshold = num_chunks * (kill + 1) // (NUM_KILLS + 1)
+        threshold = CONCURRENCY + (NUM_REQUESTS - CONCURRENCY) * (kill + 1) // (NUM_KILLS + 1)
+        # Pids are looked up first: between seeing a stream mid-way and the kill,
+        # a slow client (an emulated CPU, say) would let the last ones end.
+        pids = {endpoint: stack.worker_pid(endpoint) for endpoint in endpoints}
+        victim: dict[str, str] = {}  # its endpoint and instance, once chosen
 
         def reached(
-            threshold: int = threshold, chunks_then: dict[int, int] = chunks_at_kill
+            threshold: int = threshold,
+            chunks_then: dict[int, int] = chunks_at_kill,
+            turn: str = endpoints[kill % len(endpoints)],
+            victim: dict[str, str] = victim,
         ) -> bool:
-            # Some stream must be mid-way too: on a slow machine the last chunks
-            # can arrive when every stream left has already finished. And every
-            # stream must have moved since the last kill: one killed twice before
-            # it makes progress is taken for a request that kills workers, and
-            # failed (frontend.replay); these kills come from the test alone.
+            # Some stream must be mid-way too. And every stream must have moved
+            # since the last kill: one killed twice before it makes progress is
+            # taken for a request that kills workers, and failed
+            # (frontend.replay); these kills come from the test alone.
             with load._lock:
-                if load.num_chunks < threshold or not load.midway:
+                if load.num_started < threshold or not load.midway:
                     return False
-            return load.have_all_moved_since(chunks_then)
+            if not load.have_all_moved_since(chunks_then):
+                return False
+            # The worker holding the most requests, taking turns between equals.
+            # One holding none is not killed: a stream mid-way for its slow client
+            # may be one that its worker has finished.
+            workers = stack.workers()
+            endpoint = max(endpoints, key=lambda e: (workers[e]["held"] or 0, e == turn))
+            if not workers[endpoint]["held"]:
+                return False
+            victim[endpoint] = workers[endpoint]["instance_id"]
+            return True
 
-        # The victim is looked up first: between seeing a stream mid-way and the
-        # kill, a slow client (an emulated CPU, say) would let the last ones end.
-        victim = pick_victim(kill)
-        stack.wait_until(reached, f"{threshold} chunks with a stream mid-way", 60)
+        def replaced(victim: dict[str, str] = victim) -> bool:
+            workers = stack.workers()
+            return all(
+                workers[endpoint]["state"] == "live"
+                and workers[endpoint]["instance_id"] not in (None, instance)
+                for endpoint, instance in victim.items()
+            )
+
+        stack.wait_until(reached, f"{threshold} requests started, a worker holding one", 60)
         with load._lock:
             midway.append(len(load.midway))
             chunks_at_kill = dict(load.chunks_of)
         # On a machine loaded far past its cores the supervisor may have killed it
         # first, its heartbeats late (docs/operations.md): a death either way.
         with contextlib.suppress(ProcessLookupError):
-            stack.kill_pid(victim)
+            stack.kill_pid(pids[next(iter(victim))])
         time.sleep(0.2)
         stack.wait_until(replaced, "a replacement worker", 30)
     return midway
 
 
-def _assert_resumes_exact(
-    stack: Stack, pick_victim: Callable[[int], int], replaced: Callable[[], bool]
-) -> None:
+def _assert_resumes_exact(stack: Stack) -> None:
     bodies = _bodies()
     with openai_client(stack) as client:
         load = Load(client, client.models.list().data[0].id)
@@ -213,12 +231,9 @@ def _assert_resumes_exact(
             if "response_format" in b["extra_body"]
         ]
         assert constrained and all(text.startswith("[") for text in constrained)
-        num_chunks, load.num_chunks = load.num_chunks, 0
+        load.num_started = 0
         midway: list[int] = []
-        faulted = load.run(
-            bodies,
-            lambda: midway.extend(_kill_under_load(stack, load, num_chunks, pick_victim, replaced)),
-        )
+        faulted = load.run(bodies, lambda: midway.extend(_kill_under_load(stack, load)))
     assert min(midway) > 0, f"streams mid-way at each kill: {midway}"
     assert _prefix_cache_hits(stack) > 0  # some prompts (and resumes) took cached rows
     assert stack.log("supervisor").count("replaying") >= NUM_KILLS
@@ -261,19 +276,8 @@ def test_seeded_streams_resumed_after_kill_9_match_the_fault_free_run(
     tmp_path: Path, model_dir: Path
 ) -> None:
     with running_stack(tmp_path, _overrides(model_dir, 1)) as stack:
-        instance = stack.wait_live(timeout_s=60)["instance_id"]
-
-        def pick_victim(kill: int) -> int:
-            nonlocal instance
-            instance = stack.health().json()["instance_id"]
-            (pid,) = stack.worker_pids()
-            return pid
-
-        def replaced() -> bool:
-            health = stack.health().json()
-            return health["status"] == "ok" and health["instance_id"] not in (None, instance)
-
-        _assert_resumes_exact(stack, pick_victim, replaced)
+        stack.wait_live(timeout_s=60)
+        _assert_resumes_exact(stack)
 
 
 def test_with_two_workers_replays_on_the_survivor_match_the_fault_free_run(
@@ -281,27 +285,4 @@ def test_with_two_workers_replays_on_the_survivor_match_the_fault_free_run(
 ) -> None:
     with running_stack(tmp_path, _overrides(model_dir, 2)) as stack:
         stack.wait_for_health("both live", lambda h: h["workers_live"] == 2, 60)
-        endpoints = sorted(stack.workers())
-        killed: dict[str, str] = {}
-
-        def pick_victim(kill: int) -> int:
-            # The one holding the most streams: taking turns, a replacement that
-            # had been given nothing yet was killed holding nothing, and no
-            # request was replayed for that kill.
-            workers = stack.workers()
-            endpoint = max(
-                endpoints, key=lambda e: (workers[e]["held"] or 0, e == endpoints[kill % 2])
-            )
-            killed.clear()
-            killed[endpoint] = stack.workers()[endpoint]["instance_id"]
-            return stack.worker_pid(endpoint)
-
-        def replaced() -> bool:
-            workers = stack.workers()
-            return all(
-                workers[endpoint]["state"] == "live"
-                and workers[endpoint]["instance_id"] not in (None, instance)
-                for endpoint, instance in killed.items()
-            )
-
-        _assert_resumes_exact(stack, pick_victim, replaced)
+        _assert_resumes_exact(stack)
