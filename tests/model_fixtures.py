@@ -144,12 +144,14 @@ def disable_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @dataclass(frozen=True)
 class PrefillCall:
-    """One call into `GPT2.prefill`: each chunk's start and length, and which
-    chunks it scores (keeps every position of)."""
+    """One call into `GPT2.prefill`: each chunk's start and length, which chunks
+    it scores (keeps every position of), and whether a decode step ran in the
+    same pass."""
 
     starts: list[int]
     lengths: list[int]
     scored: list[int]
+    with_decode: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -167,7 +169,12 @@ def record_prefills(monkeypatch: pytest.MonkeyPatch) -> list[PrefillCall]:
 
     def recording(self, token_ids, lengths, slots, cache, keep_all=(), starts=None, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(
-            PrefillCall(list(starts or [0] * len(lengths)), list(lengths), sorted(keep_all))
+            PrefillCall(
+                list(starts or [0] * len(lengths)),
+                list(lengths),
+                sorted(keep_all),
+                kwargs.get("beside") is not None,
+            )
         )
         return prefill(self, token_ids, lengths, slots, cache, keep_all, starts, **kwargs)
 

@@ -15,6 +15,7 @@ pytest.importorskip("torch")
 from protocol import ErrorResult, GenerateResult
 from tests.model_fixtures import (
     CONTEXT_WINDOW,
+    force_kernels,
     random_prompt,
     record_prefills,
     reference_ids,
@@ -25,6 +26,7 @@ from tests.model_fixtures import (
 )
 from worker.engine import slot_engine
 from worker.engine.torch_engine import TorchEngine
+from worker.model import gpt2
 from worker.serve.scheduler import Scheduler
 
 pytestmark = pytest.mark.model
@@ -54,6 +56,55 @@ def test_a_long_prompt_goes_in_a_chunk_a_step_while_the_streams_decode(
         after = [len(engine._by_id[s.request_id].output_token_ids) for s in streams]
         assert after == [n + 1 for n in before]
     assert steps_to_first_token == -(-len(long_prompt) // CHUNK)  # ceil(100 / 16) = 7
+
+
+@pytest.mark.parametrize("paths", ["rule", "kernel"])
+def test_beside_streams_a_chunk_and_their_decode_share_one_pass_and_change_no_bit(
+    paths: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that prefills while streams decode runs both in one pass over the
+    model, which reads the weights once: each such pass takes the place of a
+    decode pass, and every token, logprob and scored prompt token is what the
+    two passes one after the other give, to the last bit."""
+    if paths == "kernel":
+        force_kernels(monkeypatch)
+    rng = random.Random(21)
+    sampling = {"temperature": 0.9, "logprobs": 2, "ignore_eos": True}
+    streams = [
+        request(f"s{i}", random_prompt(rng, 3, 10), 30, seed=i, **sampling) for i in range(2)
+    ]
+    newcomers = [
+        request(f"n{i}", random_prompt(rng, 5, 40), 10, seed=10 + i, **sampling) for i in range(3)
+    ]
+    newcomers.append(request("scored", random_prompt(rng, 20, 30), 6, prompt_logprobs=1))
+    schedule = {0: streams, 2: newcomers[:2], 6: newcomers[2:]}
+
+    apart_engine = tiny_engine(capacity=5, prefill_chunk_tokens=CHUNK)
+    apart_engine._prefill_beside_decode = lambda chunks, decoding: None  # type: ignore[method-assign]
+    decodes = _count_decode_passes(monkeypatch)
+    apart = run_schedule(apart_engine, schedule)
+    num_decodes_apart = len(decodes)
+
+    decodes.clear()
+    calls = record_prefills(monkeypatch)
+    together = run_schedule(tiny_engine(capacity=5, prefill_chunk_tokens=CHUNK), schedule)
+    num_shared = sum(call.with_decode for call in calls)
+    assert num_shared >= 3
+    assert len(decodes) == num_decodes_apart - num_shared
+    assert together == apart
+
+
+def _count_decode_passes(monkeypatch: pytest.MonkeyPatch) -> list[None]:
+    """A list that grows by one at each call into `GPT2.decode` from now on."""
+    calls: list[None] = []
+    decode = gpt2.GPT2.decode
+
+    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(None)
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(gpt2.GPT2, "decode", counting)
+    return calls
 
 
 def test_beside_streams_the_oldest_newcomer_takes_the_budget_and_the_others_a_block(
@@ -233,17 +284,18 @@ def test_a_chunk_never_runs_past_the_context_window() -> None:
 
 def test_a_chunk_that_fails_fails_its_own_request_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """As at admission without chunks: the engine failing on one newcomer's prefill
-    answers that request with an error, and every other request goes on."""
+    answers that request with an error, and every other request goes on, whether
+    its chunk ran alone or in a pass beside the streams' decode."""
     model = tiny_model().model
     engine = tiny_engine(capacity=4, prefill_chunk_tokens=CHUNK)
-    prefill_chunks = TorchEngine._prefill_chunks
+    prefill_prompts = TorchEngine._prefill_prompts
 
-    def failing_on_bad(self: TorchEngine, chunks: list) -> list[int]:  # type: ignore[type-arg]
+    def failing_on_bad(self: TorchEngine, chunks: list, beside=None):  # type: ignore[no-untyped-def,type-arg]
         if any(seq.request_id == "bad" for seq, _, _ in chunks):
             raise RuntimeError("this prompt breaks the model")
-        return prefill_chunks(self, chunks)
+        return prefill_prompts(self, chunks, beside)
 
-    monkeypatch.setattr(TorchEngine, "_prefill_chunks", failing_on_bad)
+    monkeypatch.setattr(TorchEngine, "_prefill_prompts", failing_on_bad)
     rng = random.Random(11)
     # Short enough for "bad" and "good" to share a step's chunks.
     requests = [request(rid, random_prompt(rng, 5, 7), 8) for rid in ("stream", "bad", "good")]

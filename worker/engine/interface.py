@@ -135,7 +135,8 @@ class InferenceEngine(ABC):
         its decode with what the prefill produced (newcomers' first tokens, the
         sequences they finished, failed chunks), so that a first token leaves
         without waiting for the decode; the returned output then holds only the
-        rest.
+        rest. An engine that runs a step's prefill and decode in one pass over
+        the model returns both at once instead.
         """
 
     @abstractmethod

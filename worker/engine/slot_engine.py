@@ -104,6 +104,17 @@ class SlotEngine(InferenceEngine):
     def _decode(self, active: list[Sequence]) -> list[int]:
         """Feed each sequence's last token at its position; return the next tokens."""
 
+    def _prefill_beside_decode(
+        self, chunks: list[Chunk], decoding: list[Sequence]
+    ) -> tuple[list[int], list[int]] | None:
+        """Hook: run ``chunks`` (as `_prefill_chunks`) and a decode step of
+        ``decoding`` (as `_decode`) in one pass over the model, which reads its
+        weights once for both; return what each would. None: this engine runs
+        them one after the other. If this raises, they run apart (`_run_chunks`
+        then `_decode`), so it must leave nothing that running them again would
+        get wrong."""
+        return None
+
     def _release(self, slot: int) -> None:
         """Hook: a slot was freed."""
 
@@ -228,13 +239,15 @@ class SlotEngine(InferenceEngine):
 
     def step(self, on_prefilled: Callable[[StepOutput], None] | None = None) -> StepOutput:
         output = StepOutput()
-        # prefill
+        # prefill, and the decode with it where the engine runs both in one pass
         if self._num_prefilled:
             # A resumed newcomer is a stream too: its client waits mid-answer.
             holds_up_streams = bool(self.decoding_sequences()) or any(
                 self._by_id[request_id].is_resumed for request_id in self._num_prefilled
             )
-            self._prefill_step(holds_up_streams, output)
+            if self._prefill_step(holds_up_streams, output):
+                self._collect(output)
+                return output
             if not holds_up_streams and self._num_prefilled and self.prefix_cache is not None:
                 # Newcomers that waited for rows computed just now (the first wave
                 # of a burst with one system prompt, n choices) take them and go in
@@ -287,12 +300,18 @@ class SlotEngine(InferenceEngine):
 
     def _prefill_step(
         self, holds_up_streams: bool, output: StepOutput, may_score: bool = True
-    ) -> None:
+    ) -> bool:
         """Take what the prefix cache holds, then run this step's chunks
-        (`plan_chunks`; ``holds_up_streams``: keep to the chunk budget;
-        ``may_score``: score up to a pass of prompt tokens)."""
+        (`plan_chunks`; ``holds_up_streams``: keep to the chunk budget, and
+        decode the streams in the same pass where the engine can; ``may_score``:
+        score up to a pass of prompt tokens). Returns whether the streams were
+        decoded."""
         if self.prefix_cache is not None:
             self._reuse_cached_rows(self.prefix_cache, output)
+        decoding: list[Sequence] = []
+        if holds_up_streams:
+            self._collect(output)  # those a first token finished leave before any decode
+            decoding = self.decoding_sequences()
         prefilling = [
             (self._by_id[request_id], done) for request_id, done in self._num_prefilled.items()
         ]
@@ -305,10 +324,35 @@ class SlotEngine(InferenceEngine):
             scored_budget=PREFILL_PASS_TOKENS if may_score else 0,
             scored_token_cost=self.scored_token_cost,
         )
+        decoded = False
         for k, group in enumerate(_passes(chunks, lambda chunk: chunk[2] - chunk[1])):
             if k:
                 self._num_extra_prefill_passes += 1
-            self._run_chunks(group, output)
+            if decoding and not decoded and self._run_beside_decode(group, decoding):
+                decoded = True
+            else:
+                self._run_chunks(group, output)
+        return decoded
+
+    def _run_beside_decode(self, chunks: list[Chunk], decoding: list[Sequence]) -> bool:
+        """Prefill ``chunks`` and decode ``decoding`` in one pass where the engine
+        can (`_prefill_beside_decode`); False where it cannot or that failed:
+        then they run apart, each failure on its own sequence."""
+        try:
+            tokens = self._prefill_beside_decode(chunks, decoding)
+        except Exception:
+            log.warning(
+                "a prefill beside the decode failed; running them one after the other",
+                exc_info=True,
+            )
+            return False
+        if tokens is None:
+            return False
+        first_tokens, next_tokens = tokens
+        self._chunks_ran(chunks, first_tokens)
+        for seq, token_id in zip(decoding, next_tokens, strict=True):
+            seq.append(token_id)
+        return True
 
     def _run_chunks(self, chunks: list[Chunk], output: StepOutput) -> None:
         """Prefill ``chunks``. If that fails, each is run alone, so that a failure
@@ -327,6 +371,11 @@ class SlotEngine(InferenceEngine):
             output.failed.append((seq.request_id, exc))
             self._free(seq)
             return
+        self._chunks_ran(chunks, first_tokens)
+
+    def _chunks_ran(self, chunks: list[Chunk], first_tokens: list[int]) -> None:
+        """Record that ``chunks`` are in their slots; those that end their context
+        take their first token."""
         for seq, _, end in chunks:
             self._num_prefilled[seq.request_id] = end
             if self.prefix_cache is not None and not seq.scores_prompt:

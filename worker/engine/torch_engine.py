@@ -24,7 +24,7 @@ from worker.engine.prefix_cache import Match
 from worker.engine.sequence import Sequence
 from worker.engine.slot_engine import SlotEngine
 from worker.model.decode_step import SHORTEST_GRAPH_LENGTH, Buckets, DecodeStep, cuda_graph_capture
-from worker.model.gpt2 import GPT2
+from worker.model.gpt2 import GPT2, DecodeRows
 from worker.model.host_copy import to_device
 from worker.model.kernels import chosen_isa
 from worker.model.kv_cache import SlotKVCache
@@ -275,6 +275,38 @@ class TorchEngine(SlotEngine):
             if first < end:
                 replayed = self._tensor(seq.context_token_ids[first:end])
                 last[i] = self.gpt2.replay(replayed, first, seq.slot, self.cache)
+        return self._first_tokens(chunks, last)
+
+    @torch.inference_mode()
+    def _prefill_beside_decode(
+        self, chunks: list[tuple[Sequence, int, int]], decoding: list[Sequence]
+    ) -> tuple[list[int], list[int]] | None:
+        # Where steps run as captured (CUDA graphs), or a resumed sequence's output
+        # goes back in through decode's own forward (`GPT2.replay`), apart.
+        if self.decode_step.buckets is not None or any(
+            end > len(seq.prompt_token_ids) for seq, _, end in chunks
+        ):
+            return None
+        token_ids, positions = self._decode_inputs(decoding)
+        beside = DecodeRows(
+            self._tensor(token_ids),
+            self._tensor(positions),
+            max(positions) + 1,
+            [seq.slot for seq in decoding],
+        )
+        logits = self._prefill_prompts(chunks, beside)  # (B + W, V)
+        after = dict(enumerate(logits[: len(chunks)]))
+        if self.prefix_cache is not None:
+            self._keep_prompt_logits([(chunk, after[i]) for i, chunk in enumerate(chunks)])
+        first_tokens = self._first_tokens(chunks, after)
+        seeds = [self._seeds[seq.slot] for seq in decoding]
+        return first_tokens, self._choose(logits[len(chunks) :], decoding, seeds)
+
+    def _first_tokens(
+        self, chunks: list[tuple[Sequence, int, int]], last: dict[int, torch.Tensor]
+    ) -> list[int]:
+        """The next token of each sequence whose chunk ends its context, from
+        ``last[i]``, the (V,) logits after chunk i."""
         ending = [i for i, (seq, _, end) in enumerate(chunks) if end == len(seq.context_token_ids)]
         if not ending:
             return []
@@ -305,9 +337,12 @@ class TorchEngine(SlotEngine):
         logits = self._kept_logits[seq.slot : seq.slot + 1].clone()  # (1, V); _choose biases it
         return self._choose(logits, [seq], [self._seeds[seq.slot]])[0]
 
-    def _prefill_prompts(self, chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+    def _prefill_prompts(
+        self, chunks: list[tuple[Sequence, int, int]], beside: DecodeRows | None = None
+    ) -> torch.Tensor:
         """Prefill prompt positions [start, end) of each sequence (scoring the prompts
-        asked for); returns the (B, V) logits after each chunk."""
+        asked for), and decode ``beside`` in the same pass; returns the (B, V)
+        logits after each chunk, then the decode's wanted rows'."""
         contexts = [seq.prompt_token_ids[start:end] for seq, start, end in chunks]
         scored = [i for i, (seq, _, _) in enumerate(chunks) if seq.wants_prompt_logprobs]
         logits, hidden = self.gpt2.prefill(
@@ -318,7 +353,8 @@ class TorchEngine(SlotEngine):
             keep_all=scored,
             starts=[start for _, start, _ in chunks],
             block=self.block_tokens,
-        )  # (B, V)
+            beside=beside,
+        )  # (B [+ W], V)
         for i, chunk_hidden in zip(scored, hidden, strict=True):
             self._score_chunk(*chunks[i], chunk_hidden)
         return logits
@@ -341,17 +377,22 @@ class TorchEngine(SlotEngine):
 
     @torch.inference_mode()
     def _decode(self, active: list[Sequence]) -> list[int]:
+        token_ids, positions = self._decode_inputs(active)
+        logits = self.decode_step.run(token_ids, positions, [seq.slot for seq in active])
+        return self._choose(logits, active, [self._seeds[seq.slot] for seq in active])
+
+    def _decode_inputs(self, active: list[Sequence]) -> tuple[list[int], list[int]]:
+        """The token id and position of each row of a decode step of ``active``:
+        slots 0..R-1. A slot that is not decoding (free, or still prefilling)
+        below the highest live one, or padding a bucket, decodes a dummy token
+        where that writes nothing read."""
         num_rows = self.decode_step.rows_for(max(seq.slot for seq in active) + 1)
-        # A slot that is not decoding (free, or still prefilling) below the highest
-        # live one, or padding a bucket, decodes a dummy token where that writes
-        # nothing read.
         token_ids = [0] * num_rows
         positions = [self._scratch_position(slot) for slot in range(num_rows)]
         for seq in active:
             token_ids[seq.slot] = seq.last_token_id
             positions[seq.slot] = seq.num_tokens - 1
-        logits = self.decode_step.run(token_ids, positions, [seq.slot for seq in active])
-        return self._choose(logits, active, [self._seeds[seq.slot] for seq in active])
+        return token_ids, positions
 
     def _choose(
         self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int | None]

@@ -1,7 +1,8 @@
 """A batched GPT-2 forward over a loaded model's weights, on the slot KV cache.
 
 Three entry points: `prefill` runs newcomers' prompts (whole, or the next chunk
-of each) into their slots and returns logits at each one's last position only;
+of each) into their slots and returns logits at each one's last position only,
+and can take a decode step's rows in the same pass (`DecodeRows`);
 `decode` feeds one token per slot at that slot's own position and attends to that
 row's cached positions only; `replay` feeds a resumed sequence's streamed output
 back into its slot through decode's forward, a token a row, so that its keys,
@@ -18,6 +19,7 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,28 @@ from worker.model.weights import Layer, layer_of, projection
 TokenAttention = Callable[[Tensor, Tensor, Tensor], Tensor]
 # A decode step's cached keys and values for a layer: (R, H, L, D) each.
 CachedKeys = Callable[[int], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A decode step to run in a prefill's pass (`GPT2.prefill`): one token per
+    slot 0..R-1 at its position, attending to ``attend_len`` positions at most,
+    as `GPT2.decode` takes them; logits are wanted for the slots ``wanted``."""
+
+    token_ids: Tensor  # (R,)
+    positions: Tensor  # (R,)
+    attend_len: int
+    wanted: list[int]
+
+
+def _first_rows(cache: SlotKVCache, num_rows: int, length: int) -> CachedKeys:
+    """Each layer's cached keys and values of slots 0..num_rows-1, positions
+    0..length-1: a decode step's rows."""
+
+    def cached(layer: int) -> tuple[Tensor, Tensor]:
+        return cache.read(layer, num_rows, length)
+
+    return cached
 
 
 def _one_slot(cache: SlotKVCache, slot: int, num_rows: int, length: int) -> CachedKeys:
@@ -122,6 +146,7 @@ class GPT2:
         starts: list[int] | None = None,
         *,
         block: int,
+        beside: DecodeRows | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Newcomers' prompts packed end to end in ``token_ids`` (S,), ``lengths[i]``
         tokens for cache slot ``slots[i]`` at positions ``starts[i]`` onwards (0 by
@@ -138,7 +163,14 @@ class GPT2:
         computes keys and values for every position (the cache needs them) but
         attention output and MLP for the last positions alone, except for the
         prompts in ``keep_all``. A chunk that starts past position 0 must start
-        on a multiple of ``block``."""
+        on a multiple of ``block``.
+
+        With ``beside``, a decode step of those rows goes through the same pass,
+        after the prompts' rows in every product, so that the weights are read
+        once for both; the logits are then (B + W, V), the wanted rows' last.
+        A row's products do not depend on its batchmates (`Projection`) and
+        its attention is decode's, so those rows' logits, keys and values are
+        `decode`'s, bit for bit."""
         starts = starts or [0] * len(lengths)
         ends = itertools.accumulate(lengths)
         spans = [(end - length, end) for end, length in zip(ends, lengths, strict=True)]
@@ -153,10 +185,35 @@ class GPT2:
             ]
         )
         x = self._embed(token_ids, positions)  # (S, C)
+        num_decode_rows = 0
+        if beside is not None:
+            num_decode_rows = len(beside.token_ids)
+            x = torch.cat([x, self._embed(beside.token_ids, beside.positions)])  # (S + R, C)
+            decode_rows = self.counting[:num_decode_rows]
+            attend = self._token_attention(beside.positions, beside.attend_len)
+            cached_rows = _first_rows(cache, num_decode_rows, beside.attend_len)
         for index, layer in enumerate(self.layers):
             is_last_layer = index == self.num_layers - 1
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
-            q, k, v = self._split_heads(layer.attn(h)[None])  # 3 x (1, H, S, D)
+            qkv = layer.attn(h)
+            num_prompt_rows = len(qkv) - num_decode_rows
+            decoded: list[Tensor] = []  # the decode rows' attention, (R, C) or (W, C)
+            if beside is not None:
+                # Before the prompts' keys go in: a row for a slot that is not
+                # decoding writes a dummy where this pass's chunk of that slot may
+                # start (`SlotEngine._scratch_position`), which the chunk then
+                # overwrites.
+                attended = self._attend_rows(
+                    index,
+                    qkv[num_prompt_rows:, None],  # (R, 1, 3C)
+                    decode_rows,
+                    beside.positions,
+                    cache,
+                    cached_rows,
+                    attend,
+                )[:, 0]
+                decoded.append(attended[beside.wanted] if is_last_layer else attended)
+            q, k, v = self._split_heads(qkv[:num_prompt_rows][None])  # 3 x (1, H, S, D)
             for slot, (begin, end), start in zip(slots, spans, starts, strict=True):
                 cache.write_prompt(index, slot, k[0, :, begin:end], v[0, :, begin:end], start)
             attn = self._attend_prompts(
@@ -168,12 +225,17 @@ class GPT2:
                 (index, slots, starts, cache, block),
             )
             if is_last_layer:
-                x = x[[p for start, end in kept for p in range(start, end)]]  # (K, C)
-            x = x + layer.proj(attn)
+                rows = [p for start, end in kept for p in range(start, end)]
+                rows += [num_prompt_rows + slot for slot in beside.wanted] if beside else []
+                x = x[rows]  # (K [+ W], C)
+            x = x + layer.proj(torch.cat([attn, *decoded]))
             x = x + self._mlp(x, layer)
         ends_kept = list(itertools.accumulate(end - start for start, end in kept))
         hidden = [x[ends_kept[i] - lengths[i] : ends_kept[i]] for i in sorted(keep_all)]
-        return self.logits(x[[end - 1 for end in ends_kept]]), hidden
+        last = [end - 1 for end in ends_kept]
+        if beside is not None:
+            last += range(ends_kept[-1], ends_kept[-1] + len(beside.wanted))
+        return self.logits(x[last]), hidden
 
     def _attend_prompts(
         self,
@@ -245,7 +307,7 @@ class GPT2:
             attend_len,
             cache,
             self.counting[:num_rows],
-            lambda layer: cache.read(layer, num_rows, attend_len),
+            _first_rows(cache, num_rows, attend_len),
         )
         return self.logits(hidden)
 
@@ -289,12 +351,28 @@ class GPT2:
         attend = self._token_attention(positions, attend_len)
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (self.width,), *layer.ln_1, self.eps)
-            q, k, v = self._split_heads(layer.attn(h))  # (R, H, 1, D)
-            cache.write_tokens(index, rows, positions, k[:, :, 0], v[:, :, 0])
-            keys, values = cached(index)  # (R, H, L, D)
-            x = x + layer.proj(attend(q, keys, values))
+            attn = self._attend_rows(index, layer.attn(h), rows, positions, cache, cached, attend)
+            x = x + layer.proj(attn)
             x = x + self._mlp(x, layer)
         return x[:, 0]
+
+    def _attend_rows(
+        self,
+        layer: int,
+        qkv: Tensor,
+        rows: Tensor,
+        positions: Tensor,
+        cache: SlotKVCache,
+        cached: CachedKeys,
+        attend: TokenAttention,
+    ) -> Tensor:
+        """Decode's attention in ``layer`` for its rows' (R, 1, 3C) queries, keys
+        and values: writes each row's key and value at ``positions[r]`` of slot
+        ``rows[r]``, then attends to what ``cached`` gives; returns (R, 1, C)."""
+        q, k, v = self._split_heads(qkv)  # (R, H, 1, D)
+        cache.write_tokens(layer, rows, positions, k[:, :, 0], v[:, :, 0])
+        keys, values = cached(layer)  # (R, H, L, D)
+        return attend(q, keys, values)
 
     def _token_attention(self, positions: torch.Tensor, attend_len: int) -> TokenAttention:
         """Attention for decode's one query per row, (R, H, 1, D) against the
