@@ -33,8 +33,9 @@ def _section(name: str, shapes: list[list[int]], vocab_size: int) -> str:
         return "oneDNN layout conversions"
     if op in ("_to_copy", "copy_"):
         return "dtype conversions"
-    attention_ops = ("minibatch::decode_attention", "where", "le", "scalar_tensor")
-    if "scaled_dot_product" in op or op in attention_ops:
+    # The kernels' ops are named for their build's instruction set (minibatch_avx2::...).
+    is_kernel_attention = op.startswith("minibatch") and op.endswith("::decode_attention")
+    if is_kernel_attention or "scaled_dot_product" in op or op in ("where", "le", "scalar_tensor"):
         return "attention"
     if op == "_index_put_impl_":
         return "KV cache writes"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import random
 import re
 import shutil
 import subprocess
@@ -534,3 +535,23 @@ def test_a_cpu_engine_decodes_through_both_kernels_in_every_mode(
     assert {projection.stored_weight.dtype for projection in projections} == {
         getattr(torch, stored)
     }
+
+
+def test_the_step_profile_puts_the_kernels_work_in_its_sections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`bench.ceiling`'s profile names each build's ops (minibatch_avx2::...) by
+    what they do: attention and projections, not "other torch ops"."""
+    from bench.step_profile import profile_steps
+    from tests.model_fixtures import random_prompt, request
+
+    force_kernels(monkeypatch)
+    engine = tiny_engine(capacity=2)
+    rng = random.Random(0)
+    engine.admit(
+        [request(f"r{i}", random_prompt(rng, 8, 8), 20, ignore_eos=True) for i in range(2)]
+    )
+    engine.step()
+    sections = profile_steps(engine, num_steps=2)
+    assert sections.get("attention", 0) > 0
+    assert sections.get("layer projections", 0) > 0 and sections.get("LM head", 0) > 0
