@@ -91,7 +91,12 @@ def test_a_peer_without_an_allowed_key_gets_nothing_and_the_worker_serves_on(
             stranger = ClientKeys(server_public_key, stranger_secret_key)
             with pytest.raises(ProbeFailed, match=r"does not allow this client's CURVE key"):
                 probe(endpoint, 30, context, stranger)
-            assert time.monotonic() - started < 10
+            # An allowed client that holds another worker's public key.
+            other_worker_public_key, _ = zmq.curve_keypair()
+            misled = ClientKeys(other_worker_public_key, curve.secret_key)
+            with pytest.raises(ProbeFailed, match=r"CURVE_SERVER_PUBLIC_KEY is not that worker's"):
+                probe(endpoint, 30, context, misled)
+            assert time.monotonic() - started < 15
         assert "refused a CURVE client" in stack.log("worker")
         body = {"prompt": "still serving", "max_new_tokens": 3}
         response = httpx.post(f"{stack.url}/generate", json=body, timeout=30)
