@@ -157,7 +157,7 @@ def load(
     try:
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             env = f.metadata["env"]
-            raw = getattr(args, f.name)
+            raw = getattr(args, f.name, None)  # None too where it has no flag (`_parser`)
             if raw is None:
                 raw = environ.get(env)
             else:
@@ -189,14 +189,38 @@ def flag_settings(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str
     return {
         f.metadata["env"]: getattr(args, f.name)
         for f in dataclasses.fields(cls)
-        if getattr(args, f.name) is not None
+        if getattr(args, f.name, None) is not None
     }
 
 
-def _parser(cls: type[Any], description: str | None = None) -> argparse.ArgumentParser:
-    """A flag for each of ``cls``'s settings: ``--max-batch-size`` for MAX_BATCH_SIZE."""
-    parser = argparse.ArgumentParser(description=description)
+def unknown_flags(cls: type[Any], argv: Sequence[str] | None = None) -> list[str]:
+    """The options in ``argv`` that are none of ``cls``'s flags, as given."""
+    parser = _parser(cls, add_help=False)  # --help is for `load` to print
+    unknown = parser.parse_known_args(argv)[1]
+    return [arg for arg in unknown if arg.startswith("-") and arg not in ("-h", "--help")]
+
+
+def setting_of_flag(cls: type[Any], flag: str) -> str | None:
+    """The variable that ``cls``'s flag ``flag`` (``--max-batch-size``, or with
+    ``=value``) sets, or None if it has no such flag."""
+    name = flag.split("=", 1)[0].removeprefix("--").replace("-", "_")
+    envs = {f.name: f.metadata["env"] for f in dataclasses.fields(cls)}
+    return envs.get(name)
+
+
+def _parser(
+    cls: type[Any], description: str | None = None, add_help: bool = True
+) -> argparse.ArgumentParser:
+    """A flag for each of ``cls``'s settings: ``--max-batch-size`` for MAX_BATCH_SIZE,
+    but those in its ``WITHOUT_FLAGS`` (settings it inherits only to refuse them);
+    its ``HELP_EPILOG``, if any, ends --help."""
+    parser = argparse.ArgumentParser(
+        description=description, epilog=getattr(cls, "HELP_EPILOG", None), add_help=add_help
+    )
+    without_flags: frozenset[str] = getattr(cls, "WITHOUT_FLAGS", frozenset())
     for f in dataclasses.fields(cls):
+        if f.name in without_flags:
+            continue
         env = f.metadata["env"]
         parser.add_argument(
             "--" + f.name.replace("_", "-"),

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 
 from frontend.config import FrontendConfig
@@ -60,6 +64,39 @@ def test_flag_settings_are_the_variables_the_flags_set() -> None:
         "TORCH_THREADS": "1",
         "HEARTBEAT_TIMEOUT_S": "8",
     }
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--max-batch-size", "16"],
+            r"--max-batch-size is a worker's flag, not minibatch-serve's: set MAX_BATCH_SIZE "
+            r"in its environment instead",
+        ),
+        (["--model-id=synthetic"], r"--model-id is a worker's flag.*set MODEL_ID"),
+        (["--worker-endpoints", "tcp://127.0.0.1:5556"], "WORKER_ENDPOINTS is for a frontend"),
+        (["--api-key", "k"], r"--api-key is not a flag of minibatch-serve \(--help lists them\)"),
+    ],
+)
+def test_minibatch_serve_refuses_another_processs_flag_saying_where_it_goes(
+    argv: list[str], message: str
+) -> None:
+    refused = _minibatch_serve(argv)
+    assert refused.returncode == 78
+    assert re.search(message, refused.stderr)
+
+
+def test_minibatch_serve_help_offers_only_the_flags_it_takes() -> None:
+    shown = _minibatch_serve(["--help"])
+    assert shown.returncode == 0
+    assert "--num-workers" in shown.stdout and "--worker-endpoints" not in shown.stdout
+    assert "MAX_BATCH_SIZE=16 minibatch-serve" in " ".join(shown.stdout.split())
+
+
+def _minibatch_serve(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "worker.launch.supervisor", *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 
 def test_a_bad_value_from_the_environment_names_no_flag() -> None:

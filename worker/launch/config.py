@@ -4,6 +4,7 @@ how it restarts one that died or hung; it judges workers as any client does."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from protocol.client_config import WorkerClientConfig
 from protocol.settings import MAX_PORT, ConfigError, env_name, require_positive, setting
@@ -19,6 +20,22 @@ class SupervisorConfig(WorkerClientConfig):
     """The local launcher: how many processes it runs, and how it restarts a worker
     that died or hung."""
 
+    # It tells its frontends where the workers it starts are: a list of its own
+    # is refused (`check_no_worker_endpoints`), so --help offers no flag for it.
+    WITHOUT_FLAGS: ClassVar[frozenset[str]] = frozenset({"worker_endpoints"})
+    HELP_EPILOG: ClassVar[str] = (
+        "The workers and frontends it starts read their own settings (MODEL_ID, "
+        "MAX_BATCH_SIZE, STOP_GRACE_S, API_KEY...) from the environment they inherit: "
+        "set them there, as in `MAX_BATCH_SIZE=16 minibatch-serve`; `minibatch-worker "
+        "--help` and `minibatch-frontend --help` list them."
+    )
+
+    worker_endpoint: str = setting(
+        "WORKER_ENDPOINT",
+        "tcp://127.0.0.1:5555",
+        "the first worker's ZMQ endpoint: NUM_WORKERS bind it and the ports after it, "
+        "and the frontends connect to each",
+    )
     num_workers: int = setting(
         "NUM_WORKERS",
         1,

@@ -46,6 +46,8 @@ from protocol.settings import (
     exit_refusing,
     flag_settings,
     load,
+    setting_of_flag,
+    unknown_flags,
 )
 from worker.launch.child import KILL_AFTER_S, Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
@@ -449,14 +451,37 @@ def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) ->
         raise ConfigError("; ".join(problems))
 
 
+NO_WORKER_ENDPOINTS = (
+    "WORKER_ENDPOINTS is for a frontend run alone (minibatch-frontend): "
+    "minibatch-serve tells its frontends the endpoints of the workers it starts, "
+    "on WORKER_ENDPOINT and the ports after it (NUM_WORKERS); unset it"
+)
+
+
 def check_no_worker_endpoints(config: SupervisorConfig) -> None:
     """WORKER_ENDPOINTS, which --help lists among a frontend's settings, was
     silently overridden: refused, saying where the workers are."""
     if config.worker_endpoints.strip():
+        raise ConfigError(NO_WORKER_ENDPOINTS)
+
+
+def check_own_flags(argv: Sequence[str]) -> None:
+    """Refuse a flag that is not minibatch-serve's (`--max-batch-size 16`, a
+    worker's), saying where that setting goes instead: argparse's bare
+    "unrecognized arguments" left the user guessing."""
+    for flag in unknown_flags(SupervisorConfig, argv):
+        if setting_of_flag(SupervisorConfig, flag) == "WORKER_ENDPOINTS":
+            raise ConfigError(NO_WORKER_ENDPOINTS)
+        env = setting_of_flag(WorkerConfig, flag)
+        if env is not None:
+            raise ConfigError(
+                f"{flag.split('=', 1)[0]} is a worker's flag, not minibatch-serve's: set "
+                f"{env} in its environment instead (`{env}=... minibatch-serve`), which "
+                "the workers it starts inherit"
+            )
         raise ConfigError(
-            "WORKER_ENDPOINTS is for a frontend run alone (minibatch-frontend): "
-            "minibatch-serve tells its frontends the endpoints of the workers it starts, "
-            "on WORKER_ENDPOINT and the ports after it (NUM_WORKERS); unset it"
+            f"{flag} is not a flag of minibatch-serve (--help lists them); the workers "
+            "and frontends it starts read their own settings from its environment"
         )
 
 
@@ -466,6 +491,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     name_supervisor()  # before any child starts: each inherits it
     try:
+        check_own_flags(sys.argv[1:] if argv is None else argv)
         config = load(SupervisorConfig, argv, description=__doc__.splitlines()[0])
         # The children read their settings from the environment, so a flag given
         # here is set there too: `--torch-threads 1` had reached no worker.
