@@ -10,17 +10,20 @@ STAMP := $(VENV)/.installed
 # (tests/test_compose.py); its Docker engine (docker.io) and debootstrap, which makes
 # the base image where no registry is reachable (deploy/offline-base-image.sh), let
 # tests/test_compose_stack.py build both images and run the stack. Installing them
-# needs apt-get and root; where either is missing, set-up goes on and those tests
-# skip, saying why.
+# needs apt-get and root; where either is missing, or SYSTEM_PACKAGES=0 asks to
+# leave the system's packages alone, set-up goes on and those tests skip, saying why.
+SYSTEM_PACKAGES ?= 1
 DOCKER_TOOLS := missing=""; \
 	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
 	command -v dockerd >/dev/null 2>&1 || missing="$$missing docker.io"; \
 	command -v debootstrap >/dev/null 2>&1 || missing="$$missing debootstrap"; \
 	[ -z "$$missing" ] \
-	|| { [ "$$(id -u 2>/dev/null)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	|| { [ "$(SYSTEM_PACKAGES)" != 0 ] && [ "$$(id -u 2>/dev/null)" = 0 ] \
+	     && command -v apt-get >/dev/null 2>&1 \
+	     && echo "installing Debian's$$missing for the compose tests (SYSTEM_PACKAGES=0: not)" \
 	     && apt-get update -qq \
 	     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } \
-	|| echo "not installed:$$missing (needs apt-get as root): the compose tests that need them will skip"
+	|| echo "not installed:$$missing (needs apt-get as root, and SYSTEM_PACKAGES not 0): the compose tests that need them will skip"
 
 # The decode kernels (worker/model/csrc) compile once, here, one library per instruction
 # set; a worker only loads them, and never compiles. Without a C++ compiler the
