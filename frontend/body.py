@@ -94,7 +94,9 @@ def parse_json(text: bytes | str) -> Any:
     try:
         return pydantic_core.from_json(text, allow_inf_nan=False)
     except ValueError as exc:
-        if "recursion limit" in str(exc):
+        if not text.strip():
+            message = "empty; send a JSON object"
+        elif "recursion limit" in str(exc):
             message = (
                 "JSON nested too deeply (the parser stops at about 200 levels); nothing "
                 "nested that deep can be sent"

@@ -71,6 +71,9 @@ def describe(error: ValidationError, fields: Sequence[str] = ()) -> tuple[str, s
     num_unreported = len(sentences) - MAX_REPORTED_ERRORS
     if num_unreported > 0:
         sentences = [*sentences[:MAX_REPORTED_ERRORS], f"and {num_unreported} more"]
+    if any(sentence.endswith(_NOT_A_FIELD) for sentence in sentences):
+        # Once, however many unknown fields there are.
+        sentences.append(f"this body's fields are {', '.join(fields)}")
     return "; ".join(sentences), param
 
 
@@ -120,12 +123,15 @@ _BOUND_BY_ERROR_TYPE = {
 }
 
 
+_NOT_A_FIELD = "not a field of this body"
+
+
 def _complaint(item: Any, fields: Sequence[str]) -> str:
     if item["type"] == "extra_forbidden" and len(item["loc"]) == 1 and fields:
         nearest = difflib.get_close_matches(str(item["loc"][0]), fields, n=1)
         if nearest:
             return f"not a field of this body; did you mean {nearest[0]}?"
-        return f"not a field of this body, whose fields are {', '.join(fields)}"
+        return _NOT_A_FIELD  # `describe` names the fields once
     if item["type"] == "extra_forbidden":  # inside an object of the body
         parent = ".".join(short_name(part) for part in item["loc"][:-1] if not _is_arm(part))
         return f"not a field of {parent or 'this body'}; leave it out"

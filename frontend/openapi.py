@@ -4,6 +4,7 @@ validate request bodies, so the description cannot drift from the checks."""
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 from typing import Any
 
 from pydantic.json_schema import models_json_schema
@@ -11,7 +12,7 @@ from pydantic.json_schema import models_json_schema
 from frontend import __doc__ as frontend_doc
 from frontend.openai_schemas import ChatBody, CompletionBody
 from frontend.schemas import GenerateBody
-from frontend.tokenize_api import DetokenizeBody, TokenizeBody
+from frontend.tokenize_api import PACKAGE, DetokenizeBody, TokenizeBody
 
 _REF = "#/components/schemas/{model}"
 
@@ -111,7 +112,7 @@ def openapi_schema() -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {
             "title": "MiniBatch-LLM",
-            "version": "1",
+            "version": importlib.metadata.version(PACKAGE),  # as /version says
             "description": (frontend_doc or "").strip(),
         },
         "paths": {

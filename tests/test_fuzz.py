@@ -236,6 +236,8 @@ def test_bytes_that_are_not_a_request_get_a_clear_error(
 def test_openapi_describes_every_endpoint_and_body_field(stack: Stack) -> None:
     schema = httpx.get(f"{stack.url}/openapi.json", timeout=5).json()
     assert schema["openapi"].startswith("3.")
+    version = httpx.get(f"{stack.url}/version", timeout=5).json()["version"]
+    assert schema["info"]["version"] == version  # the server's, not the document's own
     assert set(schema["paths"]) >= {
         "/generate",
         "/v1/completions",

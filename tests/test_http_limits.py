@@ -470,6 +470,8 @@ def test_a_long_list_of_bad_token_ids_gets_one_error(stack: Stack) -> None:
             "request it takes needs that many",
         ),
         (b'["prompt"]', "body: must be a JSON object, got an array"),
+        (b"", "body: empty; send a JSON object"),
+        (b" \r\n", "body: empty; send a JSON object"),
         (
             b'{"prompt": "hi"',
             "body: invalid JSON (EOF while parsing an object at line 1 column 15)",

@@ -151,7 +151,20 @@ def test_an_unknown_field_is_told_the_nearest_field_or_all_of_them() -> None:
     with pytest.raises(ValidationError) as caught:
         GenerateBody.model_validate({"prompt": "hi", "colour": "blue"})
     message, _ = describe(caught.value, fields)
-    assert message == f"colour: not a field of this body, whose fields are {', '.join(fields)}"
+    assert (
+        message == f"colour: not a field of this body; this body's fields are {', '.join(fields)}"
+    )
+
+
+def test_several_unknown_fields_name_the_bodys_fields_once() -> None:
+    fields = list(GenerateBody.model_fields)
+    unknown = {name: 1 for name in "abcdefg"}
+    with pytest.raises(ValidationError) as caught:
+        GenerateBody.model_validate({"prompt": "hi", **unknown})
+    message, _ = describe(caught.value, fields)
+    assert message.count(", ".join(fields)) == 1
+    assert message.startswith("a: not a field of this body; b: not a field of this body; ")
+    assert "; and 2 more; this body's fields are " in message
 
 
 def test_a_long_unknown_field_name_is_shortened() -> None:

@@ -292,7 +292,8 @@ def _load(isa: str) -> Kernels | None:
         logger.warning(
             "no decode kernels are built for %s at %s, so decode runs on oneDNN and SDPA, "
             "slower; build them once with `%sCXX=%s %s -m worker.model.kernels` (make "
-            "install does, on its first run)",
+            "install builds them in the default KERNELS_DIR when it sets up .venv, and "
+            "again when their sources change)",
             isa,
             path.parent,
             setting,
