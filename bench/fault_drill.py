@@ -311,7 +311,13 @@ def main(argv: list[str] | None = None) -> None:
         "--url", nargs="+", help="a running stack's frontends; default: start a stack here"
     )
     parser.add_argument("--model-id", default="synthetic", help="for the stack it starts")
-    parser.add_argument("--port", type=int, default=8400, help="for the stack it starts")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=8400,
+        help="the started stack's first frontend (default %(default)s); its workers bind "
+        "port + 10 and the ports after it",
+    )
     parser.add_argument(
         "--log", default=str(RESULTS / "fault_drill_stack"), help="the started stack's log folder"
     )
