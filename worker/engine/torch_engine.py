@@ -281,11 +281,12 @@ class TorchEngine(SlotEngine):
     def _prefill_beside_decode(
         self, chunks: list[tuple[Sequence, int, int]], decoding: list[Sequence]
     ) -> tuple[list[int], list[int]] | None:
-        # Where steps run as captured (CUDA graphs), or a resumed sequence's output
-        # goes back in through decode's own forward (`GPT2.replay`), apart.
-        if self.decode_step.buckets is not None or any(
-            end > len(seq.prompt_token_ids) for seq, _, end in chunks
-        ):
+        # On the CPU only, where a row's products are the same whatever rows share
+        # the call (`Projection`), and only where decode steps are not captured
+        # graphs; apart where a resumed sequence's output goes back in through
+        # decode's own forward (`GPT2.replay`).
+        is_eager_cpu = self.device.type == "cpu" and self.decode_step.buckets is None
+        if not is_eager_cpu or any(end > len(seq.prompt_token_ids) for seq, _, end in chunks):
             return None
         token_ids, positions = self._decode_inputs(decoding)
         beside = DecodeRows(
