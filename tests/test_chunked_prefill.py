@@ -26,7 +26,7 @@ from tests.model_fixtures import (
 )
 from worker.engine import slot_engine
 from worker.engine.torch_engine import TorchEngine
-from worker.model import gpt2
+from worker.model import gpt2, projection
 from worker.serve.scheduler import Scheduler
 
 pytestmark = pytest.mark.model
@@ -58,16 +58,18 @@ def test_a_long_prompt_goes_in_a_chunk_a_step_while_the_streams_decode(
     assert steps_to_first_token == -(-len(long_prompt) // CHUNK)  # ceil(100 / 16) = 7
 
 
-@pytest.mark.parametrize("paths", ["rule", "kernel"])
+@pytest.mark.parametrize("paths", ["rule", "kernel", "onednn"])
 def test_beside_streams_a_chunk_and_their_decode_share_one_pass_and_change_no_bit(
     paths: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A step that prefills while streams decode runs both in one pass over the
     model, which reads the weights once: each such pass takes the place of a
     decode pass, and every token, logprob and scored prompt token is what the
-    two passes one after the other give, to the last bit."""
+    two passes one after the other give, to the last bit, on either path."""
     if paths == "kernel":
         force_kernels(monkeypatch)
+    elif paths == "onednn":
+        monkeypatch.setattr(projection, "decode_path", lambda _: "onednn")
     rng = random.Random(21)
     sampling = {"temperature": 0.9, "logprobs": 2, "ignore_eos": True}
     streams = [
