@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from frontend.errors import ApiError
 from protocol import Logprobs
 
 # JSON has no -inf; vLLM reports a token the model rules out as -9999.0 too.
@@ -35,20 +34,12 @@ class TokenScore:
 
 
 def unpack(logprobs: Logprobs | None) -> list[TokenScore]:
-    """One `TokenScore` per token; a 500 if the worker's lists do not agree."""
+    """One `TokenScore` per token (the lists agree: `Logprobs` checks them)."""
     if logprobs is None:
         return []
-    num_tokens, num_top = len(logprobs.token_ids), logprobs.num_top
+    num_top = logprobs.num_top
     texts = _split(logprobs.texts, logprobs.text_lens)
     pieces = _split(logprobs.token_bytes, logprobs.byte_lens)
-    is_whole = (
-        num_top >= 0
-        and len(logprobs.logprobs) == num_tokens
-        and len(logprobs.top_token_ids) == len(logprobs.top_logprobs) == num_tokens * num_top
-        and len(texts) == len(pieces) == num_tokens * (1 + num_top)
-    )
-    if not is_whole:
-        raise ApiError(500, "the worker sent logprobs whose lists do not agree", "internal")
     scores = []
     for i, logprob in enumerate(logprobs.logprobs):
         row = slice(i * (1 + num_top), (i + 1) * (1 + num_top))

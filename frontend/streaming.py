@@ -11,7 +11,7 @@ an event.
 
 from __future__ import annotations
 
-import json
+import logging
 from collections.abc import AsyncGenerator
 from typing import Protocol
 
@@ -28,10 +28,13 @@ from frontend.accepted import (
     next_event,
 )
 from frontend.errors import ApiError
+from frontend.json_response import to_json
 from frontend.metrics import NO_FINISH_REASON
 from frontend.refusal import log_refusal
 from frontend.worker_client import WorkerClient
 from protocol import GenerateResult, TokenDelta
+
+log = logging.getLogger(__name__)
 
 
 class StreamFormat(Protocol):
@@ -49,7 +52,7 @@ class StreamFormat(Protocol):
 
 
 def sse_frame(data: object, event: str | None = None) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    payload = data if isinstance(data, str) else to_json(data).decode()
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {payload}\n\n"
 
@@ -78,18 +81,19 @@ async def _frames(
     event: ChoiceEvent,
 ) -> AsyncGenerator[str, None]:
     while True:
-        index, message = event
-        if isinstance(message, TokenDelta):
-            frame = stream_format.delta(index, message)
-            if frame is not None:
-                yield frame
-        else:
-            for frame in stream_format.final(index, message):
-                yield frame
-            if accepted.is_finished:
-                for frame in stream_format.end(accepted.finished_results()):
-                    yield frame
-                return
+        try:
+            frames, is_last = _format(stream_format, accepted, event)
+        except Exception as exc:  # a bug: the stream still ends with an error event
+            log.exception("request %s: formatting its stream failed", accepted.request_id)
+            error = ApiError(500, "this frontend failed to send the answer (its log says why)")
+            if not accepted.is_answered:  # else it was counted with its result
+                accepted.cancel(client)
+                accepted.metrics.count_request(accepted.endpoint, 500, NO_FINISH_REASON)
+            frames, is_last = stream_format.error(error), True
+        for frame in frames:
+            yield frame
+        if is_last:
+            return
         try:
             event = await next_event(http_request, client, accepted)
         except ApiError as exc:
@@ -100,6 +104,20 @@ async def _frames(
             return
         except ClientGone:
             return
+
+
+def _format(
+    stream_format: StreamFormat, accepted: Accepted, event: ChoiceEvent
+) -> tuple[list[str], bool]:
+    """The frames for a choice's event, and whether they end the stream."""
+    index, message = event
+    if isinstance(message, TokenDelta):
+        frame = stream_format.delta(index, message)
+        return ([] if frame is None else [frame]), False
+    frames = stream_format.final(index, message)
+    if accepted.is_finished:
+        return [*frames, *stream_format.end(accepted.finished_results())], True
+    return frames, False
 
 
 class _SseResponse(StreamingResponse):

@@ -201,6 +201,24 @@ class Logprobs:
     token_bytes: bytes
     byte_lens: list[int]
 
+    def __post_init__(self) -> None:
+        # Checked where a frame is read, so that a worker's answer whose lists do
+        # not agree fails its request there, not half way through its stream.
+        num_tokens, num_top = len(self.token_ids), self.num_top
+        num_entries = num_tokens * (1 + num_top)
+        if not (
+            num_top >= 0
+            and len(self.logprobs) == num_tokens
+            and len(self.top_token_ids) == len(self.top_logprobs) == num_tokens * num_top
+            and len(self.text_lens) == len(self.byte_lens) == num_entries
+            and sum(self.text_lens) == len(self.texts)
+            and sum(self.byte_lens) == len(self.token_bytes)
+        ):
+            raise ValueError(f"logprobs of {num_tokens} tokens whose lists do not agree")
+        # NaN marks a token with no score; a log-probability is never above 0.
+        if any(logprob > 0 for logprob in (*self.logprobs, *self.top_logprobs)):
+            raise ValueError("logprobs above 0: a log-probability is at most 0")
+
 
 @dataclass(frozen=True, slots=True)
 class Hello:
@@ -301,7 +319,7 @@ class GenerateResult:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # one of FINISH_REASONS
     prompt_tokens: int
     completion_tokens: int
     queue_wait_ms: float
@@ -314,6 +332,17 @@ class GenerateResult:
     # for a scored prompt), and those whose keys and values it held.
     looked_up_tokens: int = 0
     cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"unknown finish_reason {self.finish_reason[:40]!r}; they are {FINISH_REASONS}"
+            )
+
+
+# Why a sequence ended: a stop (the end token, a stop token or string, the
+# grammar's end), its max_new_tokens (or the context window), or an abort.
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ import math
 import re
 import struct
 from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import pytest
@@ -30,26 +31,42 @@ from protocol import (
     encode,
 )
 from protocol.checks import Schema
-from protocol.messages import TO_FRONTEND, TO_WORKER
+from protocol.messages import FINISH_REASONS, TO_FRONTEND, TO_WORKER
 
 texts = st.text(max_size=40)
 ids = st.lists(st.integers(min_value=0, max_value=2**31), max_size=20)
 counts = st.integers(min_value=0, max_value=2**31)
 floats = st.floats(allow_nan=False, allow_infinity=False)
 # Logprobs travel as float32: these survive the trip exactly.
-float32s = st.floats(width=32, allow_nan=False)
-logprobs = st.builds(
-    Logprobs,
-    num_top=counts,
-    token_ids=ids,
-    logprobs=st.lists(float32s, max_size=20),
-    top_token_ids=ids,
-    top_logprobs=st.lists(float32s, max_size=20),
-    texts=texts,
-    text_lens=ids,
-    token_bytes=st.binary(max_size=40),
-    byte_lens=ids,
-)
+float32s = st.floats(width=32, allow_nan=False, max_value=0.0)
+
+
+@st.composite
+def logprobs(draw: st.DrawFn) -> Logprobs:
+    """Logprobs whose lists agree, as `Logprobs` checks: each token and its
+    num_top alternatives with a text and bytes of their own."""
+    num_tokens = draw(st.integers(min_value=0, max_value=6))
+    num_top = draw(st.integers(min_value=0, max_value=3))
+    num_entries = num_tokens * (1 + num_top)
+
+    def exactly(items: st.SearchStrategy[Any], size: int) -> list[Any]:
+        return draw(st.lists(items, min_size=size, max_size=size))
+
+    token_id = st.integers(min_value=0, max_value=2**31)
+    entry_texts = exactly(st.text(max_size=4), num_entries)
+    entry_bytes = exactly(st.binary(max_size=4), num_entries)
+    return Logprobs(
+        num_top=num_top,
+        token_ids=exactly(token_id, num_tokens),
+        logprobs=exactly(float32s, num_tokens),
+        top_token_ids=exactly(token_id, num_tokens * num_top),
+        top_logprobs=exactly(float32s, num_tokens * num_top),
+        texts="".join(entry_texts),
+        text_lens=[len(text) for text in entry_texts],
+        token_bytes=b"".join(entry_bytes),
+        byte_lens=[len(piece) for piece in entry_bytes],
+    )
+
 
 to_worker = st.one_of(
     st.builds(
@@ -102,19 +119,19 @@ to_frontend = st.one_of(
         num_finished=counts,
     ),
     st.builds(
-        TokenDelta, request_id=texts, token_ids=ids, text=texts, logprobs=st.none() | logprobs
+        TokenDelta, request_id=texts, token_ids=ids, text=texts, logprobs=st.none() | logprobs()
     ),
     st.builds(
         GenerateResult,
         request_id=texts,
         text=texts,
         token_ids=ids,
-        finish_reason=st.sampled_from(["stop", "length", "abort", "error"]),
+        finish_reason=st.sampled_from(FINISH_REASONS),
         prompt_tokens=counts,
         completion_tokens=counts,
         queue_wait_ms=floats,
         generate_ms=floats,
-        prompt_logprobs=st.none() | logprobs,
+        prompt_logprobs=st.none() | logprobs(),
         prompt_token_ids=st.none() | ids,
         prompt_text=st.none() | texts,
     ),
@@ -302,10 +319,10 @@ def test_logprobs_travel_as_packed_float32_bytes() -> None:
         [-0.5, math.nan],
         [5, 7, 6, 8],
         [-0.5, -1.0, -2.0, -3.0],
-        "ab",
-        [1, 1],
-        b"ab",
-        [1, 1],
+        "abcdef",
+        [1] * 6,
+        b"abcdef",
+        [1] * 6,
     )
     frame = encode(TokenDelta("r", [5, 6], "x", logprobs=scores))
     packed = msgpack.unpackb(frame)["logprobs"]

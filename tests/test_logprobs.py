@@ -4,12 +4,12 @@ text offsets where tokens split characters."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from frontend.errors import ApiError
 from frontend.logprobs import TextOffsets, TokenScore, chat_logprobs, unpack
 from worker.engine.logprobs import TokenLogprob, pack
 
@@ -86,10 +86,13 @@ def test_chat_bytes_are_the_tokens_own_and_those_of_its_alternatives() -> None:
     assert unpack(left_out)[0].bytes == b""
 
 
-def test_logprobs_whose_bytes_do_not_match_their_texts_are_refused() -> None:
+def test_logprobs_whose_lists_do_not_agree_or_score_above_0_are_refused() -> None:
+    """Where a frame is read (the codec builds the message), so that a worker's
+    broken answer fails its request there, not half way through a stream."""
     packed = pack([1], [TokenLogprob(-0.5, [], [])], 0, lambda t: "a", lambda t: b"a")
     assert unpack(packed)[0].bytes == b"a"
-    for broken in ({"byte_lens": [1, 0]}, {"token_bytes": b"ab"}):
-        with pytest.raises(ApiError) as caught:
-            unpack(dataclasses.replace(packed, **broken))  # type: ignore[arg-type]
-        assert caught.value.status == 500
+    for broken in ({"byte_lens": [1, 0]}, {"token_bytes": b"ab"}, {"text_lens": [2]}):
+        with pytest.raises(ValueError, match="whose lists do not agree"):
+            dataclasses.replace(packed, **broken)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="logprobs above 0"):
+        dataclasses.replace(packed, logprobs=[math.inf])

@@ -3,14 +3,21 @@ final event; errors before the first token are plain HTTP errors."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
+from frontend import streaming
+from frontend.accepted import Accepted
+from frontend.errors import ApiError
+from frontend.metrics import NO_FINISH_REASON
+from protocol import TokenDelta
 from tests.sse import sse_events
 from tests.stack import Stack, running_stack
 from worker.engine.fake_engine import FAKE_CONTEXT_WINDOW, expected_text
@@ -115,3 +122,32 @@ def test_invalid_streaming_request_is_rejected_before_streaming(stack: Stack) ->
     response = httpx.post(f"{stack.url}/generate", json=body, timeout=10)
     assert response.status_code == 422
     assert response.json()["error"]["param"] == "temperature"
+
+
+def test_a_stream_whose_formatting_fails_ends_with_an_error_event_counted_once() -> None:
+    """A bug formatting a stream (after its 200 went out) ended the connection
+    with no event at all, and the request was counted twice in /metrics."""
+
+    class FailingFormat:
+        def delta(self, index: int, delta: TokenDelta) -> str | None:
+            raise RuntimeError("a bug")
+
+        def error(self, error: ApiError) -> list[str]:
+            return [f"error {error.status}: {error.message}"]
+
+    cancelled: list[object] = []
+    counted: list[tuple[str, int, str]] = []
+    client = SimpleNamespace(cancel=cancelled.append)
+    metrics = SimpleNamespace(count_request=lambda *args: counted.append(args))
+    accepted = Accepted("r", [object()], time.monotonic(), "/generate", metrics, {})  # type: ignore[list-item,arg-type]
+    event = (0, TokenDelta("r", [1], "a"))
+
+    async def frames() -> list[str]:
+        stream = streaming._frames(None, client, accepted, FailingFormat(), event)  # type: ignore[arg-type]
+        return [frame async for frame in stream]
+
+    assert asyncio.run(frames()) == [
+        "error 500: this frontend failed to send the answer (its log says why)"
+    ]
+    assert counted == [("/generate", 500, NO_FINISH_REASON)]
+    assert cancelled == [accepted.entries]  # the worker stops generating it

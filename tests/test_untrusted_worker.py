@@ -3,6 +3,8 @@ posing as a worker) fail their request cleanly, and fill no log."""
 
 from __future__ import annotations
 
+import math
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +35,24 @@ def _result_frame(request: GenerateRequest, **fields: object) -> bytes:
     return msgpack.packb(payload | fields)
 
 
+def _logprobs(logprobs: list[float], num_top: int = 0, **fields: object) -> dict[str, object]:
+    """A result's logprobs map as the wire carries it (lists packed), for one
+    token per logprob, each of one character and one byte."""
+    num_entries = len(logprobs) * (1 + num_top)
+    payload: dict[str, object] = {
+        "num_top": num_top,
+        "token_ids": array("I", [5] * len(logprobs)).tobytes(),
+        "logprobs": array("f", logprobs).tobytes(),
+        "top_token_ids": array("I", [6] * len(logprobs) * num_top).tobytes(),
+        "top_logprobs": array("f", [-2.0] * len(logprobs) * num_top).tobytes(),
+        "texts": "a" * num_entries,
+        "text_lens": array("I", [1] * num_entries).tobytes(),
+        "token_bytes": b"a" * num_entries,
+        "byte_lens": array("I", [1] * num_entries).tobytes(),
+    }
+    return payload | fields
+
+
 def _error_frame(request: GenerateRequest, code: str, message: str) -> bytes:
     payload = {"v": PROTOCOL_VERSION, "type": "error", "request_id": request.request_id}
     return msgpack.packb(payload | {"code": code, "message": message})
@@ -60,6 +80,17 @@ def _generate(stack: Stack) -> httpx.Response:
         # 500 with a traceback in the log.
         (lambda r: _result_frame(r, completion_tokens=-1), "completion_tokens must be at least 0"),
         (lambda r: _error_frame(r, "teapot", "I am one"), "unknown code 'teapot'"),
+        # A finish reason is a /metrics label: one per request would grow it unbounded.
+        (lambda r: _result_frame(r, finish_reason="exploded"), "unknown finish_reason 'exploded'"),
+        (
+            lambda r: _result_frame(r, logprobs=_logprobs([-0.5, -1.0], text_lens=b"")),
+            "logprobs of 2 tokens whose lists do not agree",
+        ),
+        # +inf went out in a stream as the bare word Infinity, which no JSON parser takes.
+        (
+            lambda r: _result_frame(r, logprobs=_logprobs([-0.5, math.inf])),
+            "logprobs above 0",
+        ),
     ],
 )
 def test_an_answer_the_frontend_cannot_read_fails_its_request_with_500(
