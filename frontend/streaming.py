@@ -83,7 +83,7 @@ async def _frames(
     while True:
         try:
             frames, is_last = _format(stream_format, accepted, event)
-        except Exception as exc:  # a bug: the stream still ends with an error event
+        except Exception:  # a bug: the stream still ends with an error event
             log.exception("request %s: formatting its stream failed", accepted.request_id)
             error = ApiError(500, "this frontend failed to send the answer (its log says why)")
             if not accepted.is_answered:  # else it was counted with its result
