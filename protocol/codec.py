@@ -65,17 +65,11 @@ def decode_to_frontend(frame: bytes) -> ToFrontend:
 
 def _decode(frame: bytes, accepted: dict[str, Schema]) -> Message:
     try:
-        # Bounded before anything is built: a frame of a million small strings or
-        # keys costs the unpacker, and the thread running it, no more than this.
-        payload = msgpack.unpackb(
-            frame,
-            raw=False,
-            strict_map_key=True,
-            max_array_len=MAX_LIST_ITEMS,
-            max_map_len=MAX_MAP_ITEMS,
-        )
+        payload = _unpack(frame, raw=False)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"frame is not valid msgpack ({len(frame)} bytes): {exc}") from exc
+        raise ProtocolError(
+            f"frame is not valid msgpack ({len(frame)} bytes): {exc}", _request_id_of(frame)
+        ) from exc
     if not isinstance(payload, dict):
         raise ProtocolError(f"frame must be a msgpack map, got {type(payload).__name__}")
     request_id = payload.get("request_id")
@@ -108,6 +102,31 @@ def _decode(frame: bytes, accepted: dict[str, Schema]) -> Message:
         # A message's own check (ErrorResult's code) says why in its words.
         why = f"{type(exc).__name__}: {str(exc)[:_MAX_WHY_CHARS]}"
         raise ProtocolError(f"{kind}: cannot be built from this frame: {why}", request_id) from exc
+
+
+def _unpack(frame: bytes, raw: bool) -> Any:
+    # Bounded before anything is built: a frame of a million small strings or
+    # keys costs the unpacker, and the thread running it, no more than this.
+    return msgpack.unpackb(
+        frame,
+        raw=raw,
+        strict_map_key=not raw,  # raw keys are bytes
+        max_array_len=MAX_LIST_ITEMS,
+        max_map_len=MAX_MAP_ITEMS,
+    )
+
+
+def _request_id_of(frame: bytes) -> str | None:
+    """The request id of a frame that does not decode as text throughout (a
+    string that is not UTF-8 elsewhere in it), so that its request fails at
+    once rather than waiting for an answer that never comes; None if it has
+    no readable one."""
+    try:
+        payload = _unpack(frame, raw=True)
+        request_id = payload[b"request_id"].decode()
+    except Exception:  # not msgpack at all, no map, no such key, not UTF-8 either
+        return None
+    return request_id if len(request_id) <= MAX_REQUEST_ID_CHARS else None
 
 
 _MAX_WHY_CHARS = 200

@@ -247,6 +247,19 @@ def test_a_bad_frame_that_names_a_request_keeps_its_id_so_it_can_be_answered() -
     assert caught.value.request_id == "r1"
 
 
+def test_a_frame_with_a_string_that_is_not_utf8_keeps_its_request_id() -> None:
+    """msgpack cannot decode such a frame as text; its request id, read as bytes,
+    still names the request to answer (a frontend's waited REQUEST_TIMEOUT_S)."""
+    frame = _frame(prompt="\x00BAD").replace(b"\xa4\x00BAD", b"\xa4\xff\xfe\xfd\xfc")
+    with pytest.raises(ProtocolError, match="not valid msgpack") as caught:
+        decode_to_worker(frame)
+    assert caught.value.request_id == "r1"
+    nameless = _frame(request_id="\x00BAD").replace(b"\xa4\x00BAD", b"\xa4\xff\xfe\xfd\xfc")
+    with pytest.raises(ProtocolError) as caught:
+        decode_to_worker(nameless)
+    assert caught.value.request_id is None
+
+
 def test_a_frame_that_nests_containers_is_refused_before_it_is_built() -> None:
     # 2 MiB of empty lists, 256 wide and 3 deep: two million Python objects if it
     # were unpacked, refused at its first nested header instead, still answerable.

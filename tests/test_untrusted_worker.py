@@ -80,6 +80,11 @@ def _generate(stack: Stack) -> httpx.Response:
         # 500 with a traceback in the log.
         (lambda r: _result_frame(r, completion_tokens=-1), "completion_tokens must be at least 0"),
         (lambda r: _error_frame(r, "teapot", "I am one"), "unknown code 'teapot'"),
+        # Text that is not UTF-8: its request waited REQUEST_TIMEOUT_S for another answer.
+        (
+            lambda r: _result_frame(r, text="\x00BAD").replace(b"\x00BAD", b"\xff\xfe\xfd\xfc"),
+            "not valid msgpack",
+        ),
         # A finish reason is a /metrics label: one per request would grow it unbounded.
         (lambda r: _result_frame(r, finish_reason="exploded"), "unknown finish_reason 'exploded'"),
         (
