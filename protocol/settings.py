@@ -251,7 +251,8 @@ def _parse(env: str, raw: str, kind: Any) -> Any:
     try:
         value = kind(raw)
     except ValueError:
-        raise ConfigError(f"{env} must be {kind.__name__}, got {raw!r}") from None
+        words = "a whole number" if kind is int else "a number"
+        raise ConfigError(f"{env} must be {words} ({kind.__name__}), got {raw!r}") from None
     # "nan" and "inf" parse as floats, and a huge int as an int: neither makes
     # sense as a count, a size or seconds, and each fails later, far from here
     # (a timeout that never fires, a number the wire cannot carry).
