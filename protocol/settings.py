@@ -195,17 +195,22 @@ def flag_settings(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str
 
 def unknown_flags(cls: type[Any], argv: Sequence[str] | None = None) -> list[str]:
     """The options in ``argv`` that are none of ``cls``'s flags, as given."""
-    parser = _parser(cls, add_help=False)  # --help is for `load` to print
-    unknown = parser.parse_known_args(argv)[1]
-    return [arg for arg in unknown if arg.startswith("-") and arg not in ("-h", "--help")]
+    if any(arg in ("-h", "--help") for arg in argv or ()):
+        return []  # --help is for `load` to print, whatever else is there
+    unknown = _parser(cls, add_help=False).parse_known_args(argv)[1]
+    return [arg for arg in unknown if arg.startswith("-") and arg != "--"]
 
 
 def setting_of_flag(cls: type[Any], flag: str) -> str | None:
-    """The variable that ``cls``'s flag ``flag`` (``--max-batch-size``, or with
-    ``=value``) sets, or None if it has no such flag."""
-    name = flag.split("=", 1)[0].removeprefix("--").replace("-", "_")
-    envs = {f.name: f.metadata["env"] for f in dataclasses.fields(cls)}
-    return envs.get(name)
+    """The variable that ``cls``'s flag ``flag`` sets (``--max-batch-size``, with
+    ``=value`` or not, or cut short as argparse takes it: ``--max-batch``), or
+    None if it has no such flag or several start so."""
+    given = flag.split("=", 1)[0]
+    envs = {"--" + f.name.replace("_", "-"): f.metadata["env"] for f in dataclasses.fields(cls)}
+    if given in envs:
+        return str(envs[given])
+    matches = [env for name, env in envs.items() if name.startswith(given)]
+    return str(matches[0]) if len(matches) == 1 and given.startswith("--") else None
 
 
 def _parser(

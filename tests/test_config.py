@@ -78,6 +78,11 @@ def test_flag_settings_are_the_variables_the_flags_set() -> None:
             r"in its environment instead",
         ),
         (["--model-id=synthetic"], r"--model-id is a worker's flag.*set MODEL_ID"),
+        # Cut short, as argparse takes it from the worker; after "--" too.
+        (["--max-batch", "16"], r"--max-batch is a worker's flag.*set MAX_BATCH_SIZE"),
+        (["--", "--max-batch-size", "16"], r"--max-batch-size is a worker's flag"),
+        # Not a flag the worker takes either.
+        (["--max_batch_size", "16"], r"--max_batch_size is not a flag of minibatch-serve"),
         (["--worker-endpoints", "tcp://127.0.0.1:5556"], "WORKER_ENDPOINTS is for a frontend"),
         (["--api-key", "k"], r"--api-key is not a flag of minibatch-serve \(--help lists them\)"),
     ],
@@ -95,6 +100,8 @@ def test_minibatch_serve_help_offers_only_the_flags_it_takes() -> None:
     assert shown.returncode == 0
     assert "--num-workers" in shown.stdout and "--worker-endpoints" not in shown.stdout
     assert "MAX_BATCH_SIZE=16 minibatch-serve" in " ".join(shown.stdout.split())
+    # --help beside a flag it would refuse still shows the help.
+    assert _minibatch_serve(["--max-batch-size", "16", "-h"]).stdout == shown.stdout
 
 
 def _minibatch_serve(argv: list[str]) -> subprocess.CompletedProcess[str]:

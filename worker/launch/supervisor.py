@@ -480,8 +480,9 @@ def check_own_flags(argv: Sequence[str]) -> None:
                 "the workers it starts inherit"
             )
         raise ConfigError(
-            f"{flag} is not a flag of minibatch-serve (--help lists them); the workers "
-            "and frontends it starts read their own settings from its environment"
+            f"{flag.split('=', 1)[0]} is not a flag of minibatch-serve (--help lists them); "
+            "the workers and frontends it starts read their own settings from its "
+            "environment (`minibatch-frontend --help` names the variable of each of its flags)"
         )
 
 
