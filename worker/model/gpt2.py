@@ -228,7 +228,9 @@ class GPT2:
                 rows = [p for start, end in kept for p in range(start, end)]
                 rows += [num_prompt_rows + slot for slot in beside.wanted] if beside else []
                 x = x[rows]  # (K [+ W], C)
-            x = x + layer.proj(torch.cat([attn, *decoded]))
+            if decoded:
+                attn = torch.cat([attn, *decoded])
+            x = x + layer.proj(attn)
             x = x + self._mlp(x, layer)
         ends_kept = list(itertools.accumulate(end - start for start, end in kept))
         hidden = [x[ends_kept[i] - lengths[i] : ends_kept[i]] for i in sorted(keep_all)]
