@@ -233,12 +233,15 @@ def _family(pid: int) -> list[psutil.Process]:
 
 def stack_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for a stack on free ports; ``overrides`` win. Room for
-    NUM_FRONTENDS and NUM_WORKERS of up to 4 each."""
+    NUM_FRONTENDS and NUM_WORKERS of up to 4 each, in one run of free ports: two
+    runs looked for apart could overlap, and minibatch-serve refuses ranges
+    that share a port."""
+    first = free_ports(8)
     env = {
         **os.environ,
         "HOST": "127.0.0.1",
-        "PORT": str(free_ports(4)),
-        "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_ports(4)}",
+        "PORT": str(first),
+        "WORKER_ENDPOINT": f"tcp://127.0.0.1:{first + 4}",
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": str(REPO_ROOT),
     }
