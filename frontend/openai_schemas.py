@@ -31,12 +31,15 @@ from protocol.limits import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
+    MAX_PRESENCE_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_SEED,
+    MAX_TEMPERATURE,
     MAX_TOKEN_ID,
+    MAX_TOP_K,
 )
 
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Penalty = Annotated[float, Field(ge=-MAX_PRESENCE_PENALTY, le=MAX_PRESENCE_PENALTY)]
 
 # A token id as a JSON key: a decimal integer, one spelling per id.
 _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
@@ -110,9 +113,9 @@ class OpenAIBody(BaseModel):
     model_config = STRICT
 
     model: str = Field(min_length=1, description="the served model, as GET /v1/models names it")
-    temperature: float | None = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
+    temperature: float | None = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_ID, description="-1 or 0: off")
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="-1 or 0: off")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: StopStrings = None
     stop_token_ids: StopTokenIds | None = None

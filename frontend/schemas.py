@@ -27,7 +27,9 @@ from protocol.limits import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
     MAX_TOKEN_ID,
+    MAX_TOP_K,
 )
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -67,9 +69,9 @@ class GenerateBody(BaseModel):
     )
     prompt: str = Field(min_length=1, description="the text to continue")
     max_new_tokens: int = Field(16, ge=1, description="1 to MAX_NEW_TOKENS_LIMIT (default 512)")
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy")
+    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 keeps all")
-    top_k: int = Field(0, ge=0, le=MAX_TOKEN_ID, description="0 keeps the whole vocabulary")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 keeps the whole vocabulary")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="reproducible sampling")
     stop: StopStrings = Field(
         None, description=f"up to {MAX_STOP_STRINGS} strings; output is cut before them"

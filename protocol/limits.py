@@ -1,7 +1,7 @@
 """The limits on what a request may ask for, enforced on both sides of the wire:
 by the frontend's schemas (a 422 naming the field, before the request waits for a
-slot) and again by the worker's own checks (`worker.serve.validation`), which
-trust nothing that reaches its socket.
+slot) and again by the worker's own checks (`protocol.request_checks`, run by
+`worker.serve.peers`), which trust nothing that reaches its socket.
 `MAX_CHOICES` is the frontend's alone: the worker sees each choice as a request
 of its own."""
 
@@ -11,6 +11,7 @@ MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1
+MAX_TEMPERATURE = 2.0  # as OpenAI's API
 MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs

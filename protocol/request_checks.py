@@ -32,6 +32,7 @@ from protocol.limits import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
     MAX_TOP_K,
 )
 from protocol.messages import AbortRequest, ErrorCode, GenerateRequest, GrammarKind, Hello
@@ -146,7 +147,7 @@ def request_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[st
                 f"(ids are 0 to {limits.vocab_size - 1})"
             )
     return (
-        _sampling_problem(request)
+        sampling_problem(request)
         or _logit_bias_problem(request, limits)
         or _scoring_problem(request)
         or _grammar_problem(request)
@@ -275,10 +276,12 @@ def _grammar_problem(request: GenerateRequest) -> tuple[str, str] | None:
     return None
 
 
-def _sampling_problem(request: GenerateRequest) -> tuple[str, str] | None:
+def sampling_problem(request: GenerateRequest) -> tuple[str, str] | None:
+    """Temperature, top_p, top_k and seed: the code and message of the first that no
+    distribution can be drawn with, if any (an engine checks them too, in process)."""
     invalid = ErrorCode.INVALID_REQUEST
-    if not (math.isfinite(request.temperature) and request.temperature >= 0):
-        return invalid, f"temperature: must be a finite number >= 0, got {request.temperature}"
+    if not (math.isfinite(request.temperature) and 0 <= request.temperature <= MAX_TEMPERATURE):
+        return invalid, f"temperature: must be 0 to {MAX_TEMPERATURE:g}, got {request.temperature}"
     if not (math.isfinite(request.top_p) and 0 < request.top_p <= 1):
         return invalid, f"top_p: must be in (0, 1], got {request.top_p}"
     if not 0 <= request.top_k <= MAX_TOP_K:

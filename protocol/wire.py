@@ -22,8 +22,8 @@ PACKED_KINDS = {
 MAX_LIST_ITEMS = 256
 MAX_MAP_ITEMS = 64
 # A longer request id is refused unanswered: no reply echoes a peer's megabytes
-# back at it. (A frontend's ids are a client's id of at most 128 characters, or a
-# uuid, and an attempt number.)
+# back at it. (A frontend's ids are its own uuid, a choice's index and an attempt
+# number, under 50 characters; a client's own request_id is only echoed back.)
 MAX_REQUEST_ID_CHARS = 256
 # The largest frame a client takes from a worker: a result with 20 alternatives'
 # logprobs for every one of 200,000 tokens (about 320 bytes a token, packed)
@@ -56,7 +56,7 @@ def pack(values: list[int] | list[float] | None, typecode: str) -> bytes | None:
 
 
 def unpack(raw: bytes, typecode: str) -> list[Any] | None:
-    """The inverse of `_pack`; None if ``raw`` is not a whole number of items."""
+    """The inverse of `pack`; None if ``raw`` is not a whole number of items."""
     if len(raw) % 4:
         return None
     values = array.array(typecode)
@@ -64,13 +64,3 @@ def unpack(raw: bytes, typecode: str) -> list[Any] | None:
     if sys.byteorder == "big":
         values.byteswap()
     return values.tolist()
-
-
-def pack_ids(token_ids: list[int] | None) -> bytes | None:
-    """Token ids as little-endian uint32 bytes (None stays None)."""
-    return pack(token_ids, UINT32)
-
-
-def unpack_ids(raw: bytes) -> list[int] | None:
-    """The inverse of `pack_ids`; None if ``raw`` is not a whole number of ids."""
-    return unpack(raw, UINT32)

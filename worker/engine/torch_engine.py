@@ -14,10 +14,11 @@ import os
 import torch
 from transformers import GPT2Config
 
+from protocol.request_checks import sampling_problem
 from protocol.settings import ConfigError
 from worker.engine.chat_template import ChatTemplate, choose_chat_template
 from worker.engine.grammar import Grammars, hf_grammar_tokenizer
-from worker.engine.interface import ModelInfo
+from worker.engine.interface import ModelInfo, RequestRejected
 from worker.engine.logprobs import UNSCORED, TokenLogprob
 from worker.engine.memory_limit import memory_limit_bytes, resident_bytes
 from worker.engine.prefix_cache import Match
@@ -32,7 +33,7 @@ from worker.model.loader import LoadedModel, load_model
 from worker.model.penalties import apply_penalties, suppress_early_stops
 from worker.model.precision import Precision
 from worker.model.projection import num_matmul_shapes
-from worker.model.sampler import Sampler, apply_logit_bias, check_sampling
+from worker.model.sampler import Sampler, apply_logit_bias
 from worker.model.token_mask import apply_token_masks
 from worker.serve.config import WorkerConfig
 
@@ -251,7 +252,9 @@ class TorchEngine(SlotEngine):
 
     def _start_prefill(self, newcomers: list[Sequence]) -> None:
         for seq in newcomers:
-            check_sampling(seq.request)
+            problem = sampling_problem(seq.request)
+            if problem is not None:
+                raise RequestRejected(seq.request_id, *problem)
         # The newcomers' slots are free: a failure after this leaves nothing wrong.
         for seq in newcomers:
             self._seeds[seq.slot] = self.sampler.seed_for(seq.request)

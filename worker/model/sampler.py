@@ -16,23 +16,8 @@ import secrets
 
 import torch
 
-from protocol import ErrorCode, GenerateRequest
-from worker.engine.interface import RequestRejected
+from protocol import GenerateRequest
 from worker.model.host_copy import to_device
-
-
-def check_sampling(request: GenerateRequest) -> None:
-    """Reject sampling parameters no distribution can be built from."""
-    problem = None
-    if request.temperature < 0:
-        problem = f"temperature must be >= 0, got {request.temperature}"
-    elif not 0 < request.top_p <= 1:
-        problem = f"top_p must be in (0, 1], got {request.top_p}"
-    elif request.top_k < 0:
-        problem = f"top_k must be >= 0 (0 turns it off), got {request.top_k}"
-    if problem is not None:
-        raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, problem)
-
 
 # Below this a temperature is greedy: dividing logits by it overflows to NaN
 # (vLLM's _SAMPLING_EPS).

@@ -2,8 +2,8 @@
 
 Two threads, each owning its sockets:
 - the I/O thread owns the ROUTER. It takes any frames a peer sends, decodes and
-  checks them (`worker.serve.validation`: a bad request is answered at once and never
-  queued), greets new peers with `Hello`, remembers which peer sent each request,
+  checks them (`protocol.request_checks`: a bad request is answered at once and
+  never queued), greets new peers with `Hello`, remembers which peer sent each request,
   routes outputs back, sends heartbeats on a timer (a long step cannot starve
   them: the engine runs on the other thread and torch releases the GIL), and
   aborts the requests of a peer whose pings stopped;

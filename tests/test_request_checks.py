@@ -35,6 +35,7 @@ def check_generate(request: GenerateRequest, limits: RequestLimits) -> None:
 
 def test_a_sound_request_passes() -> None:
     check_generate(_request(temperature=1e-40, top_p=1e-300, seed=2**63 - 1), LIMITS)
+    check_generate(_request(temperature=2.0), LIMITS)
     check_generate(
         _request(
             max_new_tokens=0,
@@ -88,6 +89,7 @@ def test_a_sound_request_passes() -> None:
         ({"temperature": math.nan}, ErrorCode.INVALID_REQUEST, "temperature"),
         ({"temperature": math.inf}, ErrorCode.INVALID_REQUEST, "temperature"),
         ({"temperature": -0.5}, ErrorCode.INVALID_REQUEST, "temperature"),
+        ({"temperature": 2.5}, ErrorCode.INVALID_REQUEST, "temperature"),
         ({"top_p": 0.0}, ErrorCode.INVALID_REQUEST, "top_p"),
         ({"top_p": math.nan}, ErrorCode.INVALID_REQUEST, "top_p"),
         ({"top_k": -1}, ErrorCode.INVALID_REQUEST, "top_k"),
