@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.report import RESULTS, write_json
 from bench.stack import REPO_ROOT, running_stack, stack_env
 
-RESULTS = REPO_ROOT / "bench" / "results" / "clients.json"
+OUT = RESULTS / "clients.json"
 # Nothing here may reach the hub: the model, its tokenizer and the task are local.
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
@@ -172,11 +173,10 @@ def main() -> None:
             "max_abs_difference": max(differences),
         },
     }
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(OUT, report)
     for run in guidellm:
         print(f"guidellm {run['endpoint']}: {run['successful']} ok, {run['errored']} errored")
     print(f"lm-eval loglikelihoods, served vs hf: max |difference| {max(differences):.2e}")
-    print(f"written to {RESULTS.relative_to(REPO_ROOT)}")
 
 
 if __name__ == "__main__":

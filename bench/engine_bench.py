@@ -21,6 +21,7 @@ from typing import Any
 
 from bench.report import (
     OK,
+    RESULTS,
     RequestRecord,
     median_summary,
     summarize,
@@ -97,7 +98,7 @@ def median_of_runs(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "engine.json")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 

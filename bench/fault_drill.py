@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import random
 import signal
@@ -54,11 +53,11 @@ import psutil
 
 from bench.load_run import LoadRun, Outcome, check_answers, health, stall_across
 from bench.poison_drill import poison_drill
+from bench.report import RESULTS, write_json
 from bench.stack import Stack, running_stack, stack_env
 from bench.workload import make_workload
 from frontend.config import FrontendConfig
 
-RESULTS = Path(__file__).parent / "results"
 WORKER_MODULES = ("worker.serve.main", "minibatch-worker")
 
 
@@ -392,8 +391,7 @@ def main(argv: list[str] | None = None) -> None:
             summary, is_bad = kill_drill(urls, bodies, reference, args, supervisor_pid)
     name = "fault_drill_poison.json" if args.poison else "fault_drill.json"
     out = Path(args.out) if args.out else RESULTS / name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(out, summary)
     sys.exit(1 if is_bad else 0)
 
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgpack
 import zmq
 
+from bench.report import RESULTS, write_json
 from protocol import (
     PROTOCOL_VERSION,
     ErrorResult,
@@ -43,7 +42,6 @@ from worker.serve.config import WorkerConfig
 from worker.serve.scheduler import Scheduler
 from worker.serve.server import WorkerServer
 
-RESULTS = Path(__file__).parent / "results"
 _PROSE = "The quick brown fox jumps over the lazy dog, and then it rests. "
 
 
@@ -155,7 +153,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"longest gap between heartbeats: {report.max_gap_s * 1000:.0f} ms")
     for name, times in report.answer_s.items():
         print(f"  {name:<26} answered in {max(times) * 1000:7.1f} ms at most")
-    RESULTS.mkdir(exist_ok=True)
     summary = {
         "model": args.model_id,
         "max_message_bytes": config.max_message_bytes,
@@ -164,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_gap_s": report.max_gap_s,
         "answer_s": report.answer_s,
     }
-    (RESULTS / "heartbeat_gap.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(RESULTS / "heartbeat_gap.json", summary)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engines import mode_engine, sync
-from bench.report import write_json
+from bench.report import RESULTS, write_json
 from frontend.structured import compile_grammar
 from protocol import GenerateRequest, GrammarKind
 from worker.engine import torch_engine
@@ -138,7 +138,7 @@ def run_round(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/structured.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "structured.json")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
