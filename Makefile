@@ -9,9 +9,10 @@ STAMP := $(VENV)/.installed
 # Debian's docker-compose validates docker-compose.yml without a Docker engine
 # (tests/test_compose.py); its Docker engine (docker.io) and debootstrap, which makes
 # the base image where no registry is reachable (deploy/offline-base-image.sh), let
-# tests/test_compose_stack.py build both images and run the stack. Installing them
-# needs apt-get and root; where either is missing, or SYSTEM_PACKAGES=0 asks to
-# leave the system's packages alone, set-up goes on and those tests skip, saying why.
+# tests/test_compose_stack.py build both images and run the stack. `make test` installs
+# them (`make serve` and `make install` leave the system alone); that needs apt-get and
+# root; where either is missing, or SYSTEM_PACKAGES=0 asks to leave the system's
+# packages alone, the tests go on and those that need them skip, saying why.
 SYSTEM_PACKAGES ?= 1
 DOCKER_TOOLS := missing=""; \
 	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
@@ -35,7 +36,6 @@ $(STAMP): pyproject.toml $(wildcard worker/model/csrc/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	@$(DOCKER_TOOLS)
 	@$(BUILD_DECODE_KERNELS)
 	touch $(STAMP)
 
@@ -45,6 +45,7 @@ serve: $(STAMP)
 	$(BIN)/minibatch-serve
 
 test: $(STAMP) check
+	@$(DOCKER_TOOLS)
 	$(BIN)/python -m pytest
 
 check: $(STAMP)

@@ -31,7 +31,8 @@ class FrontendConfig(WorkerClientConfig):
         "MAX_WORKER_DEATHS",
         3,
         "a request in flight on this many workers that died is answered with "
-        "workers_died (500) instead of being replayed again (it may be what kills them)",
+        "workers_died (500) instead of being replayed again (it may be what kills them); "
+        "two that died before it made progress there are enough, whatever this says",
     )
     max_request_bytes: int = setting(
         "MAX_REQUEST_BYTES", 1024 * 1024, "largest request body; 413 beyond it"
