@@ -1,6 +1,8 @@
 """Slot bookkeeping shared by every engine: admission checks, slot allocation,
-chunked prefill, finishing and streaming deltas. A subclass only computes next
-tokens."""
+finishing and streaming deltas, and the schedule of chunked prefill. A subclass
+computes next tokens (`_prefill`, `_decode`); one that also implements the
+chunk hooks (`_start_prefill`, `_prefill_chunks`, as the torch engine does) gets
+chunked prefill and the prefix cache, and one without them prefills whole prompts."""
 
 from __future__ import annotations
 
