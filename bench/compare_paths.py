@@ -37,7 +37,8 @@ from bench.engine_bench import run_continuous
 from bench.load import workload
 from bench.report import RESULTS, median_summary, save_figure, summarize, table, write_json
 from bench.stack import Stack, running_stack, stack_env
-from worker.engine.torch_engine import TorchEngine, load_engine
+from worker.engine.load import load_engine
+from worker.engine.torch_engine import TorchEngine
 from worker.serve.config import WorkerConfig
 
 PATHS = ("engine", "zmq", "http", "http-queue")

@@ -31,7 +31,8 @@ from bench.report import (
 from bench.static_baseline import StaticBatchRunner
 from bench.workload import make_workload
 from protocol import GenerateRequest
-from worker.engine.torch_engine import TorchEngine, load_engine
+from worker.engine.load import load_engine
+from worker.engine.torch_engine import TorchEngine
 from worker.serve.config import WorkerConfig
 
 CAPACITY = 8

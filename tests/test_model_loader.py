@@ -14,9 +14,9 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from protocol.settings import ConfigError  # noqa: E402
 from tests.model_fixtures import tiny_model  # noqa: E402
-from worker.engine import torch_engine  # noqa: E402
+from worker.engine import load as engine_load  # noqa: E402
+from worker.engine.load import load_engine  # noqa: E402
 from worker.engine.memory_limit import memory_limit_bytes  # noqa: E402
-from worker.engine.torch_engine import load_engine  # noqa: E402
 from worker.model.loader import (  # noqa: E402
     SYNTHETIC,
     ModelLoadError,
@@ -138,8 +138,8 @@ def test_the_kv_caches_of_every_worker_must_fit_the_cgroups_limit(
     one_cache = load_engine(WorkerConfig(model_id=model_id, device="cpu")).cache.nbytes
     held = 2**30  # the model and torch, resident already
     limit = (held * 3 // 2 + one_cache * 3 // 2, "its cgroup's memory.max")
-    monkeypatch.setattr(torch_engine, "memory_limit_bytes", lambda: limit)
-    monkeypatch.setattr(torch_engine, "resident_bytes", lambda: held)
+    monkeypatch.setattr(engine_load, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(engine_load, "resident_bytes", lambda: held)
 
     assert load_engine(WorkerConfig(model_id=model_id, device="cpu", num_workers=1))
     with pytest.raises(ConfigError) as caught:
@@ -153,7 +153,7 @@ def test_the_kv_caches_of_every_worker_must_fit_the_cgroups_limit(
         "this process may use (its cgroup's memory.max): lower MAX_BATCH_SIZE or NUM_WORKERS"
     )
     # What the worker holds counts: one cache no longer fits beside twice as much.
-    monkeypatch.setattr(torch_engine, "resident_bytes", lambda: 2 * held)
+    monkeypatch.setattr(engine_load, "resident_bytes", lambda: 2 * held)
     with pytest.raises(ConfigError, match=r"lower MAX_BATCH_SIZE$"):
         load_engine(WorkerConfig(model_id=model_id, device="cpu", num_workers=1))
 

@@ -40,10 +40,10 @@ def _preload() -> None:
     if config.model_id == FAKE_MODEL_NAME:
         return  # the fake engine needs neither torch nor a model
     import worker.serve.main  # noqa: F401 - the modules every worker imports
-    from worker.engine import torch_engine
+    from worker.engine import load as engine_load
 
     try:
-        torch_engine.preload(config)
+        engine_load.preload(config)
     except ConfigError as exc:  # a model that cannot load: each worker says so, and exits
         log.warning("the model was not preloaded: %s", str(exc).splitlines()[0][:300])
     except Exception:  # any other failure only means a cold start

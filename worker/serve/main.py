@@ -25,7 +25,7 @@ def build_engine(config: WorkerConfig) -> InferenceEngine:
             step_delay_s=fake.fake_step_delay_s,
             crash_prompt=fake.fake_crash_prompt,
         )
-    from worker.engine.torch_engine import load_engine  # torch loads only for a real model
+    from worker.engine.load import load_engine  # torch loads only for a real model
 
     return load_engine(config)
 
