@@ -180,7 +180,8 @@ class WorkerConfig:
         if self.bfloat16_products and self.dtype != "bfloat16":
             raise ConfigError(
                 f"BFLOAT16_PRODUCTS=1 needs DTYPE=bfloat16 (it multiplies bfloat16 weights), "
-                f"got DTYPE={self.dtype}: set DTYPE=bfloat16 or unset BFLOAT16_PRODUCTS"
+                f"got DTYPE={self.dtype}: set DTYPE=bfloat16 (on a CPU with AVX512-BF16 or "
+                f"AMX, which BFLOAT16_PRODUCTS needs too) or unset BFLOAT16_PRODUCTS"
             )
         if self.prefill_chunk_tokens < 0:
             raise ConfigError(
