@@ -395,6 +395,26 @@ def test_penalties_logit_bias_and_min_tokens_compose_with_the_grammar(new_engine
     assert (finished["early"].text, finished["early"].finish_reason) == ("done", "stop")
 
 
+def test_a_stop_within_min_tokens_stays_text_where_the_grammar_ends(new_engine: Any) -> None:
+    """The grammar's last token is a stop token, or ends a stop string, within
+    min_tokens: it stays in the text, as it does without a grammar; only the
+    grammar's end token is never text."""
+    ab = 397  # "ab", one token of GPT-2's
+    choice = json.dumps(["ab"])
+    shaped = [
+        constrained("stop id", "choice", choice, min_tokens=1, stop_token_ids=[ab]),
+        constrained("stop string", "choice", choice, min_tokens=1, stop=["ab"]),
+        constrained("past min_tokens", "choice", choice, stop=["ab"]),
+    ]
+    finished = run_schedule(new_engine(), {0: shaped})
+    answers = {name: (result.text, result.finish_reason) for name, result in finished.items()}
+    assert answers == {
+        "stop id": ("ab", "stop"),
+        "stop string": ("ab", "stop"),
+        "past min_tokens": ("", "stop"),
+    }
+
+
 @pytest.mark.parametrize("sampling", [{}, {"seed": 21, **SAMPLED}], ids=["greedy", "sampled"])
 def test_a_resumed_constrained_stream_continues_as_the_uninterrupted_run(
     new_engine: Any, sampling: dict[str, Any]

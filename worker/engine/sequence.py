@@ -197,18 +197,20 @@ class Sequence:
         """Record a generated token; return the finish reason if it ends the sequence."""
         assert self.finish_reason is None, f"{self.request_id} is already finished"
         self.output_token_ids.append(token_id)
-        ends_grammar = False
+        ends_grammar = is_grammar_end_token = False
         if self.grammar is not None:
             if not self.grammar.accept(token_id):
                 self.error = self.grammar.error
                 self.finish_reason = FAILED
                 return self.finish_reason
             ends_grammar = self.grammar.is_done
+            is_grammar_end_token = ends_grammar and token_id == self.grammar.eos_token_id
         # As vLLM: none of the first min_tokens tokens is a stop, nor ends a stop
         # string (this one is among them while the output is no longer than
-        # that); but nothing can follow a grammar's end.
-        may_stop = ends_grammar or len(self.output_token_ids) > self.request.min_tokens
-        if may_stop and token_id in self._stop_ids:
+        # that); they stay in the text. But nothing can follow a grammar's end:
+        # it ends the output there, and its end token is never text.
+        may_stop = len(self.output_token_ids) > self.request.min_tokens
+        if (may_stop or is_grammar_end_token) and token_id in self._stop_ids:
             self.finish_reason = "stop"
             return self.finish_reason
         self._num_text_tokens = len(self.output_token_ids)
