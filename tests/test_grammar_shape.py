@@ -20,9 +20,9 @@ from protocol.request_checks import RequestLimits, request_problem
 LIMITS = RequestLimits(vocab_size=1000, context_window=64, max_token_chars=4)
 
 
-def _patterned(count: int) -> dict[str, Any]:
+def _patterned(count: int, first: int = 0) -> dict[str, Any]:
     """An object with ``count`` disjoint patternProperties: the costly shape."""
-    patterns = {f"^k{i}[a-z]*$": {"type": "string"} for i in range(count)}
+    patterns = {f"^k{i}[a-z]*$": {"type": "string"} for i in range(first, first + count)}
     return {"type": "object", "patternProperties": patterns}
 
 
@@ -37,6 +37,16 @@ def _as_lark(schema: dict[str, Any]) -> str:
 @pytest.mark.parametrize("wrap", [_as_json_schema, _as_lark])
 def test_at_most_the_limit_of_patterned_properties_passes(wrap: Any) -> None:
     assert grammar_shape_problem(wrap(_patterned(MAX_PATTERN_PROPERTIES))) is None
+    # The same patterns in several objects are the limit's patterns still.
+    again = {"allOf": [_patterned(MAX_PATTERN_PROPERTIES)] * 3}
+    assert grammar_shape_problem(wrap(again)) is None
+
+
+def _merged(num_objects: int) -> dict[str, Any]:
+    """allOf over objects of the limit's patterns each, distinct: llguidance merges
+    them into one object, whose check costs as one of all their patterns."""
+    limit = MAX_PATTERN_PROPERTIES
+    return {"allOf": [_patterned(limit, first=limit * j) for j in range(num_objects)]}
 
 
 @pytest.mark.parametrize(
@@ -50,8 +60,11 @@ def test_at_most_the_limit_of_patterned_properties_passes(wrap: Any) -> None:
         json.dumps({"grammars": [{"lark_grammar": "start: %json  " + json.dumps(_patterned(40))}]}),
         # the keyword spelled with a JSON escape is the same key once read
         _as_lark(_patterned(40)).replace("patternProperties", "patternPropertie\\u0073"),
+        # spread over objects that allOf merges
+        _as_json_schema(_merged(2)),
+        _as_lark(_merged(12)),
     ],
-    ids=["json-schema", "nested", "lark", "lark-in-json", "escaped-key"],
+    ids=["json-schema", "nested", "lark", "lark-in-json", "escaped-key", "all-of", "all-of-lark"],
 )
 def test_too_many_patterned_properties_are_refused_wherever_the_schema_sits(grammar: str) -> None:
     problem = grammar_shape_problem(grammar)
@@ -78,4 +91,4 @@ def test_the_worker_refuses_such_a_grammar_before_queueing_it() -> None:
     problem = request_problem(request, LIMITS)
     assert problem is not None
     assert problem[0] == ErrorCode.INVALID_REQUEST
-    assert problem[1].startswith("structured_outputs.grammar: an object of its schema has 520")
+    assert problem[1].startswith("structured_outputs.grammar: its schema has 520 distinct")
