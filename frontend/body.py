@@ -101,6 +101,8 @@ def parse_json(text: bytes | str) -> Any:
                 "JSON nested too deeply (the parser stops at about 200 levels); nothing "
                 "nested that deep can be sent"
             )
+        elif _parses_with_inf_nan(text):
+            message = "invalid JSON: NaN and Infinity are not JSON numbers; send finite numbers"
         else:
             message = f"invalid JSON ({exc})"
             if "surrogate" in str(exc) or "hex escape" in str(exc):
@@ -109,6 +111,15 @@ def parse_json(text: bytes | str) -> Any:
                     "its other half or not at all"
                 )
         raise ValueError(message) from None
+
+
+def _parses_with_inf_nan(text: bytes | str) -> bool:
+    """Whether ``text`` is JSON but for NaN or Infinity (which Python's json writes)."""
+    try:
+        pydantic_core.from_json(text, allow_inf_nan=True)
+    except ValueError:
+        return False
+    return True
 
 
 def _count_containers(body: bytes) -> int:

@@ -142,7 +142,11 @@ def _complaint(item: Any, fields: Sequence[str]) -> str:
     kind = _KIND_BY_ERROR_TYPE.get(item["type"])
     if kind is None:
         return str(item["msg"])
-    return f"must be {kind}, got {json_kind_of(item['input'])}"
+    value = item["input"]
+    if item["type"] == "float_type" and isinstance(value, int) and not isinstance(value, bool):
+        # An integer is a number to JSON: this one is past what a float holds.
+        return "must be a number, got an integer past a float's range (about 1.8e308)"
+    return f"must be {kind}, got {json_kind_of(value)}"
 
 
 def _out_of_bounds(item: Any) -> str:

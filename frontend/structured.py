@@ -212,7 +212,7 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
         inexact = ((at, n) for at, n in _asked_numbers(value, "") if _is_past_doubles(n))
         if (found := next(inexact, None)) is not None:
             return "", (
-                f"Unimplemented: {found[0].lstrip('.')} holds {found[1]!r}, past ±2^53 "
+                f"Unimplemented: {found[0].lstrip('.')} holds {_preview(found[1])}, past ±2^53 "
                 f"({MAX_EXACT_INTEGER}), where JSON Schema bounds, enum and const cannot "
                 "be followed exactly here; ask for a string with a pattern instead"
             )

@@ -476,6 +476,15 @@ def test_a_long_list_of_bad_token_ids_gets_one_error(stack: Stack) -> None:
             b'{"prompt": "hi"',
             "body: invalid JSON (EOF while parsing an object at line 1 column 15)",
         ),
+        # What Python's json.dumps writes for float("nan") and float("inf").
+        (
+            b'{"prompt": "hi", "temperature": NaN}',
+            "body: invalid JSON: NaN and Infinity are not JSON numbers; send finite numbers",
+        ),
+        (
+            b'{"prompt": "hi", "temperature": -Infinity}',
+            "body: invalid JSON: NaN and Infinity are not JSON numbers; send finite numbers",
+        ),
         # The hint about lone surrogates only where one is the fault.
         (
             b'{"prompt": "\\udc00"}',

@@ -45,6 +45,10 @@ def test_a_message_names_the_first_few_fields_and_counts_the_rest() -> None:
     [
         ({"max_tokens": "16"}, "max_tokens: must be an integer, got a string"),
         ({"temperature": True}, "temperature: must be a number, got a boolean"),
+        (
+            {"logit_bias": {"5": 10**400}},
+            "logit_bias.5: must be a number, got an integer past a float's range (about 1.8e308)",
+        ),
         ({"stream_options": 5}, "stream_options: must be an object, got an integer"),
         (
             {"prompt": {"a": 1}},

@@ -241,6 +241,8 @@ PAST_DOUBLES = 2**53 + 1  # the first integer a double cannot hold
         # 9007199254740993.0 is ...992.0 once parsed: a float that large is refused.
         ({"const": float(2**53)}, "const"),
         ({"maximum": 1e17}, "maximum"),
+        # quoted short: a 400-digit bound is not echoed back whole
+        ({"maximum": 10**400}, "maximum holds 1000000000000000000000000000000000000..."),
     ],
 )
 def test_an_integer_past_two_to_the_53_is_refused_not_followed_as_its_neighbour(

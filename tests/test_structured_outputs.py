@@ -442,6 +442,14 @@ def test_a_grammar_too_costly_for_a_step_fails_its_request_alone(new_engine: Any
     assert [(seq.request_id, len(seq.token_ids)) for seq in finished] == [("n", 6)]
 
 
+def test_a_regex_too_large_to_build_fails_saying_what_to_change(new_engine: Any) -> None:
+    engine = new_engine()
+    engine.admit([constrained("large", "regex", "a{1000000}")])
+    failed, _ = run_to_the_end(engine)
+    ((_, error),) = failed
+    assert "too large to build" in str(error) and "smaller repeats" in str(error)
+
+
 @pytest.mark.parametrize(
     "kind, value",
     [

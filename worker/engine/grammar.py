@@ -298,6 +298,10 @@ _TOO_COSTLY = (
     "it is too costly to follow within this server's limits (as an ambiguous rule "
     "like `x: x x`, a rule that never ends or hundreds of optional keys are)"
 )
+_TOO_LARGE = (
+    "its regular expressions are too large to build within this server's limits "
+    "(as a repeat like a{100000} is): write smaller repeats, or + and *"
+)
 _STOP_REASONS = {
     "NoExtension": _NEVER_ENDS,
     "NoExtensionBias": _NEVER_ENDS,
@@ -313,6 +317,8 @@ def _explained(error: str) -> str:
         return _STOP_REASONS[words[0]]
     if "Too many items" in error:  # past GRAMMAR_LIMITS' step_max_items or max_items_in_row
         return f"{_TOO_COSTLY}; llguidance: {_short(error)}"
+    if "too many expressions constructed" in error:  # past the lexer's fuel
+        return f"{_TOO_LARGE}; llguidance: {_short(error)}"
     return _short(error)
 
 
