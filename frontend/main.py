@@ -17,14 +17,14 @@ from frontend.auth import OPEN_PATHS
 from frontend.config import FrontendConfig
 from frontend.http_protocol import edge_protocol
 from frontend.worker_client import WorkerClient
-from protocol.lifeline import follow_supervisor
+from protocol.lifeline import FRONTEND_STOP_GRACE_S, follow_supervisor
 from protocol.settings import ConfigError, exit_refusing, load
 from protocol.throttled import ThrottleWarnings
 
 log = logging.getLogger(__name__)
 
 # What a stopping frontend gives its requests under way to finish.
-GRACEFUL_SHUTDOWN_S = 5
+GRACEFUL_SHUTDOWN_S = FRONTEND_STOP_GRACE_S
 _INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # what shells report for a ^C
 
 

@@ -39,12 +39,10 @@ from protocol import (
     Waiting,
     encode,
 )
+from protocol.lifeline import FRONTEND_ANSWERS_LEFT_BEFORE_S
 from protocol.liveness import PauseWatch, Verdict
 
 log = logging.getLogger(__name__)
-
-# How long before a stopping frontend's connections are cut it answers what is left.
-_ANSWER_BEFORE_CUT_S = 1.0
 
 
 class WorkerClient:
@@ -84,7 +82,9 @@ class WorkerClient:
         self.is_shutting_down = True
         self._greeted.set()  # a request waiting for a first hello waits no more
         log.info("shutting down: %d requests in flight", self.num_inflight)
-        self._loop.call_later(max(0.0, grace_s - _ANSWER_BEFORE_CUT_S), self._end_all, grace_s)
+        self._loop.call_later(
+            max(0.0, grace_s - FRONTEND_ANSWERS_LEFT_BEFORE_S), self._end_all, grace_s
+        )
         self._dispatch()
 
     def _end_all(self, grace_s: float) -> None:

@@ -36,7 +36,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from protocol import Heartbeat, Hello, ProtocolError, decode_to_frontend
 from protocol.client_config import WorkerClientConfig
-from protocol.lifeline import name_supervisor
+from protocol.lifeline import (
+    FRONTEND_ANSWERS_LEFT_BEFORE_S,
+    FRONTEND_STOP_GRACE_S,
+    name_supervisor,
+)
 from protocol.liveness import Liveness, PauseWatch, WorkerState
 from protocol.peer import ping, worker_socket
 from protocol.settings import (
@@ -423,11 +427,12 @@ def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:
     return env
 
 
-# The longest STOP_GRACE_S: a worker's hand-back at its end (a step may run past
-# it) must reach the frontends stopped alongside before they answer what is left
-# themselves, 4 s into their stop (frontend/worker_client.py), and the worker must
+# When frontends stopped alongside the workers answer what is left themselves.
+_FRONTENDS_ANSWER_LEFT_AT_S = FRONTEND_STOP_GRACE_S - FRONTEND_ANSWERS_LEFT_BEFORE_S
+# The longest STOP_GRACE_S: a worker's hand-back at its end (a step may run a
+# second past it) must reach those frontends before then, and the worker must
 # not be killed (KILL_AFTER_S) before it is sent.
-MAX_STOP_GRACE_S = 3.0
+MAX_STOP_GRACE_S = _FRONTENDS_ANSWER_LEFT_AT_S - 1.0
 
 
 def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
@@ -443,7 +448,8 @@ def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) ->
     if worker.stop_grace_s > MAX_STOP_GRACE_S:
         problems.append(
             f"STOP_GRACE_S={worker.stop_grace_s:g} is more than {MAX_STOP_GRACE_S:g}: "
-            "frontends stopped with the workers answer what is left 4 s into their stop, "
+            "frontends stopped with the workers answer what is left "
+            f"{_FRONTENDS_ANSWER_LEFT_AT_S:g} s into their stop, "
             f"and minibatch-serve kills a worker {KILL_AFTER_S:g} s after asking it to stop, "
             "so what it hands back later is lost; lower STOP_GRACE_S"
         )
