@@ -63,14 +63,16 @@ def tokenize_prompt(
             raise RequestRejected(
                 request.request_id,
                 ErrorCode.INVALID_REQUEST,
-                f"prompt: tokenizes to id {max(token_ids)}, outside this model's "
-                f"vocabulary of {info.vocab_size}",
+                f"prompt: tokenizes to id {max(token_ids)}, past this model's vocabulary "
+                f"of {info.vocab_size} (the served tokenizer is larger than the model): "
+                "leave out the text that makes it, and tell the server's operator",
             )
     if not token_ids:
         raise RequestRejected(
             request.request_id,
             ErrorCode.INVALID_REQUEST,
-            f"{prompt_field(request)}: it tokenizes to no tokens",
+            f"{prompt_field(request)}: it tokenizes to no tokens; send text that "
+            "makes at least one",
         )
     return token_ids, text
 
