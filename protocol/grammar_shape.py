@@ -2,17 +2,23 @@
 
 llguidance's fuel and item limits (`protocol.limits.GRAMMAR_LIMITS`) bound its
 lexer and parser, but not its JSON Schema compiler's check that an object's
-patternProperties regexes are pairwise disjoint, whose time grows with about the
-fourth power of their number: 150 took 0.5 s and 200 took 2.2 s on a Xeon
-(family 6 model 167), and 520 (19 KB) 98 s there under load, on the frontend's
-check thread and again on the worker's compile thread, where its queued request
-stalled the worker until it was killed as hung. Both sides refuse such a grammar first, by
-reading the schemas it holds: a JSON Schema grammar's, and each `%json` block
-of a Lark grammar, whether llguidance's JSON form carries it or it came alone.
-What is counted is a schema's distinct patterns in all, not an object's: `allOf`
-merges its objects' patternProperties into one before the check (eight objects
-of 32 each, 5 KB, took 3 s; twelve took 17 s), and a merged object holds at most
-the distinct patterns its schema wrote.
+patternProperties regexes are pairwise disjoint, whose time grows with the
+square of their number and with each regex's own: 150 took 0.5 s and 200 took
+2.2 s on a Xeon (family 6 model 167), and 520 (19 KB) 98 s there under load, on
+the frontend's check thread and again on the worker's compile thread, where its
+queued request stalled the worker until it was killed as hung. And where a
+schema intersects objects (`allOf`; `anyOf`, `oneOf` or `$ref` beside other
+keywords), llguidance distributes the intersection and checks every
+combination's patterns again: allOf over four anyOf of four objects of eight
+hard regexes each (8 KB) took 17.7 s on a Zen 4, and patternProperties beside
+an anyOf of eight empty schemas eight times one object's 0.11 s.
+
+So both sides refuse, by reading the schemas a grammar holds (a JSON Schema
+grammar's, and each `%json` block of a Lark grammar, whether llguidance's JSON
+form carries it or it came alone), a schema with patternProperties that has
+more than MAX_PATTERN_PROPERTIES regexes in all, or any such intersection:
+then no object is checked but as written, and the pairs checked are at most
+MAX_PATTERN_PROPERTIES squared (1,024 hard ones: 0.11 s on that Zen 4).
 """
 
 from __future__ import annotations
@@ -34,14 +40,9 @@ def grammar_shape_problem(grammar: str) -> str | None:
     MAX_GRAMMAR_CHARS characters."""
     try:
         for schema in _schemas(grammar):
-            count = len(_pattern_properties(schema))
-            if count > MAX_PATTERN_PROPERTIES:
-                return (
-                    f"its schema has {count:,} distinct patternProperties in all; at most "
-                    f"{MAX_PATTERN_PROPERTIES} here (allOf merges objects' patterns, and "
-                    "checking that each pair of regexes is disjoint grows much faster "
-                    "than their number)"
-                )
+            problem = _pattern_properties_problem(schema)
+            if problem is not None:
+                return problem
     except RecursionError:  # llguidance's JSON reader refuses past 128 levels anyway
         return "its JSON is nested too deeply"
     return None
@@ -81,17 +82,52 @@ def _strings(value: Any) -> Iterator[str]:
             stack.extend(item)
 
 
-def _pattern_properties(schema: Any) -> set[str]:
-    """The patternProperties regexes of every object anywhere in ``schema``."""
-    patterns: set[str] = set()
+# Keywords beside `anyOf`, `oneOf` or `$ref` that intersect nothing.
+_ANNOTATIONS = frozenset(
+    {"title", "description", "$comment", "default", "examples", "$id", "$schema", "$defs"}
+    | {"definitions", "deprecated", "readOnly", "writeOnly"}
+)
+_BRANCHES = {"anyOf": list, "oneOf": list, "$ref": str}
+
+
+def _pattern_properties_problem(schema: Any) -> str | None:
+    num_patterns = 0
+    intersection: str | None = None
     stack = [schema]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
-            found = item.get("patternProperties")
-            if isinstance(found, dict):
-                patterns.update(found)
+            patterns = item.get("patternProperties")
+            if isinstance(patterns, dict):
+                num_patterns += len(patterns)
+            if intersection is None:
+                intersection = _intersection(item)
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-    return patterns
+    if num_patterns > MAX_PATTERN_PROPERTIES:
+        return (
+            f"its schema has {num_patterns:,} patternProperties regexes in all; at most "
+            f"{MAX_PATTERN_PROPERTIES} here (checking that each pair of an object's "
+            "regexes is disjoint grows much faster than their number)"
+        )
+    if num_patterns and intersection is not None:
+        return (
+            f"its schema has patternProperties and {intersection}, which llguidance "
+            "intersects, checking the regexes of every combination again; write the "
+            "patterned object on its own, outside allOf, and without anyOf, oneOf or $ref "
+            "beside other keywords"
+        )
+    return None
+
+
+def _intersection(item: dict[str, Any]) -> str | None:
+    """The keyword that makes ``item`` an intersection of schemas, if one does."""
+    if isinstance(item.get("allOf"), list):
+        return "allOf"
+    branches = [key for key, kind in _BRANCHES.items() if isinstance(item.get(key), kind)]
+    if len(branches) > 1:
+        return f"{branches[0]} beside {branches[1]}"
+    if branches and any(key not in _ANNOTATIONS and key != branches[0] for key in item):
+        return f"{branches[0]} beside other keywords"
+    return None

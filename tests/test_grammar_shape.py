@@ -37,9 +37,18 @@ def _as_lark(schema: dict[str, Any]) -> str:
 @pytest.mark.parametrize("wrap", [_as_json_schema, _as_lark])
 def test_at_most_the_limit_of_patterned_properties_passes(wrap: Any) -> None:
     assert grammar_shape_problem(wrap(_patterned(MAX_PATTERN_PROPERTIES))) is None
-    # The same patterns in several objects are the limit's patterns still.
-    again = {"allOf": [_patterned(MAX_PATTERN_PROPERTIES)] * 3}
-    assert grammar_shape_problem(wrap(again)) is None
+    # One patterned definition used from several places, as it is written.
+    reused = {
+        "$defs": {"map": _patterned(MAX_PATTERN_PROPERTIES)},
+        "type": "object",
+        "properties": {
+            "a": {"$ref": "#/$defs/map", "description": "a map"},
+            "b": {"anyOf": [{"$ref": "#/$defs/map"}, {"type": "null"}]},
+        },
+    }
+    assert grammar_shape_problem(wrap(reused)) is None
+    # Intersections without patternProperties are not this check's concern.
+    assert grammar_shape_problem(wrap({"allOf": [{"type": "object"}, {"required": []}]})) is None
 
 
 def _merged(num_objects: int) -> dict[str, Any]:
@@ -60,16 +69,37 @@ def _merged(num_objects: int) -> dict[str, Any]:
         json.dumps({"grammars": [{"lark_grammar": "start: %json  " + json.dumps(_patterned(40))}]}),
         # the keyword spelled with a JSON escape is the same key once read
         _as_lark(_patterned(40)).replace("patternProperties", "patternPropertie\\u0073"),
-        # spread over objects that allOf merges
+        # spread over objects that allOf merges, or alternatives
         _as_json_schema(_merged(2)),
-        _as_lark(_merged(12)),
+        _as_lark({"anyOf": [_patterned(MAX_PATTERN_PROPERTIES)] * 4}),
     ],
-    ids=["json-schema", "nested", "lark", "lark-in-json", "escaped-key", "all-of", "all-of-lark"],
+    ids=["json-schema", "nested", "lark", "lark-in-json", "escaped-key", "all-of", "any-of"],
 )
 def test_too_many_patterned_properties_are_refused_wherever_the_schema_sits(grammar: str) -> None:
     problem = grammar_shape_problem(grammar)
     assert problem is not None
     assert "patternProperties" in problem and f"at most {MAX_PATTERN_PROPERTIES}" in problem
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        # allOf distributes over anyOf: 4^4 objects of 8 regexes each (17.7 s, 8 KB)
+        {"allOf": [{"anyOf": [_patterned(2, first=2 * i) for i in range(4)]}] * 4},
+        {"allOf": [_patterned(4), {"required": ["k0"]}]},
+        # each alternative intersected with its siblings: checked once per alternative
+        {**_patterned(8), "anyOf": [{"minProperties": i} for i in range(200)]},
+        {**_patterned(8), "$ref": "#/$defs/x", "$defs": {"x": {"type": "object"}}},
+        {"properties": {"m": {"anyOf": [_patterned(2)], "oneOf": [{"type": "object"}]}}},
+    ],
+    ids=["all-of-any-of", "all-of", "any-of-beside", "ref-beside", "any-of-beside-one-of"],
+)
+def test_patterned_properties_under_an_intersection_are_refused(schema: dict[str, Any]) -> None:
+    """llguidance checks the regexes of every combination an intersection makes,
+    so one small schema could cost minutes: refused whatever their number."""
+    for grammar in (_as_json_schema(schema), _as_lark(schema)):
+        problem = grammar_shape_problem(grammar)
+        assert problem is not None and "intersects" in problem, grammar[:80]
 
 
 def test_json_nested_past_pythons_recursion_is_refused_not_raised() -> None:
@@ -91,4 +121,4 @@ def test_the_worker_refuses_such_a_grammar_before_queueing_it() -> None:
     problem = request_problem(request, LIMITS)
     assert problem is not None
     assert problem[0] == ErrorCode.INVALID_REQUEST
-    assert problem[1].startswith("structured_outputs.grammar: its schema has 520 distinct")
+    assert problem[1].startswith("structured_outputs.grammar: its schema has 520 patternProperties")
