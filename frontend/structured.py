@@ -205,7 +205,14 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
     """llguidance's grammar for ``value`` and, if it cannot be used, why (starting
     "Unimplemented", llguidance's word, for what this server cannot follow). Runs
     on a thread: serialising a schema and checking it both take time."""
-    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    try:
+        text = (
+            value
+            if isinstance(value, str)
+            else json.dumps(value, ensure_ascii=False, allow_nan=False)
+        )
+    except ValueError:  # 1e400 in a schema: written out, it would be Infinity, not JSON
+        return "", "a number in it is past a float's range (about 1.8e308)"
     if len(text) > MAX_GRAMMAR_CHARS:
         return "", f"{len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
     if kind in JSON_KINDS:

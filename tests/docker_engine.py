@@ -26,7 +26,7 @@ STOP_TIMEOUT_S = 60.0
 # Where dockerd writes its pid (its default --pidfile).
 DOCKERD_PID_FILE = Path("/var/run/docker.pid")
 
-INSTALL_HINT = "`make install` installs docker.io where apt-get runs as root"
+INSTALL_HINT = "`make test` installs docker.io where apt-get runs as root"
 
 
 def engine_answers(timeout_s: float = 20.0) -> bool:

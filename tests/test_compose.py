@@ -76,7 +76,7 @@ def run_compose_config(env_overrides: dict[str, str]) -> subprocess.CompletedPro
     if validator is None:
         pytest.skip(
             "no compose validator: neither docker-compose nor the docker compose plugin is "
-            "installed (`make install` installs Debian's docker-compose where apt-get runs as root)"
+            "installed (`make test` installs Debian's docker-compose where apt-get runs as root)"
         )
     return subprocess.run(
         [*validator, "--file", str(COMPOSE_FILE), "config"],

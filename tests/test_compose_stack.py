@@ -265,7 +265,7 @@ def compose_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeS
     with docker_engine(log_dir) as engine:
         compose = compose_command()
         if compose is None:
-            pytest.skip("no compose CLI (`make install` installs docker-compose as root)")
+            pytest.skip("no compose CLI (`make test` installs docker-compose as root)")
         project = f"minibatch-test-{os.getpid()}"
         images = {
             service: f"minibatch-llm-{service}:{project}" for service in ("frontend", "worker")

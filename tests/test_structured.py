@@ -191,6 +191,13 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
             "multipleOf: llguidance follows a multipleOf as an integer of at most 10 digits "
             "times a power of ten, and read one here as 9999999999999998",
         ),
+        (
+            None,
+            {"json": {"type": "string", "maxLength": float("inf")}},  # 1e400, as JSON reads it
+            422,
+            "structured_outputs.json",
+            "past a float's range",
+        ),
         (None, {"json_object": True, "regex": "a"}, 422, "structured_outputs", "exactly one"),
         (None, {"json_object": True, "json": {}}, 422, "structured_outputs", "got 2"),
         (
