@@ -47,21 +47,7 @@ def create_app(config: FrontendConfig) -> Starlette:
             await client.close()
 
     app = Starlette(
-        routes=[
-            Route("/generate", generate, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/models", _counted(models), methods=["GET"]),
-            # A hub id holds a slash: "openai-community/gpt2".
-            Route("/v1/models/{model:path}", _counted(retrieve_model), methods=["GET"]),
-            Route("/tokenize", tokenize, methods=["POST"]),
-            Route("/detokenize", detokenize, methods=["POST"]),
-            Route("/version", version, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/ready", ready, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/openapi.json", openapi, methods=["GET"]),
-        ],
+        routes=routes(),
         exception_handlers={
             ApiError: _api_error,
             HTTPException: _http_error,
@@ -80,6 +66,25 @@ def create_app(config: FrontendConfig) -> Starlette:
     app.state.started_at = int(time.time())
     app.state.count_connections = lambda: 0  # open HTTP connections: set by the server
     return app
+
+
+def routes() -> list[Route]:
+    """Every endpoint this frontend serves."""
+    return [
+        Route("/generate", generate, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", _counted(models), methods=["GET"]),
+        # A hub id holds a slash: "openai-community/gpt2".
+        Route("/v1/models/{model:path}", _counted(retrieve_model), methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
 
 
 def _middleware(config: FrontendConfig) -> list[Middleware]:

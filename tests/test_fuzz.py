@@ -11,10 +11,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from starlette.routing import Route
 
-from frontend.app import create_app
-from frontend.config import FrontendConfig
+from frontend.app import routes
 from frontend.openai_schemas import ChatBody, CompletionBody
 from frontend.schemas import GenerateBody
 from tests.stack import Stack, running_stack
@@ -243,13 +241,9 @@ def test_openapi_describes_every_endpoint_and_body_field(stack: Stack) -> None:
     assert schema["info"]["version"] == version  # the server's, not the document's own
     # Every route the app serves, as OpenAPI writes a path parameter; the
     # document does not describe itself.
-    routes = {
-        route.path.replace("{model:path}", "{model}")
-        for route in create_app(FrontendConfig()).routes
-        if isinstance(route, Route)
-    }
-    assert "/v1/models/{model}" in routes
-    assert set(schema["paths"]) == routes - {"/openapi.json"}
+    served = {route.path.replace("{model:path}", "{model}") for route in routes()}
+    assert "/v1/models/{model}" in served
+    assert set(schema["paths"]) == served - {"/openapi.json"}
     components = schema["components"]["schemas"]
     for model in (GenerateBody, CompletionBody, ChatBody):
         body_schema = components[model.__name__]
