@@ -2,8 +2,8 @@
 
 llguidance's fuel and item limits (`protocol.limits.GRAMMAR_LIMITS`) bound its
 lexer and parser, but not its JSON Schema compiler's check that an object's
-patternProperties regexes are pairwise disjoint, whose time grows with the
-square of their number and with each regex's own: 150 took 0.5 s and 200 took
+patternProperties regexes are pairwise disjoint, whose time grows much faster
+than their number, and with each regex's own: 150 took 0.5 s and 200 took
 2.2 s on a Xeon (family 6 model 167), and 520 (19 KB) 98 s there under load, on
 the frontend's check thread and again on the worker's compile thread, where its
 queued request stalled the worker until it was killed as hung. And where a

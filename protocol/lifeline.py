@@ -34,6 +34,7 @@ SUPERVISOR_PID_ENV = "MINIBATCH_SUPERVISOR_PID"
 # the frontends stopped alongside it in time.
 FRONTEND_STOP_GRACE_S = 5
 FRONTEND_ANSWERS_LEFT_BEFORE_S = 1.0
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 log = logging.getLogger(__name__)
