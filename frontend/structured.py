@@ -308,12 +308,20 @@ _MULTIPLE_OF_DIGITS = re.compile(r"Value for 'multipleOf' has too many digits: (
 _REGEX_ERROR = re.compile(r"regex parse error:\n    .*\n    ( *)\^+\nerror: (.+?)\n")
 
 
+# Its complaint about a construct it does not follow: "(in regex): lookarounds not
+# supported yet; WordUnicode in regex /\\bfoo\\b/", then the Lark rule again.
+_REGEX_UNSUPPORTED = re.compile(r"\(in regex\): ([^;\n]+); (\w+) in regex /")
+_ASSERTIONS = {"WordUnicode": "\\b, a word boundary", "WordUnicodeNegate": "\\B"}
+
+
 def _regex_problem(message: str) -> str:
     """What is wrong with a regex, and where, in the regex's own terms."""
-    found = _REGEX_ERROR.search(message)
-    if found is None:
-        return _short(message)
-    return f"invalid regex at offset {len(found.group(1))}: {found.group(2)}"
+    if (found := _REGEX_ERROR.search(message)) is not None:
+        return f"invalid regex at offset {len(found.group(1))}: {found.group(2)}"
+    if (unsupported := _REGEX_UNSUPPORTED.search(message)) is not None:
+        reason, construct = unsupported.groups()
+        return f"invalid regex: {reason} ({_ASSERTIONS.get(construct, construct)})"
+    return _short(message)
 
 
 # What llguidance's regex syntax (Rust's) gives a meaning; escaped, each stands for itself.

@@ -128,6 +128,15 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
             "structured_outputs.regex",
             "structured_outputs.regex: invalid regex at offset 3: invalid character class range",
         ),
+        # a construct llguidance does not follow, said without the rule it wraps it in
+        (
+            None,
+            {"regex": r"\bfoo\b"},
+            422,
+            "structured_outputs.regex",
+            "structured_outputs.regex: invalid regex: lookarounds not supported yet "
+            "(\\b, a word boundary)",
+        ),
         (
             None,
             {"choice": ["a", ""]},
