@@ -23,7 +23,8 @@ import pytest
 from frontend.errors import ApiError
 from frontend.openai_common import IGNORED_FIELDS_HEADER
 from frontend.openai_schemas import ResponseFormat
-from frontend.structured import grammar_fields
+from frontend.structured import compile_grammar, grammar_fields
+from protocol import GrammarKind
 from protocol.limits import MAX_GRAMMAR_CHARS
 from tests.stack import Stack, live_stack, openai_client, running_stack
 from worker.engine.fake_engine import fake_grammar_tokenizer
@@ -244,6 +245,21 @@ def test_a_choice_list_matches_exactly_its_strings_however_long_and_whatever_the
 
 
 PAST_DOUBLES = 2**53 + 1  # the first integer a double cannot hold
+
+
+def test_a_regex_fault_is_told_in_the_regex_terms_not_the_rule_it_was_wrapped_in() -> None:
+    """llguidance wraps a regex in a Lark rule (`start: /.../`) and quotes that
+    rule, with a caret line, which the client never wrote."""
+    for regex, expected in [
+        (r"\bfoo\b", "invalid regex: lookarounds not supported yet (\\b, a word boundary)"),
+        (
+            "ab[z-a]",
+            "invalid regex at offset 3: invalid character class range, "
+            "the start must be <= the end",
+        ),
+    ]:
+        _, problem = compile_grammar(GrammarKind.REGEX, regex)
+        assert problem == expected
 
 
 @pytest.mark.parametrize(
