@@ -259,4 +259,4 @@ async def metrics(request: Request) -> Response:
 
 async def openapi(request: Request) -> Response:
     """The OpenAPI 3.1 description of every endpoint."""
-    return JSONResponse(openapi_schema())
+    return JSONResponse(openapi_schema(_client(request).config.strict_request_fields))

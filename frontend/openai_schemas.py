@@ -73,6 +73,13 @@ LogitBias = Annotated[
     dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]],
     BeforeValidator(_count_logit_bias),
     AfterValidator(_check_logit_bias_keys),
+    # What the validators check, for /openapi.json (all but the largest id).
+    Field(
+        json_schema_extra={
+            "maxProperties": MAX_LOGIT_BIAS,
+            "propertyNames": {"pattern": f"^(?:{_TOKEN_ID_KEY.pattern})$"},
+        }
+    ),
 ]
 
 
@@ -195,7 +202,9 @@ class CompletionBody(OpenAIBody):
         le=MAX_CHOICES,
         description="generate this many (at least n) and answer the n likeliest; not with stream",
     )
-    suffix: str | None = Field(None, description="not supported: only null or empty")
+    suffix: str | None = Field(
+        None, description="not supported: only null or empty", json_schema_extra={"maxLength": 0}
+    )
 
     def _checks(self) -> list[tuple[str, bool, str]]:
         return [
@@ -249,8 +258,12 @@ class ChatBody(OpenAIBody):
     add_generation_prompt: bool | None = Field(
         True, description="end the prompt with the assistant's turn (vLLM)"
     )
-    tools: list[Any] | None = Field(None, description="not supported: only empty")
-    tool_choice: Any = Field(None, description="only none")
+    tools: list[Any] | None = Field(
+        None, description="not supported: only empty", json_schema_extra={"maxItems": 0}
+    )
+    tool_choice: Any = Field(
+        None, description="only none", json_schema_extra={"enum": [None, "none"]}
+    )
 
     def _checks(self) -> list[tuple[str, bool, str]]:
         return [

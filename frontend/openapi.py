@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import re
 from typing import Any
 
 from pydantic.json_schema import models_json_schema
@@ -84,12 +85,17 @@ def _post(summary: str, body: str, *errors: int) -> dict[str, Any]:
 
 
 def _get(
-    summary: str, media_type: str = "application/json", *errors: int, is_open: bool = False
+    summary: str,
+    media_type: str = "application/json",
+    *errors: int,
+    is_open: bool = False,
+    parameters: tuple[dict[str, Any], ...] = (),
 ) -> dict[str, Any]:
     return {
         "get": {
             "summary": summary,
             "security": [{}] if is_open else _KEY_IF_SET,
+            **({"parameters": list(parameters)} if parameters else {}),
             "responses": {
                 "200": {"description": summary, "content": {media_type: {"schema": _ANSWER}}},
                 **_errors(*errors),
@@ -98,8 +104,34 @@ def _get(
     }
 
 
+_MODEL_IN_PATH = {
+    "name": "model",
+    "in": "path",
+    "required": True,
+    "description": "the served model, as GET /v1/models names it",
+    "schema": {"type": "string"},
+}
+
+# Bodies that ignore a field they do not define (and name it in a header) unless
+# STRICT_REQUEST_FIELDS is set, in nested objects too; /generate refuses one always.
+_LENIENT_BODIES = (CompletionBody, ChatBody, TokenizeBody, DetokenizeBody)
+
+
+def _reached(names: list[str], schemas: dict[str, Any]) -> set[str]:
+    """The schemas named, and every schema they refer to, however deep."""
+    reached: set[str] = set()
+    while names:
+        name = names.pop()
+        if name not in reached:
+            reached.add(name)
+            names.extend(re.findall(r"#/components/schemas/(\w+)", str(schemas[name])))
+    return reached
+
+
 @functools.cache
-def openapi_schema() -> dict[str, Any]:
+def openapi_schema(strict_request_fields: bool = False) -> dict[str, Any]:
+    """The description of this server's API, as configured: whether the OpenAI
+    bodies refuse an unknown field (STRICT_REQUEST_FIELDS) or ignore it."""
     _, definitions = models_json_schema(
         [
             (body, "validation")
@@ -108,6 +140,9 @@ def openapi_schema() -> dict[str, Any]:
         ref_template=_REF,
     )
     schemas = {**definitions["$defs"], "Error": _ERROR}
+    if not strict_request_fields:
+        for name in _reached([body.__name__ for body in _LENIENT_BODIES], schemas):
+            schemas[name].pop("additionalProperties", None)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -127,7 +162,12 @@ def openapi_schema() -> dict[str, Any]:
             ),
             "/v1/models": _get("The served model", "application/json", 401, 503),
             "/v1/models/{model}": _get(
-                "The served model's card", "application/json", 401, 404, 503
+                "The served model's card",
+                "application/json",
+                401,
+                404,
+                503,
+                parameters=(_MODEL_IN_PATH,),
             ),
             "/tokenize": _post(
                 "A prompt's or a conversation's token ids", "TokenizeBody", 404, *_BODY_ERRORS, 503
