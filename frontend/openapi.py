@@ -34,7 +34,18 @@ _ERROR = {
     },
 }
 _ANSWER = {"type": "object"}
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# One server-sent event, as OpenAPI 3.2's itemSchema reads a stream and tools
+# read a 3.1 stream's schema: /generate names each event (token, done, error);
+# the OpenAI endpoints send unnamed events of JSON, then the data [DONE].
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "event": {"enum": ["token", "done", "error"]},
+        "data": {"type": "string", "description": "JSON, or [DONE] at the end of an OpenAI stream"},
+    },
+}
+_SSE = {"text/event-stream": {"schema": _SSE_EVENT}}
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
@@ -170,7 +181,12 @@ def openapi_schema(strict_request_fields: bool = False) -> dict[str, Any]:
                 parameters=(_MODEL_IN_PATH,),
             ),
             "/tokenize": _post(
-                "A prompt's or a conversation's token ids", "TokenizeBody", 404, *_BODY_ERRORS, 503
+                "A prompt's or a conversation's token ids",
+                "TokenizeBody",
+                400,
+                404,
+                *_BODY_ERRORS,
+                503,
             ),
             "/detokenize": _post(
                 "The text of token ids", "DetokenizeBody", 404, *_BODY_ERRORS, 503

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from openapi_spec_validator import validate
 from frontend.app import routes
 from frontend.openai_schemas import ChatBody, CompletionBody
 from frontend.schemas import GenerateBody
+from tests.sse import sse_events
 from tests.stack import Stack, running_stack
 
 ANSWER_WITHIN_S = 10.0  # no request here may take longer: a timeout is a hang
@@ -261,5 +263,17 @@ def test_openapi_describes_every_endpoint_and_body_field(stack: Stack) -> None:
         timeout=30,
     )
     assert response.status_code == 200, response.text
+    # Each server-sent event as the document describes one.
+    for path, body in [
+        ("/generate", {"prompt": "hi", "max_new_tokens": 2}),
+        ("/v1/completions", {"model": "fake", "prompt": "hi", "max_tokens": 2}),
+    ]:
+        answer = schema["paths"][path]["post"]["responses"]["200"]["content"]
+        event_schema = jsonschema.Draft202012Validator(answer["text/event-stream"]["schema"])
+        with httpx.stream("POST", f"{stack.url}{path}", json={**body, "stream": True}) as stream:
+            events = list(sse_events(stream))
+        assert len(events) >= 3
+        for name, data in events:
+            event_schema.validate({"data": data} | ({"event": name} if name else {}))
     temperature = components["GenerateBody"]["properties"]["temperature"]
     assert (temperature["minimum"], temperature["maximum"]) == (0, 2)
