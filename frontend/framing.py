@@ -29,7 +29,7 @@ class AmbiguousFramingMiddleware:
                     400,
                     "the request has both Content-Length and Transfer-Encoding; send one: "
                     "Content-Length for a body of known length, else chunked",
-                    "invalid_request",
+                    "invalid_http",  # as for other HTTP that cannot be read
                     headers={"Connection": "close"},  # what follows cannot be trusted
                 )
                 await refuse(error, scope, receive, send)

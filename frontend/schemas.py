@@ -68,7 +68,7 @@ class GenerateBody(BaseModel):
         None, min_length=1, max_length=128, description="echoed back; made up if absent"
     )
     prompt: str = Field(min_length=1, description="the text to continue")
-    max_new_tokens: int = Field(16, ge=1, description="1 to MAX_NEW_TOKENS_LIMIT (default 512)")
+    max_new_tokens: int = Field(16, ge=1, description="1 to MAX_NEW_TOKENS_LIMIT (512 unless set)")
     temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 keeps all")
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 keeps the whole vocabulary")

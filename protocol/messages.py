@@ -25,8 +25,9 @@ class ErrorCode:
     UNSUPPORTED = "unsupported"  # 400: a parameter value this server does not support
     QUEUE_FULL = "queue_full"  # 503: try again later
     INTERNAL = "internal"  # 500: the engine failed while serving the request
-    # 500, from the frontend: the request was in flight on two workers that died, so
-    # it may be what kills them; it is not replayed a third time.
+    # 500, from the frontend: workers kept dying with the request in flight, so it
+    # may be what kills them: two that died before it made progress there, or
+    # MAX_WORKER_DEATHS in all (frontend/replay.py); it is not replayed again.
     WORKERS_DIED = "workers_died"
     # 503, from the frontend: it is stopping, and the request could not be finished.
     SHUTTING_DOWN = "shutting_down"

@@ -522,9 +522,11 @@ def test_a_body_framed_two_ways_is_refused_and_its_connection_closed(stack: Stac
         status, headers, answer = read_response(sock)  # returns once the server closes
     assert status == 400
     assert headers["connection"] == "close"
-    assert json.loads(answer)["error"]["message"].startswith(
+    error = json.loads(answer)["error"]
+    assert error["message"].startswith(
         "the request has both Content-Length and Transfer-Encoding; send one"
     )
+    assert error["code"] == "invalid_http"  # as for other HTTP that cannot be read
     # Refused before routing, and counted under the route all the same.
     refused = 'minibatch_requests_total{endpoint="/generate",finish_reason="none",status="400"}'
     assert request_counts(stack).get(refused, 0) == before.get(refused, 0) + 1
