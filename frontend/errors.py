@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.json_response import JSONResponse
-from protocol import ErrorCode, ErrorResult, GrammarKind
+from protocol import ErrorCode, ErrorResult, GenerateRequest, GrammarKind
 
 RETRY_AFTER_S = 1
 MAX_WORKER_MESSAGE_CHARS = 1024  # of a worker's error message, passed on to the client
@@ -22,28 +23,37 @@ _STATUS_BY_CODE = {
     ErrorCode.WORKERS_DIED: 500,
     ErrorCode.SHUTTING_DOWN: 503,
 }
-# Worker field -> /generate's field, and every endpoint's unless it names the
-# field its own way; prompt ids are the request's "prompt".
+# A worker's refusal starts with the field at fault, as GenerateRequest names it:
+# the body's field of the same name, or, where a body names it otherwise, this
+# one (every endpoint's unless it names the field its own way: ``field_names``).
 _PARAM_BY_WORKER_FIELD = {
-    "prompt": "prompt",
     "prompt_token_ids": "prompt",
-    "max_new_tokens": "max_new_tokens",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "seed": "seed",
-    "messages": "messages",
-    "min_tokens": "min_tokens",
-    "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "logit_bias": "logit_bias",
-    "logprobs": "logprobs",
     "prompt_logprobs": "logprobs",
+    "chat_roles": "messages",
+    "chat_contents": "messages",
+    "logit_bias_token_ids": "logit_bias",
+    "logit_bias_values": "logit_bias",
     **{GrammarKind.field(kind): GrammarKind.field(kind) for kind in GrammarKind.ALL},
 }
+# Fields the frontend fills in, never a client: a refusal of one names no param.
+_FRONTEND_FIELDS = frozenset(
+    {"request_id", "resume_token_ids", "resume_text_len", "grammar_kind", "grammar", "stream"}
+)
+_CLIENT_FIELDS = (
+    frozenset(field.name for field in dataclasses.fields(GenerateRequest))
+    | {"logit_bias", "messages"}  # the names of fields split in two on the wire
+) - _FRONTEND_FIELDS
+
+
+def _param(worker_field: str, field_names: Mapping[str, str]) -> str | None:
+    """The body's name for the field a worker named, if a client sent it."""
+    if worker_field in field_names:
+        return field_names[worker_field]
+    if worker_field in _PARAM_BY_WORKER_FIELD:
+        return _PARAM_BY_WORKER_FIELD[worker_field]
+    return worker_field if worker_field in _CLIENT_FIELDS else None
+
+
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "invalid_request_error",  # what OpenAI sends for a bad key
@@ -87,7 +97,7 @@ class ApiError(Exception):
         if len(text) > MAX_WORKER_MESSAGE_CHARS:
             text = text[: MAX_WORKER_MESSAGE_CHARS - 3] + "..."
         field, colon, rest = text.partition(":")
-        param = (field_names.get(field) or _PARAM_BY_WORKER_FIELD.get(field)) if colon else None
+        param = _param(field, field_names) if colon else None
         message = text if param is None else f"{param}:{rest}"
         return cls(_STATUS_BY_CODE[error.code], message, error.code, param)
 
