@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 from frontend.json_response import JSONResponse
 from protocol import ErrorCode, ErrorResult, GenerateRequest, GrammarKind
+from protocol.wire import shorten
 
 RETRY_AFTER_S = 1
 MAX_WORKER_MESSAGE_CHARS = 1024  # of a worker's error message, passed on to the client
@@ -93,9 +94,8 @@ class ApiError(Exception):
         """The worker's refusal. Its message names the worker's field first
         ("top_k: ..."); that field, as the endpoint's body names it (``field_names``,
         else as /generate's body does), leads the message instead and is ``param``."""
-        text = error.message  # a worker bounds its own; a stranger posing as one may not
-        if len(text) > MAX_WORKER_MESSAGE_CHARS:
-            text = text[: MAX_WORKER_MESSAGE_CHARS - 3] + "..."
+        # A worker bounds its own; a stranger posing as one may not.
+        text = shorten(error.message, MAX_WORKER_MESSAGE_CHARS)
         field, colon, rest = text.partition(":")
         param = _param(field, field_names) if colon else None
         message = text if param is None else f"{param}:{rest}"

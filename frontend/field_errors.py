@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from frontend.body import json_kind_of
+from protocol.wire import shorten
 
 MAX_REPORTED_ERRORS = 5
 MAX_NAME_CHARS = 40  # of a field name quoted back: an unknown one may be any length
@@ -182,8 +183,7 @@ def _is_arm(part: str | int) -> bool:
 
 def short_name(part: str | int, max_chars: int = MAX_NAME_CHARS) -> str:
     """A name the client sent (a field, a path part, a model), cut to ``max_chars``."""
-    name = str(part)
-    return name if len(name) <= max_chars else name[: max_chars - 3] + "..."
+    return shorten(str(part), max_chars)
 
 
 def printable(text: str) -> str:

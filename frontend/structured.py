@@ -26,7 +26,8 @@ from frontend.body import parse_json
 from frontend.errors import ApiError
 from protocol import GrammarKind
 from protocol.grammar_shape import grammar_shape_problem
-from protocol.limits import GRAMMAR_LIMITS, MAX_GRAMMAR_CHARS
+from protocol.limits import GRAMMAR_LIMITS, MAX_GRAMMAR_CHARS, MAX_GRAMMAR_ERROR_CHARS
+from protocol.wire import shorten
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # in the type stub only
@@ -60,7 +61,6 @@ STRUCTURED_OUTPUTS = {
     "choice": GrammarKind.CHOICE,
     "grammar": GrammarKind.GRAMMAR,
 }
-_MAX_MESSAGE_CHARS = 300  # of llguidance's complaint, quoted back
 JSON_KINDS = (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT, GrammarKind.JSON)
 # llguidance reads a schema's numbers as doubles, and integer bounds as 64-bit
 # integers, so past 2^53 it follows a neighbour of the integer asked for: enum
@@ -344,12 +344,8 @@ def _invalid(param: str, message: str) -> ApiError:
 
 def _preview(value: Any) -> str:
     """``value`` in JSON's notation (a number past float range shows as Infinity), cut short."""
-    shown = json.dumps(value, ensure_ascii=False)
-    return shown if len(shown) <= 40 else shown[:37] + "..."
+    return shorten(json.dumps(value, ensure_ascii=False), 40)
 
 
 def _short(message: str) -> str:
-    message = " ".join(message.split())
-    if len(message) <= _MAX_MESSAGE_CHARS:
-        return message
-    return message[: _MAX_MESSAGE_CHARS - 3] + "..."
+    return shorten(" ".join(message.split()), MAX_GRAMMAR_ERROR_CHARS)

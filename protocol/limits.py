@@ -34,6 +34,8 @@ MAX_GRAMMAR_CHARS = 32 * 1024
 # checking one object's took 2 ms for 32 and 18 ms for 64 on a Xeon (family 6 model 167),
 # 0.11 s for 32 regexes of nested counted repeats on a Zen 4 (family 25 model 17).
 MAX_PATTERN_PROPERTIES = 32
+# Of llguidance's complaint about a grammar, quoted back to the client by either side.
+MAX_GRAMMAR_ERROR_CHARS = 300
 
 
 # llguidance's parser limits (`LLParserLimits`), the same on both sides: what

@@ -42,6 +42,12 @@ class ProtocolError(ValueError):
         self.request_id = request_id
 
 
+def shorten(text: str, max_chars: int) -> str:
+    """``text`` cut to ``max_chars``, ending "..." where it was cut: a peer's or a
+    client's text, quoted in a message or a log line."""
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
 def pack(values: list[int] | list[float] | None, typecode: str) -> bytes | None:
     if values is None:
         return None

@@ -27,7 +27,8 @@ from llguidance.numpy import fill_next_token_bitmask
 from tokenizers import AddedToken, Tokenizer
 
 from protocol import ErrorCode, GenerateRequest, GrammarKind
-from protocol.limits import GRAMMAR_LIMITS
+from protocol.limits import GRAMMAR_LIMITS, MAX_GRAMMAR_ERROR_CHARS
+from protocol.wire import shorten
 from worker.engine.interface import RequestRejected
 
 if TYPE_CHECKING:
@@ -38,7 +39,6 @@ log = logging.getLogger(__name__)
 # Grammars kept compiled, the most recently used. Each may hold up to ~35 MB of
 # its lexer's expressions (GRAMMAR_LIMITS' initial_lexer_fuel).
 MAX_COMPILED = 16
-_MAX_ERROR_CHARS = 300  # of llguidance's message quoted back to the client
 _NOT_VERBOSE = "<non-verbose/>"  # what llguidance puts in place of its parser's state
 
 
@@ -324,4 +324,4 @@ def _explained(error: str) -> str:
 
 def _short(message: str) -> str:
     message = " ".join(message.replace(_NOT_VERBOSE, "").split())
-    return message if len(message) <= _MAX_ERROR_CHARS else message[: _MAX_ERROR_CHARS - 3] + "..."
+    return shorten(message, MAX_GRAMMAR_ERROR_CHARS)

@@ -24,6 +24,7 @@ from protocol import (
 )
 from protocol.request_checks import RequestLimits, is_valid_abort, request_problem
 from protocol.throttled import Throttled
+from protocol.wire import shorten
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,6 @@ class Peers:
         self._orphans.extend(orphans)
 
     def _answer(self, peer: bytes, request_id: str, code: str, message: str) -> None:
-        if len(message) > _MAX_ERROR_CHARS:
-            message = message[: _MAX_ERROR_CHARS - 3] + "..."
+        message = shorten(message, _MAX_ERROR_CHARS)
         self._refused.warn(f"request {request_id:.64} from peer {peer.hex()} refused: {message}")
         self._deliver(peer, encode(ErrorResult(request_id, code, message)))
