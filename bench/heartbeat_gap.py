@@ -95,8 +95,8 @@ def measure(
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    peer = worker_socket(context, config.endpoint)
-    peer.connect(config.endpoint)
+    peer = worker_socket(context, config.worker_endpoint)
+    peer.connect(config.worker_endpoint)
     report = GapReport(config.heartbeat_interval_s)
     answered_at = time.monotonic()
     try:
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
 
     config = WorkerConfig(
         model_id=args.model_id,
-        endpoint=f"tcp://127.0.0.1:{args.port}",
+        worker_endpoint=f"tcp://127.0.0.1:{args.port}",
         heartbeat_interval_s=args.heartbeat_interval_s,
     )
     report = measure(build_engine(config), config, args.rounds)

@@ -10,6 +10,7 @@ from functools import cached_property
 
 from protocol.curve import ClientKeys, read_public_key, read_secret_key
 from protocol.settings import (
+    DEFAULT_WORKER_ENDPOINT,
     ConfigError,
     check_endpoint,
     read_curve_keys,
@@ -25,7 +26,7 @@ class WorkerClientConfig:
 
     worker_endpoint: str = setting(
         "WORKER_ENDPOINT",
-        "tcp://127.0.0.1:5555",
+        DEFAULT_WORKER_ENDPOINT,
         "the worker's ZMQ endpoint; a host name is re-resolved every "
         "WORKER_RESOLVE_INTERVAL_S and every address it resolves to is a worker",
     )

@@ -109,6 +109,8 @@ def read_curve_keys(
 # A Unix socket's path, less its terminating NUL (sockaddr_un.sun_path on Linux).
 MAX_IPC_PATH_BYTES = 107
 MAX_PORT = 65535
+# Where the worker listens, and its clients connect, unless WORKER_ENDPOINT says.
+DEFAULT_WORKER_ENDPOINT = "tcp://127.0.0.1:5555"
 
 
 def check_endpoint(config: object, name: str, endpoint: str | None = None) -> None:
@@ -119,7 +121,7 @@ def check_endpoint(config: object, name: str, endpoint: str | None = None) -> No
     env = env_name(type(config), name)
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ConfigError(
-            f"{env} must be a ZMQ endpoint such as tcp://127.0.0.1:5555, got {endpoint!r}"
+            f"{env} must be a ZMQ endpoint such as {DEFAULT_WORKER_ENDPOINT}, got {endpoint!r}"
         )
     path = endpoint.removeprefix("ipc://")
     if endpoint.startswith("ipc://") and len(path.encode()) > MAX_IPC_PATH_BYTES:

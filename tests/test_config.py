@@ -34,7 +34,7 @@ def test_defaults_are_the_documented_ones() -> None:
         1024,
     )
     assert frontend.max_new_tokens_limit == 512
-    assert frontend.worker_endpoint == worker.endpoint == "tcp://127.0.0.1:5555"
+    assert frontend.worker_endpoint == worker.worker_endpoint == "tcp://127.0.0.1:5555"
 
 
 def test_environment_sets_values_and_flags_override_them() -> None:

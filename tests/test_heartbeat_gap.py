@@ -16,7 +16,7 @@ MAX_GAP_S = 1.0  # well under HEARTBEAT_TIMEOUT_S (3 s): no false "dead"
 def test_the_costliest_messages_leave_no_heartbeat_gap() -> None:
     config = WorkerConfig(
         model_id="synthetic",
-        endpoint=f"tcp://127.0.0.1:{free_port()}",
+        worker_endpoint=f"tcp://127.0.0.1:{free_port()}",
         heartbeat_interval_s=0.05,
         max_message_bytes=4 * 1024 * 1024,
     )

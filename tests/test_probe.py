@@ -152,7 +152,7 @@ def test_malformed_endpoint_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
 def test_default_endpoint_is_the_workers_own_bind_on_loopback(
     bind: str, endpoint: str, expected: str
 ) -> None:
-    assert local_endpoint(WorkerConfig(endpoint=endpoint, bind_endpoint=bind)) == expected
+    assert local_endpoint(WorkerConfig(worker_endpoint=endpoint, worker_bind=bind)) == expected
 
 
 @pytest.mark.parametrize("stand_in", [[encode(HELLO)]], indirect=True)

@@ -47,7 +47,7 @@ from worker.serve.server import WorkerServer
 def serving(
     engine: FakeEngine, max_queue_depth: int = 64, **config: object
 ) -> Iterator[WorkerServer]:
-    settings = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "heartbeat_interval_s": 0.05}
+    settings = {"worker_endpoint": f"tcp://127.0.0.1:{free_port()}", "heartbeat_interval_s": 0.05}
     settings.update(config)
     worker_config = WorkerConfig(model_id="fake", **settings)  # type: ignore[arg-type]
     server = WorkerServer(Scheduler(engine, max_queue_depth), worker_config)
@@ -97,7 +97,7 @@ def connect() -> Iterator[Connect]:
     made: list[Frontend] = []
 
     def make(server: WorkerServer) -> Frontend:
-        made.append(Frontend(context, server.config.endpoint))
+        made.append(Frontend(context, server.config.worker_endpoint))
         return made[-1]
 
     yield make

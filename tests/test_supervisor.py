@@ -96,7 +96,7 @@ def test_each_of_several_workers_is_told_its_endpoint_cores_and_how_many_share_m
     config = load(SupervisorConfig, ["--num-workers", "3"], {})
     env = _worker_env("tcp://127.0.0.1:5557", config)
     worker = load(WorkerConfig, [], env)
-    assert (worker.num_workers, worker.endpoint, worker.bind_endpoint) == (
+    assert (worker.num_workers, worker.worker_endpoint, worker.worker_bind) == (
         3,
         "tcp://127.0.0.1:5557",
         "",

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from protocol.client_config import WorkerClientConfig
-from protocol.settings import MAX_PORT, ConfigError, env_name, require_positive, setting
+from protocol.settings import (
+    DEFAULT_WORKER_ENDPOINT,
+    MAX_PORT,
+    ConfigError,
+    env_name,
+    require_positive,
+    setting,
+)
 from worker.serve.config import check_torch_threads
 
 # Workers or frontends one supervisor runs: each worker holds a copy of the model,
@@ -32,7 +39,7 @@ class SupervisorConfig(WorkerClientConfig):
 
     worker_endpoint: str = setting(
         "WORKER_ENDPOINT",
-        "tcp://127.0.0.1:5555",
+        DEFAULT_WORKER_ENDPOINT,
         "the first worker's ZMQ endpoint: NUM_WORKERS bind it and the ports after it, "
         "and the frontends connect to each",
     )

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from protocol.curve import ServerKeys, read_public_keys, read_secret_key
 from protocol.settings import (
+    DEFAULT_WORKER_ENDPOINT,
     ConfigError,
     check_endpoint,
     read_curve_keys,
@@ -54,8 +55,8 @@ class WorkerConfig:
     )
     max_batch_size: int = setting("MAX_BATCH_SIZE", 8, "sequences decoded together")
     max_queue_depth: int = setting("MAX_QUEUE_DEPTH", 1024, "requests waiting for a slot")
-    endpoint: str = setting("WORKER_ENDPOINT", "tcp://127.0.0.1:5555", "ZMQ endpoint")
-    bind_endpoint: str = setting(
+    worker_endpoint: str = setting("WORKER_ENDPOINT", DEFAULT_WORKER_ENDPOINT, "ZMQ endpoint")
+    worker_bind: str = setting(
         "WORKER_BIND", "", "where the worker binds, if not WORKER_ENDPOINT (tcp://*:5555)"
     )
     heartbeat_interval_s: float = setting("HEARTBEAT_INTERVAL_S", 0.5, "seconds between heartbeats")
@@ -166,9 +167,9 @@ class WorkerConfig:
             raise ConfigError(
                 f"STOP_GRACE_S must be >= 0 (0: hand back at once), got {self.stop_grace_s:g}"
             )
-        check_endpoint(self, "endpoint")
-        if self.bind_endpoint:
-            check_endpoint(self, "bind_endpoint")
+        check_endpoint(self, "worker_endpoint")
+        if self.worker_bind:
+            check_endpoint(self, "worker_bind")
         if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"DEVICE must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -211,7 +212,7 @@ class WorkerConfig:
 
     @property
     def listen_endpoint(self) -> str:
-        return self.bind_endpoint or self.endpoint
+        return self.worker_bind or self.worker_endpoint
 
 
 def check_endpoint_free(config: WorkerConfig) -> None:
@@ -220,7 +221,7 @@ def check_endpoint_free(config: WorkerConfig) -> None:
     not by the bind after it."""
     address = tcp_bind_address(config.listen_endpoint)
     if address is not None and is_listened_on(*address):
-        name = "WORKER_BIND" if config.bind_endpoint else "WORKER_ENDPOINT"
+        name = "WORKER_BIND" if config.worker_bind else "WORKER_ENDPOINT"
         raise ConfigError(
             f"port {address[1]} ({name}={config.listen_endpoint}) is taken by another "
             f"program, perhaps another worker: set {name} to a free address"
