@@ -21,7 +21,8 @@ from protocol.limits import (
 from protocol.settings import ConfigError, flag_settings, load
 from protocol.wire import MAX_REQUEST_ID_CHARS
 from worker.launch.config import SupervisorConfig
-from worker.launch.supervisor import Supervisor, check_worker_timing
+from worker.launch.preflight import check_worker_timing
+from worker.launch.supervisor import Supervisor
 from worker.serve.config import MIN_MESSAGE_BYTES, WorkerConfig
 
 

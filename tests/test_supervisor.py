@@ -28,15 +28,14 @@ from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
 from worker.launch import child as child_module
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
-from worker.launch.supervisor import (
-    Supervisor,
-    WorkerWatch,
-    _worker_env,
+from worker.launch.preflight import (
     check_no_worker_endpoints,
     check_ports_apart,
     check_worker_ports_free,
 )
+from worker.launch.supervisor import Supervisor, _worker_env
 from worker.launch.warm_start import FORK_SERVER_TITLE
+from worker.launch.worker_watch import WorkerWatch
 from worker.serve.config import WorkerConfig
 
 SIGRTMIN_PLUS_3 = 37  # a real-time signal: signal.Signals has no member for it

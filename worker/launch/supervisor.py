@@ -21,28 +21,16 @@ comes from the environment, which both children inherit.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import signal
-import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-import zmq
-from zmq.utils.monitor import parse_monitor_message
-
-from protocol import Heartbeat, Hello, ProtocolError, decode_to_frontend
-from protocol.client_config import WorkerClientConfig
-from protocol.lifeline import (
-    FRONTEND_ANSWERS_LEFT_BEFORE_S,
-    FRONTEND_STOP_GRACE_S,
-    name_supervisor,
-)
-from protocol.liveness import Liveness, PauseWatch, WorkerState
-from protocol.peer import ping, worker_socket
+from protocol.lifeline import name_supervisor
+from protocol.liveness import PauseWatch, WorkerState
 from protocol.settings import (
     MAX_IPC_PATH_BYTES,
     MAX_PORT,
@@ -50,13 +38,12 @@ from protocol.settings import (
     exit_refusing,
     flag_settings,
     load,
-    setting_of_flag,
-    unknown_flags,
 )
-from worker.launch.child import KILL_AFTER_S, Child, CrashLoop, stop_together
+from worker.launch.child import Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
+from worker.launch.preflight import check_before_start, check_own_flags
 from worker.launch.warm_start import FORK_SERVER
-from worker.serve.config import WorkerConfig, is_listened_on, tcp_bind_address
+from worker.launch.worker_watch import WorkerWatch
 
 log = logging.getLogger("supervisor")
 
@@ -69,99 +56,6 @@ _WORKER_SERVED_AFTER_S = 10.0
 # A worker forked warm has its model loaded: only a fault keeps it from saying
 # hello this long after its start (a deadlock, a freeze), however large the model.
 _FORKED_START_TIMEOUT_S = 60.0
-
-
-class WorkerWatch:
-    """Hears one worker's hellos and heartbeats, as a frontend would, and sees
-    when the worker's socket takes its connection: a worker binds once its model
-    is loaded, so from then on a hello is due within HEARTBEAT_TIMEOUT_S."""
-
-    def __init__(self, client: WorkerClientConfig, endpoint: str) -> None:
-        self.client = client
-        self.endpoint = endpoint
-        self.liveness = self._new_liveness()
-        self.connected_at: float | None = None  # the worker's socket took this connection
-        self._context = zmq.Context()
-        self._socket, self._monitor = self._connect()
-        self._ping = ping("supervisor")
-        self._next_ping = 0.0
-
-    def _new_liveness(self) -> Liveness:
-        return Liveness(self.client.heartbeat_timeout_s, self.client.step_timeout_s)
-
-    def _connect(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
-        socket = worker_socket(self._context, self.endpoint, self.client.curve, is_immediate=True)
-        monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        socket.connect(self.endpoint)
-        return socket, monitor
-
-    def on_own_pause(self) -> None:
-        """This supervisor did not run for a while: past FRONTEND_TIMEOUT_S the
-        worker took it for gone and stopped its heartbeats, so ping it at once; its
-        hello answers, and it has HEARTBEAT_TIMEOUT_S from now to be heard."""
-        self.liveness.on_own_pause()
-        self._next_ping = 0.0
-
-    def forget_worker(self) -> None:
-        # A new socket: a hello the dead worker sent just before it died, still
-        # queued on the old one, would make its successor look live and served.
-        self._close_sockets()
-        self._socket, self._monitor = self._connect()
-        self.liveness = self._new_liveness()
-        self.connected_at = None
-
-    def mute_s(self) -> float:
-        """How long the worker's socket has held this connection with no hello
-        from it (0 before the connection, or once it said hello)."""
-        if self.connected_at is None or self.liveness.hello is not None:
-            return 0.0
-        return time.monotonic() - self.connected_at
-
-    def poll(self, timeout_s: float) -> None:
-        while self._monitor.poll(0):
-            event = parse_monitor_message(self._monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_CONNECTED:
-                self.connected_at = self.connected_at or time.monotonic()
-                # A worker binds once it is ready: ping it now, as a frontend does,
-                # not up to PING_INTERVAL_S later. A worker killed in between had
-                # said hello to its frontends but not here, and counted as a
-                # failed start: five such kills in a row ended the stack.
-                self._next_ping = 0.0
-            elif event == zmq.EVENT_DISCONNECTED:
-                self.connected_at = None
-        if time.monotonic() >= self._next_ping:
-            try:
-                self._socket.send(self._ping, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                # No worker, or its connection is still in ZMTP's handshake (the
-                # TCP connect comes first): the ping is due again at the next poll.
-                pass
-            else:
-                self._next_ping = time.monotonic() + self.client.ping_interval_s
-        while self._socket.poll(int(timeout_s * 1000)):
-            timeout_s = 0
-            try:
-                message = decode_to_frontend(self._socket.recv())
-            except ProtocolError as exc:
-                log.error("malformed frame from the worker: %s", exc)
-                continue
-            if isinstance(message, Hello):
-                if self.liveness.on_hello(message):
-                    for problem in self.client.timing_problems(
-                        message.heartbeat_interval_s, message.frontend_timeout_s
-                    ):
-                        log.error("worker at %s: %s", self.endpoint, problem)
-            elif isinstance(message, Heartbeat):
-                self.liveness.on_heartbeat(message)
-
-    def close(self) -> None:
-        self._close_sockets()
-        self._context.term()
-
-    def _close_sockets(self) -> None:
-        self._socket.disable_monitor()
-        self._monitor.close(linger=0)
-        self._socket.close(linger=0)
 
 
 class Supervisor:
@@ -338,85 +232,6 @@ def worker_endpoints(first: str, num_workers: int) -> list[str]:
     return [f"tcp://{host}:{parts.port + i}" for i in range(num_workers)]
 
 
-def _workers_bind(config: SupervisorConfig, environ: Mapping[str, str]) -> tuple[str, str]:
-    """The setting and endpoint the first worker binds: several workers each bind
-    their own endpoint; a lone one, WORKER_BIND if set."""
-    bind = environ.get("WORKER_BIND", "") if config.num_workers == 1 else ""
-    return ("WORKER_BIND", bind) if bind else ("WORKER_ENDPOINT", config.worker_endpoint)
-
-
-def check_ports_apart(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
-    """Refuse frontend ports (PORT and the next NUM_FRONTENDS - 1) that overlap the
-    workers' (WORKER_ENDPOINT's, or a lone worker's WORKER_BIND, and the next
-    NUM_WORKERS - 1) on one address: whichever binds second fails, and the first,
-    taken for the other kind, made the frontends give CURVE advice and a worker
-    blame "another program". Hosts are looked up only for ports in common."""
-    name, endpoint = _workers_bind(config, environ)
-    first = urlsplit(endpoint)
-    if first.scheme != "tcp" or first.port is None:
-        return
-    http_ports = range(config.port, config.port + config.num_frontends)
-    worker_ports = range(first.port, first.port + config.num_workers)
-    shared = sorted(set(http_ports) & set(worker_ports))
-    http_host = environ.get("HOST", "127.0.0.1")  # the frontends' own setting
-    if shared and _same_address(first.hostname or "", http_host):
-        raise ConfigError(
-            f"the frontends' ports (PORT={config.port}, NUM_FRONTENDS={config.num_frontends}: "
-            f"{http_ports.start}-{http_ports.stop - 1}) and the workers' "
-            f"({name}={endpoint}, NUM_WORKERS={config.num_workers}: "
-            f"{worker_ports.start}-{worker_ports.stop - 1}) share port {shared[0]}: move "
-            "one range clear of the other"
-        )
-
-
-def check_worker_ports_free(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
-    """Refuse worker ports another program listens on before anything starts: the
-    frontends, which start at once, served through another stack's worker there
-    for the 8 s until this stack's own worker failed to bind."""
-    name, endpoint = _workers_bind(config, environ)
-    first = tcp_bind_address(endpoint)
-    if first is None:
-        return
-    host, first_port = first
-    for port in range(first_port, first_port + config.num_workers):
-        if is_listened_on(host, port):
-            raise ConfigError(
-                f"port {port} of the workers' ({name}={endpoint}, NUM_WORKERS="
-                f"{config.num_workers}) is taken by another program, perhaps another "
-                f"stack's worker: set {name} to a free address"
-            )
-
-
-def _same_address(worker_host: str, http_host: str) -> bool:
-    """Whether listeners on these hosts could want one socket: an address in
-    common, or a wildcard of the other's family. Each is read as binding reads it
-    (``127.1``, ``0``, ``::0``; a ZMQ ``*`` is IPv4's wildcard); a host that does
-    not resolve is left for binding to refuse."""
-    worker = _bind_addresses("0.0.0.0" if worker_host in ("", "*") else worker_host)
-    http = _bind_addresses(http_host)
-    return any(
-        a.version == b.version and (a == b or a.is_unspecified or b.is_unspecified)
-        for a in worker
-        for b in http
-    )
-
-
-def _bind_addresses(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    try:
-        # No host (HOST=""): every interface, as a listener reads it.
-        name = host.strip("[]") or None
-        infos = socket.getaddrinfo(name, 0, flags=socket.AI_PASSIVE, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return []
-    addresses = []
-    for *_, sockaddr in infos:
-        address = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-            address = address.ipv4_mapped
-        addresses.append(address)
-    return addresses
-
-
 def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:
     """One of several workers: its own endpoint, its share of the cores, and how
     many share the memory (each checks that all their KV caches fit)."""
@@ -425,71 +240,6 @@ def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:
     env["NUM_WORKERS"] = str(config.num_workers)
     env["WORKER_BIND"] = ""  # each binds its own endpoint
     return env
-
-
-# When frontends stopped alongside the workers answer what is left themselves.
-_FRONTENDS_ANSWER_LEFT_AT_S = FRONTEND_STOP_GRACE_S - FRONTEND_ANSWERS_LEFT_BEFORE_S
-# The longest STOP_GRACE_S: a worker's hand-back at its end (a step may run a
-# second past it) must reach those frontends before then, and the worker must
-# not be killed (KILL_AFTER_S) before it is sent.
-MAX_STOP_GRACE_S = _FRONTENDS_ANSWER_LEFT_AT_S - 1.0
-
-
-def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
-    """Refuse timing the workers' settings, in this same environment, make
-    unworkable with the supervisor's: it would declare a live worker dead between
-    two heartbeats, again and again. A worker setting that is wrong in itself is
-    left for the worker to refuse, naming it."""
-    try:
-        worker = load(WorkerConfig, [], environ)
-    except ConfigError:
-        return
-    problems = config.timing_problems(worker.heartbeat_interval_s, worker.frontend_timeout_s)
-    if worker.stop_grace_s > MAX_STOP_GRACE_S:
-        problems.append(
-            f"STOP_GRACE_S={worker.stop_grace_s:g} is more than {MAX_STOP_GRACE_S:g}: "
-            "frontends stopped with the workers answer what is left "
-            f"{_FRONTENDS_ANSWER_LEFT_AT_S:g} s into their stop, "
-            f"and minibatch-serve kills a worker {KILL_AFTER_S:g} s after asking it to stop, "
-            "so what it hands back later is lost; lower STOP_GRACE_S"
-        )
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
-NO_WORKER_ENDPOINTS = (
-    "WORKER_ENDPOINTS is for a frontend run alone (minibatch-frontend): "
-    "minibatch-serve tells its frontends the endpoints of the workers it starts, "
-    "on WORKER_ENDPOINT and the ports after it (NUM_WORKERS); unset it"
-)
-
-
-def check_no_worker_endpoints(config: SupervisorConfig) -> None:
-    """WORKER_ENDPOINTS, which --help lists among a frontend's settings, was
-    silently overridden: refused, saying where the workers are."""
-    if config.worker_endpoints.strip():
-        raise ConfigError(NO_WORKER_ENDPOINTS)
-
-
-def check_own_flags(argv: Sequence[str]) -> None:
-    """Refuse a flag that is not minibatch-serve's (`--max-batch-size 16`, a
-    worker's), saying where that setting goes instead: argparse's bare
-    "unrecognized arguments" left the user guessing."""
-    for flag in unknown_flags(SupervisorConfig, argv):
-        if setting_of_flag(SupervisorConfig, flag) == "WORKER_ENDPOINTS":
-            raise ConfigError(NO_WORKER_ENDPOINTS)
-        env = setting_of_flag(WorkerConfig, flag)
-        if env is not None:
-            raise ConfigError(
-                f"{flag.split('=', 1)[0]} is a worker's flag, not minibatch-serve's: set "
-                f"{env} in its environment instead (`{env}=... minibatch-serve`), which "
-                "the workers it starts inherit"
-            )
-        raise ConfigError(
-            f"{flag.split('=', 1)[0]} is not a flag of minibatch-serve (--help lists them); "
-            "the workers and frontends it starts read their own settings from its "
-            "environment (`minibatch-frontend --help` names the variable of each of its flags)"
-        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -503,10 +253,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # The children read their settings from the environment, so a flag given
         # here is set there too: `--torch-threads 1` had reached no worker.
         os.environ.update(flag_settings(SupervisorConfig, argv))
-        check_worker_timing(config, os.environ)
-        check_ports_apart(config, os.environ)
-        check_no_worker_endpoints(config)
-        check_worker_ports_free(config, os.environ)
+        check_before_start(config, os.environ)
         supervisor = Supervisor(config)
     except ConfigError as exc:
         exit_refusing("supervisor", exc)

@@ -1,0 +1,168 @@
+"""What `minibatch-serve` refuses before it starts anything: flags that are not
+its own, ports that overlap or are taken, and worker timing its own settings
+make unworkable. Each refusal says what to set instead."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit
+
+from protocol.lifeline import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
+from protocol.settings import ConfigError, load, setting_of_flag, unknown_flags
+from worker.launch.child import KILL_AFTER_S
+from worker.launch.config import SupervisorConfig
+from worker.serve.config import WorkerConfig, is_listened_on, tcp_bind_address
+
+
+def check_before_start(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
+    """Every check of the settings as loaded, in the order a user fixes them."""
+    check_worker_timing(config, environ)
+    check_ports_apart(config, environ)
+    check_no_worker_endpoints(config)
+    check_worker_ports_free(config, environ)
+
+
+def _workers_bind(config: SupervisorConfig, environ: Mapping[str, str]) -> tuple[str, str]:
+    """The setting and endpoint the first worker binds: several workers each bind
+    their own endpoint; a lone one, WORKER_BIND if set."""
+    bind = environ.get("WORKER_BIND", "") if config.num_workers == 1 else ""
+    return ("WORKER_BIND", bind) if bind else ("WORKER_ENDPOINT", config.worker_endpoint)
+
+
+def check_ports_apart(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
+    """Refuse frontend ports (PORT and the next NUM_FRONTENDS - 1) that overlap the
+    workers' (WORKER_ENDPOINT's, or a lone worker's WORKER_BIND, and the next
+    NUM_WORKERS - 1) on one address: whichever binds second fails, and the first,
+    taken for the other kind, made the frontends give CURVE advice and a worker
+    blame "another program". Hosts are looked up only for ports in common."""
+    name, endpoint = _workers_bind(config, environ)
+    first = urlsplit(endpoint)
+    if first.scheme != "tcp" or first.port is None:
+        return
+    http_ports = range(config.port, config.port + config.num_frontends)
+    worker_ports = range(first.port, first.port + config.num_workers)
+    shared = sorted(set(http_ports) & set(worker_ports))
+    http_host = environ.get("HOST", "127.0.0.1")  # the frontends' own setting
+    if shared and _same_address(first.hostname or "", http_host):
+        raise ConfigError(
+            f"the frontends' ports (PORT={config.port}, NUM_FRONTENDS={config.num_frontends}: "
+            f"{http_ports.start}-{http_ports.stop - 1}) and the workers' "
+            f"({name}={endpoint}, NUM_WORKERS={config.num_workers}: "
+            f"{worker_ports.start}-{worker_ports.stop - 1}) share port {shared[0]}: move "
+            "one range clear of the other"
+        )
+
+
+def check_worker_ports_free(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
+    """Refuse worker ports another program listens on before anything starts: the
+    frontends, which start at once, served through another stack's worker there
+    for the 8 s until this stack's own worker failed to bind."""
+    name, endpoint = _workers_bind(config, environ)
+    first = tcp_bind_address(endpoint)
+    if first is None:
+        return
+    host, first_port = first
+    for port in range(first_port, first_port + config.num_workers):
+        if is_listened_on(host, port):
+            raise ConfigError(
+                f"port {port} of the workers' ({name}={endpoint}, NUM_WORKERS="
+                f"{config.num_workers}) is taken by another program, perhaps another "
+                f"stack's worker: set {name} to a free address"
+            )
+
+
+def _same_address(worker_host: str, http_host: str) -> bool:
+    """Whether listeners on these hosts could want one socket: an address in
+    common, or a wildcard of the other's family. Each is read as binding reads it
+    (``127.1``, ``0``, ``::0``; a ZMQ ``*`` is IPv4's wildcard); a host that does
+    not resolve is left for binding to refuse."""
+    worker = _bind_addresses("0.0.0.0" if worker_host in ("", "*") else worker_host)
+    http = _bind_addresses(http_host)
+    return any(
+        a.version == b.version and (a == b or a.is_unspecified or b.is_unspecified)
+        for a in worker
+        for b in http
+    )
+
+
+def _bind_addresses(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    try:
+        # No host (HOST=""): every interface, as a listener reads it.
+        name = host.strip("[]") or None
+        infos = socket.getaddrinfo(name, 0, flags=socket.AI_PASSIVE, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    addresses = []
+    for *_, sockaddr in infos:
+        address = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+            address = address.ipv4_mapped
+        addresses.append(address)
+    return addresses
+
+
+# When frontends stopped alongside the workers answer what is left themselves.
+_FRONTENDS_ANSWER_LEFT_AT_S = FRONTEND_STOP_GRACE_S - FRONTEND_ANSWERS_LEFT_BEFORE_S
+# The longest STOP_GRACE_S: a worker's hand-back at its end (a step may run a
+# second past it) must reach those frontends before then, and the worker must
+# not be killed (KILL_AFTER_S) before it is sent.
+MAX_STOP_GRACE_S = _FRONTENDS_ANSWER_LEFT_AT_S - 1.0
+
+
+def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
+    """Refuse timing the workers' settings, in this same environment, make
+    unworkable with the supervisor's: it would declare a live worker dead between
+    two heartbeats, again and again. A worker setting that is wrong in itself is
+    left for the worker to refuse, naming it."""
+    try:
+        worker = load(WorkerConfig, [], environ)
+    except ConfigError:
+        return
+    problems = config.timing_problems(worker.heartbeat_interval_s, worker.frontend_timeout_s)
+    if worker.stop_grace_s > MAX_STOP_GRACE_S:
+        problems.append(
+            f"STOP_GRACE_S={worker.stop_grace_s:g} is more than {MAX_STOP_GRACE_S:g}: "
+            "frontends stopped with the workers answer what is left "
+            f"{_FRONTENDS_ANSWER_LEFT_AT_S:g} s into their stop, "
+            f"and minibatch-serve kills a worker {KILL_AFTER_S:g} s after asking it to stop, "
+            "so what it hands back later is lost; lower STOP_GRACE_S"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+NO_WORKER_ENDPOINTS = (
+    "WORKER_ENDPOINTS is for a frontend run alone (minibatch-frontend): "
+    "minibatch-serve tells its frontends the endpoints of the workers it starts, "
+    "on WORKER_ENDPOINT and the ports after it (NUM_WORKERS); unset it"
+)
+
+
+def check_no_worker_endpoints(config: SupervisorConfig) -> None:
+    """WORKER_ENDPOINTS, which --help lists among a frontend's settings, was
+    silently overridden: refused, saying where the workers are."""
+    if config.worker_endpoints.strip():
+        raise ConfigError(NO_WORKER_ENDPOINTS)
+
+
+def check_own_flags(argv: Sequence[str]) -> None:
+    """Refuse a flag that is not minibatch-serve's (`--max-batch-size 16`, a
+    worker's), saying where that setting goes instead: argparse's bare
+    "unrecognized arguments" left the user guessing."""
+    for flag in unknown_flags(SupervisorConfig, argv):
+        if setting_of_flag(SupervisorConfig, flag) == "WORKER_ENDPOINTS":
+            raise ConfigError(NO_WORKER_ENDPOINTS)
+        env = setting_of_flag(WorkerConfig, flag)
+        if env is not None:
+            raise ConfigError(
+                f"{flag.split('=', 1)[0]} is a worker's flag, not minibatch-serve's: set "
+                f"{env} in its environment instead (`{env}=... minibatch-serve`), which "
+                "the workers it starts inherit"
+            )
+        raise ConfigError(
+            f"{flag.split('=', 1)[0]} is not a flag of minibatch-serve (--help lists them); "
+            "the workers and frontends it starts read their own settings from its "
+            "environment (`minibatch-frontend --help` names the variable of each of its flags)"
+        )
