@@ -40,13 +40,15 @@ import itertools
 import os
 import random
 import signal
+import socket
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import httpx
 import psutil
@@ -94,8 +96,11 @@ class FaultInjector:
         """One of the stack's local workers, at random."""
         if self.supervisor_pid is None:
             listed = cast("list[dict[str, Any]]", (await health(self.url))["workers"])
-            ports = {int(str(worker["endpoint"]).rsplit(":", 1)[1]) for worker in listed}
-            processes = [process for process in psutil.process_iter() if _listens(process, ports)]
+            endpoints = _addresses(str(worker["endpoint"]) for worker in listed)
+            local = _local_addresses()
+            processes = [
+                process for process in psutil.process_iter() if _listens(process, endpoints, local)
+            ]
         else:
             processes = psutil.Process(self.supervisor_pid).children(recursive=True)
         workers = []
@@ -104,7 +109,10 @@ class FaultInjector:
                 if any(module in " ".join(process.cmdline()) for module in WORKER_MODULES):
                     workers.append(process)
         if not workers:
-            raise RuntimeError(f"no local worker of {self.url} found; pass --kill-cmd/--stop-cmd")
+            raise RuntimeError(
+                f"no worker of {self.url} listens on this host (one in a container or "
+                "elsewhere is out of reach): pass --kill-cmd, --stop-cmd and --cont-cmd"
+            )
         return self.rng.choice(sorted(workers, key=lambda process: process.pid))
 
     async def kill(self) -> None:
@@ -128,12 +136,50 @@ class FaultInjector:
             worker.send_signal(signal.SIGCONT)
 
 
-def _listens(process: psutil.Process, ports: set[int]) -> bool:
-    """Whether ``process`` listens on one of ``ports`` (TCP)."""
+def _addresses(endpoints: Iterable[str]) -> set[tuple[str, int]]:
+    """(IP, port) of each tcp:// endpoint, its host looked up."""
+    addresses = set()
+    for endpoint in endpoints:
+        parts = urlsplit(endpoint)
+        if parts.scheme != "tcp" or parts.hostname is None or parts.port is None:
+            continue
+        with contextlib.suppress(OSError):
+            for *_, sockaddr in socket.getaddrinfo(parts.hostname, parts.port):
+                addresses.add((str(sockaddr[0]), parts.port))
+    return addresses
+
+
+def _local_addresses() -> set[str]:
+    """This host's own IP addresses: where a wildcard listener is reached."""
+    return {
+        address.address.split("%")[0]
+        for addresses in psutil.net_if_addrs().values()
+        for address in addresses
+        if address.family in (socket.AF_INET, socket.AF_INET6)
+    }
+
+
+def is_listener_of(
+    listen_ip: str, listen_port: int, endpoint: tuple[str, int], local: set[str]
+) -> bool:
+    """Whether a socket listening at ``listen_ip:listen_port`` is what ``endpoint``
+    reaches: the same port, and the same address or a wildcard one on this host.
+    A worker in a container (another network namespace) is at an address this host
+    does not have, so a worker here on the same port is not taken for it."""
+    ip, port = endpoint
+    if listen_port != port:
+        return False
+    return listen_ip == ip or (listen_ip in ("0.0.0.0", "::") and ip in local)
+
+
+def _listens(process: psutil.Process, endpoints: set[tuple[str, int]], local: set[str]) -> bool:
+    """Whether ``process`` listens (TCP) where one of ``endpoints`` reaches."""
     with contextlib.suppress(psutil.Error):  # gone, a zombie, or not ours to read
         return any(
-            connection.status == psutil.CONN_LISTEN and connection.laddr.port in ports
+            connection.status == psutil.CONN_LISTEN
+            and is_listener_of(connection.laddr.ip, connection.laddr.port, endpoint, local)
             for connection in process.net_connections(kind="tcp")
+            for endpoint in endpoints
         )
     return False
 

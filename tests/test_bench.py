@@ -272,6 +272,23 @@ def test_fault_drill_at_a_url_faults_that_stacks_workers_and_no_others(tmp_path:
         assert picked <= set(stack.worker_pids()), (picked, bystander.worker_pids())
 
 
+@pytest.mark.parametrize(
+    ("listen_ip", "endpoint", "is_it"),
+    [
+        ("127.0.0.1", ("127.0.0.1", 5555), True),
+        ("0.0.0.0", ("10.0.0.5", 5555), True),  # a wildcard on this host, reached there
+        ("127.0.0.1", ("172.18.0.2", 5555), False),  # a container's worker: not this one
+        ("0.0.0.0", ("172.18.0.2", 5555), False),  # an address this host does not have
+        ("127.0.0.1", ("127.0.0.1", 5556), False),
+    ],
+)
+def test_the_fault_drill_takes_a_listener_for_an_endpoint_only_at_its_address(
+    listen_ip: str, endpoint: tuple[str, int], is_it: bool
+) -> None:
+    local = {"127.0.0.1", "10.0.0.5", "::1"}
+    assert fault_drill.is_listener_of(listen_ip, 5555, endpoint, local) is is_it
+
+
 def test_a_bench_stack_finds_its_worker_forked_from_the_fork_server(tmp_path: Path) -> None:
     """With warm starts the worker is the fork server's child, under its own title:
     bench.compare_paths reads its CPU time through `Stack.child`."""

@@ -219,12 +219,10 @@ def test_compose_environment_uses_configured_names(service: str, config_class: t
     assert not unknown, f"{service} sets variables its config never reads: {sorted(unknown)}"
 
 
-# What compose sets itself: each service's addresses on the compose network, and
-# NUM_WORKERS, which only minibatch-serve tells its workers (compose scales
-# containers, each with its own memory).
+# What compose sets itself: each service's addresses on the compose network.
 FIXED_BY_COMPOSE = {
     "frontend": {"HOST", "PORT", "WORKER_ENDPOINT", "WORKER_ENDPOINTS"},
-    "worker": {"WORKER_ENDPOINT", "WORKER_BIND", "NUM_WORKERS"},
+    "worker": {"WORKER_ENDPOINT", "WORKER_BIND"},
 }
 
 
