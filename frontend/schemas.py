@@ -14,7 +14,7 @@ import asyncio
 import typing
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 from starlette.requests import Request
 
@@ -32,6 +32,21 @@ from protocol.limits import (
     MAX_TOP_K,
 )
 
+
+def _integral_number_as_int(value: Any) -> Any:
+    """JSON has one number type: 16.0 is the integer 16, as JSON Schema (and so
+    /openapi.json) reads it, and as pydantic's lax mode and vLLM take it. Past
+    every integer field's bound (1e300), it stays a float, refused as such, not
+    quoted back as 301 digits."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**64:
+        return int(value)
+    return value
+
+
+# An integer field: 16 or 16.0, not 16.5; nor "16" or true (bodies stay strict).
+# Token ids stay ints alone: in a union (a prompt of text or ids), a wrapped type
+# would name its arm in pydantic's words, not JSON's, in the refusal.
+Integer = Annotated[int, BeforeValidator(_integral_number_as_int)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 # fail_fast: one error for a long list of bad ids, not one per id.
 TokenIds = Annotated[list[TokenId], Field(fail_fast=True)]
@@ -68,11 +83,13 @@ class GenerateBody(BaseModel):
         None, min_length=1, max_length=128, description="echoed back; made up if absent"
     )
     prompt: str = Field(min_length=1, description="the text to continue")
-    max_new_tokens: int = Field(16, ge=1, description="1 to MAX_NEW_TOKENS_LIMIT (512 unless set)")
+    max_new_tokens: Integer = Field(
+        16, ge=1, description="1 to MAX_NEW_TOKENS_LIMIT (512 unless set)"
+    )
     temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 keeps all")
-    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 keeps the whole vocabulary")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="reproducible sampling")
+    top_k: Integer = Field(0, ge=0, le=MAX_TOP_K, description="0 keeps the whole vocabulary")
+    seed: Integer | None = Field(None, ge=0, le=MAX_SEED, description="reproducible sampling")
     stop: StopStrings = Field(
         None, description=f"up to {MAX_STOP_STRINGS} strings; output is cut before them"
     )

@@ -73,6 +73,31 @@ def test_a_type_error_is_told_in_json_words(body: dict[str, object], expected: s
     assert param == expected.partition(":")[0]
 
 
+@pytest.mark.parametrize(
+    ("body", "field", "expected"),
+    [
+        ({"n": 2.0}, "n", 2),
+        ({"max_tokens": 16.0}, "max_tokens", 16),
+        ({"seed": 1e3}, "seed", 1000),
+    ],
+)
+def test_an_integer_written_with_a_point_is_an_integer(
+    body: dict[str, object], field: str, expected: object
+) -> None:
+    """JSON has one number type, and JSON Schema (/openapi.json) calls 2.0 an
+    integer. (Token ids, in a union with text, stay strict.)"""
+    parsed = CompletionBody.model_validate({"model": "m", "prompt": "hi", **body})
+    assert getattr(parsed, field) == expected
+    assert type(getattr(parsed, field)) is type(expected)
+
+
+@pytest.mark.parametrize("value", [1e300, -1e300])
+def test_a_number_past_every_integer_bound_is_refused_as_a_number(value: float) -> None:
+    with pytest.raises(ValidationError) as caught:
+        CompletionBody.model_validate({"model": "m", "prompt": "hi", "seed": value})
+    assert describe(caught.value)[0] == "seed: must be an integer, got a number"
+
+
 def test_a_missing_field_is_told_to_be_sent() -> None:
     with pytest.raises(ValidationError) as caught:
         CompletionBody.model_validate({"prompt": "hi", "response_format": {}})
