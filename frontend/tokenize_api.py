@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -35,7 +35,16 @@ TOKENIZE, DETOKENIZE = TOKENIZER_ENDPOINTS
 class TokenizeBody(BaseModel):
     """POST /tokenize: a prompt, or a conversation as the chat endpoint renders it."""
 
-    model_config = STRICT
+    # One of prompt and messages, as `tokenize` checks, said in /openapi.json too.
+    model_config = ConfigDict(
+        **STRICT,
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        },
+    )
 
     model: str | None = Field(None, description="the served model, if given")
     prompt: str | None = Field(None, min_length=1, description="text to tokenize")

@@ -68,3 +68,24 @@ def test_an_unsupported_parameter_is_described_by_its_neutral_values(
     for value in values:
         server_takes = body.model_validate({**least, field: value}).unsupported() is None
         assert jsonschema.Draft202012Validator(described).is_valid(value) == server_takes, value
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": "hi"},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"prompt": "hi", "messages": None},
+        {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
+        {},
+        {"prompt": None, "messages": None},
+    ],
+)
+def test_tokenize_is_described_as_taking_one_of_prompt_and_messages(
+    fields: dict[str, Any],
+) -> None:
+    """The rule the handler checks (one of the two), which a schema cannot infer."""
+    described = _components(False)["TokenizeBody"]
+    schema_takes = jsonschema.Draft202012Validator({"oneOf": described["oneOf"]}).is_valid(fields)
+    handler_takes = (fields.get("prompt") is None) != (fields.get("messages") is None)
+    assert schema_takes == handler_takes
