@@ -23,7 +23,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from frontend.field_errors import short_name
-from frontend.schemas import STRICT, CacheSalt, Integer, StopStrings, StopTokenIds, TokenIds
+from frontend.schemas import STRICT, CacheSalt, RequestBody, StopStrings, StopTokenIds, TokenIds
 from protocol.limits import (
     CHAT_ROLES,
     MAX_CHAT_MESSAGES,
@@ -114,7 +114,7 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema")
 
 
-class OpenAIBody(BaseModel):
+class OpenAIBody(RequestBody):
     """Fields both OpenAI endpoints take."""
 
     model_config = STRICT
@@ -122,12 +122,12 @@ class OpenAIBody(BaseModel):
     model: str = Field(min_length=1, description="the served model, as GET /v1/models names it")
     temperature: float | None = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
-    top_k: Integer | None = Field(None, ge=-1, le=MAX_TOP_K, description="-1 or 0: off")
-    seed: Integer | None = Field(None, ge=0, le=MAX_SEED)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="-1 or 0: off")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: StopStrings = None
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = False
-    min_tokens: Integer | None = Field(
+    min_tokens: int | None = Field(
         0, ge=0, description="no EOS, stop id or stop string ends the output before this"
     )
     repetition_penalty: float | None = Field(
@@ -137,7 +137,7 @@ class OpenAIBody(BaseModel):
     frequency_penalty: Penalty | None = Field(0.0, description="0 is off; over the output")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: Integer | None = Field(
+    n: int | None = Field(
         1, ge=1, le=MAX_CHOICES, description=f"choices to generate, 1 to {MAX_CHOICES}"
     )
     logit_bias: LogitBias | None = Field(
@@ -189,14 +189,14 @@ class CompletionBody(OpenAIBody):
         | Annotated[list[str], Field(fail_fast=True)]
         | Annotated[list[TokenIds], Field(fail_fast=True)]
     ) = Field(description="text, or token ids; one prompt per request")
-    max_tokens: Integer | None = Field(
+    max_tokens: int | None = Field(
         16, ge=0, description="0 to MAX_NEW_TOKENS_LIMIT; 0 only with echo"
     )
     echo: bool | None = Field(False, description="the prompt before the completion")
-    logprobs: Integer | None = Field(
+    logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="the likeliest tokens to list per token"
     )
-    best_of: Integer | None = Field(
+    best_of: int | None = Field(
         None,
         ge=1,
         le=MAX_CHOICES,
@@ -247,12 +247,12 @@ class ChatBody(OpenAIBody):
     messages: list[ChatMessage] = Field(
         min_length=1, max_length=MAX_CHAT_MESSAGES, description="the conversation so far"
     )
-    max_completion_tokens: Integer | None = Field(
+    max_completion_tokens: int | None = Field(
         None, ge=1, description="1 to MAX_NEW_TOKENS_LIMIT; by default as many as fit"
     )
-    max_tokens: Integer | None = Field(None, ge=1, description="the older name of the above")
+    max_tokens: int | None = Field(None, ge=1, description="the older name of the above")
     logprobs: bool | None = Field(False, description="each output token's logprob")
-    top_logprobs: Integer | None = Field(
+    top_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="with logprobs, the likeliest tokens to list"
     )
     add_generation_prompt: bool | None = Field(

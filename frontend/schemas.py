@@ -11,10 +11,11 @@ wire encoding. The OpenAI bodies are in `frontend.openai_schemas`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import typing
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from starlette.requests import Request
 
@@ -32,21 +33,6 @@ from protocol.limits import (
     MAX_TOP_K,
 )
 
-
-def _integral_number_as_int(value: Any) -> Any:
-    """JSON has one number type: 16.0 is the integer 16, as JSON Schema (and so
-    /openapi.json) reads it, and as pydantic's lax mode and vLLM take it. Past
-    every integer field's bound (1e300), it stays a float, refused as such, not
-    quoted back as 301 digits."""
-    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**64:
-        return int(value)
-    return value
-
-
-# An integer field: 16 or 16.0, not 16.5; nor "16" or true (bodies stay strict).
-# Token ids stay ints alone: in a union (a prompt of text or ids), a wrapped type
-# would name its arm in pydantic's words, not JSON's, in the refusal.
-Integer = Annotated[int, BeforeValidator(_integral_number_as_int)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 # fail_fast: one error for a long list of bad ids, not one per id.
 TokenIds = Annotated[list[TokenId], Field(fail_fast=True)]
@@ -74,7 +60,43 @@ Body = TypeVar("Body", bound=BaseModel)
 STRICT = ConfigDict(extra="forbid", strict=True)
 
 
-class GenerateBody(BaseModel):
+@functools.cache
+def _integer_fields(body: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``body`` that hold an integer (or null)."""
+    return frozenset(
+        name
+        for name, field in body.model_fields.items()
+        if field.annotation is int or int in typing.get_args(field.annotation)
+    )
+
+
+class RequestBody(BaseModel):
+    """A request body. JSON has one number type: in an integer field, 16.0 is 16,
+    as JSON Schema (and so /openapi.json) reads it, and as pydantic's lax mode and
+    vLLM take it; 16.5, "16" and true are refused as ever. Past every integer
+    field's bound (1e300) a number stays one, refused as such, not quoted back as
+    301 digits. (Converted here, not by a validator on the type: one wrapped
+    around int loses its bounds in the schema and names union arms in pydantic's
+    words.)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers_as_integers(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        integers = _integer_fields(cls)
+        return {
+            name: int(item)
+            if name in integers
+            and isinstance(item, float)
+            and item.is_integer()
+            and abs(item) <= 2**64
+            else item
+            for name, item in value.items()
+        }
+
+
+class GenerateBody(RequestBody):
     """POST /generate."""
 
     model_config = STRICT
@@ -83,13 +105,11 @@ class GenerateBody(BaseModel):
         None, min_length=1, max_length=128, description="echoed back; made up if absent"
     )
     prompt: str = Field(min_length=1, description="the text to continue")
-    max_new_tokens: Integer = Field(
-        16, ge=1, description="1 to MAX_NEW_TOKENS_LIMIT (512 unless set)"
-    )
+    max_new_tokens: int = Field(16, ge=1, description="1 to MAX_NEW_TOKENS_LIMIT (512 unless set)")
     temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 keeps all")
-    top_k: Integer = Field(0, ge=0, le=MAX_TOP_K, description="0 keeps the whole vocabulary")
-    seed: Integer | None = Field(None, ge=0, le=MAX_SEED, description="reproducible sampling")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 keeps the whole vocabulary")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="reproducible sampling")
     stop: StopStrings = Field(
         None, description=f"up to {MAX_STOP_STRINGS} strings; output is cut before them"
     )

@@ -89,3 +89,20 @@ def test_tokenize_is_described_as_taking_one_of_prompt_and_messages(
     schema_takes = jsonschema.Draft202012Validator({"oneOf": described["oneOf"]}).is_valid(fields)
     handler_takes = (fields.get("prompt") is None) != (fields.get("messages") is None)
     assert schema_takes == handler_takes
+
+
+def _keys(value: Any) -> set[str]:
+    if isinstance(value, dict):
+        return set(value) | {key for item in value.values() for key in _keys(item)}
+    if isinstance(value, list):
+        return {key for item in value for key in _keys(item)}
+    return set()
+
+
+def test_every_bound_is_in_json_schemas_words() -> None:
+    """pydantic writes a bound it cannot place (on a type wrapped in a validator,
+    in a union) as its own ge or le, which no JSON Schema validator reads."""
+    for strict in (False, True):
+        assert not _keys(openapi_schema(strict)) & {"ge", "gt", "le", "lt"}
+    n = _components(False)["CompletionBody"]["properties"]["n"]["anyOf"][0]
+    assert (n["minimum"], n["maximum"]) == (1, 8)
