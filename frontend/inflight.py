@@ -103,6 +103,31 @@ class InFlight:
         its worker ends it, whatever it produces, and frees its slot."""
         return self.is_running and len(self.streamed_token_ids) + 1 >= self.request.max_new_tokens
 
+    def answer_problem(self, message: Event, context_window: int | None) -> str | None:
+        """What makes a worker's answer to this request one the frontend cannot
+        take, if anything: more tokens than it asked for, a result that disagrees
+        with what streamed, or tokens past its worker's context window. The message
+        checked its own fields as it was read (`protocol.messages`)."""
+        budget = self.request.max_new_tokens
+        num_streamed = len(self.streamed_token_ids)
+        if isinstance(message, TokenDelta):
+            if num_streamed + len(message.token_ids) > budget:
+                return f"{num_streamed + len(message.token_ids)} tokens for max_new_tokens {budget}"
+            return None
+        if not isinstance(message, GenerateResult):
+            return None
+        if message.completion_tokens > budget:
+            return f"{message.completion_tokens} tokens for max_new_tokens {budget}"
+        if message.token_ids[:num_streamed] != self.streamed_token_ids:
+            return "a result whose tokens are not the ones it streamed"
+        num_tokens = message.prompt_tokens + message.completion_tokens
+        if context_window is not None and num_tokens > context_window:
+            return f"{num_tokens} tokens in all, past the worker's context window {context_window}"
+        num_scored = sum(len(logprobs.token_ids) for logprobs in self.all_logprobs(message)[1])
+        if num_scored > message.completion_tokens:
+            return f"logprobs of {num_scored} tokens for {message.completion_tokens} output tokens"
+        return None
+
     def record(self, delta: TokenDelta) -> None:
         self.streamed_token_ids.extend(delta.token_ids)
         self.streamed_text += delta.text

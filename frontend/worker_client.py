@@ -155,6 +155,11 @@ class WorkerClient:
         entry = self._table.held(message.request_id)
         if entry is None or entry.link is not link:
             return  # from an earlier attempt, for a request already answered, or a stranger
+        if not isinstance(message, (Waiting, Admitted, ErrorResult)):
+            context_window = link.hello.context_window if link.hello else None
+            problem = entry.answer_problem(message, context_window)
+            if problem is not None:
+                message = link.refuse_answer(message.request_id, problem)
         if isinstance(message, (Waiting, Admitted)):
             entry.is_waiting = isinstance(message, Waiting)
         elif isinstance(message, TokenDelta):

@@ -137,6 +137,22 @@ class WorkerLink:
         sent = typing.cast("asyncio.Future[object]", self._socket.send(frame, zmq.NOBLOCK))
         return sent.exception() is None
 
+    def refuse_answer(self, request_id: str, problem: str) -> ErrorResult:
+        """The failure of a request whose answer from this worker cannot be taken
+        (a frame that does not decode, or one that disagrees with the request): it
+        fails rather than waiting for one that may never come, and the worker is
+        told to stop running it."""
+        self._malformed.warn(
+            f"malformed answer from worker {self.endpoint}, its request fails: {problem}"
+        )
+        self.send(AbortRequest(request_id))
+        return ErrorResult(
+            request_id,
+            ErrorCode.INTERNAL,
+            f"the worker sent an answer this frontend cannot take ({problem}); "
+            "retrying may succeed, and this frontend's log names the worker",
+        )
+
     def on_sent(self) -> None:
         self._num_sent += 1
 
@@ -186,19 +202,12 @@ class WorkerLink:
             try:
                 message = decode_to_frontend(frame)
             except ProtocolError as exc:
-                fate = "dropped" if exc.request_id is None else "its request fails"
-                self._malformed.warn(f"malformed frame from worker {self.endpoint}, {fate}: {exc}")
                 if exc.request_id is None:
+                    self._malformed.warn(
+                        f"malformed frame from worker {self.endpoint}, dropped: {exc}"
+                    )
                     continue
-                # An answer no one can read: its request fails rather than waiting
-                # for one that may never come, and the worker stops running it.
-                self.send(AbortRequest(exc.request_id))
-                message = ErrorResult(
-                    exc.request_id,
-                    ErrorCode.INTERNAL,
-                    f"the worker sent an answer this frontend cannot read ({exc}); "
-                    "retrying may succeed, and this frontend's log names the worker",
-                )
+                message = self.refuse_answer(exc.request_id, str(exc))
             if isinstance(message, Hello):
                 if message.instance_id != self.instance_id:
                     self._num_sent = self._num_done = 0  # a new worker: no heartbeat yet

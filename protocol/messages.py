@@ -11,6 +11,7 @@ float32 bytes, so that decoding a long list costs no Python time per item.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -335,9 +336,31 @@ class GenerateResult:
     cached_tokens: int = 0
 
     def __post_init__(self) -> None:
+        # What a result says of itself must agree, so that a worker's bug (or a
+        # stranger posing as one) cannot make an answer's usage, or /metrics's
+        # sums, wrong for good: a NaN in a histogram's sum stays there.
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(
                 f"unknown finish_reason {self.finish_reason[:40]!r}; they are {FINISH_REASONS}"
+            )
+        if self.completion_tokens != len(self.token_ids):
+            raise ValueError(
+                f"completion_tokens {self.completion_tokens} for {len(self.token_ids)} token ids"
+            )
+        for name in ("queue_wait_ms", "generate_ms"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite time of at least 0, got {value}")
+        if not self.cached_tokens <= self.looked_up_tokens <= self.prompt_tokens:
+            raise ValueError(
+                f"cached_tokens {self.cached_tokens}, looked_up_tokens "
+                f"{self.looked_up_tokens} and prompt_tokens {self.prompt_tokens}: each must "
+                "be at most the next"
+            )
+        if self.logprobs is not None and len(self.logprobs.token_ids) > len(self.token_ids):
+            raise ValueError(
+                f"logprobs of {len(self.logprobs.token_ids)} tokens for "
+                f"{len(self.token_ids)} output tokens"
             )
 
 

@@ -37,6 +37,7 @@ texts = st.text(max_size=40)
 ids = st.lists(st.integers(min_value=0, max_value=2**31), max_size=20)
 counts = st.integers(min_value=0, max_value=2**31)
 floats = st.floats(allow_nan=False, allow_infinity=False)
+times = st.floats(min_value=0.0, allow_nan=False, allow_infinity=False)
 # Logprobs travel as float32: these survive the trip exactly.
 float32s = st.floats(width=32, allow_nan=False, max_value=0.0)
 
@@ -65,6 +66,30 @@ def logprobs(draw: st.DrawFn) -> Logprobs:
         text_lens=[len(text) for text in entry_texts],
         token_bytes=b"".join(entry_bytes),
         byte_lens=[len(piece) for piece in entry_bytes],
+    )
+
+
+@st.composite
+def results(draw: st.DrawFn) -> GenerateResult:
+    """Results that agree with themselves, as `GenerateResult` checks: a count per
+    output token, times that are times, cached tokens within those looked up."""
+    token_ids = draw(ids)
+    prompt_tokens = draw(counts)
+    looked_up = draw(st.integers(min_value=0, max_value=prompt_tokens))
+    return GenerateResult(
+        request_id=draw(texts),
+        text=draw(texts),
+        token_ids=token_ids,
+        finish_reason=draw(st.sampled_from(FINISH_REASONS)),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=len(token_ids),
+        queue_wait_ms=draw(times),
+        generate_ms=draw(times),
+        prompt_logprobs=draw(st.none() | logprobs()),
+        prompt_token_ids=draw(st.none() | ids),
+        prompt_text=draw(st.none() | texts),
+        looked_up_tokens=looked_up,
+        cached_tokens=draw(st.integers(min_value=0, max_value=looked_up)),
     )
 
 
@@ -121,20 +146,7 @@ to_frontend = st.one_of(
     st.builds(
         TokenDelta, request_id=texts, token_ids=ids, text=texts, logprobs=st.none() | logprobs()
     ),
-    st.builds(
-        GenerateResult,
-        request_id=texts,
-        text=texts,
-        token_ids=ids,
-        finish_reason=st.sampled_from(FINISH_REASONS),
-        prompt_tokens=counts,
-        completion_tokens=counts,
-        queue_wait_ms=floats,
-        generate_ms=floats,
-        prompt_logprobs=st.none() | logprobs(),
-        prompt_token_ids=st.none() | ids,
-        prompt_text=st.none() | texts,
-    ),
+    results(),
     st.builds(ErrorResult, request_id=texts, code=st.sampled_from(ErrorCode.ALL), message=texts),
     st.builds(Waiting, request_id=texts),
     st.builds(Admitted, request_id=texts),
@@ -422,10 +434,21 @@ def test_a_worker_answer_with_a_negative_count_or_an_unknown_code_is_refused(
     assert len(str(caught.value)) < 400
 
 
-def test_a_float_in_a_worker_answer_may_be_negative() -> None:
-    """Only integers are counts: a logprob, or a clock's time, is not."""
-    result = decode_to_frontend(_result_frame(queue_wait_ms=-0.5))
-    assert isinstance(result, GenerateResult) and result.queue_wait_ms == -0.5
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"queue_wait_ms": -0.5}, "queue_wait_ms must be a finite time of at least 0"),
+        ({"generate_ms": math.inf}, "generate_ms must be a finite time of at least 0"),
+        ({"completion_tokens": 1}, "completion_tokens 1 for 0 token ids"),
+        ({"looked_up_tokens": 4}, "looked_up_tokens 4 and prompt_tokens 3: each must be"),
+    ],
+)
+def test_a_result_that_disagrees_with_itself_fails_its_request(
+    fields: dict[str, object], problem: str
+) -> None:
+    with pytest.raises(ProtocolError, match=problem) as refused:
+        decode_to_frontend(_result_frame(**fields))
+    assert refused.value.request_id == "r1"  # that request fails, not the connection
 
 
 @pytest.mark.parametrize(

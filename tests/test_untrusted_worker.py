@@ -3,6 +3,7 @@ posing as a worker) fail their request cleanly, and fill no log."""
 
 from __future__ import annotations
 
+import json
 import math
 from array import array
 from collections.abc import Iterator
@@ -23,16 +24,27 @@ from protocol import (
     GenerateResult,
 )
 from protocol.wire import MAX_WORKER_MESSAGE_BYTES
+from tests.sse import sse_events
 from tests.stack import Stack, running_stack
 from tests.stand_in_worker import StandInWorker
 
 
 def _result_frame(request: GenerateRequest, **fields: object) -> bytes:
     payload: dict[str, object] = {"v": PROTOCOL_VERSION, "type": "result"}
-    payload |= {"request_id": request.request_id, "text": "ab", "token_ids": b""}
+    payload |= {"request_id": request.request_id, "text": "ab", "token_ids": _ids([1, 2])}
     payload |= {"finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 2}
     payload |= {"queue_wait_ms": 0.0, "generate_ms": 1.0}
     return msgpack.packb(payload | fields)
+
+
+def _ids(token_ids: list[int]) -> bytes:
+    return array("I", token_ids).tobytes()
+
+
+def _delta_frame(request: GenerateRequest, token_ids: list[int], **fields: object) -> bytes:
+    payload: dict[str, object] = {"v": PROTOCOL_VERSION, "type": "delta"}
+    payload |= {"request_id": request.request_id, "text": "a" * len(token_ids)}
+    return msgpack.packb(payload | {"token_ids": _ids(token_ids)} | fields)
 
 
 def _logprobs(logprobs: list[float], num_top: int = 0, **fields: object) -> dict[str, object]:
@@ -96,6 +108,36 @@ def _generate(stack: Stack) -> httpx.Response:
             lambda r: _result_frame(r, logprobs=_logprobs([-0.5, math.inf])),
             "logprobs above 0",
         ),
+        # A NaN time made /metrics's queue-time sum NaN until the frontend restarted.
+        (
+            lambda r: _result_frame(r, queue_wait_ms=math.nan),
+            "queue_wait_ms must be a finite time of at least 0, got nan",
+        ),
+        (
+            lambda r: _result_frame(r, generate_ms=-5.0),
+            "generate_ms must be a finite time of at least 0, got -5.0",
+        ),
+        # Usage and the token counters said whatever a worker said.
+        (
+            lambda r: _result_frame(r, completion_tokens=1),
+            "completion_tokens 1 for 2 token ids",
+        ),
+        (
+            lambda r: _result_frame(r, looked_up_tokens=2, cached_tokens=3),
+            "cached_tokens 3, looked_up_tokens 2 and prompt_tokens 3: each must be at most",
+        ),
+        (
+            lambda r: _result_frame(r, prompt_tokens=2**62),
+            f"{2**62 + 2} tokens in all, past the worker's context window",
+        ),
+        (
+            lambda r: _result_frame(r, token_ids=_ids([1, 2, 3]), completion_tokens=3),
+            "3 tokens for max_new_tokens 2",
+        ),
+        (
+            lambda r: _result_frame(r, logprobs=_logprobs([-0.5, -0.5, -0.5])),
+            "logprobs of 3 tokens for 2 output tokens",
+        ),
     ],
 )
 def test_an_answer_the_frontend_cannot_read_fails_its_request_with_500(
@@ -107,7 +149,7 @@ def test_an_answer_the_frontend_cannot_read_fails_its_request_with_500(
     assert response.status_code == 500, response.text
     error = response.json()["error"]
     assert error["code"] == ErrorCode.INTERNAL
-    assert "the worker sent an answer this frontend cannot read" in error["message"]
+    assert "the worker sent an answer this frontend cannot take" in error["message"]
     assert problem in error["message"]
     assert "Traceback" not in stack.log("frontend")
     # The worker is told to stop running it.
@@ -116,6 +158,42 @@ def test_an_answer_the_frontend_cannot_read_fails_its_request_with_500(
         lambda: [m.request_id for m in worker.received if isinstance(m, AbortRequest)] == [sent],
         "the request aborted in the worker",
     )
+
+
+@pytest.mark.parametrize(
+    ("frames", "problem"),
+    [
+        # A 5-token request streamed 40 MB: the frontend took every delta.
+        (
+            lambda r: [_delta_frame(r, [1]), _delta_frame(r, [2]), _delta_frame(r, [3])],
+            "3 tokens for max_new_tokens 2",
+        ),
+        (
+            lambda r: [_delta_frame(r, [1, 2]), _result_frame(r, token_ids=_ids([7, 8]))],
+            "a result whose tokens are not the ones it streamed",
+        ),
+        # Each token's logprobs come once, on a delta or in the result: here twice.
+        (
+            lambda r: [
+                _delta_frame(r, [1, 2], logprobs=_logprobs([-0.5, -0.5])),
+                _result_frame(r, logprobs=_logprobs([-0.5, -0.5])),
+            ],
+            "logprobs of 4 tokens for 2 output tokens",
+        ),
+    ],
+)
+def test_answers_that_disagree_with_their_request_fail_it(
+    stand_in: tuple[StandInWorker, Stack], frames: object, problem: str
+) -> None:
+    worker, stack = stand_in
+    worker.answer = frames  # type: ignore[assignment]
+    body = {"prompt": "hi", "max_new_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/generate", json=body, timeout=30) as response:
+        events = list(sse_events(response))
+    assert events[-1][0] == "error", events
+    assert problem in events[-1][1]
+    # What streamed before the answer went wrong stays: two tokens' text.
+    assert "".join(json.loads(data)["text"] for name, data in events if name == "token") == "aa"
 
 
 def test_a_worker_message_reaches_the_client_bounded(
