@@ -43,6 +43,7 @@ async def generate(request: Request) -> Response:
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
+        min_p=body.min_p,
         seed=body.seed,
         stream=body.stream,
         cache_salt=body.cache_salt or "",

@@ -150,6 +150,7 @@ def openai_request(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(0, body.top_k or 0),
+        min_p=body.min_p or 0.0,
         seed=body.seed,
         stream=bool(body.stream),
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,

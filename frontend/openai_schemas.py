@@ -123,6 +123,9 @@ class OpenAIBody(RequestBody):
     temperature: float | None = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="-1 or 0: off")
+    min_p: float | None = Field(
+        0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p times the likeliest"
+    )
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: StopStrings = None
     stop_token_ids: StopTokenIds | None = None

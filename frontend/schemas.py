@@ -109,6 +109,9 @@ class GenerateBody(RequestBody):
     temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 keeps all")
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 keeps the whole vocabulary")
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p times the likeliest"
+    )
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="reproducible sampling")
     stop: StopStrings = Field(
         None, description=f"up to {MAX_STOP_STRINGS} strings; output is cut before them"

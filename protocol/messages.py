@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class ErrorCode:
@@ -90,8 +90,9 @@ class GenerateRequest:
     requests in flight (the worker keys requests by sender and id): a request is
     in flight until its final answer, an abort's included, and one sent under an
     id in flight is ignored, so that a frame delivered twice runs once. Sampling is
-    greedy when ``temperature`` is 0. ``stream`` asks for a `TokenDelta` after
-    each step.
+    greedy when ``temperature`` is 0; ``top_k``, ``top_p`` and ``min_p`` (a token
+    less likely than min_p times the likeliest is not drawn) filter what is drawn.
+    ``stream`` asks for a `TokenDelta` after each step.
 
     ``chat_roles`` and ``chat_contents``, when set, are a conversation that
     replaces ``prompt``: the worker renders it through the model's chat template.
@@ -133,6 +134,7 @@ class GenerateRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stream: bool = False
     min_tokens: int = 0

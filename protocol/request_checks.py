@@ -277,7 +277,7 @@ def _grammar_problem(request: GenerateRequest) -> tuple[str, str] | None:
 
 
 def sampling_problem(request: GenerateRequest) -> tuple[str, str] | None:
-    """Temperature, top_p, top_k and seed: the code and message of the first that no
+    """Temperature, top_p, top_k, min_p and seed: the code and message of the first that no
     distribution can be drawn with, if any (an engine checks them too, in process)."""
     invalid = ErrorCode.INVALID_REQUEST
     if not (math.isfinite(request.temperature) and 0 <= request.temperature <= MAX_TEMPERATURE):
@@ -286,6 +286,8 @@ def sampling_problem(request: GenerateRequest) -> tuple[str, str] | None:
         return invalid, f"top_p: must be in (0, 1], got {request.top_p}"
     if not 0 <= request.top_k <= MAX_TOP_K:
         return invalid, f"top_k: must be 0 (off) to {MAX_TOP_K}, got {request.top_k}"
+    if not (math.isfinite(request.min_p) and 0 <= request.min_p <= 1):
+        return invalid, f"min_p: must be 0 (off) to 1, got {request.min_p}"
     if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
         return invalid, f"seed: must be 0 to {MAX_SEED}, got {request.seed}"
     return None

@@ -68,6 +68,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "temperature": st.none() | boundary_floats,
     "top_p": st.none() | boundary_floats,
     "top_k": st.none() | boundary_ints,
+    "min_p": st.none() | boundary_floats,
     "seed": st.none() | boundary_ints,
     "stop": stops,
     "stop_token_ids": st.none() | token_ids,

@@ -218,6 +218,32 @@ def test_eos_generated_past_counts_but_is_no_text(tmp_path: Path, small_model_di
     assert [token["bytes"] for token in content] == [[]] * 4
 
 
+def test_min_p_reaches_the_sampler_from_every_endpoint(
+    tmp_path: Path, small_model_dir: Path
+) -> None:
+    """min_p 1 keeps only the likeliest token: a hot sampled request then writes
+    the greedy text, on the native and the OpenAI endpoints alike."""
+    overrides = {"MODEL_ID": str(small_model_dir), "DEVICE": "cpu"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live(timeout_s=120)
+
+        def text(path: str, **fields: object) -> str:
+            body = {"prompt": "The river", "ignore_eos": True, **fields}
+            answer = httpx.post(f"{stack.url}{path}", json=body, timeout=30)
+            assert answer.status_code == 200, answer.text
+            answer_json = answer.json()
+            return str(
+                answer_json["text"] if path == "/generate" else answer_json["choices"][0]["text"]
+            )
+
+        greedy = text("/generate", max_new_tokens=12)
+        hot = {"temperature": 2.0, "seed": 11}
+        assert text("/generate", max_new_tokens=12, **hot) != greedy  # it does sample
+        assert text("/generate", max_new_tokens=12, min_p=1.0, **hot) == greedy
+        openai_body = {"model": str(small_model_dir), "max_tokens": 12, **hot}
+        assert text("/v1/completions", min_p=1.0, **openai_body) == greedy
+
+
 def test_the_prefix_cache_over_http_counts_what_it_served(
     tmp_path: Path, small_model_dir: Path
 ) -> None:

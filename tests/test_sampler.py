@@ -1,5 +1,5 @@
-"""Sampling: greedy and sampled rows mixed in one batch, seeds, top_k, top_p and
-logit_bias."""
+"""Sampling: greedy and sampled rows mixed in one batch, seeds, top_k, top_p,
+min_p and logit_bias."""
 
 from __future__ import annotations
 
@@ -57,6 +57,22 @@ def test_a_top_p_too_small_for_float32_still_keeps_the_top_token(top_p: float) -
     assert sample_many(logits, 100, temperature=1.0, top_p=top_p) == {1}
 
 
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top() -> None:
+    # Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.25 keeps p >= 0.125.
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().tolist()
+    assert sample_many(logits, 400, temperature=1.0, min_p=0.25) == {0, 1, 2}
+    assert sample_many(logits, 400, temperature=1.0, min_p=0.7) == {0}
+    assert sample_many(logits, 400, temperature=1.0, min_p=1.0) == {0}
+    # After the temperature, as vLLM applies it: at 0.5 the ratios square.
+    assert sample_many(logits, 400, temperature=0.5, min_p=0.25) == {0, 1}
+
+
+def test_min_p_and_top_k_remove_the_union_of_what_each_removes() -> None:
+    logits = torch.tensor([0.4, 0.35, 0.15, 0.1]).log().tolist()
+    assert sample_many(logits, 400, temperature=1.0, min_p=0.3, top_k=3) == {0, 1, 2}
+    assert sample_many(logits, 400, temperature=1.0, min_p=0.5, top_k=3) == {0, 1}
+
+
 def test_a_draw_depends_only_on_the_seed_and_the_output_position() -> None:
     sampler = Sampler(CPU)
     req = request("x", [0], temperature=1.0)
@@ -75,7 +91,12 @@ def test_a_plain_sampled_row_draws_the_same_beside_a_row_that_filters() -> None:
     sampler = Sampler(CPU)
     logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(0))
     plain = request("plain", [0], temperature=1.0)
-    for filtering in (request("k", [0], top_k=5), request("p", [0], top_p=0.5)):
+    filters = [
+        request("k", [0], top_k=5),
+        request("p", [0], top_p=0.5),
+        request("min_p", [0], min_p=0.2),
+    ]
+    for filtering in filters:
         for position in range(20):
             alone = sampler.sample(logits[:1], [plain], [7], [position])
             beside = sampler.sample(logits, [plain, filtering], [7, 3], [position, position])
@@ -94,6 +115,9 @@ def test_invalid_sampling_parameters_are_rejected() -> None:
     with pytest.raises(RequestRejected) as rejected:
         engine.admit([request("bad", [1, 2], temperature=0.7, top_p=0.0)])
     assert rejected.value.code == ErrorCode.INVALID_REQUEST and "top_p" in rejected.value.message
+    with pytest.raises(RequestRejected) as rejected:
+        engine.admit([request("bad", [1, 2], temperature=0.7, min_p=1.5)])
+    assert rejected.value.message == "min_p: must be 0 (off) to 1, got 1.5"
     assert engine.num_active() == 0
 
 

@@ -111,6 +111,7 @@ def test_a_missing_field_is_told_to_be_sent() -> None:
     [
         ({"temperature": 2.5}, "temperature: must be at most 2, got 2.5"),
         ({"top_p": 0}, "top_p: must be more than 0, got 0"),
+        ({"min_p": 1.5}, "min_p: must be at most 1, got 1.5"),
         ({"n": 9}, "n: must be at most 8, got 9"),
         ({"stop": ["a"] * 5}, "stop: must have at most 4 items, got 5"),
         ({"logit_bias": {"7": -101}}, "logit_bias.7: must be at least -100, got -101"),

@@ -4,7 +4,8 @@ A row's logit_bias is added first (`apply_logit_bias`, which the engine calls
 before the penalties). Greedy rows (temperature 0) take the argmax, and an
 all-greedy batch costs nothing more. Sampled rows are scaled by their
 temperature, filtered by their top_k and top_p, and drawn by Gumbel-max, all
-vectorised over the rows. A sampled row's noise is a function of its request's
+vectorised over the rows (min_p too: a token less likely than min_p times the
+row's likeliest is not drawn, vLLM's rule). A sampled row's noise is a function of its request's
 seed and the output position it draws, nothing else: a seeded request gives the
 same tokens whatever its batchmates, and a stream resumed on another worker
 draws what the interrupted one would have drawn.
@@ -97,8 +98,7 @@ class Sampler:
         requests: list[GenerateRequest],
         noise_seeds: list[int],
     ) -> torch.Tensor:
-        vocab_size = logits.shape[-1]  # logits: (S, V)
-        device = logits.device
+        device = logits.device  # logits: (S, V)
         temperature = to_device([r.temperature for r in requests], device, torch.float32)
         scaled = logits / temperature[:, None]
         noise = torch.empty_like(scaled)  # (S, V) uniform, each row from its own seed
@@ -106,8 +106,33 @@ class Sampler:
             noise[row].uniform_(generator=self._generator.manual_seed(seed))
         # Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits).
         gumbel = -torch.log(-torch.log(noise.clamp_(min=torch.finfo(noise.dtype).tiny)))
-        if not any(r.top_k > 0 or r.top_p < 1 for r in requests):
+        removed = self._removed(scaled, requests)
+        if removed is None:
             return (scaled + gumbel).argmax(dim=-1)
+        return (scaled.masked_fill(removed, float("-inf")) + gumbel).argmax(dim=-1)
+
+    def _removed(
+        self, scaled: torch.Tensor, requests: list[GenerateRequest]
+    ) -> torch.Tensor | None:
+        """Which tokens each row of ``scaled`` (S, V) may not draw, by its top_k,
+        top_p and min_p; None when no row filters."""
+        by_rank = self._removed_by_rank(scaled, requests)
+        if not any(r.min_p > 0 for r in requests):
+            return by_rank
+        # min_p: p_i < min_p * p_max, that is logit_i < logit_max + log(min_p); the
+        # likeliest token, which top_k and top_p keep too, always stays.
+        min_p = to_device([r.min_p for r in requests], scaled.device, torch.float32)
+        floor = scaled.max(dim=-1).values + min_p.log()  # -inf where min_p is 0
+        by_ratio = scaled < floor[:, None]
+        return by_ratio if by_rank is None else by_rank | by_ratio
+
+    def _removed_by_rank(
+        self, scaled: torch.Tensor, requests: list[GenerateRequest]
+    ) -> torch.Tensor | None:
+        if not any(r.top_k > 0 or r.top_p < 1 for r in requests):
+            return None
+        vocab_size = scaled.shape[-1]
+        device = scaled.device
         top_k = to_device([r.top_k for r in requests], device)
         top_p = to_device([r.top_p for r in requests], device, torch.float32)
         # Which tokens each row keeps is found in descending order ...
@@ -122,5 +147,4 @@ class Sampler:
         removed[:, 1:] |= ((mass_before >= top_p[:, None]) & (top_p < 1)[:, None])[:, 1:]
         # ... and the draw is made in vocabulary order, as above: a row that
         # filters nothing draws what it would in a batch where no row filters.
-        removed = torch.zeros_like(removed).scatter_(-1, order, removed)
-        return (scaled.masked_fill(removed, float("-inf")) + gumbel).argmax(dim=-1)
+        return torch.zeros_like(removed).scatter_(-1, order, removed)
