@@ -38,7 +38,15 @@ _PARAM_BY_WORKER_FIELD = {
 }
 # Fields the frontend fills in, never a client: a refusal of one names no param.
 _FRONTEND_FIELDS = frozenset(
-    {"request_id", "resume_token_ids", "resume_text_len", "grammar_kind", "grammar", "stream"}
+    {
+        "request_id",
+        "resume_token_ids",
+        "resume_text_len",
+        "grammar_kind",
+        "grammar",
+        "stream",
+        "fit_context",
+    }
 )
 _CLIENT_FIELDS = (
     frozenset(field.name for field in dataclasses.fields(GenerateRequest))

@@ -106,8 +106,9 @@ class InFlight:
     def answer_problem(self, message: Event, context_window: int | None) -> str | None:
         """What makes a worker's answer to this request one the frontend cannot
         take, if anything: more tokens than it asked for, a result that disagrees
-        with what streamed, or tokens past its worker's context window. The message
-        checked its own fields as it was read (`protocol.messages`)."""
+        with what streamed, tokens past its worker's context window, or a token's
+        logprobs sent twice. The message checked its own fields as it was read
+        (`protocol.messages`)."""
         budget = self.request.max_new_tokens
         num_streamed = len(self.streamed_token_ids)
         if isinstance(message, TokenDelta):
