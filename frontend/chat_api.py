@@ -53,6 +53,7 @@ async def chat_completions(request: Request) -> Response:
         chat_roles=roles,
         chat_contents=contents,
         add_generation_prompt=body.add_generation_prompt is not False,
+        continue_final_message=bool(body.continue_final_message),
         # Unasked, the reply may use whatever the context window leaves, as vLLM's.
         fit_context=asked is None,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,

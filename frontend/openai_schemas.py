@@ -261,6 +261,11 @@ class ChatBody(OpenAIBody):
     add_generation_prompt: bool | None = Field(
         True, description="end the prompt with the assistant's turn (vLLM)"
     )
+    continue_final_message: bool | None = Field(
+        False,
+        description="the reply goes on the last message, as its continuation (vLLM); "
+        "with add_generation_prompt false",
+    )
     tools: list[Any] | None = Field(
         None, description="not supported: only empty", json_schema_extra={"maxItems": 0}
     )
@@ -274,6 +279,18 @@ class ChatBody(OpenAIBody):
             ("tools", not self.tools, "tool calling is not supported"),
             ("tool_choice", self.tool_choice in (None, "none"), "tool calling is not supported"),
         ]
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_a_new_turn(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        """vLLM's rule, an invalid request: the reply cannot both go on the last
+        message and start a turn of its own."""
+        if value and info.data.get("add_generation_prompt") is not False:
+            raise PydanticCustomError(
+                "continue_needs_no_generation_prompt",
+                "set add_generation_prompt to false to use it",
+            )
+        return value
 
     @field_validator("top_logprobs")
     @classmethod

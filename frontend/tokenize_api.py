@@ -54,6 +54,9 @@ class TokenizeBody(BaseModel):
     add_generation_prompt: bool = Field(
         True, description="with messages: end with the reply's turn"
     )
+    continue_final_message: bool = Field(
+        False, description="with messages: end inside the last one (add_generation_prompt false)"
+    )
     add_special_tokens: bool = Field(
         True, description="accepted; tokens are as generation reads them (no special tokens added)"
     )
@@ -74,7 +77,9 @@ async def tokenize(request: Request) -> Response:
     body, ignored = await _read(request, client, TokenizeBody)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(422, "body: send a prompt or messages, one of them", "invalid_request")
+    # continue_final_message goes with a prompt too, for the check that refuses it.
     fields: dict[str, Any] = {"prompt": body.prompt or ""}
+    fields["continue_final_message"] = body.continue_final_message
     if body.messages is not None:
         roles, contents = conversation(body.messages)
         fields.update(chat_roles=roles, chat_contents=contents)

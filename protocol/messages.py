@@ -95,7 +95,9 @@ class GenerateRequest:
     ``stream`` asks for a `TokenDelta` after each step.
 
     ``chat_roles`` and ``chat_contents``, when set, are a conversation that
-    replaces ``prompt``: the worker renders it through the model's chat template.
+    replaces ``prompt``: the worker renders it through the model's chat template,
+    ending with the reply's turn (``add_generation_prompt``) or, with
+    ``continue_final_message``, inside the last message, which the output goes on.
     With ``fit_context``, ``max_new_tokens`` is a ceiling, lowered to what the
     context window leaves after the prompt. No stop (EOS, stop ids, stop strings)
     ends the output before ``min_tokens``. The penalties follow vLLM: repetition
@@ -148,6 +150,7 @@ class GenerateRequest:
     chat_roles: list[str] = field(default_factory=list)
     chat_contents: list[str] = field(default_factory=list)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     fit_context: bool = False
     echo: bool = False
     grammar_kind: str = ""

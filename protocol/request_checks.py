@@ -154,11 +154,20 @@ def request_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[st
     )
 
 
+# vLLM's rule: the reply goes on the last message, or starts a turn of its own.
+CONTINUE_WITHOUT_GENERATION_PROMPT = (
+    "continue_final_message: the output goes on the last message, so it cannot start a "
+    "new turn too; set add_generation_prompt to false"
+)
+
+
 def _prompt_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str, str] | None:
     invalid = ErrorCode.INVALID_REQUEST
     window = limits.context_window
     if request.chat_contents:
         return invalid, "chat_contents: sent without chat_roles; each message has one of each"
+    if request.continue_final_message:
+        return invalid, "continue_final_message: only for a conversation (messages)"
     if request.prompt_token_ids is not None:
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
@@ -186,6 +195,8 @@ def _chat_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str,
         return invalid, f"messages: at most {MAX_CHAT_MESSAGES} messages, got {len(roles)}"
     if request.prompt or request.prompt_token_ids is not None:
         return invalid, "prompt: a chat request carries its messages, not a prompt"
+    if request.continue_final_message and request.add_generation_prompt:
+        return invalid, CONTINUE_WITHOUT_GENERATION_PROMPT
     for i, role in enumerate(roles):
         if role not in CHAT_ROLES:
             roles_allowed = ", ".join(CHAT_ROLES)

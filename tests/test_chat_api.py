@@ -262,6 +262,35 @@ def test_a_role_outside_openais_is_refused_by_name(stack: Stack) -> None:
     assert response.status_code == 200, response.text
 
 
+def test_the_reply_can_continue_the_final_message(client: openai.OpenAI, stack: Stack) -> None:
+    """vLLM's continue_final_message: the prompt ends inside the last message."""
+    opened = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    continuing = {"continue_final_message": True, "add_generation_prompt": False}
+    chat = client.chat.completions.create(
+        model="fake",
+        messages=opened,  # type: ignore[arg-type]
+        max_completion_tokens=4,
+        extra_body=continuing,
+    )
+    prompt = CHAT_PROMPT + " The answer is"
+    assert chat.choices[0].message.content == expected_text(prompt, 4)
+    tokenized = httpx.post(
+        f"{stack.url}/tokenize", json={"messages": opened, **continuing}, timeout=10
+    )
+    assert tokenized.json()["tokens"] == [ord(c) for c in prompt]
+    # It cannot also start a turn of its own (vLLM's rule), nor go with a prompt.
+    both = {"model": "fake", "messages": opened, "continue_final_message": True}
+    refused = httpx.post(f"{stack.url}/v1/chat/completions", json=both, timeout=10)
+    assert refused.status_code == 422
+    assert refused.json()["error"]["param"] == "continue_final_message"
+    not_chat = {"prompt": "hi", "continue_final_message": True}
+    refused = httpx.post(f"{stack.url}/tokenize", json=not_chat, timeout=10)
+    assert refused.status_code == 422
+    assert refused.json()["error"]["message"] == (
+        "continue_final_message: only for a conversation (messages)"
+    )
+
+
 def test_tokenize_and_detokenize_as_vllm_shapes_them(stack: Stack) -> None:
     response = httpx.post(f"{stack.url}/tokenize", json={"prompt": "hey", "x": 1}, timeout=10)
     assert response.headers["X-Ignored-Fields"] == "x"

@@ -23,6 +23,17 @@ def test_the_default_template_writes_role_lines_and_the_reply_turn() -> None:
     assert not template.render(["user"], ["Hi"], add_generation_prompt=False).endswith("Assistant:")
 
 
+def test_continuing_the_final_message_leaves_it_open() -> None:
+    """vLLM's continue_final_message: the reply goes on the last message, so
+    nothing the template writes after that message's content is kept."""
+    template = choose_chat_template("", None, TOKENS)
+    roles, contents = ["user", "assistant"], ["Hi", "The answer is"]
+    prompt = template.render(roles, contents, False, continue_final_message=True)
+    assert prompt == "User: Hi\n\nAssistant: The answer is"
+    closed = template.render(roles, contents, False)
+    assert closed == prompt + "\n\n"
+
+
 def test_a_chat_template_file_is_rendered_as_hugging_face_renders_it(tmp_path: Path) -> None:
     path = tmp_path / "chatml.jinja"
     # trim_blocks and lstrip_blocks (HF's settings) drop the newlines after tags.

@@ -104,6 +104,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "max_completion_tokens": st.none() | boundary_ints | st.integers(1, 24),
     "top_logprobs": st.none() | boundary_ints,
     "add_generation_prompt": st.none() | st.booleans(),
+    "continue_final_message": st.none() | st.booleans(),
     "tools": st.none() | st.lists(json_values, max_size=1),
     "tool_choice": st.none() | st.sampled_from(["none", "auto"]),
     "response_format": st.none()

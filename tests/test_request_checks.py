@@ -92,6 +92,7 @@ def test_a_sound_request_passes() -> None:
         ({"temperature": 2.5}, ErrorCode.INVALID_REQUEST, "temperature"),
         ({"top_p": 0.0}, ErrorCode.INVALID_REQUEST, "top_p"),
         ({"top_p": math.nan}, ErrorCode.INVALID_REQUEST, "top_p"),
+        ({"continue_final_message": True}, ErrorCode.INVALID_REQUEST, "only for a conversation"),
         ({"min_p": -0.1}, ErrorCode.INVALID_REQUEST, "min_p: must be 0 (off) to 1"),
         ({"min_p": 1.5}, ErrorCode.INVALID_REQUEST, "min_p"),
         ({"min_p": math.nan}, ErrorCode.INVALID_REQUEST, "min_p"),
@@ -151,6 +152,16 @@ def test_a_sound_request_passes() -> None:
             {"logit_bias_token_ids": [1] * 301, "logit_bias_values": [1.0] * 301},
             ErrorCode.INVALID_REQUEST,
             "logit_bias: at most 300 entries, got 301",
+        ),
+        (
+            {
+                "prompt": "",
+                "chat_roles": ["user", "assistant"],
+                "chat_contents": ["hi", "The answer is"],
+                "continue_final_message": True,  # and add_generation_prompt, by default
+            },
+            ErrorCode.INVALID_REQUEST,
+            "continue_final_message: the output goes on the last message, so it cannot",
         ),
         ({"chat_roles": ["user"]}, ErrorCode.INVALID_REQUEST, "chat_contents"),
         ({"chat_contents": ["hi"]}, ErrorCode.INVALID_REQUEST, "chat_contents"),

@@ -93,7 +93,10 @@ def _grammar(
 def _render_chat(request: GenerateRequest, chat_template: ChatTemplate) -> str:
     try:
         return chat_template.render(
-            request.chat_roles, request.chat_contents, request.add_generation_prompt
+            request.chat_roles,
+            request.chat_contents,
+            request.add_generation_prompt,
+            request.continue_final_message,
         )
     except ChatTemplateError as exc:
         raise RequestRejected(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)) from None

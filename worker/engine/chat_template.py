@@ -35,22 +35,33 @@ class ChatTemplateError(ValueError):
     role it does not know); the message says why."""
 
 
+# How a conversation ends: (add_generation_prompt, continue_final_message).
+Ending = tuple[bool, bool]
+
+
 class ChatTemplate:
-    def __init__(self, source: str, render: Callable[[Messages, bool], str]) -> None:
+    def __init__(self, source: str, render: Callable[[Messages, Ending], str]) -> None:
         # For the log: where the template came from (a path, for CHAT_TEMPLATE),
         # which is the operator's to know and no client's.
         self.source = source
         self._render = render
 
     def render(
-        self, roles: Sequence[str], contents: Sequence[str], add_generation_prompt: bool
+        self,
+        roles: Sequence[str],
+        contents: Sequence[str],
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
     ) -> str:
+        """The conversation as prompt text, ending with the reply's turn
+        (``add_generation_prompt``) or, with ``continue_final_message``, inside the
+        last message, with nothing after its content, as transformers renders it."""
         messages = [
             {"role": role, "content": content}
             for role, content in zip(roles, contents, strict=True)
         ]
         try:
-            return self._render(messages, add_generation_prompt)
+            return self._render(messages, (add_generation_prompt, continue_final_message))
         except Exception as exc:  # jinja2 and the template itself raise many types
             raise ChatTemplateError(
                 f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}"
@@ -63,17 +74,19 @@ def jinja_template(
     """A template given as Jinja text, rendered as `apply_chat_template` would."""
     tokens = dict(special_tokens or {})
 
-    def render(messages: Messages, add_generation_prompt: bool) -> str:
+    def render(messages: Messages, ending: Ending) -> str:
         # transformers' renderer; imported here so that the torch-free fake engine
         # pays for it only when it renders a conversation.
         from transformers.utils import chat_template_utils
 
         # Annotated as returning str; it returns (rendered chats, generation indices).
         renderer: Any = chat_template_utils.render_jinja_template
+        add_generation_prompt, continue_final_message = ending
         rendered, _ = renderer(
             [messages],
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             **tokens,
         )
         return str(rendered[0])
@@ -90,10 +103,14 @@ def choose_chat_template(
         chosen = _template_file(path, special_tokens)
     elif hf_tokenizer is not None and getattr(hf_tokenizer, "chat_template", None):
 
-        def render(messages: Messages, add_generation_prompt: bool) -> str:
+        def render(messages: Messages, ending: Ending) -> str:
+            add_generation_prompt, continue_final_message = ending
             return str(
                 hf_tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
                 )
             )
 
