@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import os
 import random
@@ -169,7 +170,9 @@ def is_listener_of(
     ip, port = endpoint
     if listen_port != port:
         return False
-    return listen_ip == ip or (listen_ip in ("0.0.0.0", "::") and ip in local)
+    # Every loopback address is this host's, though an interface lists one.
+    is_here = ip in local or ipaddress.ip_address(ip).is_loopback
+    return listen_ip == ip or (listen_ip in ("0.0.0.0", "::") and is_here)
 
 
 def _listens(process: psutil.Process, endpoints: set[tuple[str, int]], local: set[str]) -> bool:

@@ -21,6 +21,7 @@ from protocol import (
     ErrorResult,
     GenerateRequest,
     GenerateResult,
+    Hello,
     Logprobs,
     TokenDelta,
     Waiting,
@@ -103,30 +104,69 @@ class InFlight:
         its worker ends it, whatever it produces, and frees its slot."""
         return self.is_running and len(self.streamed_token_ids) + 1 >= self.request.max_new_tokens
 
-    def answer_problem(self, message: Event, context_window: int | None) -> str | None:
+    def answer_problem(self, message: Event, hello: Hello | None) -> str | None:
         """What makes a worker's answer to this request one the frontend cannot
-        take, if anything: more tokens than it asked for, a result that disagrees
-        with what streamed, tokens past its worker's context window, or a token's
-        logprobs sent twice. The message checked its own fields as it was read
-        (`protocol.messages`)."""
-        budget = self.request.max_new_tokens
-        num_streamed = len(self.streamed_token_ids)
+        take, if anything: more tokens than it asked for, or than its worker's
+        context window holds; more text than its tokens can write; logprobs that
+        are not its output tokens', each once; a result that disagrees with what
+        streamed. The message checked its own fields as it was read
+        (`protocol.messages`); these need the request and the worker's hello."""
         if isinstance(message, TokenDelta):
-            if num_streamed + len(message.token_ids) > budget:
-                return f"{num_streamed + len(message.token_ids)} tokens for max_new_tokens {budget}"
-            return None
+            num_tokens = len(self.streamed_token_ids) + len(message.token_ids)
+            return self._growth_problem(
+                num_tokens,
+                len(self.streamed_text) + len(message.text),
+                message.prompt_tokens,
+                self._scored_ids() + (message.logprobs.token_ids if message.logprobs else []),
+                hello,
+            )
         if not isinstance(message, GenerateResult):
             return None
-        if message.completion_tokens > budget:
-            return f"{message.completion_tokens} tokens for max_new_tokens {budget}"
-        if message.token_ids[:num_streamed] != self.streamed_token_ids:
+        scored = [
+            token_id
+            for logprobs in self.all_logprobs(message)[1]
+            for token_id in logprobs.token_ids
+        ]
+        problem = self._growth_problem(
+            message.completion_tokens, len(message.text), message.prompt_tokens, scored, hello
+        )
+        if problem is not None or message.finish_reason == "abort":
+            return problem  # an abort's result, from its queue, carries no tokens
+        if message.token_ids[: len(self.streamed_token_ids)] != self.streamed_token_ids:
             return "a result whose tokens are not the ones it streamed"
-        num_tokens = message.prompt_tokens + message.completion_tokens
-        if context_window is not None and num_tokens > context_window:
-            return f"{num_tokens} tokens in all, past the worker's context window {context_window}"
-        num_scored = sum(len(logprobs.token_ids) for logprobs in self.all_logprobs(message)[1])
-        if num_scored > message.completion_tokens:
-            return f"logprobs of {num_scored} tokens for {message.completion_tokens} output tokens"
+        if self.request.logprobs is not None and scored != message.token_ids:
+            return "logprobs that are not one for each output token, in order"
+        max_chars = hello.max_token_chars if hello else 0
+        if max_chars and len(message.prompt_text or "") > message.prompt_tokens * max_chars:
+            return f"a prompt text longer than {message.prompt_tokens} tokens can write"
+        return None
+
+    def _scored_ids(self) -> list[int]:
+        return [token_id for logprobs in self.streamed_logprobs for token_id in logprobs.token_ids]
+
+    def _growth_problem(
+        self,
+        num_tokens: int,
+        num_chars: int,
+        prompt_tokens: int,
+        scored_ids: list[int],
+        hello: Hello | None,
+    ) -> str | None:
+        """What bounds an answer as it grows, delta by delta, and its result too."""
+        budget = self.request.max_new_tokens
+        if num_tokens > budget:
+            return f"{num_tokens} tokens for max_new_tokens {budget}"
+        if len(scored_ids) > num_tokens:
+            return f"logprobs of {len(scored_ids)} tokens for {num_tokens} output tokens"
+        if hello is None:
+            return None
+        if prompt_tokens + num_tokens > hello.context_window:
+            return (
+                f"{prompt_tokens + num_tokens} tokens in all, past the worker's context "
+                f"window {hello.context_window}"
+            )
+        if hello.max_token_chars and num_chars > num_tokens * hello.max_token_chars:
+            return f"{num_chars} characters of text for {num_tokens} tokens"
         return None
 
     def record(self, delta: TokenDelta) -> None:

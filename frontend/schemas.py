@@ -60,24 +60,41 @@ Body = TypeVar("Body", bound=BaseModel)
 STRICT = ConfigDict(extra="forbid", strict=True)
 
 
+def _holds_integers(annotation: Any) -> bool:
+    """Whether a field's type is, or holds in a list, an integer: int, a token id,
+    a list of them, or a union with one of these."""
+    if annotation is int:
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Annotated:
+        return _holds_integers(args[0])
+    return any(_holds_integers(arg) for arg in args)
+
+
 @functools.cache
 def _integer_fields(body: type[BaseModel]) -> frozenset[str]:
-    """The fields of ``body`` that hold an integer (or null)."""
     return frozenset(
-        name
-        for name, field in body.model_fields.items()
-        if field.annotation is int or int in typing.get_args(field.annotation)
+        name for name, field in body.model_fields.items() if _holds_integers(field.annotation)
     )
 
 
+def _as_integers(value: Any) -> Any:
+    """``value`` with each integral number in it (in lists too) an int, up to 2**64."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**64:
+        return int(value)
+    if isinstance(value, list):
+        return [_as_integers(item) for item in value]
+    return value
+
+
 class RequestBody(BaseModel):
-    """A request body. JSON has one number type: in an integer field, 16.0 is 16,
-    as JSON Schema (and so /openapi.json) reads it, and as pydantic's lax mode and
-    vLLM take it; 16.5, "16" and true are refused as ever. Past every integer
-    field's bound (1e300) a number stays one, refused as such, not quoted back as
-    301 digits. (Converted here, not by a validator on the type: one wrapped
-    around int loses its bounds in the schema and names union arms in pydantic's
-    words.)"""
+    """A request body. JSON has one number type: in an integer field, or a list of
+    token ids, 16.0 is 16, as JSON Schema (and so /openapi.json) reads it, and as
+    pydantic's lax mode and vLLM take it; 16.5, "16" and true are refused as
+    ever. Past every integer field's bound (1e300) a number stays one, refused as
+    such, not quoted back as 301 digits. (Converted here, not by a validator on
+    the type: one wrapped around int loses its bounds in the schema and names
+    union arms in pydantic's words.)"""
 
     @model_validator(mode="before")
     @classmethod
@@ -86,13 +103,7 @@ class RequestBody(BaseModel):
             return value
         integers = _integer_fields(cls)
         return {
-            name: int(item)
-            if name in integers
-            and isinstance(item, float)
-            and item.is_integer()
-            and abs(item) <= 2**64
-            else item
-            for name, item in value.items()
+            name: _as_integers(item) if name in integers else item for name, item in value.items()
         }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -23,7 +23,7 @@ from frontend.json_response import JSONResponse
 from frontend.metrics import TOKENIZER_ENDPOINTS
 from frontend.openai_common import check_requested_model, ignored_fields_headers, log_ignored_fields
 from frontend.openai_schemas import ChatMessage
-from frontend.schemas import STRICT, TokenIds, parse_body
+from frontend.schemas import STRICT, RequestBody, TokenIds, parse_body
 from frontend.worker_client import WorkerClient
 from protocol import GenerateResult
 from protocol.limits import MAX_CHAT_MESSAGES
@@ -32,7 +32,7 @@ PACKAGE = "minibatch-llm"
 TOKENIZE, DETOKENIZE = TOKENIZER_ENDPOINTS
 
 
-class TokenizeBody(BaseModel):
+class TokenizeBody(RequestBody):
     """POST /tokenize: a prompt, or a conversation as the chat endpoint renders it."""
 
     # One of prompt and messages, as `tokenize` checks, said in /openapi.json too.
@@ -62,7 +62,7 @@ class TokenizeBody(BaseModel):
     )
 
 
-class DetokenizeBody(BaseModel):
+class DetokenizeBody(RequestBody):
     """POST /detokenize."""
 
     model_config = STRICT

@@ -156,8 +156,7 @@ class WorkerClient:
         if entry is None or entry.link is not link:
             return  # from an earlier attempt, for a request already answered, or a stranger
         if not isinstance(message, (Waiting, Admitted, ErrorResult)):
-            context_window = link.hello.context_window if link.hello else None
-            problem = entry.answer_problem(message, context_window)
+            problem = entry.answer_problem(message, link.hello)
             if problem is not None:
                 message = link.refuse_answer(message.request_id, problem)
         if isinstance(message, (Waiting, Admitted)):

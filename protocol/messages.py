@@ -362,6 +362,11 @@ class GenerateResult:
                 f"{self.looked_up_tokens} and prompt_tokens {self.prompt_tokens}: each must "
                 "be at most the next"
             )
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_tokens:
+            raise ValueError(
+                f"prompt_token_ids of {len(self.prompt_token_ids)} tokens for prompt_tokens "
+                f"{self.prompt_tokens}"
+            )
         if self.logprobs is not None and len(self.logprobs.token_ids) > len(self.token_ids):
             raise ValueError(
                 f"logprobs of {len(self.logprobs.token_ids)} tokens for "

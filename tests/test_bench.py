@@ -277,6 +277,7 @@ def test_fault_drill_at_a_url_faults_that_stacks_workers_and_no_others(tmp_path:
     [
         ("127.0.0.1", ("127.0.0.1", 5555), True),
         ("0.0.0.0", ("10.0.0.5", 5555), True),  # a wildcard on this host, reached there
+        ("0.0.0.0", ("127.0.0.2", 5555), True),  # all of 127/8 is this host's
         ("127.0.0.1", ("172.18.0.2", 5555), False),  # a container's worker: not this one
         ("0.0.0.0", ("172.18.0.2", 5555), False),  # an address this host does not have
         ("127.0.0.1", ("127.0.0.1", 5556), False),

@@ -72,9 +72,11 @@ def logprobs(draw: st.DrawFn) -> Logprobs:
 @st.composite
 def results(draw: st.DrawFn) -> GenerateResult:
     """Results that agree with themselves, as `GenerateResult` checks: a count per
-    output token, times that are times, cached tokens within those looked up."""
+    output token (and prompt token, where their ids travel), times that are times,
+    cached tokens within those looked up."""
     token_ids = draw(ids)
-    prompt_tokens = draw(counts)
+    prompt_token_ids = draw(st.none() | ids)
+    prompt_tokens = draw(counts) if prompt_token_ids is None else len(prompt_token_ids)
     looked_up = draw(st.integers(min_value=0, max_value=prompt_tokens))
     return GenerateResult(
         request_id=draw(texts),
@@ -86,7 +88,7 @@ def results(draw: st.DrawFn) -> GenerateResult:
         queue_wait_ms=draw(times),
         generate_ms=draw(times),
         prompt_logprobs=draw(st.none() | logprobs()),
-        prompt_token_ids=draw(st.none() | ids),
+        prompt_token_ids=prompt_token_ids,
         prompt_text=draw(st.none() | texts),
         looked_up_tokens=looked_up,
         cached_tokens=draw(st.integers(min_value=0, max_value=looked_up)),

@@ -3,6 +3,7 @@ posing as a worker) fail their request cleanly, and fill no log."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from array import array
@@ -22,6 +23,7 @@ from protocol import (
     ErrorResult,
     GenerateRequest,
     GenerateResult,
+    Hello,
 )
 from protocol.wire import MAX_WORKER_MESSAGE_BYTES
 from tests.sse import sse_events
@@ -72,8 +74,11 @@ def _error_frame(request: GenerateRequest, code: str, message: str) -> bytes:
 
 @pytest.fixture
 def stand_in(tmp_path: Path) -> Iterator[tuple[StandInWorker, Stack]]:
-    """A stand-in worker, whose ``answer`` each test sets, and a frontend."""
-    with StandInWorker(lambda request: [], capacity=2) as worker:
+    """A stand-in worker, whose ``answer`` each test sets, and a frontend. It says
+    what a real worker says of its tokens: at most 8 characters each."""
+    hello = Hello("stand-in", "fake", False, 2, 1024, 16, 1 << 20, vocab_size=1000)
+    hello = dataclasses.replace(hello, max_token_chars=8, max_token_bytes=32)
+    with StandInWorker(lambda request: [], capacity=2, hello=hello) as worker:
         overrides = {"WORKER_ENDPOINT": worker.endpoint}
         with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
             stack.wait_live()
@@ -138,6 +143,16 @@ def _generate(stack: Stack) -> httpx.Response:
             lambda r: _result_frame(r, logprobs=_logprobs([-0.5, -0.5, -0.5])),
             "logprobs of 3 tokens for 2 output tokens",
         ),
+        # /tokenize and echo answered with whatever prompt a worker claimed.
+        (
+            lambda r: _result_frame(r, prompt_token_ids=_ids([1] * 100_000)),
+            "prompt_token_ids of 100000 tokens for prompt_tokens 3",
+        ),
+        (
+            lambda r: _result_frame(r, prompt_text="x" * 1000),
+            "a prompt text longer than 3 tokens can write",
+        ),
+        (lambda r: _result_frame(r, text="x" * 17), "17 characters of text for 2 tokens"),
     ],
 )
 def test_an_answer_the_frontend_cannot_read_fails_its_request_with_500(
@@ -172,6 +187,13 @@ def test_an_answer_the_frontend_cannot_read_fails_its_request_with_500(
             lambda r: [_delta_frame(r, [1, 2]), _result_frame(r, token_ids=_ids([7, 8]))],
             "a result whose tokens are not the ones it streamed",
         ),
+        # 60 MB of text in deltas of no tokens, for a 1-token answer, all taken.
+        (lambda r: [_delta_frame(r, [], text="x" * 100)], "100 characters of text for 0 tokens"),
+        # A delta's usage claimed 2**62 prompt tokens to a client reading usage.
+        (
+            lambda r: [_delta_frame(r, [1], prompt_tokens=2**62)],
+            f"{2**62 + 1} tokens in all, past the worker's context window",
+        ),
         # Each token's logprobs come once, on a delta or in the result: here twice.
         (
             lambda r: [
@@ -189,11 +211,36 @@ def test_answers_that_disagree_with_their_request_fail_it(
     worker.answer = frames  # type: ignore[assignment]
     body = {"prompt": "hi", "max_new_tokens": 2, "stream": True}
     with httpx.stream("POST", f"{stack.url}/generate", json=body, timeout=30) as response:
+        if response.headers["content-type"] == "application/json":  # failed before a token
+            response.read()
+            assert response.status_code == 500
+            assert problem in response.json()["error"]["message"]
+            return
         events = list(sse_events(response))
     assert events[-1][0] == "error", events
     assert problem in events[-1][1]
     # What streamed before the answer went wrong stays: two tokens' text.
     assert "".join(json.loads(data)["text"] for name, data in events if name == "token") == "aa"
+
+
+@pytest.mark.parametrize(
+    "logprobs",
+    [
+        {},  # none at all, though asked for
+        {"logprobs": _logprobs([-0.5], token_ids=_ids([1]))},  # one token's of two
+        {"logprobs": _logprobs([-0.5, -0.5], token_ids=_ids([9, 9]))},  # other tokens'
+    ],
+)
+def test_logprobs_that_are_not_the_outputs_fail_the_request(
+    stand_in: tuple[StandInWorker, Stack], logprobs: dict[str, object]
+) -> None:
+    """A client that asks for logprobs gets one per output token, in order, or a 500."""
+    worker, stack = stand_in
+    worker.answer = lambda request: [_result_frame(request, **logprobs)]  # type: ignore[assignment]
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 2, "logprobs": 0}
+    response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 500, response.text
+    assert "logprobs that are not one for each output token" in response.json()["error"]["message"]
 
 
 def test_a_worker_message_reaches_the_client_bounded(
