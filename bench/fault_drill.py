@@ -171,7 +171,7 @@ def is_listener_of(
     if listen_port != port:
         return False
     # Every loopback address is this host's, though an interface lists one.
-    is_here = ip in local or ipaddress.ip_address(ip).is_loopback
+    is_here = ip in local or ipaddress.ip_address(ip.split("%")[0]).is_loopback
     return listen_ip == ip or (listen_ip in ("0.0.0.0", "::") and is_here)
 
 
