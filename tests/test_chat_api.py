@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -289,6 +290,28 @@ def test_the_reply_can_continue_the_final_message(client: openai.OpenAI, stack: 
     assert refused.json()["error"]["message"] == (
         "continue_final_message: only for a conversation (messages)"
     )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": "hi"},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"prompt": "hi", "messages": None},
+        {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
+        {},
+        {"prompt": None, "messages": None},
+    ],
+)
+def test_tokenize_takes_what_openapi_says_one_of_prompt_and_messages(
+    stack: Stack, fields: dict[str, object]
+) -> None:
+    """A rule across two fields, which /openapi.json states as a oneOf."""
+    document = httpx.get(f"{stack.url}/openapi.json", timeout=10).json()
+    one_of = {"oneOf": document["components"]["schemas"]["TokenizeBody"]["oneOf"]}
+    response = httpx.post(f"{stack.url}/tokenize", json=fields, timeout=10)
+    assert response.status_code in (200, 422), response.text
+    assert jsonschema.Draft202012Validator(one_of).is_valid(fields) == (response.status_code == 200)
 
 
 def test_tokenize_and_detokenize_as_vllm_shapes_them(stack: Stack) -> None:

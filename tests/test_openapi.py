@@ -70,27 +70,6 @@ def test_an_unsupported_parameter_is_described_by_its_neutral_values(
         assert jsonschema.Draft202012Validator(described).is_valid(value) == server_takes, value
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [
-        {"prompt": "hi"},
-        {"messages": [{"role": "user", "content": "hi"}]},
-        {"prompt": "hi", "messages": None},
-        {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
-        {},
-        {"prompt": None, "messages": None},
-    ],
-)
-def test_tokenize_is_described_as_taking_one_of_prompt_and_messages(
-    fields: dict[str, Any],
-) -> None:
-    """The rule the handler checks (one of the two), which a schema cannot infer."""
-    described = _components(False)["TokenizeBody"]
-    schema_takes = jsonschema.Draft202012Validator({"oneOf": described["oneOf"]}).is_valid(fields)
-    handler_takes = (fields.get("prompt") is None) != (fields.get("messages") is None)
-    assert schema_takes == handler_takes
-
-
 def _keys(value: Any) -> set[str]:
     if isinstance(value, dict):
         return set(value) | {key for item in value.values() for key in _keys(item)}
