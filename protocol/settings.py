@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -153,7 +154,9 @@ def load(
     """Build ``cls`` from the environment, overridden by command-line flags."""
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
-    args = _parser(cls, description).parse_args(argv)
+    parser = _parser(cls, description)
+    _suggest_flags(parser, cls, argv)
+    args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     flags: dict[str, str] = {}  # the variables a flag set, and that flag
     try:
@@ -182,6 +185,20 @@ def load(
         if not given:
             raise
         raise ConfigError(f"{exc} ({'; '.join(given)})") from None
+
+
+def _suggest_flags(
+    parser: argparse.ArgumentParser, cls: type[Any], argv: Sequence[str] | None
+) -> None:
+    """Stop at a flag ``cls`` has not, naming the one it likely meant: argparse's
+    bare "unrecognized arguments" left a user of a renamed flag (the worker's
+    --endpoint, now --worker-endpoint) guessing."""
+    flags = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(cls)]
+    for flag in unknown_flags(cls, argv):
+        given = flag.split("=", 1)[0]
+        meant = difflib.get_close_matches(given, flags, n=1, cutoff=0.7)
+        if meant:
+            parser.error(f"unrecognized argument {given}: did you mean {meant[0]}?")
 
 
 def flag_settings(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str, str]:

@@ -62,6 +62,23 @@ def test_a_bad_value_given_by_a_flag_names_the_flag(argv: list[str], message: st
         load(WorkerConfig, argv, {"MODEL_ID": "fake"})
 
 
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["--endpoint", "tcp://127.0.0.1:6000"], "did you mean --worker-endpoint?"),
+        (["--threads=2"], "unrecognized argument --threads: did you mean --torch-threads?"),
+        (["--bogus"], "unrecognized arguments: --bogus"),  # nothing close: argparse's own
+    ],
+)
+def test_an_unknown_flag_is_refused_naming_the_flag_likely_meant(
+    argv: list[str], hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        load(WorkerConfig, argv, {"MODEL_ID": "fake"})
+    assert refused.value.code == 2  # a usage error, as argparse's
+    assert hint in capsys.readouterr().err
+
+
 def test_flag_settings_are_the_variables_the_flags_set() -> None:
     argv = ["--torch-threads", "1", "--heartbeat-timeout-s", "8"]
     assert flag_settings(SupervisorConfig, argv) == {
