@@ -83,6 +83,8 @@ def _as_integers(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer() and abs(value) <= 2**64:
         return int(value)
     if isinstance(value, list):
+        if set(map(type, value)) <= {int}:
+            return value  # ids as sent, the usual case: no copy (a 1 MB prompt's ids)
         return [_as_integers(item) for item in value]
     return value
 
