@@ -117,7 +117,7 @@ class InFlight:
                 num_tokens,
                 len(self.streamed_text) + len(message.text),
                 message.prompt_tokens,
-                self._scored_ids() + (message.logprobs.token_ids if message.logprobs else []),
+                self._num_scored() + (len(message.logprobs.token_ids) if message.logprobs else 0),
                 hello,
             )
         if not isinstance(message, GenerateResult):
@@ -128,7 +128,7 @@ class InFlight:
             for token_id in logprobs.token_ids
         ]
         problem = self._growth_problem(
-            message.completion_tokens, len(message.text), message.prompt_tokens, scored, hello
+            message.completion_tokens, len(message.text), message.prompt_tokens, len(scored), hello
         )
         if problem is not None or message.finish_reason == "abort":
             return problem  # an abort's result, from its queue, carries no tokens
@@ -141,23 +141,23 @@ class InFlight:
             return f"a prompt text longer than {message.prompt_tokens} tokens can write"
         return None
 
-    def _scored_ids(self) -> list[int]:
-        return [token_id for logprobs in self.streamed_logprobs for token_id in logprobs.token_ids]
+    def _num_scored(self) -> int:
+        return sum(len(logprobs.token_ids) for logprobs in self.streamed_logprobs)
 
     def _growth_problem(
         self,
         num_tokens: int,
         num_chars: int,
         prompt_tokens: int,
-        scored_ids: list[int],
+        num_scored: int,
         hello: Hello | None,
     ) -> str | None:
         """What bounds an answer as it grows, delta by delta, and its result too."""
         budget = self.request.max_new_tokens
         if num_tokens > budget:
             return f"{num_tokens} tokens for max_new_tokens {budget}"
-        if len(scored_ids) > num_tokens:
-            return f"logprobs of {len(scored_ids)} tokens for {num_tokens} output tokens"
+        if num_scored > num_tokens:
+            return f"logprobs of {num_scored} tokens for {num_tokens} output tokens"
         if hello is None:
             return None
         if prompt_tokens + num_tokens > hello.context_window:
