@@ -34,6 +34,23 @@ def test_continuing_the_final_message_leaves_it_open() -> None:
     assert closed == prompt + "\n\n"
 
 
+def test_a_tokenizers_own_template_continues_the_final_message_too() -> None:
+    """The tokenizer's path (`apply_chat_template`), not only the Jinja renderer's."""
+    transformers = pytest.importorskip("transformers")
+    from worker.model.loader import gpt2_tokenizer
+
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer())
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    template = choose_chat_template("", tokenizer, TOKENS)
+    roles, contents = ["user", "assistant"], ["Hi", "The answer is"]
+    opened = template.render(roles, contents, False, continue_final_message=True)
+    assert opened == "<|user|>Hi<|end|><|assistant|>The answer is"
+    assert template.render(roles, contents, False) == opened + "<|end|>"
+
+
 def test_a_chat_template_file_is_rendered_as_hugging_face_renders_it(tmp_path: Path) -> None:
     path = tmp_path / "chatml.jinja"
     # trim_blocks and lstrip_blocks (HF's settings) drop the newlines after tags.
