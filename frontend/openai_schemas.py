@@ -15,7 +15,6 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
@@ -231,10 +230,12 @@ def _check_role(value: str) -> str:
 
 
 class ChatMessage(BaseModel):
-    """One message; fields besides role and content (name, tool_call_id, ...)
-    are ignored."""
+    """One message: its role and content, and the other fields OpenAI defines for
+    a message, taken and not used, so that a valid conversation passes
+    STRICT_REQUEST_FIELDS. Any other field is unknown: ignored and named as the
+    body's own are, or refused with STRICT_REQUEST_FIELDS."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = STRICT
 
     role: Annotated[str, AfterValidator(_check_role)] = Field(
         json_schema_extra={"enum": list(CHAT_ROLES)}
@@ -242,6 +243,9 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = Field(
         None, description="text, or a list of {type: text, text} parts"
     )
+    name: str | None = Field(None, description="accepted and not used")
+    tool_call_id: str | None = Field(None, description="accepted and not used")
+    tool_calls: list[Any] | None = Field(None, description="accepted and not used")
 
 
 class ChatBody(OpenAIBody):

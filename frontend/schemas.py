@@ -16,7 +16,6 @@ import typing
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
 from starlette.requests import Request
 
 from frontend.body import json_object, read_json_body
@@ -152,24 +151,44 @@ def check_num_fields(value: dict[str, Any], schema: type[BaseModel], where: str 
             "invalid_request",
             where if where != "body" else None,
         )
-    for name, field in fields.items():
-        nested = _model_in(field.annotation)
-        if nested is not None and isinstance(value.get(name), dict):
-            check_num_fields(value[name], nested, name if where == "body" else f"{where}.{name}")
+    for name, nested in wire_fields(schema).items():
+        if nested is not None and name in value:
+            path = name if where == "body" else f"{where}.{name}"
+            for item_path, item in _objects_in(path, value[name]):
+                check_num_fields(item, nested, item_path)
 
 
-def wire_fields(schema: type[BaseModel]) -> dict[str, FieldInfo]:
-    """``schema``'s fields by the names a body gives them: a field's alias (the
-    JSON Schema "schema" is ``schema_``, away from pydantic's own attribute)."""
-    return {field.alias or name: field for name, field in schema.model_fields.items()}
+@functools.cache
+def wire_fields(schema: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
+    """``schema``'s fields by the names a body gives them (a field's alias: the
+    JSON Schema "schema" is ``schema_``, away from pydantic's own attribute), each
+    with the model it holds, alone or in a list, if any (``StreamOptions | None``,
+    ``list[ChatMessage]``). Cached: a body is walked by these for every object in it."""
+    return {
+        field.alias or name: _model_in(field.annotation)
+        for name, field in schema.model_fields.items()
+    }
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The model a field holds (``StreamOptions | None``), if any."""
-    for kind in (annotation, *typing.get_args(annotation)):
-        if isinstance(kind, type) and issubclass(kind, BaseModel):
-            return kind
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for kind in typing.get_args(annotation):
+        model = _model_in(kind)
+        if model is not None:
+            return model
     return None
+
+
+def _objects_in(path: str, item: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The objects a field holds, each with its dotted path: the field's value
+    if it is one, or those in the list it is (``messages.3``). Anything else is
+    left to pydantic to refuse."""
+    if isinstance(item, dict):
+        return [(path, item)]
+    if isinstance(item, list):
+        return [(f"{path}.{i}", each) for i, each in enumerate(item) if isinstance(each, dict)]
+    return []
 
 
 # Bodies this large are parsed and validated one per turn of the event loop: a
@@ -216,18 +235,26 @@ def decode_body(
 def drop_unknown(
     value: dict[str, Any], schema: type[BaseModel], dropped: list[str], where: str = ""
 ) -> dict[str, Any]:
-    """``value`` without the fields ``schema`` does not know (in nested objects
-    too), whose dotted names are added to ``dropped``. One pass over the keys, so
-    a body of a million unknown fields costs a million cheap lookups."""
+    """``value`` without the fields ``schema`` does not know (in nested objects,
+    alone or in lists, too), whose dotted names are added to ``dropped``. One pass
+    over the keys, so a body of a million unknown fields costs a million cheap
+    lookups."""
     fields = wire_fields(schema)
     known: dict[str, Any] = {}
     for key, item in value.items():
         if key not in fields:
             dropped.append(where + key)
             continue
-        nested = _model_in(fields[key].annotation)
+        nested = fields[key]
         if nested is not None and isinstance(item, dict):
             item = drop_unknown(item, nested, dropped, f"{where}{key}.")
+        elif nested is not None and isinstance(item, list):
+            item = [
+                drop_unknown(each, nested, dropped, f"{where}{key}.{i}.")
+                if isinstance(each, dict)
+                else each
+                for i, each in enumerate(item)
+            ]
         known[key] = item
     return known
 

@@ -241,6 +241,23 @@ def test_only_an_assistant_message_may_leave_its_content_out(stack: Stack) -> No
     )
 
 
+def test_a_messages_unknown_fields_are_ignored_and_named(stack: Stack) -> None:
+    messages = [MESSAGES[0] | {"nmae": "rules"}, MESSAGES[1] | {"contnet": "Hi", "name": "ann"}]
+    response = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json={"model": "fake", "messages": messages, "max_tokens": 2},
+        timeout=10,
+    )
+    assert response.status_code == 200, response.text
+    assert response.headers["X-Ignored-Fields"] == "messages.0.nmae, messages.1.contnet"
+    answered = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json={"model": "fake", "messages": MESSAGES, "max_tokens": 2},
+        timeout=10,
+    )
+    assert response.json()["choices"] == answered.json()["choices"]
+
+
 def test_a_role_outside_openais_is_refused_by_name(stack: Stack) -> None:
     # Roles go into the chat template as sent: this one would write a turn.
     injected = [

@@ -224,6 +224,31 @@ def test_a_nested_object_is_counted_against_its_own_schema() -> None:
     assert caught.value.param == "stream_options"
 
 
+def test_each_message_is_counted_against_its_own_schema() -> None:
+    unknown = {key: 1 for key in "abcdef"}
+    messages = [{"role": "user", "content": "hi"}, {"role": "user", **unknown}]
+    with pytest.raises(ApiError) as caught:
+        check_num_fields({"model": "m", "messages": messages}, ChatBody)
+    assert caught.value.param == "messages.1"
+    assert caught.value.message.startswith("messages.1: 6 unknown fields ('a', 'b', 'c', 'd', 'e'")
+
+
+def test_unknown_fields_inside_messages_are_dropped_and_named() -> None:
+    """As the body's own are: a misspelt field in a message is named to the client."""
+    messages = [
+        {"role": "system", "content": "be brief", "nmae": "rules"},
+        {"role": "user", "content": "hi", "contnet": "typo", "name": "ann"},
+    ]
+    body = json.dumps({"model": "m", "messages": messages}).encode()
+    parsed, ignored = decode_body(body, ChatBody, ignore_unknown=True)
+    assert ignored == ["messages.0.nmae", "messages.1.contnet"]
+    assert [message.content for message in parsed.messages] == ["be brief", "hi"]
+    with pytest.raises(ApiError) as caught:
+        decode_body(body, ChatBody, ignore_unknown=False)
+    assert caught.value.status == 422
+    assert caught.value.param == "messages.0.nmae"
+
+
 def test_a_few_unknown_fields_are_left_to_pydantic() -> None:
     check_num_fields({"prompt": "hi", "promt": "typo"}, GenerateBody)
 
