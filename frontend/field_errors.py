@@ -5,6 +5,7 @@ the names a client sent quoted back cut short, since they may be any length."""
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,7 +148,16 @@ def _complaint(item: Any, fields: Sequence[str]) -> str:
     if item["type"] == "float_type" and isinstance(value, int) and not isinstance(value, bool):
         # An integer is a number to JSON: this one is past what a float holds.
         return "must be a number, got an integer past a float's range (about 1.8e308)"
+    if item["type"] == "int_type" and _is_huge_integral(value):
+        # An integral number past 2**64 stays a float (`frontend.schemas._as_integers`):
+        # it is an integer to JSON, past this field's bounds, whatever they are.
+        shown = "a number past a float's range" if math.isinf(value) else f"{value:g}"
+        return f"must be an integer within this field's bounds, got {shown}"
     return f"must be {kind}, got {json_kind_of(value)}"
+
+
+def _is_huge_integral(value: Any) -> bool:
+    return isinstance(value, float) and (math.isinf(value) or value.is_integer())
 
 
 def _out_of_bounds(item: Any) -> str:
@@ -163,6 +173,8 @@ def _out_of_bounds(item: Any) -> str:
     if item["type"].startswith("string_"):
         return f"must be {bound.format(f'{limit:,}')}, got {len(value):,}"
     shown = f"{limit:g}" if isinstance(limit, float) else str(limit)
+    if isinstance(value, float) and math.isinf(value):  # 1e400 as JSON parses it
+        return f"must be {bound.format(shown)}, got a number past a float's range"
     return f"must be {bound.format(shown)}, got {short_name(value)}"
 
 

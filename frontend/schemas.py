@@ -93,7 +93,7 @@ class RequestBody(BaseModel):
     token ids, 16.0 is 16, as JSON Schema (and so /openapi.json) reads it, and as
     pydantic's lax mode and vLLM take it; 16.5, "16" and true are refused as
     ever. Past every integer field's bound (1e300) a number stays one, refused as
-    such, not quoted back as 301 digits. (Converted here, not by a validator on
+    out of bounds, not quoted back as 301 digits. (Converted here, not by a validator on
     the type: one wrapped around int loses its bounds in the schema and names
     union arms in pydantic's words.)"""
 

@@ -94,11 +94,31 @@ def test_an_integer_written_with_a_point_is_an_integer(
     assert repr(getattr(parsed, field)) == repr(expected)  # ints, not floats equal to them
 
 
-@pytest.mark.parametrize("value", [1e300, -1e300])
-def test_a_number_past_every_integer_bound_is_refused_as_a_number(value: float) -> None:
-    with pytest.raises(ValidationError) as caught:
-        CompletionBody.model_validate({"model": "m", "prompt": "hi", "seed": value})
-    assert describe(caught.value)[0] == "seed: must be an integer, got a number"
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("1e300", "1e+300"),
+        ("-1e20", "-1e+20"),
+        ("1e400", "a number past a float's range"),
+    ],
+)
+def test_an_integer_past_every_bound_is_refused_as_out_of_bounds(value: str, shown: str) -> None:
+    """Not as "got a number": 1e300 is an integer to JSON, just past the bounds."""
+    body = f'{{"model": "m", "prompt": "hi", "seed": {value}}}'.encode()
+    with pytest.raises(ApiError) as caught:
+        decode_body(body, CompletionBody, ignore_unknown=True)
+    assert (
+        caught.value.message == f"seed: must be an integer within this field's bounds, got {shown}"
+    )
+
+
+def test_a_number_past_a_floats_range_is_not_quoted_as_inf() -> None:
+    body = b'{"model": "m", "prompt": "hi", "temperature": 1e400}'
+    with pytest.raises(ApiError) as caught:
+        decode_body(body, CompletionBody, ignore_unknown=True)
+    assert (
+        caught.value.message == "temperature: must be at most 2, got a number past a float's range"
+    )
 
 
 def test_a_missing_field_is_told_to_be_sent() -> None:
