@@ -233,6 +233,26 @@ def test_an_admit_failure_fails_only_the_request_that_causes_it() -> None:
     assert scheduler.num_failures_in_a_row == 0  # the steps after it succeeded
 
 
+@pytest.mark.parametrize("send", [False, True])
+def test_failed_admissions_count_though_others_decode_in_the_same_iteration(send: bool) -> None:
+    """The server's path (``send``) reports the prefill and the decode apart; the
+    decode, failing nothing, cleared the failed admission before it, so an engine
+    failing every newcomer was never replaced."""
+    engine = FakeEngine(2, fail_admit_if=lambda request: request.request_id.startswith("bad"))
+    scheduler = Scheduler(engine, max_queue_depth=10)
+    scheduler.submit(_request(0, max_new_tokens=20))
+    sent: list[ToFrontend] = []
+    scheduler.run_once(sent.extend if send else None)
+    for i in range(3):
+        scheduler.submit(GenerateRequest(f"bad{i}", "prompt", 4))
+        sent += scheduler.run_once(sent.extend if send else None)
+    assert engine.num_active() == 1  # r0 decoded through every iteration
+    assert [type(o) for o in sent if isinstance(o, ErrorResult)] == [ErrorResult] * 3
+    assert scheduler.num_failures_in_a_row == 3
+    scheduler.run_once(sent.extend if send else None)  # nothing fails
+    assert scheduler.num_failures_in_a_row == 0
+
+
 def test_failures_in_a_row_are_counted_until_a_step_succeeds() -> None:
     engine = RecordingEngine(1, fail_step_if=lambda step: step <= 2)
     scheduler = Scheduler(engine, max_queue_depth=10)

@@ -57,9 +57,13 @@ class Scheduler:
         self.max_queue_depth = max_queue_depth
         self._num_working_iterations = 0
         self.num_finished = 0  # requests answered (result or error): heartbeats report it
-        # Engine failures with no success between them: a worker whose engine fails
-        # everything (a poisoned CUDA context, say) must be replaced, not kept.
+        # Iterations in a row in which the engine failed (admission, prefill or
+        # step): a worker whose engine fails everything (a poisoned CUDA context,
+        # say) must be replaced, not kept. Counted once an iteration: its prefill
+        # and its decode report apart, and a decode that failed nothing must not
+        # clear the failed prefill before it.
         self.num_failures_in_a_row = 0
+        self._engine_failed = False  # in this iteration
         # Slots busy, as heartbeats report them (read on another thread): those
         # of the latest step while a request waits ready, since the next
         # iteration refills any slot that step freed before it steps again;
@@ -160,6 +164,7 @@ class Scheduler:
         if not self.has_work():
             self.num_busy = 0
             return outputs
+        self._engine_failed = False
         num_free = self.engine.capacity - self.engine.num_active()
         prepared: list[str] = []
         for request in self._next_in_line():
@@ -185,6 +190,10 @@ class Scheduler:
                 self._num_working_iterations += 1
         elif newcomers:
             self._num_working_iterations += 1
+        if newcomers or self.engine.num_active() > 0 or self._engine_failed:
+            self.num_failures_in_a_row = (
+                self.num_failures_in_a_row + 1 if self._engine_failed else 0
+            )
         self._count_finished(outputs)
         self._count_busy_unless_refilled()
         return outputs
@@ -252,7 +261,7 @@ class Scheduler:
                 log.exception("admit failed for request %s", newcomers[0][0].request_id)
                 self.engine.unprepare(newcomers[0][0])
                 outputs.append(_internal_error(newcomers[0][0].request_id, exc))
-                self.num_failures_in_a_row += 1
+                self._engine_failed = True
                 return
             for request, arrival in newcomers:
                 self._admitted_at[request.request_id] = (arrival, admitted_at)
@@ -278,23 +287,21 @@ class Scheduler:
             for request_id in self.engine.reset():
                 self._admitted_at.pop(request_id, None)
                 outputs.append(_internal_error(request_id, exc))
-            self.num_failures_in_a_row += 1
+            self._engine_failed = True
             return False
         self._report(step, outputs)
         return True
 
     def _report(self, step: StepOutput, outputs: list[ToFrontend]) -> None:
-        num_engine_failures = 0
         for request_id, error in step.failed:  # the engine failed on these alone
             self._admitted_at.pop(request_id, None)
             if isinstance(error, RequestRejected):  # the request's own fault (its grammar)
                 outputs.append(ErrorResult(request_id, error.code, error.message))
             else:
                 outputs.append(_internal_error(request_id, error))
-                num_engine_failures += 1
-        # Failures on single requests count, as at admission: an engine that fails
-        # on every request is broken, whichever request it is.
-        self.num_failures_in_a_row = self.num_failures_in_a_row + 1 if num_engine_failures else 0
+                # Failures on single requests count, as at admission: an engine that
+                # fails on every request is broken, whichever request it is.
+                self._engine_failed = True
         outputs.extend(step.deltas)
         outputs.extend(self._finished_result(finished) for finished in step.finished)
 
