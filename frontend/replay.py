@@ -21,7 +21,8 @@ MAX_WORKER_DEATHS, which bounds every request's replays: a poison request's too,
 should its `Admitted` be lost with the worker it kills.
 
 A worker that did not die but holds none of its requests any more (it greeted
-this frontend again) has them all sent again, in their places in line; so does
+this frontend again) has them all sent again, in their places in line, a
+suspect's trial still a suspect; so does
 one that stops when told to (SIGTERM), which hands each back with an error
 `shutting_down` (`frontend.worker_client`): no death is counted.
 """
@@ -58,7 +59,7 @@ def release(
         # Should the worker still run it (it was only frozen), it stops.
         link.send(AbortRequest(entry.wire_id))
         if not is_death:
-            table.requeue(entry)
+            table.requeue(entry, is_suspect=entry is trial)
             continue
         entry.num_worker_deaths += 1
         made_progress, entry.made_progress = entry.made_progress, False
