@@ -119,10 +119,15 @@ def request_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[st
     )
     if prompt_problem is not None:
         return prompt_problem
-    if len(request.resume_token_ids) > request.max_new_tokens:
-        return invalid, (
-            f"resume_token_ids: {len(request.resume_token_ids):,} tokens, more than "
+    # The window too: with fit_context, max_new_tokens bounds nothing.
+    if len(request.resume_token_ids) > min(request.max_new_tokens, window):
+        bound = (
             f"max_new_tokens {request.max_new_tokens:,}"
+            if request.max_new_tokens <= window
+            else f"the context window's {window:,}"
+        )
+        return invalid, (
+            f"resume_token_ids: {len(request.resume_token_ids):,} tokens, more than {bound}"
         )
     max_resume_chars = len(request.resume_token_ids) * limits.max_token_chars
     if not 0 <= request.resume_text_len <= max_resume_chars:

@@ -82,6 +82,11 @@ def test_a_sound_request_passes() -> None:
         ({"stop_token_ids": [5, 10**9]}, ErrorCode.INVALID_REQUEST, "stop_token_ids"),
         ({"resume_token_ids": [1000]}, ErrorCode.INVALID_REQUEST, "resume_token_ids"),
         ({"resume_token_ids": [1] * 9}, ErrorCode.INVALID_REQUEST, "resume_token_ids"),
+        (
+            {"resume_token_ids": [1] * 65, "max_new_tokens": 2**31 - 1, "fit_context": True},
+            ErrorCode.INVALID_REQUEST,
+            "resume_token_ids: 65 tokens, more than the context window's 64",
+        ),
         ({"resume_token_ids": [1], "resume_text_len": 5}, ErrorCode.INVALID_REQUEST, "resume_text"),
         ({"resume_text_len": -1}, ErrorCode.INVALID_REQUEST, "resume_text_len"),
         ({"prompt": ""}, ErrorCode.INVALID_REQUEST, "prompt: must not be empty"),
