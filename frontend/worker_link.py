@@ -37,6 +37,7 @@ from protocol import (
     Hello,
     ProtocolError,
     ToWorker,
+    VersionMismatch,
     decode_to_frontend,
     encode,
 )
@@ -91,7 +92,10 @@ class WorkerLink:
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
         )
         self._retry_after_s = 0.0  # 0 while no handshake has failed since the last success
-        self._refusal = ""  # why the last handshake failed, until one succeeds
+        # Why this frontend cannot talk to the worker, in words that follow its
+        # endpoint: its last handshake failed (until one succeeds), or it speaks
+        # another protocol version (until it says hello in this one).
+        self._refusal = ""
         self._malformed = Throttled(log, "malformed frames", logging.ERROR)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -125,9 +129,7 @@ class WorkerLink:
         verdict = self.liveness.verdict()
         if verdict.is_live or not self._refusal:
             return verdict
-        return Verdict(
-            verdict.state, f"{self.endpoint} refused this frontend's handshake: {self._refusal}"
-        )
+        return Verdict(verdict.state, f"{self.endpoint} {self._refusal}")
 
     def send(self, message: ToWorker) -> bool:
         return self.send_frame(encode(message))
@@ -176,7 +178,8 @@ class WorkerLink:
 
     @property
     def is_refused(self) -> bool:
-        """Its latest handshake failed (a key it does not allow), none succeeded since."""
+        """It refused this frontend (its latest handshake failed: a key it does not
+        allow), or speaks another protocol version, and has not taken it since."""
         return bool(self._refusal)
 
     def free_slots(self) -> int:
@@ -201,6 +204,11 @@ class WorkerLink:
             frame = await self._socket.recv()
             try:
                 message = decode_to_frontend(frame)
+            except VersionMismatch as exc:
+                if exc.request_id is None:  # its hello: no request of ours can be served
+                    self._refuse_version(exc)
+                    continue
+                message = self.refuse_answer(exc.request_id, str(exc))
             except ProtocolError as exc:
                 if exc.request_id is None:
                     self._malformed.warn(
@@ -209,6 +217,7 @@ class WorkerLink:
                     continue
                 message = self.refuse_answer(exc.request_id, str(exc))
             if isinstance(message, Hello):
+                self._refusal = ""
                 if message.instance_id != self.instance_id:
                     self._num_sent = self._num_done = 0  # a new worker: no heartbeat yet
                     self._is_queue_full = self.is_stopping = False
@@ -240,10 +249,20 @@ class WorkerLink:
             elif event["event"] & HANDSHAKE_FAILED:
                 if not self._retry_after_s:
                     self._log_refusal(zmq.Event(event["event"]))
-                self._refusal = handshake_advice(event["event"])
+                self._refusal = (
+                    f"refused this frontend's handshake: {handshake_advice(event['event'])}"
+                )
                 self._retry_after_s = min(2 * self._retry_after_s or 1.0, HANDSHAKE_RETRY_MAX_S)
                 await asyncio.sleep(self._retry_after_s)
                 self._connect_again()
+
+    def _refuse_version(self, mismatch: VersionMismatch) -> None:
+        """The worker greeted in another protocol version: it is never sent a
+        request, and /health and every request's timeout say why."""
+        refusal = f"speaks another protocol version ({mismatch})"
+        if refusal != self._refusal:
+            log.error("worker %s %s", self.endpoint, refusal)
+        self._refusal = refusal
 
     def _log_refusal(self, event: zmq.Event) -> None:
         log.error(

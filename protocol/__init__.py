@@ -22,7 +22,7 @@ from protocol.messages import (
     ToWorker,
     Waiting,
 )
-from protocol.wire import ProtocolError
+from protocol.wire import ProtocolError, VersionMismatch
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -41,6 +41,7 @@ __all__ = [
     "ToFrontend",
     "ToWorker",
     "TokenDelta",
+    "VersionMismatch",
     "Waiting",
     "decode_to_frontend",
     "decode_to_worker",

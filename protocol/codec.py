@@ -29,6 +29,7 @@ from protocol.wire import (
     TYPE_KEY,
     VERSION_KEY,
     ProtocolError,
+    VersionMismatch,
     pack,
 )
 
@@ -81,9 +82,9 @@ def _decode(frame: bytes, accepted: dict[str, Schema]) -> Message:
 
     version = payload.get(VERSION_KEY)
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"protocol version {preview(version)} is not supported; this side speaks "
-            f"version {PROTOCOL_VERSION}: upgrade the older process",
+        raise VersionMismatch(
+            f"the peer speaks protocol version {preview(version)} and this process "
+            f"version {PROTOCOL_VERSION}: upgrade the older one",
             request_id,
         )
     kind = payload.get(TYPE_KEY)

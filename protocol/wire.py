@@ -42,6 +42,11 @@ class ProtocolError(ValueError):
         self.request_id = request_id
 
 
+class VersionMismatch(ProtocolError):
+    """A frame of another protocol version. Nothing in it can be read, but what
+    to do is known: upgrade the older process."""
+
+
 def shorten(text: str, max_chars: int) -> str:
     """``text`` cut to ``max_chars``, ending "..." where it was cut: a peer's or a
     client's text, quoted in a message or a log line."""

@@ -30,7 +30,8 @@ class StandInWorker:
     a hello and heartbeats, and to each request what ``answer`` says. Everything
     the frontend sends it is in ``received``."""
 
-    def __init__(self, answer: Answer, capacity: int, hello: Hello | None = None) -> None:
+    def __init__(self, answer: Answer, capacity: int, hello: Hello | bytes | None = None) -> None:
+        """``hello`` may be a frame (bytes), sent as it is."""
         self.answer = answer
         self.capacity = capacity
         self.hello = hello or Hello("stand-in", "fake", False, capacity, 1024, 16, 1 << 20)

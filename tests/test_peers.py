@@ -4,6 +4,7 @@ theirs, whatever newcomers send."""
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from protocol import GenerateRequest, Hello, Ping, encode
@@ -73,3 +74,18 @@ def test_a_flood_of_peers_leaving_with_requests_is_logged_once_a_second(
     peers.expire()
     assert len(peers.take_orphans()) == 1000
     assert caplog.text.count("aborting its 1 requests") == 1
+
+
+def test_a_peer_of_another_protocol_version_is_greeted_and_never_seen() -> None:
+    """Its hello tells it this worker's version, so that it can name the mismatch;
+    before, it heard nothing, and its requests waited for a hello until they timed
+    out. It is no peer of this worker: no heartbeats, no requests taken."""
+    peers = _table(max_peers=4)
+    router: _Router = peers.router  # type: ignore[assignment]
+    old_ping = msgpack.packb({"v": 1, "type": "ping", "frontend_id": "f"})
+    assert peers.receive([b"old", old_ping]) == []
+    assert router.sent == [b"old"]
+    assert not peers.last_seen
+    old_request = msgpack.packb({"v": 1, "type": "generate", "request_id": "r", "prompt": "hi"})
+    assert peers.receive([b"old", old_request]) == []
+    assert not peers.routes

@@ -115,7 +115,7 @@ def test_worker_of_another_protocol_version_exits_1(
     stand_in: StandInWorker, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["--endpoint", stand_in.endpoint, "--timeout-s", "5"]) == 1
-    assert "protocol version 999 is not supported" in capsys.readouterr().err
+    assert "the peer speaks protocol version 999" in capsys.readouterr().err
 
 
 def test_no_worker_exits_1_quickly() -> None:

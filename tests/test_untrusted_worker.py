@@ -289,3 +289,24 @@ def test_a_flood_of_garbage_frames_is_logged_once_a_second(
     assert response.json()["text"] == "ab"
     log = stack.log("frontend")
     assert 1 <= log.count("malformed frame from worker") <= 2, log
+
+
+def test_a_worker_of_another_protocol_version_is_named_in_health_and_timeouts(
+    tmp_path: Path,
+) -> None:
+    """It greets in its own version: this frontend sends it nothing, and says why
+    in /health and in each request's 504, not only "no hello yet"."""
+    other = msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": "hello", "instance_id": "new"})
+    with StandInWorker(lambda request: [], capacity=2, hello=other) as worker:
+        overrides = {"WORKER_ENDPOINT": worker.endpoint, "REQUEST_TIMEOUT_S": "1"}
+        with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+            expected = (
+                f"{worker.endpoint} speaks another protocol version (the peer speaks protocol "
+                f"version {PROTOCOL_VERSION + 1} and this process version {PROTOCOL_VERSION}: "
+                "upgrade the older one)"
+            )
+            stack.wait_for_health("the mismatch named", lambda health: health["reason"] == expected)
+            response = _generate(stack)
+            assert response.status_code == 504
+            assert expected in response.json()["error"]["message"]
+            assert worker.received == []

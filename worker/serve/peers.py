@@ -19,6 +19,7 @@ from protocol import (
     Hello,
     ProtocolError,
     ToWorker,
+    VersionMismatch,
     decode_to_worker,
     encode,
 )
@@ -88,6 +89,15 @@ class Peers:
         peer, frame = frames
         try:
             message = decode_to_worker(frame)
+        except VersionMismatch as exc:
+            self._malformed.warn(f"peer {peer.hex()}: {exc}")
+            # Unread, and not seen: the hello tells the peer this worker's version
+            # (it names the mismatch), and no request of the peer is ever taken.
+            if exc.request_id is None:
+                self._deliver(peer, self.hello)
+            else:
+                self._answer(peer, exc.request_id, ErrorCode.INVALID_REQUEST, str(exc))
+            return []
         except ProtocolError as exc:
             self._malformed.warn(f"peer {peer.hex()}: {exc}")
             if exc.request_id is not None:
