@@ -51,6 +51,7 @@ from protocol.settings import ConfigError
 from protocol.throttled import Throttled
 from worker.engine.memory_limit import resident_bytes
 from worker.serve.config import WorkerConfig
+from worker.serve.inbox import Inbox
 from worker.serve.peers import MAX_QUEUED_PER_PEER, Peers, sender_request_id
 from worker.serve.scheduler import QueueFull, Scheduler
 from worker.serve.watchdog import Watchdog
@@ -103,9 +104,7 @@ class WorkerServer:
         )
         self._context = zmq.Context()
         self._outputs_address = f"inproc://outputs-{self.instance_id}"
-        # What the engine thread must act on, with when the I/O thread received it:
-        # a request's queue time starts there, not when a long step lets it in.
-        self._inbox: queue.SimpleQueue[tuple[ToWorker, float]] = queue.SimpleQueue()
+        self._inbox = Inbox()  # what the engine thread must act on
         self._stopping = threading.Event()  # asked to stop: the engine loop ends
         # The engine thread sends nothing more, so the I/O thread may close: it must
         # outlive every send, as a PUSH whose inproc peer has closed blocks forever.
@@ -209,7 +208,7 @@ class WorkerServer:
         request_ids = []
         with contextlib.suppress(queue.Empty):
             while True:
-                message, _ = self._inbox.get_nowait()
+                message, _ = self._inbox.get()
                 if isinstance(message, GenerateRequest):
                     request_ids.append(message.request_id)
         return request_ids
@@ -217,10 +216,10 @@ class WorkerServer:
     def _take_input(self, outputs: list[ToFrontend], block: bool) -> None:
         timeout = _PREPARING_POLL_S if self.scheduler.has_work() else _IDLE_POLL_S
         try:
-            item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout if block else None)
             while True:
                 self._apply(*item, outputs)
-                item = self._inbox.get_nowait()
+                item = self._inbox.get()
         except queue.Empty:
             return
 
@@ -298,7 +297,7 @@ class WorkerServer:
                     except zmq.Again:
                         break
                     for message in peers.receive(frames):
-                        self._inbox.put((message, time.monotonic()))
+                        self._inbox.put(message)
                 if outputs in events:
                     while outputs.poll(0):
                         route_bytes, final, payload = outputs.recv_multipart()
@@ -309,7 +308,7 @@ class WorkerServer:
                     peers.expire()
                     watchdog.check()
                 for route in peers.take_orphans():
-                    self._inbox.put((AbortRequest(route), time.monotonic()))
+                    self._inbox.put(AbortRequest(route))
             self._close(router, outputs, peers)
         finally:
             router.close(linger=_LAST_MESSAGES_MS)
@@ -323,7 +322,7 @@ class WorkerServer:
             # Requests wait in the inbox while a step runs: a frontend that counted
             # only the scheduler's would think a slot free that one of them takes.
             # Read in the order requests move (inbox, queue, batch), so none is missed.
-            num_queued=self._inbox.qsize() + self.scheduler.num_queued,
+            num_queued=self._inbox.num_requests + self.scheduler.num_queued,
             num_active=self.scheduler.num_busy,
             num_finished=self.scheduler.num_finished,
             rss_bytes=resident_bytes(),

@@ -1,0 +1,41 @@
+"""What the worker's I/O thread hands its engine thread: each message with when
+it was received (a request's queue time starts there, not when a long step lets
+it in), and a count of the requests among them, which heartbeats report as
+queued. Aborts and the like are no requests: counted, a burst of client
+disconnects made a worker look full to every frontend until the next heartbeat."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from protocol import GenerateRequest, ToWorker
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[ToWorker, float]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # put and get run on different threads
+        self._num_requests = 0
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the inbox, or on their way out of it (never one too few:
+        a request is counted before it goes in, and after it comes out)."""
+        return self._num_requests
+
+    def put(self, message: ToWorker) -> None:
+        if isinstance(message, GenerateRequest):
+            with self._lock:
+                self._num_requests += 1
+        self._queue.put((message, time.monotonic()))
+
+    def get(self, timeout_s: float | None = None) -> tuple[ToWorker, float]:
+        """The next message and when it was received: at once, or within
+        ``timeout_s``; else `queue.Empty`."""
+        item = self._queue.get_nowait() if timeout_s is None else self._queue.get(timeout=timeout_s)
+        if isinstance(item[0], GenerateRequest):
+            with self._lock:
+                self._num_requests -= 1
+        return item
