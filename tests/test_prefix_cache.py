@@ -4,10 +4,14 @@ torch engine, that taking them changes no logit of any output."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
 
+from protocol import GenerateRequest
+from worker.engine.fake_engine import FakeEngine
+from worker.engine.interface import RequestRejected
 from worker.engine.prefix_cache import Match, PrefixCache
 
 BLOCK = 4
@@ -108,9 +112,22 @@ def test_rows_are_shared_only_between_prompts_of_one_salt() -> None:
 
 # --- on the torch engine --------------------------------------------------------------
 
+
+def test_a_request_refused_at_admission_leaves_the_cached_rows_alone() -> None:
+    """Admission is atomic: the sampling check ran after the newcomer had claimed
+    its slot, cutting the rows cached there for a request that never ran."""
+    engine = FakeEngine(1)
+    engine.prefix_cache = PrefixCache(num_slots=1, block=BLOCK)
+    engine.prefix_cache.written(0, [ord(c) for c in "abcdefgh"], 8)
+    with pytest.raises(RequestRejected) as rejected:
+        engine.admit([GenerateRequest("r", "zzzzzzzz", 4, temperature=math.nan)])
+    assert rejected.value.message.startswith("temperature")
+    assert engine.prefix_cache.num_rows_held(0) == 8
+    assert engine.num_active() == 0
+
+
 torch = pytest.importorskip("torch")
 
-from protocol import GenerateRequest  # noqa: E402
 from tests.model_fixtures import (  # noqa: E402
     VOCAB_SIZE,
     disable_kernels,

@@ -111,9 +111,12 @@ class InferenceEngine(ABC):
 
     @abstractmethod
     def admit(self, requests: Sequence[GenerateRequest]) -> list[str]:
-        """Prefill ``requests`` into free slots and return their request ids.
+        """Take ``requests`` into free slots and return their request ids.
 
-        The prefill gives each newcomer its first token; the next `step` reports it.
+        Each newcomer's prompt is prefilled, which gives its first token: here,
+        with the next `step` reporting that token, or, with chunked prefill
+        (PREFILL_CHUNK_TOKENS), by the next steps, a chunk at a time beside the
+        streams that decode.
         A request that resumes an earlier attempt (``resume_token_ids``) continues
         from the state its replayed output gives; if that output already finished
         it, it skips the prefill and the next `step` answers it.

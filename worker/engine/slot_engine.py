@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 from typing import TypeVar
 
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
+from protocol.request_checks import sampling_problem
 from worker.engine.admission import new_sequence, tokenize_prompt
 from worker.engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, jinja_template
 from worker.engine.grammar import Grammars
@@ -167,6 +168,11 @@ class SlotEngine(InferenceEngine):
         free = [i for i, seq in enumerate(self._slots) if seq is None]
         if len(requests) > len(free):
             raise ValueError(f"{len(requests)} requests for {len(free)} free slots")
+        # Refused before any slot, or the prefix cache's record of one, changes.
+        for request in requests:
+            problem = sampling_problem(request)
+            if problem is not None:
+                raise RequestRejected(request.request_id, *problem)
         newcomers = [self._new_sequence(request, free[0]) for request in requests]
         self._place(newcomers, free)  # each its own slot
         # A resumed sequence whose streamed output already finished it (its result

@@ -13,10 +13,9 @@ import logging
 import torch
 from transformers import GPT2Config
 
-from protocol.request_checks import sampling_problem
 from worker.engine.chat_template import ChatTemplate
 from worker.engine.grammar import Grammars, hf_grammar_tokenizer
-from worker.engine.interface import ModelInfo, RequestRejected
+from worker.engine.interface import ModelInfo
 from worker.engine.logprobs import UNSCORED, TokenLogprob
 from worker.engine.prefix_cache import Match
 from worker.engine.sequence import Sequence
@@ -114,11 +113,6 @@ class TorchEngine(SlotEngine):
         return self._prefill_chunks([(seq, 0, len(seq.context_token_ids)) for seq in newcomers])
 
     def _start_prefill(self, newcomers: list[Sequence]) -> None:
-        for seq in newcomers:
-            problem = sampling_problem(seq.request)
-            if problem is not None:
-                raise RequestRejected(seq.request_id, *problem)
-        # The newcomers' slots are free: a failure after this leaves nothing wrong.
         for seq in newcomers:
             self._seeds[seq.slot] = self.sampler.seed_for(seq.request)
 
