@@ -11,7 +11,6 @@ deadline or the client's hang-up."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -171,8 +170,9 @@ async def next_event(
             event_task.cancel()
     if event_task in done:
         return _take(client, accepted, event_task.result())
-    with contextlib.suppress(asyncio.CancelledError):
-        await event_task
+    # Let the cancelled get finish; asyncio.wait does not raise its CancelledError,
+    # while this coroutine's own cancellation still propagates.
+    await asyncio.wait({event_task})
     accepted.cancel(client)
     if accepted.disconnect in done:
         accepted.on_client_gone()
