@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from tests.settings_table import documented, markdown, rows
+import dataclasses
+
+from protocol.client_config import WorkerClientConfig
+from tests.settings_table import READERS, documented, markdown, rows
 
 
 def test_the_operations_settings_table_is_the_codes() -> None:
@@ -17,3 +20,15 @@ def test_the_table_has_every_process_setting() -> None:
     for env in ("MODEL_ID", "MAX_INFLIGHT_REQUESTS", "WARM_START", "FAKE_STEP_DELAY_S"):
         assert env in listed
     assert listed["WORKER_ENDPOINT"][0] == ["worker", "frontend, supervisor"]
+
+
+def test_a_setting_read_by_several_processes_means_the_same_to_each() -> None:
+    """WORKER_ENDPOINT, PORT, TORCH_THREADS and NUM_WORKERS are fields of two or
+    three config classes: the table shows one default, so each must have it."""
+    meanings: dict[str, set[tuple[str, str]]] = {}
+    for config in (*(config for config, _ in READERS), WorkerClientConfig):
+        for field in dataclasses.fields(config):
+            meaning = (repr(field.default), str(field.type))
+            meanings.setdefault(field.metadata["env"], set()).add(meaning)
+    differing = {env: meaning for env, meaning in meanings.items() if len(meaning) > 1}
+    assert not differing
