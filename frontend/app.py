@@ -61,7 +61,7 @@ def create_app(config: FrontendConfig) -> Starlette:
     app.router.redirect_slashes = False
     app.state.config = config
     app.state.client = client
-    app.state.large_body_turn = asyncio.Lock()  # see frontend.schemas.LARGE_BODY_BYTES
+    app.state.large_body_turn = asyncio.Lock()  # see frontend.parse.LARGE_BODY_BYTES
     app.state.metrics = Metrics(client)
     app.state.started_at = int(time.time())
     app.state.count_connections = lambda: 0  # open HTTP connections: set by the server

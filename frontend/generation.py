@@ -23,7 +23,6 @@ from frontend.config import FrontendConfig
 from frontend.errors import ApiError
 from frontend.json_response import JSONResponse
 from frontend.metrics import Metrics
-from frontend.schemas import check_max_new_tokens, stop_strings
 from frontend.streaming import StreamFormat, stream_response
 from frontend.worker_client import WorkerClient
 from protocol import ErrorResult, GenerateRequest, GenerateResult
@@ -150,3 +149,22 @@ def _num_logprobs(work: GenerateRequest, results: list[GenerateResult]) -> int:
     if work.prompt_logprobs is not None:
         num += sum(result.prompt_tokens for result in results) * (1 + work.prompt_logprobs)
     return num
+
+
+def check_max_new_tokens(value: int, limit: int, param: str) -> None:
+    if value > limit:
+        raise ApiError(
+            422,
+            f"{param}: {value} is more than this server's limit, "
+            f"MAX_NEW_TOKENS_LIMIT={limit}; ask for fewer",
+            "invalid_request",
+            param,
+        )
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """One list of stop strings, or a 422 when one is empty."""
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in strings):
+        raise ApiError(422, "stop: stop strings must not be empty", "invalid_request", "stop")
+    return strings

@@ -11,7 +11,8 @@ from starlette.responses import Response
 from frontend.accepted import Accepted
 from frontend.errors import ApiError, error_body
 from frontend.generation import generate_request, respond
-from frontend.schemas import GenerateBody, parse_body
+from frontend.parse import parse_body
+from frontend.schemas import GenerateBody
 from frontend.streaming import sse_frame
 from frontend.worker_client import WorkerClient
 from protocol import GenerateResult, TokenDelta

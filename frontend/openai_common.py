@@ -16,7 +16,7 @@ from frontend.errors import ApiError
 from frontend.field_errors import printable, short_name
 from frontend.generation import generate_request
 from frontend.openai_schemas import OpenAIBody
-from frontend.schemas import name_fields, parse_body
+from frontend.parse import name_fields, parse_body
 from frontend.structured import grammar_fields
 from frontend.worker_client import WorkerClient
 from protocol import GenerateRequest, GenerateResult

@@ -23,7 +23,8 @@ from frontend.json_response import JSONResponse
 from frontend.metrics import TOKENIZER_ENDPOINTS
 from frontend.openai_common import check_requested_model, ignored_fields_headers, log_ignored_fields
 from frontend.openai_schemas import ChatMessage
-from frontend.schemas import STRICT, RequestBody, TokenIds, parse_body
+from frontend.parse import parse_body
+from frontend.schemas import STRICT, RequestBody, TokenIds
 from frontend.worker_client import WorkerClient
 from protocol import GenerateResult
 from protocol.limits import MAX_CHAT_MESSAGES

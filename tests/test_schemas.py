@@ -18,13 +18,8 @@ from frontend.config import FrontendConfig
 from frontend.errors import ApiError
 from frontend.field_errors import MAX_REPORTED_ERRORS, describe
 from frontend.openai_schemas import ChatBody, CompletionBody
-from frontend.schemas import (
-    LARGE_BODY_BYTES,
-    GenerateBody,
-    check_num_fields,
-    decode_body,
-    parse_body,
-)
+from frontend.parse import LARGE_BODY_BYTES, check_num_fields, decode_body, parse_body
+from frontend.schemas import GenerateBody
 from protocol.settings import load
 
 
