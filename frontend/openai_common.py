@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from pydantic import BaseModel
 from starlette.requests import Request
 
 from frontend.errors import ApiError
@@ -31,6 +32,7 @@ MAX_MODEL_NAME_CHARS = 200  # of a model name quoted back: a hub id may be long
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
 
 Body = TypeVar("Body", bound=OpenAIBody)
+Model = TypeVar("Model", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,7 @@ async def read_openai_request(request: Request, schema: type[Body]) -> OpenAIReq
     an unknown one), 400 for a value this server cannot honour, 404 for a model
     it does not serve; its grammar, if it asks for structured output, checked too."""
     client: WorkerClient = request.app.state.client
-    strict = client.config.strict_request_fields
-    body, ignored = await parse_body(request, schema, ignore_unknown=not strict)
+    body, ignored = await read_lenient_body(request, client, schema)
     unsupported = body.unsupported()
     if unsupported is not None:
         param, message = unsupported
@@ -82,6 +83,16 @@ async def read_openai_request(request: Request, schema: type[Body]) -> OpenAIReq
     model = await check_requested_model(request, client, body.model)
     grammar = await grammar_fields(body.response_format, body.structured_outputs)
     return OpenAIRequest(body, client, model, ignored, grammar)
+
+
+async def read_lenient_body(
+    request: Request, client: WorkerClient, schema: type[Model]
+) -> tuple[Model, list[str]]:
+    """The body as ``schema``, and the unknown fields it ignored: vLLM's way, for
+    the OpenAI endpoints and /tokenize and /detokenize; refused instead with
+    STRICT_REQUEST_FIELDS."""
+    strict = client.config.strict_request_fields
+    return await parse_body(request, schema, ignore_unknown=not strict)
 
 
 def served_model(client: WorkerClient) -> str | None:

@@ -21,9 +21,13 @@ from frontend.errors import ApiError
 from frontend.generation import FinalAnswer, generate_request, respond
 from frontend.json_response import JSONResponse
 from frontend.metrics import TOKENIZER_ENDPOINTS
-from frontend.openai_common import check_requested_model, ignored_fields_headers, log_ignored_fields
+from frontend.openai_common import (
+    check_requested_model,
+    ignored_fields_headers,
+    log_ignored_fields,
+    read_lenient_body,
+)
 from frontend.openai_schemas import ChatMessage
-from frontend.parse import parse_body
 from frontend.schemas import STRICT, RequestBody, TokenIds
 from frontend.worker_client import WorkerClient
 from protocol import GenerateResult
@@ -134,8 +138,7 @@ Body = TypeVar("Body", TokenizeBody, DetokenizeBody)
 async def _read(
     request: Request, client: WorkerClient, schema: type[Body]
 ) -> tuple[Body, list[str]]:
-    strict = client.config.strict_request_fields
-    body, ignored = await parse_body(request, schema, ignore_unknown=not strict)
+    body, ignored = await read_lenient_body(request, client, schema)
     if body.model is not None:
         await check_requested_model(request, client, body.model)
     return body, ignored
