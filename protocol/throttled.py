@@ -42,12 +42,13 @@ class Throttled:
 
         _every_throttle.add(self)
 
-    def warn(self, message: str) -> None:
+    def warn(self, message: str, exc_info: bool = False) -> None:
+        """``exc_info``: with the traceback of the exception being handled."""
         num_suppressed = self.rule.admit()
         if num_suppressed is None:
             return
         more = f" ({num_suppressed} more {self.what} not logged)" if num_suppressed else ""
-        self.logger.log(self.level, "%s%s", message, more)
+        self.logger.log(self.level, "%s%s", message, more, exc_info=exc_info)
 
     def flush(self) -> None:
         """Log how many lines were left out since the last one, if any."""

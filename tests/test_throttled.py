@@ -67,3 +67,19 @@ def test_what_was_left_out_is_counted_at_exit(
         "POST /generate: 503 shutting_down",
         "5 more failed requests not logged",
     ]
+
+
+def test_a_throttled_failure_keeps_its_traceback_once_a_second(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failure that repeats every engine step logs one traceback a second."""
+    failures = throttled.Throttled(logging.getLogger("test_throttled.failures"), "failures")
+    with caplog.at_level(logging.WARNING, logger="test_throttled.failures"):
+        for _ in range(100):
+            try:
+                raise RuntimeError("broken")
+            except RuntimeError:
+                failures.warn("it failed", exc_info=True)
+    assert len(caplog.records) == 1
+    assert caplog.records[0].exc_info is not None
+    assert "RuntimeError: broken" in caplog.text

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
 from protocol.request_checks import sampling_problem
+from protocol.throttled import Throttled
 from worker.engine.admission import new_sequence, tokenize_prompt
 from worker.engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, jinja_template
 from worker.engine.grammar import Grammars
@@ -83,6 +84,7 @@ class SlotEngine(InferenceEngine):
         self._token_texts: dict[int, str] = {}  # each token's own text, for logprobs
         self._token_bytes_seen: dict[int, bytes] = {}  # and its bytes
         self._num_extra_prefill_passes = 0
+        self._beside_decode_failed = Throttled(log, "failed prefills beside the decode")
 
     # --- what a subclass computes -------------------------------------------------
 
@@ -349,7 +351,8 @@ class SlotEngine(InferenceEngine):
         try:
             tokens = self._prefill_beside_decode(chunks, decoding)
         except Exception:
-            log.warning(
+            # Throttled: should it fail every step, a traceback a step would flood the log.
+            self._beside_decode_failed.warn(
                 "a prefill beside the decode failed; running them one after the other",
                 exc_info=True,
             )
