@@ -22,7 +22,18 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from frontend.field_errors import short_name
-from frontend.schemas import STRICT, CacheSalt, RequestBody, StopStrings, StopTokenIds, TokenIds
+from frontend.schemas import (
+    STRICT,
+    CacheSalt,
+    MinP,
+    RequestBody,
+    Seed,
+    StopStrings,
+    StopTokenIds,
+    Temperature,
+    TokenIds,
+    TopP,
+)
 from protocol.limits import (
     CHAT_ROLES,
     MAX_CHAT_MESSAGES,
@@ -32,8 +43,6 @@ from protocol.limits import (
     MAX_LOGPROBS,
     MAX_PRESENCE_PENALTY,
     MAX_REPETITION_PENALTY,
-    MAX_SEED,
-    MAX_TEMPERATURE,
     MAX_TOKEN_ID,
     MAX_TOP_K,
 )
@@ -119,13 +128,13 @@ class OpenAIBody(RequestBody):
     model_config = STRICT
 
     model: str = Field(min_length=1, description="the served model, as GET /v1/models names it")
-    temperature: float | None = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
-    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    temperature: Temperature | None = Field(1.0, description="0 is greedy")
+    top_p: TopP | None = 1.0
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="-1 or 0: off")
-    min_p: float | None = Field(
-        0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p times the likeliest"
+    min_p: MinP | None = Field(
+        0.0, description="drop tokens less likely than min_p times the likeliest"
     )
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: Seed | None = None
     stop: StopStrings = None
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = False

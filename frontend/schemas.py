@@ -41,6 +41,12 @@ StopStrings = (
     | None
 )
 
+# The sampling fields' bounds, for every body (each gives its own default).
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+
 CacheSalt = Annotated[
     str,
     Field(
@@ -114,13 +120,11 @@ class GenerateBody(RequestBody):
     )
     prompt: str = Field(min_length=1, description="the text to continue")
     max_new_tokens: int = Field(16, ge=1, description="1 to MAX_NEW_TOKENS_LIMIT (512 unless set)")
-    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 keeps all")
+    temperature: Temperature = Field(0.0, description="0 is greedy")
+    top_p: TopP = Field(1.0, description="nucleus sampling; 1 keeps all")
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 keeps the whole vocabulary")
-    min_p: float = Field(
-        0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p times the likeliest"
-    )
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="reproducible sampling")
+    min_p: MinP = Field(0.0, description="drop tokens less likely than min_p times the likeliest")
+    seed: Seed | None = Field(None, description="reproducible sampling")
     stop: StopStrings = Field(
         None, description=f"up to {MAX_STOP_STRINGS} strings; output is cut before them"
     )
