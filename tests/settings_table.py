@@ -52,7 +52,9 @@ def rows() -> dict[str, tuple[list[str], str, str]]:
     for config, reader in READERS:
         for field in dataclasses.fields(config):
             env = field.metadata["env"]
-            if config is not WorkerConfig and field.name in client_fields:
+            if env == "WORKER_ENDPOINTS":  # the supervisor starts its own workers
+                reader_here = "frontend (`minibatch-serve` refuses it)"
+            elif config is not WorkerConfig and field.name in client_fields:
                 reader_here = "frontend, supervisor"
             else:
                 reader_here = reader
