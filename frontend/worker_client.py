@@ -297,6 +297,7 @@ class WorkerClient:
                 "worker at %s declared %s: %s", link.endpoint, verdict.state.value, verdict.reason
             )
         link.was_live = verdict.is_live
+        link.log_silence()
         is_any_other_live = any(
             other.verdict().is_live for other in self._pool.links() if other is not link
         )

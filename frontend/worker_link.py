@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import typing
 from typing import Protocol
 
@@ -48,6 +49,9 @@ from protocol.throttled import Throttled
 log = logging.getLogger(__name__)
 
 HANDSHAKE_RETRY_MAX_S = 10.0
+# After this long with no hello, a worker's verdict asks whether one runs there at
+# all (a first start that downloads a model takes longer, and says so in its log).
+SILENT_WORKER_HINT_S = 15.0
 
 
 class LinkEvents(Protocol):
@@ -96,6 +100,8 @@ class WorkerLink:
         # endpoint: its last handshake failed (until one succeeds), or it speaks
         # another protocol version (until it says hello in this one).
         self._refusal = ""
+        self._started_at = time.monotonic()  # when this frontend began to look for it
+        self._is_silence_logged = False
         self._malformed = Throttled(log, "malformed frames", logging.ERROR)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -127,9 +133,30 @@ class WorkerLink:
         if not self._socket.closed and typing.cast(int, self._socket.get(zmq.EVENTS)) & zmq.POLLIN:
             self.liveness.on_frames_waiting()
         verdict = self.liveness.verdict()
-        if verdict.is_live or not self._refusal:
-            return verdict
-        return Verdict(verdict.state, f"{self.endpoint} {self._refusal}")
+        if self._refusal and not verdict.is_live:
+            return Verdict(verdict.state, f"{self.endpoint} {self._refusal}")
+        hint = self._silence_hint()
+        return verdict if hint is None else Verdict(verdict.state, hint)
+
+    def _silence_hint(self) -> str | None:
+        """Whether a worker runs at this address at all, asked once none has said
+        hello for SILENT_WORKER_HINT_S (and nothing else is known to be wrong)."""
+        silent_s = time.monotonic() - self._started_at
+        if self.hello is not None or self._refusal or silent_s < SILENT_WORKER_HINT_S:
+            return None
+        return (
+            f"no hello from {self.endpoint} in {silent_s:.0f} s: is a worker running "
+            "there? (one says hello once its model is loaded; WORKER_ENDPOINT, or "
+            "WORKER_ENDPOINTS, is where this frontend looks)"
+        )
+
+    def log_silence(self) -> None:
+        """Say once, in the log, that no worker greeted from this address for
+        SILENT_WORKER_HINT_S, as its verdict then does."""
+        hint = None if self._is_silence_logged else self._silence_hint()
+        if hint is not None:
+            log.warning("%s", hint)
+            self._is_silence_logged = True
 
     def send(self, message: ToWorker) -> bool:
         return self.send_frame(encode(message))

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from frontend import worker_link
 from frontend.config import FrontendConfig
 from frontend.worker_client import WorkerClient
 from protocol import (
@@ -248,3 +251,31 @@ def test_a_busy_event_loop_does_not_take_unread_heartbeats_for_silence() -> None
     finally:
         stop.set()
         worker.join()
+
+
+def test_a_frontend_with_no_worker_at_its_address_asks_whether_one_runs_there(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It said only "no worker has said hello yet", in /health and in every
+    request's timeout, however long nothing answered at a mistyped address."""
+    monkeypatch.setattr(worker_link, "SILENT_WORKER_HINT_S", 0.3)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+
+    async def drill() -> None:
+        client = WorkerClient(load(FrontendConfig, [], {"WORKER_ENDPOINT": endpoint}))
+        await client.start()
+        try:
+            assert client.verdict().reason == "no worker has said hello yet"
+            await asyncio.sleep(0.5)
+            client.on_tick()
+            client.on_tick()
+            reason = client.verdict().reason
+            assert re.match(rf"no hello from {endpoint} in \d s: is a worker running there", reason)
+            assert "WORKER_ENDPOINT" in reason
+        finally:
+            await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="frontend.worker_link"):
+        asyncio.run(drill())
+    (logged,) = caplog.records  # once, for two ticks
+    assert logged.getMessage().startswith(f"no hello from {endpoint}")
