@@ -18,6 +18,7 @@ from frontend.config import FrontendConfig
 from frontend.http_protocol import edge_protocol
 from frontend.worker_client import WorkerClient
 from protocol.lifeline import FRONTEND_STOP_GRACE_S, follow_supervisor
+from protocol.logs import log_as
 from protocol.settings import ConfigError, exit_refusing, load
 from protocol.throttled import ThrottleWarnings
 
@@ -29,10 +30,7 @@ _INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # what shells report for a ^C
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s frontend[%(process)d] %(levelname)s %(name)s: %(message)s",
-    )
+    log_as("frontend")
     follow_supervisor("frontend")
     try:
         config = load(FrontendConfig, argv, description="MiniBatch-LLM HTTP frontend")

@@ -15,6 +15,7 @@ import os
 from setproctitle import setproctitle
 
 from protocol.lifeline import follow_supervisor
+from protocol.logs import log_as
 from protocol.settings import ConfigError, load
 from worker.engine.fake_engine import FAKE_MODEL_NAME
 from worker.launch.warm_start import FORK_SERVER_TITLE
@@ -29,10 +30,7 @@ def _preload() -> None:
     # ends with the supervisor instead (resumed first, if stopped), so that the
     # workers, handed to init, are resumed too and stop themselves.
     follow_supervisor("fork server")
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s fork-server[%(process)d] %(levelname)s %(name)s: %(message)s",
-    )
+    log_as("fork-server")
     try:
         config = load(WorkerConfig, [], os.environ)
     except ConfigError:

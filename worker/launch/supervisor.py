@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from protocol.lifeline import name_supervisor
 from protocol.liveness import PauseWatch, WorkerState
+from protocol.logs import log_as
 from protocol.settings import (
     MAX_IPC_PATH_BYTES,
     MAX_PORT,
@@ -243,9 +244,7 @@ def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s supervisor %(levelname)s: %(message)s"
-    )
+    log_as("supervisor")
     name_supervisor()  # before any child starts: each inherits it
     try:
         check_own_flags(sys.argv[1:] if argv is None else argv)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 import time
 from collections.abc import Sequence
 
 from protocol.lifeline import follow_supervisor
+from protocol.logs import log_as
 from protocol.settings import ConfigError, exit_refusing, load
 from worker.engine.fake_engine import FAKE_MODEL_NAME, FakeEngine, FakeEngineConfig
 from worker.engine.interface import InferenceEngine
@@ -31,11 +31,7 @@ def build_engine(config: WorkerConfig) -> InferenceEngine:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s worker[%(process)d] %(levelname)s %(name)s: %(message)s",
-        force=True,  # a worker forked from the fork server inherits its set-up
-    )
+    log_as("worker", force=True)  # a worker forked from the fork server inherits its set-up
     follow_supervisor("worker")
     try:
         config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")
