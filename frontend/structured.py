@@ -216,14 +216,56 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
     if len(text) > MAX_GRAMMAR_CHARS:
         return "", f"{len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
     if kind in JSON_KINDS:
-        inexact = ((at, n) for at, n in _asked_numbers(value, "") if _is_past_doubles(n))
-        if (found := next(inexact, None)) is not None:
-            return "", (
+        problem = _numbers_problem(_as_schema(value))
+        if problem is not None:
+            return "", problem
+    if kind == GrammarKind.REGEX and _ends_in_lone_backslash(text):
+        # llguidance drops it, and would follow another regex than the one asked for.
+        return "", f"invalid regex at offset {len(text) - 1}: incomplete escape sequence"
+    return _checked_grammar(kind, text)
+
+
+def _as_schema(value: Any) -> Any:
+    """A schema given as an object or as its JSON text (None for text that is no
+    JSON: llguidance then says why)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None
+
+
+def _ends_in_lone_backslash(regex: str) -> bool:
+    return (len(regex) - len(regex.rstrip("\\"))) % 2 == 1
+
+
+def _numbers_problem(schema: Any) -> str | None:
+    """What llguidance would silently follow otherwise than a schema asks, in the
+    numbers that bound or name values: one past ±2^53, a multipleOf that is not
+    above 0 (JSON Schema's rule; llguidance takes its absolute value), and draft
+    4's boolean exclusiveMinimum and exclusiveMaximum (which it ignores)."""
+    for where, key, item in _exact_keywords(schema, ""):
+        at = where.lstrip(".")
+        if key == "multipleOf" and _is_number(item) and item <= 0:
+            return f"{at}: must be greater than 0, got {_preview(item)}"
+        if key in ("exclusiveMinimum", "exclusiveMaximum") and isinstance(item, bool):
+            return (
+                f"Unimplemented: {at} is {json.dumps(item)}, draft 4's form, which is not "
+                "followed here; give the bound itself as a number (JSON Schema 2020-12)"
+            )
+        found = next(((at, n) for at, n in _numbers(item, where) if _is_past_doubles(n)), None)
+        if found is not None:
+            return (
                 f"Unimplemented: {found[0].lstrip('.')} holds {_preview(found[1])}, past ±2^53 "
                 f"({MAX_EXACT_INTEGER}), where JSON Schema bounds, enum and const cannot "
                 "be followed exactly here; ask for a string with a pattern instead"
             )
-    return _checked_grammar(kind, text)
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_past_doubles(number: int | float) -> bool:
@@ -234,27 +276,27 @@ def _is_past_doubles(number: int | float) -> bool:
     return abs(number) > MAX_EXACT_INTEGER
 
 
-def _asked_numbers(schema: Any, path: str) -> Iterator[tuple[str, int | float]]:
-    """Each number ``schema`` asks for exactly (a bound, or in an enum or a
-    const), with where it is."""
+def _exact_keywords(schema: Any, path: str) -> Iterator[tuple[str, str, Any]]:
+    """Each keyword of ``schema`` that asks for a number exactly (a bound, enum or
+    const), with where it is and its value."""
     if isinstance(schema, list):
         for i, item in enumerate(schema):
-            yield from _asked_numbers(item, f"{path}[{i}]")
+            yield from _exact_keywords(item, f"{path}[{i}]")
     elif isinstance(schema, dict):
         for key, item in schema.items():
             where = f"{path}.{key}"
             if key in _EXACT_KEYWORDS:
-                yield from _numbers(item, where)
+                yield where, key, item
             elif key in _SCHEMA_MAPS and isinstance(item, dict):
                 for name, subschema in item.items():
-                    yield from _asked_numbers(subschema, f"{where}.{name}")
+                    yield from _exact_keywords(subschema, f"{where}.{name}")
             else:
-                yield from _asked_numbers(item, where)
+                yield from _exact_keywords(item, where)
 
 
 def _numbers(value: Any, path: str) -> Iterator[tuple[str, int | float]]:
     """Each number anywhere in ``value``, a JSON value, with where it is."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if _is_number(value):
         yield path, value
     elif isinstance(value, list):
         for i, item in enumerate(value):

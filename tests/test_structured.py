@@ -129,6 +129,31 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
             "structured_outputs.regex",
             "structured_outputs.regex: invalid regex at offset 3: invalid character class range",
         ),
+        # llguidance drops a lone backslash at its end, and followed /a/ for this one
+        (
+            None,
+            {"regex": "a\\"},
+            422,
+            "structured_outputs.regex",
+            "structured_outputs.regex: invalid regex at offset 1: incomplete escape sequence",
+        ),
+        (None, {"regex": "\\"}, 422, "structured_outputs.regex", "incomplete escape sequence"),
+        # llguidance followed -3 as 3; JSON Schema requires more than 0
+        (
+            None,
+            {"json": {"type": "number", "multipleOf": -3}},
+            422,
+            "structured_outputs.json",
+            "structured_outputs.json: multipleOf: must be greater than 0, got -3",
+        ),
+        # draft 4's boolean bound, which llguidance ignored
+        (
+            None,
+            {"json": {"type": "number", "minimum": 0, "exclusiveMinimum": True}},
+            400,
+            "structured_outputs.json",
+            "exclusiveMinimum is true, draft 4's form, which is not followed here",
+        ),
         # a construct llguidance does not follow, said without the rule it wraps it in
         (
             None,
@@ -282,10 +307,12 @@ def test_an_integer_past_two_to_the_53_is_refused_not_followed_as_its_neighbour(
 ) -> None:
     """llguidance holds schema numbers as doubles: enum [2^53 + 1] allowed 2^53."""
     response_format = {"type": "json_schema", "json_schema": {"schema": schema}}
-    with pytest.raises(ApiError) as caught:
-        _fields(response_format)
-    assert (caught.value.status, caught.value.code) == (400, "unsupported")
-    assert where in caught.value.message and "2^53" in caught.value.message
+    # the schema as its JSON text too
+    for fields in ((response_format, None), (None, {"json": json.dumps(schema)})):
+        with pytest.raises(ApiError) as caught:
+            _fields(*fields)
+        assert (caught.value.status, caught.value.code) == (400, "unsupported")
+        assert where in caught.value.message and "2^53" in caught.value.message
 
 
 def test_integers_up_to_two_to_the_53_and_large_defaults_are_followed_exactly() -> None:
