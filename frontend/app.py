@@ -259,4 +259,5 @@ async def metrics(request: Request) -> Response:
 
 async def openapi(request: Request) -> Response:
     """The OpenAPI 3.1 description of every endpoint."""
-    return JSONResponse(openapi_schema(_client(request).config.strict_request_fields))
+    config = _client(request).config
+    return JSONResponse(openapi_schema(config.strict_request_fields, config.max_new_tokens_limit))

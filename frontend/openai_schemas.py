@@ -91,6 +91,11 @@ LogitBias = Annotated[
 ]
 
 
+NOT_EMPTY_TEXT = {"minLength": 1}
+NOT_EMPTY_LIST = {"minItems": 1}
+ONE_ITEM = {"minItems": 1, "maxItems": 1}
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
 
@@ -118,7 +123,11 @@ class ResponseFormat(BaseModel):
 
     model_config = STRICT
 
-    type: str = Field(description="text, json_object or json_schema")
+    # Any other is refused by name (400), by `frontend.structured`.
+    type: str = Field(
+        description="text, json_object or json_schema",
+        json_schema_extra={"enum": ["text", "json_object", "json_schema"]},
+    )
     json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema")
 
 
@@ -194,11 +203,20 @@ class OpenAIBody(RequestBody):
 class CompletionBody(OpenAIBody):
     """POST /v1/completions, as OpenAI defines it, with vLLM's extensions."""
 
+    # Each form is described non-empty, and a list of prompts as holding one, as
+    # `openai_api._one_prompt` takes them: it refuses the others by name (an empty
+    # prompt, 422; a batch, 400), in words pydantic's union errors would not find.
     prompt: (
-        str
-        | TokenIds
-        | Annotated[list[str], Field(fail_fast=True)]
-        | Annotated[list[TokenIds], Field(fail_fast=True)]
+        Annotated[str, Field(json_schema_extra=NOT_EMPTY_TEXT)]
+        | Annotated[TokenIds, Field(json_schema_extra=NOT_EMPTY_LIST)]
+        | Annotated[
+            list[Annotated[str, Field(json_schema_extra=NOT_EMPTY_TEXT)]],
+            Field(fail_fast=True, json_schema_extra=ONE_ITEM),
+        ]
+        | Annotated[
+            list[Annotated[TokenIds, Field(json_schema_extra=NOT_EMPTY_LIST)]],
+            Field(fail_fast=True, json_schema_extra=ONE_ITEM),
+        ]
     ) = Field(description="text, or token ids; one prompt per request")
     max_tokens: int | None = Field(
         16, ge=0, description="0 to MAX_NEW_TOKENS_LIMIT; 0 only with echo"

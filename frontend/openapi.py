@@ -139,10 +139,23 @@ def _reached(names: list[str], schemas: dict[str, Any]) -> set[str]:
     return reached
 
 
+# The fields that ask for a number of tokens, bounded by MAX_NEW_TOKENS_LIMIT:
+# a setting, so the models cannot say it, and the document is written for it.
+_TOKEN_BUDGETS = (
+    ("GenerateBody", "max_new_tokens"),
+    ("CompletionBody", "max_tokens"),
+    ("ChatBody", "max_completion_tokens"),
+    ("ChatBody", "max_tokens"),
+)
+
+
 @functools.cache
-def openapi_schema(strict_request_fields: bool = False) -> dict[str, Any]:
+def openapi_schema(
+    strict_request_fields: bool = False, max_new_tokens_limit: int | None = None
+) -> dict[str, Any]:
     """The description of this server's API, as configured: whether the OpenAI
-    bodies refuse an unknown field (STRICT_REQUEST_FIELDS) or ignore it."""
+    bodies refuse an unknown field (STRICT_REQUEST_FIELDS) or ignore it, and how
+    many tokens a request may ask for (MAX_NEW_TOKENS_LIMIT; None: not said)."""
     _, definitions = models_json_schema(
         [
             (body, "validation")
@@ -154,6 +167,12 @@ def openapi_schema(strict_request_fields: bool = False) -> dict[str, Any]:
     if not strict_request_fields:
         for name in _reached([body.__name__ for body in _LENIENT_BODIES], schemas):
             schemas[name].pop("additionalProperties", None)
+    if max_new_tokens_limit is not None:
+        for body, name in _TOKEN_BUDGETS:
+            field = schemas[body]["properties"][name]
+            for arm in field.get("anyOf", [field]):
+                if arm.get("type") == "integer":
+                    arm["maximum"] = max_new_tokens_limit
     return {
         "openapi": "3.1.0",
         "info": {

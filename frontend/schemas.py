@@ -34,7 +34,7 @@ TokenIds = Annotated[list[TokenId], Field(fail_fast=True)]
 # The worker's limits, checked here too: a request past them is refused at once,
 # not after waiting in this frontend for a free slot.
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)]
-StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 StopStrings = (
     StopString
     | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)]

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -555,3 +556,46 @@ def test_a_worker_refusal_names_the_field_as_the_endpoint_body_does(
     assert error["param"] == param and error["message"].startswith(start), error
     for worker_field in ("max_new_tokens", "prompt_token_ids", "chat_"):
         assert worker_field not in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields"),
+    [
+        ("/v1/completions", {"prompt": ""}),
+        ("/v1/completions", {"prompt": []}),
+        ("/v1/completions", {"prompt": [[]]}),
+        ("/v1/completions", {"prompt": [""]}),
+        ("/v1/completions", {"prompt": ["a", "b"]}),
+        ("/v1/completions", {"prompt": [[1], [2]]}),
+        ("/v1/completions", {"prompt": ["hi"]}),
+        ("/v1/completions", {"prompt": [[104, 105]]}),
+        ("/v1/completions", {"stop": ""}),
+        ("/v1/completions", {"stop": ["a", ""]}),
+        ("/v1/completions", {"max_tokens": 100_000}),
+        ("/v1/completions", {"max_tokens": 512}),
+        ("/v1/completions", {"response_format": {"type": "xml"}}),
+        ("/v1/chat/completions", {"max_completion_tokens": 513}),
+        ("/v1/chat/completions", {"stop": [""]}),
+        ("/generate", {"max_new_tokens": 100_000}),
+        ("/generate", {"stop": ""}),
+    ],
+)
+def test_openapi_describes_as_valid_only_what_the_server_takes(
+    stack: Stack, endpoint: str, fields: dict[str, object]
+) -> None:
+    """A client generated from /openapi.json sent bodies it called valid, and got
+    422s: an empty prompt or stop string, more tokens than MAX_NEW_TOKENS_LIMIT."""
+    base: dict[str, object] = {
+        "/v1/completions": {"model": "fake", "prompt": "hi", "max_tokens": 1},
+        "/v1/chat/completions": {"model": "fake", "messages": [{"role": "user", "content": "hi"}]},
+        "/generate": {"prompt": "hi", "max_new_tokens": 1},
+    }[endpoint]
+    body = base | fields
+    document = httpx.get(f"{stack.url}/openapi.json", timeout=10).json()
+    schema = document["paths"][endpoint]["post"]["requestBody"]["content"]["application/json"]
+    validator = jsonschema.Draft202012Validator(
+        schema["schema"] | {"components": document["components"]}
+    )
+    response = httpx.post(f"{stack.url}{endpoint}", json=body | {"stream": False}, timeout=30)
+    assert response.status_code in (200, 400, 422), response.text
+    assert validator.is_valid(body) == (response.status_code == 200), response.text
