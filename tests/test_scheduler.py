@@ -234,22 +234,25 @@ def test_an_admit_failure_fails_only_the_request_that_causes_it() -> None:
 
 
 @pytest.mark.parametrize("send", [False, True])
-def test_failed_admissions_count_though_others_decode_in_the_same_iteration(send: bool) -> None:
-    """The server's path (``send``) reports the prefill and the decode apart; the
-    decode, failing nothing, cleared the failed admission before it, so an engine
-    failing every newcomer was never replaced."""
+@pytest.mark.parametrize("every", [1, 3])
+def test_failed_admissions_count_while_an_older_stream_decodes(send: bool, every: int) -> None:
+    """The server's path (``send``) reports the prefill and the decode apart, and
+    an iteration that only decoded counted as a success: an engine failing every
+    newcomer beside one long stream was never replaced, each newcomer got a 500."""
     engine = FakeEngine(2, fail_admit_if=lambda request: request.request_id.startswith("bad"))
     scheduler = Scheduler(engine, max_queue_depth=10)
-    scheduler.submit(_request(0, max_new_tokens=20))
+    scheduler.submit(_request(0, max_new_tokens=40))
     sent: list[ToFrontend] = []
     scheduler.run_once(sent.extend if send else None)
-    for i in range(3):
-        scheduler.submit(GenerateRequest(f"bad{i}", "prompt", 4))
+    for i in range(3 * every):
+        if i % every == 0:
+            scheduler.submit(GenerateRequest(f"bad{i}", "prompt", 4))
         sent += scheduler.run_once(sent.extend if send else None)
     assert engine.num_active() == 1  # r0 decoded through every iteration
     assert [type(o) for o in sent if isinstance(o, ErrorResult)] == [ErrorResult] * 3
     assert scheduler.num_failures_in_a_row == 3
-    scheduler.run_once(sent.extend if send else None)  # nothing fails
+    finals = _finals(sent + _run(scheduler))  # nothing fails, and r0 finishes
+    assert isinstance(finals["r0"], GenerateResult)
     assert scheduler.num_failures_in_a_row == 0
 
 

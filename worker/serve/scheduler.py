@@ -57,13 +57,14 @@ class Scheduler:
         self.max_queue_depth = max_queue_depth
         self._num_working_iterations = 0
         self.num_finished = 0  # requests answered (result or error): heartbeats report it
-        # Iterations in a row in which the engine failed (admission, prefill or
-        # step): a worker whose engine fails everything (a poisoned CUDA context,
-        # say) must be replaced, not kept. Counted once an iteration: its prefill
-        # and its decode report apart, and a decode that failed nothing must not
-        # clear the failed prefill before it.
+        # Iterations in which the engine failed (admission, prefill or step) with
+        # no request finished between them: a worker whose engine fails
+        # everything (a poisoned CUDA context, say) must be replaced, not kept.
+        # Steps that only go on decoding older streams are no success here: an
+        # engine failing every newcomer beside a long stream failed them all.
         self.num_failures_in_a_row = 0
         self._engine_failed = False  # in this iteration
+        self._request_finished = False  # in this iteration
         # Slots busy, as heartbeats report them (read on another thread): those
         # of the latest step while a request waits ready, since the next
         # iteration refills any slot that step freed before it steps again;
@@ -164,7 +165,7 @@ class Scheduler:
         if not self.has_work():
             self.num_busy = 0
             return outputs
-        self._engine_failed = False
+        self._engine_failed = self._request_finished = False
         num_free = self.engine.capacity - self.engine.num_active()
         prepared: list[str] = []
         for request in self._next_in_line():
@@ -190,10 +191,10 @@ class Scheduler:
                 self._num_working_iterations += 1
         elif newcomers:
             self._num_working_iterations += 1
-        if newcomers or self.engine.num_active() > 0 or self._engine_failed:
-            self.num_failures_in_a_row = (
-                self.num_failures_in_a_row + 1 if self._engine_failed else 0
-            )
+        if self._request_finished:
+            self.num_failures_in_a_row = 0
+        if self._engine_failed:
+            self.num_failures_in_a_row += 1
         self._count_finished(outputs)
         self._count_busy_unless_refilled()
         return outputs
@@ -304,6 +305,7 @@ class Scheduler:
                 self._engine_failed = True
         outputs.extend(step.deltas)
         outputs.extend(self._finished_result(finished) for finished in step.finished)
+        self._request_finished = self._request_finished or bool(step.finished)
 
     def _finished_result(self, finished: FinishedSequence) -> GenerateResult:
         arrival, admitted = self._admitted_at.pop(finished.request_id)
