@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import typing
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 from starlette.requests import Request
 
 from frontend.body import json_object, read_json_body
@@ -77,15 +79,12 @@ def drop_unknown(
             dropped.append(where + key)
             continue
         nested = fields[key]
-        if nested is not None and isinstance(item, dict):
-            item = drop_unknown(item, nested, dropped, f"{where}{key}.")
-        elif nested is not None and isinstance(item, list):
-            item = [
-                drop_unknown(each, nested, dropped, f"{where}{key}.{i}.")
-                if isinstance(each, dict)
-                else each
-                for i, each in enumerate(item)
-            ]
+        if nested is not None and not nested.is_list and isinstance(item, dict):
+            item = drop_unknown(item, nested.model, dropped, f"{where}{key}.")
+        elif nested is not None and (listed := nested.listed(item)):
+            item = list(item)
+            for i, each in listed:
+                item[i] = drop_unknown(each, nested.model, dropped, f"{where}{key}.{i}.")
         known[key] = item
     return known
 
@@ -107,44 +106,66 @@ def check_num_fields(value: dict[str, Any], schema: type[BaseModel], where: str 
             "invalid_request",
             where if where != "body" else None,
         )
-    for name, nested in wire_fields(schema).items():
-        if nested is not None and name in value:
-            path = name if where == "body" else f"{where}.{name}"
-            for item_path, item in _objects_in(path, value[name]):
-                check_num_fields(item, nested, item_path)
+    for name, nested in fields.items():
+        if nested is None or name not in value:
+            continue
+        path = name if where == "body" else f"{where}.{name}"
+        if not nested.is_list and isinstance(value[name], dict):
+            check_num_fields(value[name], nested.model, path)
+        for i, item in nested.listed(value[name]):
+            check_num_fields(item, nested.model, f"{path}.{i}")
+
+
+@dataclass(frozen=True)
+class Nested:
+    """A field that holds a model: one object, or a list of them (of at most
+    ``max_items``, if bounded)."""
+
+    model: type[BaseModel]
+    is_list: bool
+    max_items: int | None
+
+    def listed(self, item: Any) -> list[tuple[int, dict[str, Any]]]:
+        """The objects in the field's value, with their indexes, where the field is
+        a list of them and the value one within its bound. Anything else (an
+        object for a list, a list past its bound) is left for pydantic to refuse
+        as it is, unwalked: 32,000 messages, refused for their number, are not
+        walked first."""
+        if not (self.is_list and isinstance(item, list)):
+            return []
+        if self.max_items is not None and len(item) > self.max_items:
+            return []
+        return [(i, each) for i, each in enumerate(item) if isinstance(each, dict)]
 
 
 @functools.cache
-def wire_fields(schema: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
+def wire_fields(schema: type[BaseModel]) -> dict[str, Nested | None]:
     """``schema``'s fields by the names a body gives them (a field's alias: the
     JSON Schema "schema" is ``schema_``, away from pydantic's own attribute), each
-    with the model it holds, alone or in a list, if any (``StreamOptions | None``,
+    with the model it holds, if any (``StreamOptions | None``,
     ``list[ChatMessage]``). Cached: a body is walked by these for every object in it."""
-    return {
-        field.alias or name: _model_in(field.annotation)
-        for name, field in schema.model_fields.items()
-    }
+    return {field.alias or name: _nested(field) for name, field in schema.model_fields.items()}
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
+def _nested(field: FieldInfo) -> Nested | None:
+    found = _model_in(field.annotation)
+    if found is None:
+        return None
+    model, is_list = found
+    max_items = next((m.max_length for m in field.metadata if hasattr(m, "max_length")), None)
+    return Nested(model, is_list, max_items)
+
+
+def _model_in(annotation: Any, in_list: bool = False) -> tuple[type[BaseModel], bool] | None:
+    """The model a field's type holds, and whether in a list."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
+        return annotation, in_list
+    is_list = typing.get_origin(annotation) is list
     for kind in typing.get_args(annotation):
-        model = _model_in(kind)
-        if model is not None:
-            return model
+        found = _model_in(kind, in_list or is_list)
+        if found is not None:
+            return found
     return None
-
-
-def _objects_in(path: str, item: Any) -> list[tuple[str, dict[str, Any]]]:
-    """The objects a field holds, each with its dotted path: the field's value
-    if it is one, or those in the list it is (``messages.3``). Anything else is
-    left to pydantic to refuse."""
-    if isinstance(item, dict):
-        return [(path, item)]
-    if isinstance(item, list):
-        return [(f"{path}.{i}", each) for i, each in enumerate(item) if isinstance(each, dict)]
-    return []
 
 
 def name_fields(names: list[str]) -> str:
