@@ -273,6 +273,10 @@ class ChatMessage(BaseModel):
     name: str | None = Field(None, description="accepted and not used")
     tool_call_id: str | None = Field(None, description="accepted and not used")
     tool_calls: list[Any] | None = Field(None, description="accepted and not used")
+    # An assistant's, as OpenAI's answers carry them back (refusal: null).
+    refusal: str | None = Field(None, description="accepted and not used")
+    audio: dict[str, Any] | None = Field(None, description="accepted and not used")
+    function_call: dict[str, Any] | None = Field(None, description="accepted and not used")
 
 
 class ChatBody(OpenAIBody):
