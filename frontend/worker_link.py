@@ -103,6 +103,8 @@ class WorkerLink:
         self._started_at = time.monotonic()  # when this frontend began to look for it
         self._is_silence_logged = False
         self._malformed = Throttled(log, "malformed frames", logging.ERROR)
+        # Each hello of another version says so: one a ping, or as many as a peer sends.
+        self._mismatched = Throttled(log, "hellos of another version", logging.ERROR)
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -287,8 +289,7 @@ class WorkerLink:
         """The worker greeted in another protocol version: it is never sent a
         request, and /health and every request's timeout say why."""
         refusal = f"speaks another protocol version ({mismatch})"
-        if refusal != self._refusal:
-            log.error("worker %s %s", self.endpoint, refusal)
+        self._mismatched.warn(f"worker {self.endpoint} {refusal}")
         self._refusal = refusal
 
     def _log_refusal(self, event: zmq.Event) -> None:

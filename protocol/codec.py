@@ -81,6 +81,8 @@ def _decode(frame: bytes, accepted: dict[str, Schema]) -> Message:
         )
 
     version = payload.get(VERSION_KEY)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ProtocolError(f"no protocol version (got {preview(version)})", request_id)
     if version != PROTOCOL_VERSION:
         raise VersionMismatch(
             f"the peer speaks protocol version {preview(version)} and this process "

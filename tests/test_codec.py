@@ -25,6 +25,7 @@ from protocol import (
     Ping,
     ProtocolError,
     TokenDelta,
+    VersionMismatch,
     Waiting,
     decode_to_frontend,
     decode_to_worker,
@@ -195,7 +196,8 @@ _DROP = object()
         (b"", "not valid msgpack"),
         (msgpack.packb([1, 2]), "must be a msgpack map"),
         (_frame(v=PROTOCOL_VERSION + 1), "protocol version"),
-        (_frame(v=_DROP), "protocol version"),
+        (_frame(v=_DROP), "no protocol version (got None)"),
+        (_frame(v="8"), "no protocol version"),
         (_frame(type="result"), "not expected here"),
         (_frame(type="nonsense"), "not expected here"),
         (_frame(max_new_tokens="4"), "max_new_tokens must be int"),
@@ -221,6 +223,20 @@ _DROP = object()
 def test_malformed_frames_raise_protocol_error(frame: bytes, expected: str) -> None:
     with pytest.raises(ProtocolError, match=re.escape(expected)):
         decode_to_worker(frame)
+
+
+@pytest.mark.parametrize(
+    ("version", "is_mismatch"),
+    [(PROTOCOL_VERSION + 1, True), (1, True), (None, False), (True, False)],
+)
+def test_only_another_version_number_is_a_version_mismatch(
+    version: object, is_mismatch: bool
+) -> None:
+    """A worker answers a mismatch with its hello; a map without a version is
+    only malformed, and was reported as "protocol version None"."""
+    with pytest.raises(ProtocolError) as raised:
+        decode_to_worker(_frame(v=version))
+    assert isinstance(raised.value, VersionMismatch) == is_mismatch
 
 
 @pytest.mark.parametrize("decode", [decode_to_worker, decode_to_frontend])
