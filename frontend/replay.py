@@ -60,6 +60,7 @@ def release(
         link.send(AbortRequest(entry.wire_id))
         if not is_death:
             table.requeue(entry, is_suspect=entry is trial)
+            num_suspects += entry is trial
             continue
         entry.num_worker_deaths += 1
         made_progress, entry.made_progress = entry.made_progress, False
