@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from protocol import GenerateRequest, ToWorker
 
@@ -16,13 +17,15 @@ from protocol import GenerateRequest, ToWorker
 class Inbox:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[ToWorker, float]] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # put and get run on different threads
+        self._lock = threading.Lock()  # put and drain run on different threads
         self._num_requests = 0
 
     @property
     def num_requests(self) -> int:
-        """Requests in the inbox, or on their way out of it (never one too few:
-        a request is counted before it goes in, and after it comes out)."""
+        """Requests in the inbox, or being applied: a request is counted before
+        it goes in, and uncounted once applied (the scheduler counts it then),
+        so a heartbeat that reads this and then the scheduler's queue never
+        misses one."""
         return self._num_requests
 
     def put(self, message: ToWorker) -> None:
@@ -31,11 +34,24 @@ class Inbox:
                 self._num_requests += 1
         self._queue.put((message, time.monotonic()))
 
-    def get(self, timeout_s: float | None = None) -> tuple[ToWorker, float]:
-        """The next message and when it was received: at once, or within
-        ``timeout_s``; else `queue.Empty`."""
-        item = self._queue.get_nowait() if timeout_s is None else self._queue.get(timeout=timeout_s)
-        if isinstance(item[0], GenerateRequest):
-            with self._lock:
-                self._num_requests -= 1
-        return item
+    def drain(
+        self, apply: Callable[[ToWorker, float], None], timeout_s: float | None = None
+    ) -> None:
+        """``apply`` each message waiting, in order, with when it was received;
+        with ``timeout_s``, wait that long for the first."""
+        try:
+            item = (
+                self._queue.get_nowait()
+                if timeout_s is None
+                else self._queue.get(timeout=timeout_s)
+            )
+            while True:
+                try:
+                    apply(*item)
+                finally:
+                    if isinstance(item[0], GenerateRequest):
+                        with self._lock:
+                            self._num_requests -= 1
+                item = self._queue.get_nowait()
+        except queue.Empty:
+            return

@@ -20,12 +20,10 @@ If either thread raises, the process ends: nothing stays half alive.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
@@ -205,23 +203,21 @@ class WorkerServer:
 
     def _requests_in_inbox(self) -> list[str]:
         """Take what waits in the inbox; the ids of the requests among it."""
-        request_ids = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                message, _ = self._inbox.get()
-                if isinstance(message, GenerateRequest):
-                    request_ids.append(message.request_id)
+        request_ids: list[str] = []
+
+        def note(message: ToWorker, _: float) -> None:
+            if isinstance(message, GenerateRequest):
+                request_ids.append(message.request_id)
+
+        self._inbox.drain(note)
         return request_ids
 
     def _take_input(self, outputs: list[ToFrontend], block: bool) -> None:
         timeout = _PREPARING_POLL_S if self.scheduler.has_work() else _IDLE_POLL_S
-        try:
-            item = self._inbox.get(timeout if block else None)
-            while True:
-                self._apply(*item, outputs)
-                item = self._inbox.get()
-        except queue.Empty:
-            return
+        self._inbox.drain(
+            lambda message, received_at: self._apply(message, received_at, outputs),
+            timeout if block else None,
+        )
 
     def _apply(self, message: ToWorker, received_at: float, outputs: list[ToFrontend]) -> None:
         if isinstance(message, GenerateRequest) and self._stopping.is_set():
