@@ -256,7 +256,7 @@ def test_failed_admissions_count_while_an_older_stream_decodes(send: bool, every
     assert scheduler.num_failures_in_a_row == 0
 
 
-def test_failures_in_a_row_are_counted_until_a_step_succeeds() -> None:
+def test_failures_in_a_row_are_counted_until_a_request_finishes() -> None:
     engine = RecordingEngine(1, fail_step_if=lambda step: step <= 2)
     scheduler = Scheduler(engine, max_queue_depth=10)
     for i in range(3):
