@@ -115,20 +115,19 @@ def _content_text(i: int, message: ChatMessage) -> str:
         return content or ""
     texts = []
     for k, part in enumerate(content):
-        if part.get("type") != "text":
+        if part.type != "text":
             raise ApiError(
                 400,
                 f"{param}.{k}: only text parts ({{'type': 'text', 'text': ...}}) are "
-                f"supported, got type {str(part.get('type'))[:40]!r}",
+                f"supported, got type {part.type[:40]!r}",
                 "unsupported",
                 f"{param}.{k}",
             )
-        text = part.get("text")
-        if not isinstance(text, str):
+        if part.text is None:
             raise ApiError(
                 422, f"{param}.{k}.text: must be a string", "invalid_request", f"{param}.{k}.text"
             )
-        texts.append(text)
+        texts.append(part.text)
     return "\n".join(texts)
 
 

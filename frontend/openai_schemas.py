@@ -256,6 +256,21 @@ def _check_role(value: str) -> str:
     return value
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content, as OpenAI defines them. Only text is
+    served: a part of another type (an image, audio, a file) is refused by name
+    (400, `frontend.chat_api`). Any other field is unknown, as a message's are."""
+
+    model_config = STRICT
+
+    type: str = Field(description="text; image_url, input_audio, file and refusal are refused")
+    text: str | None = None
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
+    refusal: str | None = None
+
+
 class ChatMessage(BaseModel):
     """One message: its role and content, and the other fields OpenAI defines for
     a message, taken and not used, so that a valid conversation passes
@@ -267,7 +282,7 @@ class ChatMessage(BaseModel):
     role: Annotated[str, AfterValidator(_check_role)] = Field(
         json_schema_extra={"enum": list(CHAT_ROLES)}
     )
-    content: str | list[dict[str, Any]] | None = Field(
+    content: str | list[ContentPart] | None = Field(
         None, description="text, or a list of {type: text, text} parts"
     )
     name: str | None = Field(None, description="accepted and not used")

@@ -237,7 +237,7 @@ def test_only_an_assistant_message_may_leave_its_content_out(stack: Stack) -> No
     error = response.json()["error"]
     assert (error["param"], error["message"]) == (
         "messages.0.content.1.text",
-        "messages.0.content.1.text: must be a string",
+        "messages.0.content.1.text: must be a string, got an integer",
     )
 
 

@@ -292,6 +292,20 @@ def test_an_array_for_a_field_of_one_object_is_refused_as_an_array(strict: bool)
     assert caught.value.message == "stream_options: must be an object, got an array"
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_unknown_field_in_a_content_part_is_named_or_refused(strict: bool) -> None:
+    """Parts were plain objects: a misspelt field in one went unseen either way."""
+    part = {"type": "text", "text": "hi", "txet": "typo"}
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": [part]}]})
+    if not strict:
+        _, ignored = decode_body(body.encode(), ChatBody, ignore_unknown=True)
+        assert ignored == ["messages.0.content.0.txet"]
+        return
+    with pytest.raises(ApiError) as caught:
+        decode_body(body.encode(), ChatBody, ignore_unknown=False)
+    assert caught.value.param == "messages.0.content.0.txet"
+
+
 def test_a_conversation_as_openai_answers_it_passes_strict_checks() -> None:
     """OpenAI's and vLLM's answers carry refusal: null back in the history."""
     assistant = {"role": "assistant", "content": "hi", "refusal": None, "audio": None}
