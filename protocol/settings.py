@@ -199,6 +199,12 @@ def _suggest_flags(
         meant = difflib.get_close_matches(given, flags, n=1, cutoff=0.7)
         if meant:
             parser.error(f"unrecognized argument {given}: did you mean {meant[0]}?")
+        # Most often another process's setting (MAX_BATCH_SIZE to a frontend).
+        parser.error(
+            f"unrecognized argument {given}: not a flag of {parser.prog}, whose --help "
+            "lists its own; each process takes only the settings it reads "
+            "(docs/operations.md's table says which)"
+        )
 
 
 def flag_settings(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str, str]:
@@ -214,7 +220,8 @@ def flag_settings(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str
 
 def unknown_flags(cls: type[Any], argv: Sequence[str] | None = None) -> list[str]:
     """The options in ``argv`` that are none of ``cls``'s flags, as given."""
-    if any(arg in ("-h", "--help") for arg in argv or ()):
+    given = sys.argv[1:] if argv is None else argv
+    if any(arg in ("-h", "--help") for arg in given):
         return []  # --help is for `load` to print, whatever else is there
     unknown = _parser(cls, add_help=False).parse_known_args(argv)[1]
     return [arg for arg in unknown if arg.startswith("-") and arg != "--"]
