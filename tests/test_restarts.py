@@ -26,6 +26,20 @@ def _post(stack: Stack, body: dict[str, object], timeout_s: float = 60) -> httpx
     return httpx.post(f"{stack.url}/generate", json=body, timeout=timeout_s)
 
 
+def _wait_for_stop(stack: Stack, timeout_s: float = 10.0) -> None:
+    """Wait for the worker told to stop to exit; if it does not, fail with its
+    threads' stacks (SIGUSR1 writes them to its log), to say where it hangs."""
+    worker = stack.processes["worker"]
+    try:
+        worker.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        worker.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        raise AssertionError(
+            f"the worker did not stop within {timeout_s:g} s:\n{stack.log('worker')[-20_000:]}"
+        ) from None
+
+
 def _in_background(
     stack: Stack, bodies: list[dict[str, object]]
 ) -> tuple[ThreadPoolExecutor, list[Future[httpx.Response]]]:
@@ -108,7 +122,7 @@ def test_requests_sent_to_a_worker_as_it_stops_are_handed_back_too(tmp_path: Pat
                 {"prompt": f"round {round_} request {i}", "max_new_tokens": 5} for i in range(4)
             ]
             pool, futures = _in_background(stack, bodies)
-            stack.processes["worker"].wait(timeout=10)
+            _wait_for_stop(stack)
             stack.start("worker", "worker.serve.main")
             _assert_fault_free_answers(bodies, futures)
             pool.shutdown()
@@ -123,7 +137,7 @@ def test_a_worker_stopping_with_nothing_to_hand_back_is_not_declared_dead(
     with running_stack(tmp_path, {"FAKE_STEP_DELAY_S": "0.02"}, supervised=False) as stack:
         stack.wait_live()
         stack.processes["worker"].send_signal(signal.SIGTERM)
-        stack.processes["worker"].wait(timeout=10)
+        _wait_for_stop(stack)
         deadline = time.monotonic() + 10
         while "closed its connection" not in (log := stack.log("frontend")):
             assert time.monotonic() < deadline, log
@@ -144,7 +158,7 @@ def test_the_frontend_logs_how_many_requests_a_stopping_worker_handed_back(
         pool, futures = _in_background(stack, bodies)
         stack.wait_for_health("all running", lambda h: h["active"] == 3)
         stack.processes["worker"].send_signal(signal.SIGTERM)
-        stack.processes["worker"].wait(timeout=10)
+        _wait_for_stop(stack)
         stack.start("worker", "worker.serve.main")
         _assert_fault_free_answers(bodies, futures)
         pool.shutdown()
@@ -166,7 +180,7 @@ def test_while_its_only_worker_stops_the_frontend_is_not_ready(tmp_path: Path) -
             time.sleep(0.05)
         assert (ready.status_code, ready.json()["status"]) == (503, "stopping")
         assert [worker["stopping"] for worker in ready.json()["workers"]] == [True]
-        stack.processes["worker"].wait(timeout=10)
+        _wait_for_stop(stack)
         stack.start("worker", "worker.serve.main")
         _assert_fault_free_answers(_bodies(1, max_new_tokens=400), futures)
         pool.shutdown()
@@ -478,3 +492,16 @@ def test_a_request_that_kills_every_worker_is_failed_after_two_and_the_rest_succ
         health = stack.wait_live(instance_not=str(first["instance_id"]))
         assert health["worker_restarts"] == 2
         assert health["inflight"] == 0
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_worker_serves_on(
+    tmp_path: Path,
+) -> None:
+    """How to see where a worker that seems stuck is (a stop that never ended)."""
+    with running_stack(tmp_path, supervised=False) as stack:
+        stack.wait_live()
+        stack.processes["worker"].send_signal(signal.SIGUSR1)
+        stack.wait_until(lambda: "_engine_loop" in stack.log("worker"), "a stack dump")
+        assert "_io_loop" in stack.log("worker")  # the other thread's too
+        body = {"prompt": "hi", "max_new_tokens": 2}
+        assert httpx.post(f"{stack.url}/generate", json=body, timeout=10).status_code == 200

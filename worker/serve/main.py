@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import time
 from collections.abc import Sequence
@@ -43,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # SIGHUP too (a closed terminal): its default ended the worker at once.
     for stop_signal in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(stop_signal, lambda *_: server.stop())
+    # `kill -USR1 <pid>`: every thread's stack to the log, for a worker that seems
+    # stuck; written by the interpreter's C code, so even a wedged one answers.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         server.serve_forever()
     except ConfigError as exc:  # its endpoint cannot be bound
