@@ -155,7 +155,7 @@ def load(
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     parser = _parser(cls, description)
-    _suggest_flags(parser, cls, argv)
+    _refuse_unknown_flags(parser, cls, argv)
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     flags: dict[str, str] = {}  # the variables a flag set, and that flag
@@ -187,24 +187,27 @@ def load(
         raise ConfigError(f"{exc} ({'; '.join(given)})") from None
 
 
-def _suggest_flags(
+def _refuse_unknown_flags(
     parser: argparse.ArgumentParser, cls: type[Any], argv: Sequence[str] | None
 ) -> None:
-    """Stop at a flag ``cls`` has not, naming the one it likely meant: argparse's
+    """Stop at the first flag ``cls`` has not (a usage error, exit 2), naming the
+    one it likely meant, or else saying it is no flag of this process: argparse's
     bare "unrecognized arguments" left a user of a renamed flag (the worker's
-    --endpoint, now --worker-endpoint) guessing."""
+    --endpoint, now --worker-endpoint), or of another process's setting
+    (MAX_BATCH_SIZE to a frontend), guessing."""
+    unknown = unknown_flags(cls, argv)
+    if not unknown:
+        return
+    given = unknown[0].split("=", 1)[0]
     flags = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(cls)]
-    for flag in unknown_flags(cls, argv):
-        given = flag.split("=", 1)[0]
-        meant = difflib.get_close_matches(given, flags, n=1, cutoff=0.7)
-        if meant:
-            parser.error(f"unrecognized argument {given}: did you mean {meant[0]}?")
-        # Most often another process's setting (MAX_BATCH_SIZE to a frontend).
-        parser.error(
-            f"unrecognized argument {given}: not a flag of {parser.prog}, whose --help "
-            "lists its own; each process takes only the settings it reads "
-            "(docs/operations.md's table says which)"
-        )
+    meant = difflib.get_close_matches(given, flags, n=1, cutoff=0.7)
+    if meant:
+        parser.error(f"unrecognized argument {given}: did you mean {meant[0]}?")
+    parser.error(
+        f"unrecognized argument {given}: not a flag of {parser.prog}, whose --help "
+        "lists its own; each process takes only the settings it reads "
+        "(docs/operations.md's table says which)"
+    )
 
 
 def flag_settings(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str, str]:
