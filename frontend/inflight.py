@@ -26,6 +26,7 @@ from protocol import (
     TokenDelta,
     Waiting,
 )
+from protocol.request_checks import fit_to_context
 
 if TYPE_CHECKING:
     from frontend.worker_link import WorkerLink
@@ -58,6 +59,7 @@ class InFlight:
     # Logprobs ride on deltas once each; a replay never sends them again.
     streamed_logprobs: list[Logprobs] = field(default_factory=list)
     streamed_prompt_logprobs: Logprobs | None = None
+    prompt_tokens: int = 0  # as its worker counted them; 0 until a delta says
 
     @property
     def request_id(self) -> str:
@@ -100,9 +102,18 @@ class InFlight:
 
     @property
     def ends_this_step(self) -> bool:
-        """Running, one token short of its max_new_tokens: the step under way in
-        its worker ends it, whatever it produces, and frees its slot."""
-        return self.is_running and len(self.streamed_token_ids) + 1 >= self.request.max_new_tokens
+        """Running, one token short of its budget: the step under way in its worker
+        ends it, whatever it produces, and frees its slot."""
+        return self.is_running and len(self.streamed_token_ids) + 1 >= self._budget()
+
+    def _budget(self) -> int:
+        """Its max_new_tokens; with ``fit_context`` (a chat that asked for no
+        max_tokens), what its worker's context window leaves after its prompt, as
+        the worker fits it (`fit_to_context`)."""
+        hello = self.link.hello if self.link else None
+        if hello is None or not self.prompt_tokens:
+            return self.request.max_new_tokens
+        return fit_to_context(self.request, self.prompt_tokens, hello.context_window).max_new_tokens
 
     def answer_problem(self, message: Event, hello: Hello | None) -> str | None:
         """What makes a worker's answer to this request one the frontend cannot
@@ -171,6 +182,7 @@ class InFlight:
 
     def record(self, delta: TokenDelta) -> None:
         self.streamed_token_ids.extend(delta.token_ids)
+        self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
         self.streamed_text += delta.text
         if delta.logprobs is not None:
             self.streamed_logprobs.append(delta.logprobs)

@@ -1,6 +1,7 @@
 """The frontend's links to its workers: a background task that dies ends the frontend;
-a slot that the step under way frees is refilled before that step ends; a worker's
-death while a request only waited in its queue is not held against the request."""
+a slot that the step under way frees (its request's max_new_tokens, or the context
+window, reached) is refilled before that step ends; a worker's death while a request
+only waited in its queue is not held against the request."""
 
 from __future__ import annotations
 
@@ -144,6 +145,29 @@ def test_the_next_request_goes_out_while_the_running_one_takes_its_last_step() -
             await worker.send(TokenDelta(first.request_id, [1], "x"))
             assert await worker.next_request(timeout_s=0.3) is None  # two more steps to go
             await worker.send(TokenDelta(first.request_id, [2], "y"))
+            second = await worker.next_request(timeout_s=5)
+            assert second is not None and second.request_id == "second.1"
+
+    asyncio.run(drill())
+
+
+def test_a_chat_that_fills_the_context_window_sends_its_successor_in_its_last_step() -> None:
+    """A request fitted to the context window (a chat that asked for no max_tokens)
+    ends where the window is full, long before its max_new_tokens: the next request
+    goes out during that last step too."""
+
+    async def drill() -> None:
+        async with _client_of_one_slot() as (client, worker):
+            deadline = asyncio.get_running_loop().time() + 30
+            fitted = GenerateRequest("first", "a prompt", max_new_tokens=512, fit_context=True)
+            client.submit([fitted], deadline)
+            client.submit([GenerateRequest("second", "a prompt", max_new_tokens=3)], deadline)
+            first = await worker.next_request(timeout_s=5)
+            assert first is not None and first.request_id == "first.1"
+            window = 1024  # the stand-in's hello: the prompt leaves room for 3 tokens
+            await worker.send(TokenDelta(first.request_id, [1], "x", prompt_tokens=window - 3))
+            assert await worker.next_request(timeout_s=0.3) is None  # two more steps to go
+            await worker.send(TokenDelta(first.request_id, [2], "y", prompt_tokens=window - 3))
             second = await worker.next_request(timeout_s=5)
             assert second is not None and second.request_id == "second.1"
 
