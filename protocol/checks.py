@@ -12,6 +12,7 @@ from typing import Any, Union
 
 import msgpack
 
+from protocol.messages import PROTOCOL_VERSION
 from protocol.wire import (
     FLOAT32,
     MAX_LIST_ITEMS,
@@ -22,6 +23,7 @@ from protocol.wire import (
     UINT32,
     VERSION_KEY,
     ProtocolError,
+    VersionMismatch,
     unpack,
 )
 
@@ -36,11 +38,13 @@ def check_flat(frame: bytes) -> None:
     two million Python objects: a second of the I/O thread. Walking the headers
     stops at the first nested container, so such a frame costs next to nothing.
     (A failed ``read_*_header`` consumes nothing: the next read sees the same
-    item.)
+    item.) Another protocol version's messages may have another shape: a frame
+    that gave its version before the field at fault is refused as a
+    `VersionMismatch`, as every version's encoder writes the version first.
     """
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(frame), 1))
     unpacker.feed(frame)
-    request_id = None
+    request_id = version = None
     try:
         try:
             num_entries = unpacker.read_map_header()
@@ -58,8 +62,11 @@ def check_flat(frame: bytes) -> None:
             key = unpacker.unpack()
             num_items = _container_size(unpacker)
             if num_items is None:
-                value = unpacker.unpack() if key == "request_id" else unpacker.skip()
-                request_id = value if isinstance(value, str) else request_id
+                value = unpacker.unpack() if key in ("request_id", VERSION_KEY) else unpacker.skip()
+                if key == VERSION_KEY:
+                    version = value
+                elif isinstance(value, str):
+                    request_id = value
                 continue
             if num_items < 0:
                 raise ProtocolError(f"{preview(key)}: no field is a map")
@@ -71,9 +78,23 @@ def check_flat(frame: bytes) -> None:
         # Answerable if the id came first, as it does from our frontends.
         if request_id is not None and len(request_id) <= MAX_REQUEST_ID_CHARS:
             exc.request_id = request_id
+        if isinstance(version, int):
+            check_version(version, exc.request_id)
         raise
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"frame is not valid msgpack ({len(frame)} bytes): {exc}") from exc
+
+
+def check_version(version: Any, request_id: str | None) -> None:
+    """Refuse a frame of no protocol version, or of another (`VersionMismatch`)."""
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ProtocolError(f"no protocol version (got {preview(version)})", request_id)
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"the peer speaks protocol version {preview(version)} and this process "
+            f"version {PROTOCOL_VERSION}: upgrade the older one",
+            request_id,
+        )
 
 
 def _container_size(unpacker: msgpack.Unpacker) -> int | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from protocol.checks import Schema, check_flat, packed_fields, preview
+from protocol.checks import Schema, check_flat, check_version, packed_fields, preview
 from protocol.messages import (
     PROTOCOL_VERSION,
     TO_FRONTEND,
@@ -29,7 +29,6 @@ from protocol.wire import (
     TYPE_KEY,
     VERSION_KEY,
     ProtocolError,
-    VersionMismatch,
     pack,
 )
 
@@ -80,15 +79,7 @@ def _decode(frame: bytes, accepted: dict[str, Schema]) -> Message:
             f"request_id is {len(request_id):,} characters; at most {MAX_REQUEST_ID_CHARS}"
         )
 
-    version = payload.get(VERSION_KEY)
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ProtocolError(f"no protocol version (got {preview(version)})", request_id)
-    if version != PROTOCOL_VERSION:
-        raise VersionMismatch(
-            f"the peer speaks protocol version {preview(version)} and this process "
-            f"version {PROTOCOL_VERSION}: upgrade the older one",
-            request_id,
-        )
+    check_version(payload.get(VERSION_KEY), request_id)
     kind = payload.get(TYPE_KEY)
     schema = accepted.get(kind) if isinstance(kind, str) else None
     if schema is None:

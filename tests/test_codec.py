@@ -239,6 +239,18 @@ def test_only_another_version_number_is_a_version_mismatch(
     assert isinstance(raised.value, VersionMismatch) == is_mismatch
 
 
+@pytest.mark.parametrize("nested", [{"a": 1}, [[1]]])
+def test_another_versions_frame_of_another_shape_is_a_version_mismatch(nested: object) -> None:
+    """A later version's ping may carry a map or nested lists, which this version's
+    shape check refuses before the frame is unpacked: the version, written first,
+    still names the mismatch, so the worker answers with its hello."""
+    with pytest.raises(VersionMismatch, match="protocol version 99"):
+        decode_to_worker(msgpack.packb({"v": 99, "type": "ping", "options": nested}))
+    with pytest.raises(ProtocolError) as raised:  # this version's own: only malformed
+        decode_to_worker(msgpack.packb({"v": PROTOCOL_VERSION, "type": "ping", "x": nested}))
+    assert not isinstance(raised.value, VersionMismatch)
+
+
 @pytest.mark.parametrize("decode", [decode_to_worker, decode_to_frontend])
 def test_a_field_name_that_is_bytes_is_refused(decode: Callable[[bytes], object]) -> None:
     """msgpack lets bytes keys through its strict_map_key; beside a string one,
