@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -16,7 +17,7 @@ from protocol import (
     Waiting,
 )
 from worker.engine.fake_engine import FakeEngine, expected_text
-from worker.engine.interface import StepOutput
+from worker.engine.interface import RequestRejected, StepOutput
 from worker.engine.sequence import Sequence as Sequence_
 from worker.serve.scheduler import PREPARED_AHEAD, QueueFull, Scheduler
 
@@ -174,6 +175,37 @@ def test_a_waiting_request_that_is_aborted_is_not_reported_admitted() -> None:
     assert _finals(outputs)["r1"].finish_reason == "abort"  # type: ignore[union-attr]
 
 
+def test_an_aborted_request_sent_again_before_the_next_iteration_is_reported_waiting_once() -> None:
+    scheduler = Scheduler(FakeEngine(1), max_queue_depth=100)
+    scheduler.submit(_request(0))  # takes the slot
+    scheduler.submit(_request(1))
+    scheduler.abort(["r1"])
+    scheduler.submit(_request(1))  # a client's retry, in the same inbox drain
+    assert [m for m in scheduler.run_once() if isinstance(m, Waiting)] == [Waiting("r1")]
+
+
+def test_requests_sent_and_aborted_on_an_idle_worker_leave_nothing_behind() -> None:
+    """A peer that sends a request and its abort, again and again, between two
+    iterations of an idle worker (no step runs): the worker's memory stays flat."""
+    scheduler = Scheduler(FakeEngine(1), max_queue_depth=100)
+
+    def send_and_abort(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            scheduler.submit(_request(i))
+            scheduler.abort([f"r{i}"])
+            scheduler.run_once()
+
+    send_and_abort(0, 1_000)  # warm up whatever caches the first ones fill
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        send_and_abort(1_000, 20_000)
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert after - before < 100_000, f"{after - before:,} bytes kept for 20,000 aborted requests"
+
+
 def test_staggered_budgets_finish_in_budget_order() -> None:
     scheduler = Scheduler(FakeEngine(8), max_queue_depth=100)
     budgets = [9, 3, 7, 1, 5]
@@ -231,6 +263,24 @@ def test_an_admit_failure_fails_only_the_request_that_causes_it() -> None:
         assert isinstance(result, GenerateResult)
         assert result.text == expected_text(f"prompt {i}", budget)
     assert scheduler.num_failures_in_a_row == 0  # the steps after it succeeded
+
+
+def test_a_refusal_that_names_no_newcomer_fails_them_and_admission_ends() -> None:
+    """An engine's refusal that names a request it was not given (its bug) fails
+    the newcomers as any admit failure does; nothing was dropped from them, so
+    admission tried the same again forever."""
+
+    class MisnamingEngine(FakeEngine):
+        def admit(self, requests: Sequence[GenerateRequest]) -> list[str]:
+            raise RequestRejected("someone-else", ErrorCode.INVALID_REQUEST, "refused")
+
+    scheduler = Scheduler(MisnamingEngine(4), max_queue_depth=10)
+    for i in (0, 1):
+        scheduler.submit(_request(i))
+    finals = _finals(scheduler.run_once())
+    assert sorted(finals) == ["r0", "r1"]
+    assert all(isinstance(f, ErrorResult) and f.code == ErrorCode.INTERNAL for f in finals.values())
+    assert not scheduler.has_work()
 
 
 @pytest.mark.parametrize("send", [False, True])

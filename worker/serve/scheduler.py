@@ -74,7 +74,8 @@ class Scheduler:
         self._queue: OrderedDict[str, tuple[GenerateRequest, float]] = OrderedDict()
         self._admitted_at: dict[str, tuple[float, float]] = {}  # id -> (arrival, admission)
         self._reported_waiting: set[str] = set()  # queued ids the frontend was told wait
-        self._newly_queued: list[str] = []  # queued since the last iteration
+        # Queued since the last iteration, in order (a dict: an abort drops its id).
+        self._newly_queued: dict[str, None] = {}
 
     @property
     def num_steps(self) -> int:
@@ -134,7 +135,7 @@ class Scheduler:
                 f"the worker's queue is full ({self.max_queue_depth} requests waiting); retry later"
             )
         self._queue[request.request_id] = (request, self._clock() if arrival is None else arrival)
-        self._newly_queued.append(request.request_id)
+        self._newly_queued[request.request_id] = None
         if len(self._queue) <= self._prepare_window:
             self.engine.prepare(request)  # starts now, while it waits for a slot
 
@@ -145,6 +146,7 @@ class Scheduler:
         for request_id in request_ids:
             queued = self._queue.pop(request_id, None)
             self._reported_waiting.discard(request_id)
+            self._newly_queued.pop(request_id, None)
             if queued is not None:
                 self.engine.unprepare(queued[0])
                 waited_ms = (self._clock() - queued[1]) * 1000
@@ -243,6 +245,10 @@ class Scheduler:
             try:
                 self.engine.admit([request for request, _ in newcomers])
             except RequestRejected as rejected:
+                if all(request.request_id != rejected.request_id for request, _ in newcomers):
+                    # No newcomer's own fault (an engine's bug): a failure like any other.
+                    self._admit_failed(newcomers, admitted_at, outputs, rejected)
+                    return
                 outputs.append(ErrorResult(rejected.request_id, rejected.code, rejected.message))
                 for request, _ in newcomers:
                     if request.request_id == rejected.request_id:
@@ -250,23 +256,31 @@ class Scheduler:
                 newcomers = [n for n in newcomers if n[0].request_id != rejected.request_id]
                 continue
             except Exception as exc:
-                if len(newcomers) > 1:
-                    # Admit is atomic, so no slot changed: admit each newcomer alone, and
-                    # the failure falls only on the request that causes it.
-                    log.warning(
-                        "admit failed for %d newcomers; admitting each alone", len(newcomers)
-                    )
-                    for newcomer in newcomers:
-                        self._admit([newcomer], admitted_at, outputs)
-                    return
-                log.exception("admit failed for request %s", newcomers[0][0].request_id)
-                self.engine.unprepare(newcomers[0][0])
-                outputs.append(_internal_error(newcomers[0][0].request_id, exc))
-                self._engine_failed = True
+                self._admit_failed(newcomers, admitted_at, outputs, exc)
                 return
             for request, arrival in newcomers:
                 self._admitted_at[request.request_id] = (arrival, admitted_at)
             return
+
+    def _admit_failed(
+        self,
+        newcomers: list[tuple[GenerateRequest, float]],
+        admitted_at: float,
+        outputs: list[ToFrontend],
+        exc: Exception,
+    ) -> None:
+        if len(newcomers) > 1:
+            # Admit is atomic, so no slot changed: admit each newcomer alone, and the
+            # failure falls only on the request that causes it.
+            log.warning("admit failed for %d newcomers; admitting each alone", len(newcomers))
+            for newcomer in newcomers:
+                self._admit([newcomer], admitted_at, outputs)
+            return
+        request = newcomers[0][0]
+        log.error("admit failed for request %s", request.request_id, exc_info=exc)
+        self.engine.unprepare(request)
+        outputs.append(_internal_error(request.request_id, exc))
+        self._engine_failed = True
 
     def _step(
         self, outputs: list[ToFrontend], send: Callable[[list[ToFrontend]], None] | None
