@@ -375,3 +375,38 @@ def test_a_thread_that_raises_ends_the_worker_loudly(patch: str, thread: str) ->
     assert done.returncode == 4
     assert f"thread {thread} failed" in done.stderr
     assert "RuntimeError: injected" in done.stderr
+
+
+def test_an_engine_that_fails_everything_ends_the_worker_with_its_own_exit_code() -> None:
+    """Three failed requests with none finished between: the worker exits 5 and
+    says why in one line, not as a crashed thread's traceback (exit 4)."""
+    script = (
+        "import worker.engine.fake_engine as fake, worker.serve.main\n"
+        "def broken(*args, **kwargs):\n"
+        "    raise RuntimeError('injected')\n"
+        "fake.FakeEngine.step = broken\n"
+        "worker.serve.main.main([])\n"
+    )
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    env = {**os.environ, "MODEL_ID": "fake", "WORKER_ENDPOINT": endpoint}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True
+    )
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    frontend = Frontend(context, endpoint)
+    try:
+        for i in range(2):
+            frontend.send(encode(GenerateRequest(f"r{i}", "a prompt", 4)))
+            failed = frontend.receive_until(ErrorResult, timeout_s=30)[-1]
+            assert isinstance(failed, ErrorResult) and failed.code == ErrorCode.INTERNAL
+        # The third's failure may not leave before the worker ends: the frontend
+        # sends it to another worker, as it does any request of a worker that died.
+        frontend.send(encode(GenerateRequest("r2", "a prompt", 4)))
+        _, log = worker.communicate(timeout=10)
+    finally:
+        worker.kill()
+        frontend.socket.close(linger=0)
+        context.term()
+    assert worker.returncode == 5
+    assert "CRITICAL worker.serve.server: the engine failed 3 times in a row" in log
+    assert "thread MainThread failed" not in log

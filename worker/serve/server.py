@@ -15,7 +15,8 @@ no death counted), and so each new one; it lets those it runs go on for up to
 STOP_GRACE_S, then hands back what is left. The I/O thread hands back whatever
 still arrives before the socket closes.
 
-If either thread raises, the process ends: nothing stays half alive.
+If either thread raises, the process ends: nothing stays half alive. So does an
+engine that fails whatever it is given (`EngineBroken`): a new worker replaces it.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.1  # how often an idle engine thread checks for shutdown
 _PREPARING_POLL_S = 0.002  # how often one that waits on a grammar's compile checks
 _CRASHED_EXIT_CODE = 4
+_BROKEN_EXIT_CODE = 5  # its engine failed _MAX_FAILURES_IN_A_ROW times: not a crash
 _MAX_FAILURES_IN_A_ROW = 3  # engine failures with no request finished between them
 _MAX_FRAMES_PER_TURN = 256
 _MAX_TURN_S = 0.05
@@ -391,6 +393,10 @@ def _exit_on_crash(body: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
         try:
             body()
+        except EngineBroken as broken:  # its own decision: said in one line
+            log.critical("%s", broken)
+            logging.shutdown()
+            os._exit(_BROKEN_EXIT_CODE)
         except BaseException:
             log.critical(
                 "thread %s failed; exiting so that a new worker replaces this one",
