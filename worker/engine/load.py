@@ -46,12 +46,12 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     return TorchEngine(
         loaded,
         config.max_batch_size,
-        chat_template,
-        precision,
-        gpt2,
-        config.prefill_chunk_tokens,
-        config.cuda_graphs,
-        config.prefix_cache,
+        chat_template=chat_template,
+        precision=precision,
+        gpt2=gpt2,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
+        cuda_graphs=config.cuda_graphs,
+        prefix_cache=config.prefix_cache,
     )
 
 

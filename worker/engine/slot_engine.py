@@ -45,6 +45,7 @@ class SlotEngine(InferenceEngine):
         info: ModelInfo,
         tokenizer: Tokenizer,
         capacity: int,
+        *,
         chat_template: ChatTemplate | None = None,
         prefill_chunk_tokens: int = 0,
         prefix_cache: bool = False,

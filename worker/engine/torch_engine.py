@@ -42,6 +42,7 @@ class TorchEngine(SlotEngine):
         self,
         loaded: LoadedModel,
         capacity: int,
+        *,
         chat_template: ChatTemplate | None = None,
         precision: Precision | None = None,
         gpt2: GPT2 | None = None,
@@ -77,11 +78,11 @@ class TorchEngine(SlotEngine):
             info,
             tokenizer,
             capacity,
-            chat_template,
-            prefill_chunk_tokens,
-            prefix_cache,
-            grammars,
-            block_tokens,
+            chat_template=chat_template,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            prefix_cache=prefix_cache,
+            grammars=grammars,
+            block_tokens=block_tokens,
         )
         self.model = loaded.model
         self.scored_token_cost = _scored_token_cost(config)
