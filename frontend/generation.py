@@ -52,7 +52,8 @@ def generate_request(
     """The request for the worker, under a new request id; ``fields`` are the
     rest of its fields (the prompt, sampling, what to score). 422 when
     max_new_tokens (the client's ``max_tokens_param``) is over
-    MAX_NEW_TOKENS_LIMIT, min_tokens is over it, or a stop string is empty."""
+    MAX_NEW_TOKENS_LIMIT, or min_tokens is over it (the body's schema refused an
+    empty stop string)."""
     check_max_new_tokens(max_new_tokens, config.max_new_tokens_limit, max_tokens_param)
     if min_tokens > max_new_tokens:
         raise ApiError(

@@ -78,8 +78,9 @@ class InFlightTable:
         self._by_wire_id[entry.wire_id] = entry
 
     def put_back(self, entry: InFlight) -> None:
-        """``entry``'s worker refused it unrun (its queue was full): back in its
-        line, at its place, a trial still a suspect."""
+        """``entry``'s worker gave it back (its queue was full, or it is stopping
+        and hands back what it holds): back in its line, at its place, a trial
+        still a suspect."""
         link = entry.link
         is_trial = link is not None and link.trial is entry
         if link is not None:

@@ -30,7 +30,9 @@ class ErrorCode:
     # may be what kills them: two that died before it made progress there, or
     # MAX_WORKER_DEATHS in all (frontend/replay.py); it is not replayed again.
     WORKERS_DIED = "workers_died"
-    # 503, from the frontend: it is stopping, and the request could not be finished.
+    # A worker that stops hands a request back with it, and the frontend sends the
+    # request on to another; a frontend that stops answers its own unfinished
+    # requests with it, a 503.
     SHUTTING_DOWN = "shutting_down"
 
     ALL: ClassVar[tuple[str, ...]] = (

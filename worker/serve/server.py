@@ -57,7 +57,9 @@ from worker.serve.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.1  # how often an idle engine thread checks for shutdown
+# How often an idle engine thread checks for shutdown, and the I/O thread's
+# longest wait between two looks at its stop flag.
+_IDLE_POLL_S = 0.1
 _PREPARING_POLL_S = 0.002  # how often one that waits on a grammar's compile checks
 _CRASHED_EXIT_CODE = 4
 _BROKEN_EXIT_CODE = 5  # its engine failed _MAX_FAILURES_IN_A_ROW times: not a crash
