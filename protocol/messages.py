@@ -397,7 +397,9 @@ class ErrorResult:
 
 
 ToWorker = GenerateRequest | AbortRequest | Ping
-ToFrontend = Hello | Heartbeat | Waiting | Admitted | TokenDelta | GenerateResult | ErrorResult
+# What a worker says of one request, under that request's id.
+RequestNews = Waiting | Admitted | TokenDelta | GenerateResult | ErrorResult
+ToFrontend = Hello | Heartbeat | RequestNews
 Message = ToWorker | ToFrontend
 
 TO_WORKER: tuple[type[ToWorker], ...] = (GenerateRequest, AbortRequest, Ping)

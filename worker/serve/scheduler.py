@@ -27,7 +27,7 @@ from protocol import (
     ErrorResult,
     GenerateRequest,
     GenerateResult,
-    ToFrontend,
+    RequestNews,
     Waiting,
 )
 from worker.engine.interface import FinishedSequence, InferenceEngine, RequestRejected, StepOutput
@@ -139,10 +139,10 @@ class Scheduler:
         if len(self._queue) <= self._prepare_window:
             self.engine.prepare(request)  # starts now, while it waits for a slot
 
-    def abort(self, request_ids: list[str]) -> list[ToFrontend]:
+    def abort(self, request_ids: list[str]) -> list[RequestNews]:
         """Drop queued requests and free the slots of running ones. Each known id is
         answered with finish_reason abort; unknown ids are ignored."""
-        outputs: list[ToFrontend] = []
+        outputs: list[RequestNews] = []
         for request_id in request_ids:
             queued = self._queue.pop(request_id, None)
             self._reported_waiting.discard(request_id)
@@ -158,12 +158,14 @@ class Scheduler:
         self._count_busy_unless_refilled()
         return outputs
 
-    def run_once(self, send: Callable[[list[ToFrontend]], None] | None = None) -> list[ToFrontend]:
+    def run_once(
+        self, send: Callable[[list[RequestNews]], None] | None = None
+    ) -> list[RequestNews]:
         """One iteration: admit into free slots, one step, report what it produced.
         With ``send``, which requests wait and which left the queue goes to ``send``
         before the step runs, what the step's prefill produced (newcomers' first
         tokens) before the decode runs, and the rest is returned."""
-        outputs: list[ToFrontend] = []
+        outputs: list[RequestNews] = []
         if not self.has_work():
             self.num_busy = 0
             return outputs
@@ -201,11 +203,11 @@ class Scheduler:
         self._count_busy_unless_refilled()
         return outputs
 
-    def _queue_notices(self, admitted: list[str]) -> list[ToFrontend]:
+    def _queue_notices(self, admitted: list[str]) -> list[RequestNews]:
         """`Admitted` for the requests just taken from the queue that were reported
         waiting, and `Waiting` for those queued since the last iteration that are
         still in it. Only those: the step loop never walks the whole queue."""
-        notices: list[ToFrontend] = []
+        notices: list[RequestNews] = []
         for request_id in admitted:
             if request_id in self._reported_waiting:
                 self._reported_waiting.remove(request_id)
@@ -232,14 +234,14 @@ class Scheduler:
     def _prepare_window(self) -> int:
         return self.engine.capacity + PREPARED_AHEAD
 
-    def _count_finished(self, outputs: list[ToFrontend]) -> None:
+    def _count_finished(self, outputs: list[RequestNews]) -> None:
         self.num_finished += sum(isinstance(o, (GenerateResult, ErrorResult)) for o in outputs)
 
     def _admit(
         self,
         newcomers: list[tuple[GenerateRequest, float]],
         admitted_at: float,
-        outputs: list[ToFrontend],
+        outputs: list[RequestNews],
     ) -> None:
         while newcomers:
             try:
@@ -266,7 +268,7 @@ class Scheduler:
         self,
         newcomers: list[tuple[GenerateRequest, float]],
         admitted_at: float,
-        outputs: list[ToFrontend],
+        outputs: list[RequestNews],
         exc: Exception,
     ) -> None:
         if len(newcomers) > 1:
@@ -283,7 +285,7 @@ class Scheduler:
         self._engine_failed = True
 
     def _step(
-        self, outputs: list[ToFrontend], send: Callable[[list[ToFrontend]], None] | None
+        self, outputs: list[RequestNews], send: Callable[[list[RequestNews]], None] | None
     ) -> bool:
         """One step; return whether it succeeded."""
 
@@ -307,7 +309,7 @@ class Scheduler:
         self._report(step, outputs)
         return True
 
-    def _report(self, step: StepOutput, outputs: list[ToFrontend]) -> None:
+    def _report(self, step: StepOutput, outputs: list[RequestNews]) -> None:
         for request_id, error in step.failed:  # the engine failed on these alone
             self._admitted_at.pop(request_id, None)
             if isinstance(error, RequestRejected):  # the request's own fault (its grammar)

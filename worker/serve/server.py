@@ -40,7 +40,7 @@ from protocol import (
     GenerateResult,
     Heartbeat,
     Hello,
-    ToFrontend,
+    RequestNews,
     ToWorker,
     encode,
 )
@@ -136,12 +136,12 @@ class WorkerServer:
         outputs_socket = self._context.socket(zmq.PUSH)
         outputs_socket.connect(self._outputs_address)
 
-        def send(messages: list[ToFrontend]) -> None:
+        def send(messages: list[RequestNews]) -> None:
             """Each under the id its sender gave it."""
             for message in messages:
-                route: str = message.request_id  # type: ignore[union-attr]
+                route = message.request_id
                 final = isinstance(message, (GenerateResult, ErrorResult))
-                reply = dataclasses.replace(message, request_id=sender_request_id(route))  # type: ignore[arg-type]
+                reply = dataclasses.replace(message, request_id=sender_request_id(route))
                 outputs_socket.send_multipart(
                     [route.encode(), _FINAL if final else _PARTIAL, encode(reply)]
                 )
@@ -155,7 +155,7 @@ class WorkerServer:
         )
         try:
             while not self._stopping.is_set():
-                outputs: list[ToFrontend] = []
+                outputs: list[RequestNews] = []
                 # 1. take input; block only while there is nothing to run (or
                 # nothing but requests whose grammars compile on their own thread)
                 self._take_input(outputs, block=not self.scheduler.can_run())
@@ -175,7 +175,7 @@ class WorkerServer:
             self._engine_done.set()
             outputs_socket.close(linger=_LAST_MESSAGES_MS)
 
-    def _finish_running(self, send: Callable[[list[ToFrontend]], None]) -> None:
+    def _finish_running(self, send: Callable[[list[RequestNews]], None]) -> None:
         """Stopping: step the requests that run here for up to STOP_GRACE_S, or
         until none is left, taking nothing new (`_apply` hands it back). A signal
         to a whole process group (^C, systemd) stops the frontends with the
@@ -197,7 +197,7 @@ class WorkerServer:
             outputs.extend(self.scheduler.run_once(send))
             send(outputs)
 
-    def _hand_back(self, request_ids: list[str]) -> list[ToFrontend]:
+    def _hand_back(self, request_ids: list[str]) -> list[RequestNews]:
         """Stopping: these requests go back to their frontends unfinished, to run
         elsewhere (resumed where they stopped) as if never sent here, rather than
         be replayed as the requests of a worker that died."""
@@ -216,14 +216,14 @@ class WorkerServer:
         self._inbox.drain(note)
         return request_ids
 
-    def _take_input(self, outputs: list[ToFrontend], block: bool) -> None:
+    def _take_input(self, outputs: list[RequestNews], block: bool) -> None:
         timeout = _PREPARING_POLL_S if self.scheduler.has_work() else _IDLE_POLL_S
         self._inbox.drain(
             lambda message, received_at: self._apply(message, received_at, outputs),
             timeout if block else None,
         )
 
-    def _apply(self, message: ToWorker, received_at: float, outputs: list[ToFrontend]) -> None:
+    def _apply(self, message: ToWorker, received_at: float, outputs: list[RequestNews]) -> None:
         if isinstance(message, GenerateRequest) and self._stopping.is_set():
             outputs.append(ErrorResult(message.request_id, ErrorCode.SHUTTING_DOWN, _HANDED_BACK))
         elif isinstance(message, GenerateRequest):
