@@ -299,9 +299,7 @@ class WorkerServer:
                     for message in peers.receive(frames):
                         self._inbox.put(message)
                 if outputs in events:
-                    while outputs.poll(0):
-                        route_bytes, final, payload = outputs.recv_multipart()
-                        peers.send(route_bytes.decode(), final == _FINAL, payload)
+                    _forward(outputs, peers)
                 if time.monotonic() >= next_heartbeat:
                     next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
                     peers.heartbeat(self._heartbeat(is_stop_announced))
@@ -349,9 +347,8 @@ class WorkerServer:
         closes_at = time.monotonic() + _CLOSING_S
         while (left_s := closes_at - time.monotonic()) > 0:
             events = dict(poller.poll(int(left_s * 1000) + 1))
-            while outputs in events and outputs.poll(0):
-                route_bytes, final, payload = outputs.recv_multipart()
-                peers.send(route_bytes.decode(), final == _FINAL, payload)
+            if outputs in events:
+                _forward(outputs, peers)
             for _ in range(_MAX_FRAMES_PER_TURN if router in events else 0):
                 try:
                     frames = router.recv_multipart(zmq.NOBLOCK)
@@ -362,6 +359,13 @@ class WorkerServer:
                         hand_back(message.request_id)
             for route in self._requests_in_inbox():
                 hand_back(route)
+
+
+def _forward(outputs: zmq.Socket[bytes], peers: Peers) -> None:
+    """Send each output the engine thread has written to its peer."""
+    while outputs.poll(0):
+        route_bytes, final, payload = outputs.recv_multipart()
+        peers.send(route_bytes.decode(), final == _FINAL, payload)
 
 
 def _seed_routing_ids() -> None:
