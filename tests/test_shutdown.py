@@ -200,3 +200,41 @@ def test_a_frontend_stopped_by_a_signal_shuts_down_quietly_with_its_exit_code(
     lines += output.splitlines()
     # uvicorn's own lines too: with several frontends, each says whose it is.
     assert all(f" frontend[{frontend.pid}] ".encode() in line for line in lines if line), lines
+
+
+@pytest.mark.parametrize(
+    "stop_signal", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name
+)
+def test_a_worker_told_to_stop_while_its_model_loads_stops_quietly(
+    stop_signal: signal.Signals,
+) -> None:
+    """Before it served, ^C gave a KeyboardInterrupt's traceback and SIGTERM killed
+    it (exit -2, -15); stopped as asked, it exits 0 as it does once serving."""
+    env = {
+        **os.environ,
+        "MODEL_ID": "fake",
+        "FAKE_START_DELAY_S": "30",  # its model loads that long
+        "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+    }
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "worker.serve.main"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    lines: list[bytes] = []
+    try:
+        assert worker.stdout is not None
+        for line in worker.stdout:
+            lines.append(line)
+            if b"worker loading fake" in line:
+                break
+        worker.send_signal(stop_signal)
+        output, _ = worker.communicate(timeout=10)
+    finally:
+        worker.kill()
+    output = b"".join(lines) + output
+    assert worker.returncode == 0, output
+    assert f"told to stop ({stop_signal.name}) while starting; stopped".encode() in output
+    assert b"Traceback" not in output

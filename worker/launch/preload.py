@@ -37,13 +37,15 @@ def _preload() -> None:
         return  # each worker says what is wrong, and exits
     if config.model_id == FAKE_MODEL_NAME:
         return  # the fake engine needs neither torch nor a model
-    import worker.serve.main  # noqa: F401 - the modules every worker imports
-    from worker.engine import load as engine_load
-
     try:
+        import worker.serve.main  # noqa: F401 - the modules every worker imports
+        from worker.engine import load as engine_load
+
         engine_load.preload(config)
     except ConfigError as exc:  # a model that cannot load: each worker says so, and exits
         log.warning("the model was not preloaded: %s", str(exc).splitlines()[0][:300])
+    except KeyboardInterrupt:  # ^C to the process group: the supervisor stops it too
+        log.info("preloading interrupted")
     except Exception:  # any other failure only means a cold start
         log.warning(
             "the fork server could not preload the model; each worker loads it itself",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import faulthandler
+import logging
 import signal
+import sys
 import time
 from collections.abc import Sequence
 
@@ -15,6 +17,8 @@ from worker.engine.interface import InferenceEngine
 from worker.serve.config import WorkerConfig, check_endpoint_free
 from worker.serve.scheduler import Scheduler
 from worker.serve.server import WorkerServer
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(config: WorkerConfig) -> InferenceEngine:
@@ -31,18 +35,37 @@ def build_engine(config: WorkerConfig) -> InferenceEngine:
     return load_engine(config)
 
 
+class _StopWhileStarting(Exception):
+    """A stop signal came before the worker served: nothing to hand back."""
+
+
+def _stop_while_starting(signum: int, _: object) -> None:
+    raise _StopWhileStarting(signal.Signals(signum).name)
+
+
+# SIGHUP too (a closed terminal): its default ended the worker at once.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     log_as("worker", force=True)  # a worker forked from the fork server inherits its set-up
+    # Told to stop while its model loads, a worker stops as it does when serving
+    # (exit 0), not killed by the signal or with a KeyboardInterrupt's traceback.
+    for stop_signal in _STOP_SIGNALS:
+        signal.signal(stop_signal, _stop_while_starting)
     follow_supervisor("worker")
     try:
         config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")
         check_endpoint_free(config)
+        log.info("worker loading %s", config.model_id)
         engine = build_engine(config)
     except ConfigError as exc:  # a bad value, or a model or device that cannot be used
         exit_refusing("worker", exc)
+    except _StopWhileStarting as stop:
+        log.info("worker told to stop (%s) while starting; stopped", stop)
+        sys.exit(0)
     server = WorkerServer(Scheduler(engine, config.max_queue_depth), config)
-    # SIGHUP too (a closed terminal): its default ended the worker at once.
-    for stop_signal in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for stop_signal in _STOP_SIGNALS:
         signal.signal(stop_signal, lambda *_: server.stop())
     # `kill -USR1 <pid>`: every thread's stack to the log, for a worker that seems
     # stuck; written by the interpreter's C code, so even a wedged one answers.
