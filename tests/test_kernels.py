@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,6 +127,33 @@ def test_a_build_that_exists_is_not_compiled_again(monkeypatch: pytest.MonkeyPat
     assert library_path(chosen_isa()).exists()
     monkeypatch.setattr(subprocess, "run", lambda *_, **__: pytest.fail("compiled again"))
     assert build([chosen_isa()]) == build_directory()
+
+
+@pytest.mark.skipif(shutil.which(kernels_module._compiler()) is None, reason="needs a compiler")
+def test_a_build_interrupted_by_ctrl_c_stops_at_once_and_keeps_nothing(tmp_path: Path) -> None:
+    """^C in `make install`: the compiles still queued ran on, a minute on 2
+    cores, and it ended with a KeyboardInterrupt traceback."""
+    build = subprocess.Popen(
+        [sys.executable, "-m", "worker.model.kernels"],
+        env={**os.environ, "KERNELS_DIR": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # a process group of its own, as a terminal's job is
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(tmp_path.glob("tmp*")):  # the scratch directory: compiling
+            assert build.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.killpg(build.pid, signal.SIGINT)  # ^C reaches the whole job
+        output, _ = build.communicate(timeout=15)
+    finally:
+        build.kill()
+    assert build.returncode == 130, output
+    assert b"build was interrupted" in output and b"Traceback" not in output
+    assert not list(tmp_path.glob("*/*"))  # no library, no scratch directory
 
 
 def test_the_build_directory_does_not_depend_on_where_the_sources_are(

@@ -63,6 +63,7 @@ ISAS: dict[str, tuple[list[str], frozenset[str]]] = {
 }
 # Multiply-adds are fused (ISO C++ mode would keep them apart).
 _COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=fast", "-fPIC", "-fopenmp", "-DNDEBUG"]
+_INTERRUPTED_EXIT_CODE = 130  # what shells report for a ^C
 
 
 @dataclass(frozen=True)
@@ -250,19 +251,25 @@ def build(isas: list[str] | None = None, jobs: int | None = None) -> Path:
         out = Path(scratch)
         plans = {isa: _compile_commands(isa, out) for isa in todo}
         with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
-            compiled = [
-                pool.submit(subprocess.run, command, check=True, capture_output=True, text=True)
-                for plan in plans.values()
-                for command in plan[:-1]
-            ]
-            for future in compiled:
-                _raise_with_output(future)
-            for plan in plans.values():
-                _raise_with_output(
-                    pool.submit(
-                        subprocess.run, plan[-1], check=True, capture_output=True, text=True
+            try:
+                compiled = [
+                    pool.submit(subprocess.run, command, check=True, capture_output=True, text=True)
+                    for plan in plans.values()
+                    for command in plan[:-1]
+                ]
+                for future in compiled:
+                    _raise_with_output(future)
+                for plan in plans.values():
+                    _raise_with_output(
+                        pool.submit(
+                            subprocess.run, plan[-1], check=True, capture_output=True, text=True
+                        )
                     )
-                )
+            except BaseException:
+                # A failed compile, or ^C: start none of the compiles still queued
+                # (leaving the pool waits for them, a minute on 2 cores).
+                pool.shutdown(cancel_futures=True)
+                raise
         for isa in todo:
             os.replace(out / library_path(isa).name, library_path(isa))
     return directory
@@ -321,7 +328,11 @@ def main() -> None:
     started = time.monotonic()
     isas = buildable_isas()
     were_built = all(library_path(isa).exists() for isa in isas)
-    directory = build(isas)
+    try:
+        directory = build(isas)
+    except KeyboardInterrupt:
+        logger.info("the decode kernels' build was interrupted; nothing of it was kept")
+        sys.exit(_INTERRUPTED_EXIT_CODE)
     done = "were built before" if were_built else f"built in {time.monotonic() - started:.1f} s"
     logger.info(
         "decode kernels for %s %s, in %s; this CPU runs %s",
