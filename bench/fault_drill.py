@@ -57,7 +57,7 @@ import psutil
 from bench.load_run import LoadRun, Outcome, check_answers, health, stall_across
 from bench.poison_drill import poison_drill
 from bench.report import RESULTS, write_json
-from bench.stack import Stack, running_stack, stack_env
+from bench.stack import Stack, are_free, free_ports, running_stack, stack_env
 from bench.workload import make_workload
 from frontend.config import FrontendConfig
 
@@ -224,11 +224,19 @@ async def _live_instances(url: str) -> set[str]:
 
 
 async def _wait_whole(
-    url: str, num_workers: int, timeout_s: float, replacing: set[str] | None = None
+    url: str,
+    num_workers: int,
+    timeout_s: float,
+    replacing: set[str] | None = None,
+    started: Stack | None = None,
 ) -> None:
-    """Until /health counts ``num_workers`` live workers, not all of ``replacing``."""
+    """Until /health counts ``num_workers`` live workers, not all of ``replacing``.
+    Ends the drill if ``started``, the stack it started, has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if started is not None and (code := started.processes["supervisor"].poll()) is not None:
+            last_lines = "\n".join(started.log("supervisor").splitlines()[-5:])
+            sys.exit(f"the stack this drill started exited ({code}); its log ends:\n{last_lines}")
         with contextlib.suppress(httpx.TransportError):
             live = await _live_instances(url)
             if len(live) >= num_workers and (replacing is None or live != replacing):
@@ -245,6 +253,21 @@ def plan_faults(num_kills: int, num_stops: int, num_requests: int, seed: int) ->
     kinds = ["kill"] * num_kills + ["stop"] * num_stops
     rng.shuffle(kinds)
     return [Fault(kind, point) for kind, point in zip(kinds, points, strict=True)]
+
+
+def _stack_ports(port: int | None, num_frontends: int, num_workers: int) -> int:
+    """The first frontend's port: ``port``, if it and the ports after it that the
+    stack takes are free, else the drill ends saying so; free ports if None."""
+    if port is None:
+        return free_ports(10 + num_workers)
+    taken = [*range(port, port + num_frontends), *range(port + 10, port + 10 + num_workers)]
+    if not are_free(taken):
+        sys.exit(
+            f"a port of {port} to {port + num_frontends - 1} (frontends) or {port + 10} to "
+            f"{port + 9 + num_workers} (workers) is taken: is another stack running there? "
+            "Pass another --port, or none for free ports; to drill a running stack, --url"
+        )
+    return port
 
 
 @contextlib.contextmanager
@@ -362,8 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--port",
         type=int,
-        default=8400,
-        help="the started stack's first frontend (default %(default)s); its workers bind "
+        help="the started stack's first frontend (default: a free port); its workers bind "
         "port + 10 and the ports after it",
     )
     parser.add_argument(
@@ -422,13 +444,15 @@ def main(argv: list[str] | None = None) -> None:
             body.update(temperature=0.9, top_p=0.95, seed=args.seed * 100_003 + i)
     if args.workers is None and not args.url:
         args.workers = 1
+    if not args.url:
+        args.port = _stack_ports(args.port, args.frontends, args.workers)
     with contextlib.ExitStack() as exits:
         local = None if args.url else exits.enter_context(local_stack(args))
         urls = args.url or [f"http://127.0.0.1:{args.port + i}" for i in range(args.frontends)]
         if args.workers is None:  # a running stack: all its workers must be back after each fault
             args.workers = max(1, len(asyncio.run(_live_instances(urls[0]))))
         for url in urls:
-            asyncio.run(_wait_whole(url, args.workers, 300))
+            asyncio.run(_wait_whole(url, args.workers, 300, started=local))
         print(f"reference run: {len(bodies)} requests, concurrency {args.concurrency}", flush=True)
         reference = asyncio.run(LoadRun(urls, bodies, args.concurrency, args.timeout_s).run())
         if reference.succeeded != len(bodies):

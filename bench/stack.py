@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,14 +46,20 @@ def free_ports(count: int) -> int:
     ephemeral_low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
     while True:
         first = random.randrange(10_000, ephemeral_low - count)
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(first, first + count):
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # taken: try another
-        return first
+        if are_free(range(first, first + count)):
+            return first
+
+
+def are_free(ports: Iterable[int]) -> bool:
+    """Whether nothing listens on any of ``ports`` (this host's loopback)."""
+    with contextlib.ExitStack() as held:
+        try:
+            for port in ports:
+                sock = held.enter_context(socket.socket())
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass

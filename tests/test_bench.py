@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import signal
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +29,6 @@ from bench.report import (
     machine,
     summarize,
 )
-from bench.stack import free_port
 from bench.zmq_client import LOST, ZmqTarget
 from protocol import GenerateRequest
 from tests.stack import Stack, running_stack
@@ -201,7 +201,7 @@ def test_poison_drill_on_a_fake_stack_restarts_nothing_and_fails_no_innocent(
     monkeypatch.setenv("FAKE_STEP_DELAY_S", "0.005")  # innocents still run while poison arrives
     out = tmp_path / "poison.json"
     argv = ["--poison", "--model-id", "fake", "--requests", "12", "--concurrency", "4"]
-    argv += ["--poison-repeats", "1", "--port", str(free_port())]
+    argv += ["--poison-repeats", "1"]
     argv += ["--log", str(tmp_path / "stack.log"), "--out", str(out)]
     with pytest.raises(SystemExit) as exited:
         fault_drill.main(argv)
@@ -230,7 +230,7 @@ def test_fault_drill_kills_one_of_two_workers_and_loses_nothing(
     monkeypatch.setenv("FAKE_STEP_DELAY_S", "0.03")  # slow enough to outlast a restart
     out = tmp_path / "drill.json"
     argv = ["--model-id", "fake", "--workers", "2", "--frontends", "2", "--kills", "2"]
-    argv += ["--stops", "0", "--requests", "40", "--concurrency", "6", "--port", str(free_port())]
+    argv += ["--stops", "0", "--requests", "40", "--concurrency", "6"]  # on free ports
     argv += ["--log", str(tmp_path / "stack.log"), "--out", str(out)]
     with pytest.raises(SystemExit) as exited:
         fault_drill.main(argv)
@@ -239,6 +239,20 @@ def test_fault_drill_kills_one_of_two_workers_and_loses_nothing(
     assert (summary["succeeded"], summary["lost"], summary["wrong"]) == (40, 0, 0)
     assert (summary["workers"], summary["frontends"]) == (2, 2)
     assert summary["faults"][0]["worst_stall_s"] is not None
+
+
+def test_a_fault_drill_told_a_taken_port_starts_nothing_and_says_so(tmp_path: Path) -> None:
+    """It started its stack anyway, whose supervisor refused the port, and then
+    drilled whatever answered there: another stack, or a JSON error."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] - 10  # a worker's port of the stack it would start
+        argv = ["--model-id", "fake", "--port", str(port), "--log", str(tmp_path / "logs")]
+        with pytest.raises(SystemExit) as exited:
+            fault_drill.main(argv)
+    assert "is taken: is another stack running there?" in str(exited.value.code)
+    assert not (tmp_path / "logs").exists()
 
 
 def test_fault_drill_against_a_running_stack_waits_for_all_its_workers(tmp_path: Path) -> None:
