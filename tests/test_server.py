@@ -29,6 +29,7 @@ from protocol import (
     decode_to_frontend,
     encode,
 )
+from protocol.settings import ConfigError
 from tests.stack import free_port
 from worker.engine.fake_engine import (
     FAKE_VOCAB_SIZE,
@@ -410,3 +411,32 @@ def test_an_engine_that_fails_everything_ends_the_worker_with_its_own_exit_code(
     assert worker.returncode == 5
     assert "CRITICAL worker.serve.server: the engine failed 3 times in a row" in log
     assert "thread MainThread failed" not in log
+
+
+def test_an_endpoint_of_another_machine_is_refused_naming_worker_bind() -> None:
+    """WORKER_ENDPOINT is where clients connect; a worker behind NAT or in a
+    container cannot bind that address, and was asked whether another program
+    listened there."""
+    endpoint = f"tcp://192.0.2.1:{free_port()}"  # TEST-NET-1: no machine's own address
+    config = WorkerConfig(model_id="fake", worker_endpoint=endpoint)
+    server = WorkerServer(Scheduler(FakeEngine(1), 8), config)
+    with pytest.raises(ConfigError, match="no address of this machine; set WORKER_BIND"):
+        server.serve_forever()
+
+
+def test_a_taken_port_is_refused_naming_the_setting_that_gave_it() -> None:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    taken = context.socket(zmq.ROUTER)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        config = WorkerConfig(
+            model_id="fake",
+            worker_endpoint="tcp://127.0.0.1:5555",
+            worker_bind=f"tcp://127.0.0.1:{port}",
+        )
+        server = WorkerServer(Scheduler(FakeEngine(1), 8), config)
+        with pytest.raises(ConfigError, match="another program listening there\\? Set WORKER_BIND"):
+            server.serve_forever()
+    finally:
+        taken.close(linger=0)
+        context.term()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -127,6 +128,8 @@ class WorkerServer:
         io_thread.start()
         self._bound.wait()
         if self._io_error is not None:
+            io_thread.join()  # it closes its sockets, then the context can end
+            self._context.term()
             raise self._io_error
         _exit_on_crash(self._engine_loop)()
         io_thread.join(timeout=2)
@@ -257,10 +260,7 @@ class WorkerServer:
             router.bind(self.config.listen_endpoint)
             outputs.bind(self._outputs_address)
         except zmq.ZMQError as exc:
-            self._io_error = ConfigError(
-                f"cannot bind {self.config.listen_endpoint}: {exc}; is another program "
-                "listening there? Set WORKER_ENDPOINT (or WORKER_BIND) to a free address"
-            )
+            self._io_error = ConfigError(_bind_failure(self.config, exc))
             self._bound.set()
             router.close(linger=0)
             outputs.close(linger=0)
@@ -359,6 +359,24 @@ class WorkerServer:
                         hand_back(message.request_id)
             for route in self._requests_in_inbox():
                 hand_back(route)
+
+
+def _bind_failure(config: WorkerConfig, exc: zmq.ZMQError) -> str:
+    """Why the worker cannot bind its endpoint, and what to set."""
+    endpoint = config.listen_endpoint
+    if exc.errno == errno.EADDRNOTAVAIL:
+        # WORKER_ENDPOINT names where clients connect, which may be another
+        # machine's address (or a name for this one that it cannot bind).
+        return (
+            f"cannot bind {endpoint}: {exc}: it is no address of this machine; set "
+            "WORKER_BIND to one that is (tcp://*:PORT binds them all) and keep "
+            "WORKER_ENDPOINT for where clients connect"
+        )
+    name = "WORKER_BIND" if config.worker_bind else "WORKER_ENDPOINT"
+    return (
+        f"cannot bind {endpoint}: {exc}; is another program listening there? Set {name} "
+        "to a free address"
+    )
 
 
 def _forward(outputs: zmq.Socket[bytes], peers: Peers) -> None:
