@@ -119,7 +119,11 @@ def check_endpoint(config: object, name: str, endpoint: str | None = None) -> No
     default the setting's value; one of its items for a list) is a ZMQ endpoint,
     a tcp:// one with a port from 1 to MAX_PORT."""
     endpoint = getattr(config, name) if endpoint is None else endpoint
-    env = env_name(type(config), name)
+    check_endpoint_value(endpoint, env_name(type(config), name))
+
+
+def check_endpoint_value(endpoint: str, env: str) -> None:
+    """`check_endpoint` for a value that ``env`` (a setting, or a flag) gave."""
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ConfigError(
             f"{env} must be a ZMQ endpoint such as {DEFAULT_WORKER_ENDPOINT}, got {endpoint!r}"

@@ -135,9 +135,22 @@ def test_no_worker_exits_1_quickly() -> None:
     assert elapsed_s < 10, f"probe took {elapsed_s:.1f}s to give up"
 
 
-def test_malformed_endpoint_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--endpoint", "tcp://no-port-here", "--timeout-s", "1"]) == 1
-    assert "cannot connect to 'tcp://no-port-here'" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("tcp://no-port-here", "--endpoint must end in a port from 1 to 65535"),
+        ("localhost:5555", "--endpoint must be a ZMQ endpoint such as tcp://127.0.0.1:5555"),
+    ],
+)
+def test_a_malformed_endpoint_exits_2_saying_what_an_endpoint_is(
+    endpoint: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An argument it cannot use (exit 2, as its --help says), in the words every
+    process uses for WORKER_ENDPOINT; it was a connect's 'Invalid argument', exit 1."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--endpoint", endpoint, "--timeout-s", "1"])
+    assert exited.value.code == 2
+    assert expected in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

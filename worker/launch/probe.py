@@ -20,7 +20,7 @@ from protocol import Hello, ProtocolError
 from protocol.client_config import WorkerClientConfig
 from protocol.curve import ClientKeys
 from protocol.peer import HANDSHAKE_FAILED, HandshakeRefused, ping, wait_for_hello, worker_socket
-from protocol.settings import ConfigError, load
+from protocol.settings import ConfigError, check_endpoint_value, load
 from worker.serve.config import WorkerConfig
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -109,6 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.timeout_s <= 0:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s:g}")
+    if args.endpoint is not None:
+        try:
+            check_endpoint_value(args.endpoint, "--endpoint")
+        except ConfigError as exc:
+            parser.error(str(exc))
     try:
         endpoint = args.endpoint or local_endpoint(load(WorkerConfig, argv=[]))
         # It pings as a frontend would, so with a client's CURVE settings.
