@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import re
@@ -23,6 +24,8 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
 from typing import Any, NoReturn, TypeVar
+
+log = logging.getLogger(__name__)
 
 # The largest number any setting takes: counts, bytes and seconds all fit (68
 # years of seconds), and so does everything the wire carries of them.
@@ -33,6 +36,73 @@ MAX_SETTING = 2**31 - 1
 # EX_CONFIG): its supervisor does not start it again, as the same settings fail
 # the same way.
 CONFIG_ERROR_EXIT_CODE = 78
+
+
+# Every variable any process reads (a test holds it to the config classes, and to
+# the few variables read elsewhere): another process's setting in this one's
+# environment, from a shared .env or compose file, is no misspelling of its own.
+ALL_VARIABLES = frozenset(
+    [
+        "API_KEY",
+        "BFLOAT16_PRODUCTS",
+        "BODY_TIMEOUT_S",
+        "CHAT_TEMPLATE",
+        "CRASH_LOOP_LIMIT",
+        "CUDA_GRAPHS",
+        "CURVE_CLIENT_KEYS",
+        "CURVE_CLIENT_SECRET_KEY",
+        "CURVE_SERVER_PUBLIC_KEY",
+        "CURVE_SERVER_SECRET_KEY",
+        "DEVICE",
+        "DTYPE",
+        "ENGINE_WATCHDOG_S",
+        "FAKE_CRASH_PROMPT",
+        "FAKE_START_DELAY_S",
+        "FAKE_STEP_DELAY_S",
+        "FRONTEND_TIMEOUT_S",
+        "HEADER_TIMEOUT_S",
+        "HEARTBEAT_INTERVAL_S",
+        "HEARTBEAT_TIMEOUT_S",
+        "HOST",
+        "KEEP_ALIVE_TIMEOUT_S",
+        "MAX_BATCH_SIZE",
+        "MAX_CONNECTIONS",
+        "MAX_INFLIGHT_REQUESTS",
+        "MAX_MESSAGE_BYTES",
+        "MAX_NEW_TOKENS_LIMIT",
+        "MAX_QUEUE_DEPTH",
+        "MAX_REQUEST_BYTES",
+        "MAX_WORKER_DEATHS",
+        "MODEL_ID",
+        "NUM_FRONTENDS",
+        "NUM_WORKERS",
+        "PING_INTERVAL_S",
+        "PORT",
+        "PREFILL_CHUNK_TOKENS",
+        "PREFIX_CACHE",
+        "REQUEST_TIMEOUT_S",
+        "RESTART_BACKOFF_MAX_S",
+        "RESTART_BACKOFF_S",
+        "STEP_TIMEOUT_S",
+        "STOP_GRACE_S",
+        "STRICT_REQUEST_FIELDS",
+        "TORCH_THREADS",
+        "WARM_START",
+        "WEIGHTS",
+        "WORKER_BIND",
+        "WORKER_ENDPOINT",
+        "WORKER_ENDPOINTS",
+        "WORKER_RESOLVE_INTERVAL_S",
+        "WORKER_START_TIMEOUT_S",
+        "KERNELS_DIR",
+        "KERNEL_ISA",
+        "MINIBATCH_SUPERVISOR_PID",
+    ]
+)
+# How like a variable of its own another must be to be told as its misspelling:
+# MODLE_ID (0.88), MAX_BACTH_SIZE (0.93), DTPYE (0.8).
+_MISSPELLING_CUTOFF = 0.8
+_told_misspelt: set[str] = set()  # once a process, whichever of its configs it loads
 
 
 class ConfigError(ValueError):
@@ -180,7 +250,7 @@ def load(
                     "it a value, or unset it"
                 )
             values[f.name] = _parse(env, raw, hints[f.name])
-        return cls(**values)
+        config = cls(**values)
     except ConfigError as exc:
         # Refusals name the variable; one that a flag set says so, or
         # `--max-batch-size 0` is refused as MAX_BATCH_SIZE, which was never set.
@@ -189,6 +259,22 @@ def load(
         if not given:
             raise
         raise ConfigError(f"{exc} ({'; '.join(given)})") from None
+    _warn_misspelt(cls, environ)
+    return config
+
+
+def _warn_misspelt(cls: type[Any], environ: Mapping[str, str]) -> None:
+    """Warn, once a process, of each variable in ``environ`` that no process reads
+    but that is spelt almost as one of ``cls``'s: MAX_BACTH_SIZE=4 was ignored
+    without a word, where a misspelt flag is refused naming the one it meant."""
+    own = [f.metadata["env"] for f in dataclasses.fields(cls)]
+    for name in sorted(environ.keys() - ALL_VARIABLES - _told_misspelt):
+        meant = [env for env in own if env == name.upper()] or difflib.get_close_matches(
+            name, own, n=1, cutoff=_MISSPELLING_CUTOFF
+        )
+        if meant:
+            _told_misspelt.add(name)
+            log.warning("%s is no setting, and is ignored: did you mean %s?", name, meant[0])
 
 
 def _refuse_unknown_flags(

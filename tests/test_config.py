@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 
 from frontend.config import FrontendConfig
-from protocol import GenerateRequest, Hello, encode
+from protocol import GenerateRequest, Hello, encode, settings
 from protocol.limits import (
     MAX_CHAT_MESSAGES,
     MAX_GRAMMAR_CHARS,
@@ -126,6 +127,29 @@ def test_minibatch_serve_help_offers_only_the_flags_it_takes() -> None:
 def _minibatch_serve(argv: list[str]) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "worker.launch.supervisor", *argv]
     return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_a_misspelt_variable_is_named_with_the_setting_it_likely_meant_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MAX_BACTH_SIZE=4 was ignored without a word; another process's setting (a
+    shared .env), and the environment's own variables, are no misspellings."""
+    monkeypatch.setattr(settings, "_told_misspelt", set())
+    environ = {
+        "MAX_BACTH_SIZE": "4",
+        "model_id": "fake",
+        "WORKER_ENDPOINTS": "tcp://a:1",  # the frontend's, one letter from WORKER_ENDPOINT
+        "CURVE_CLIENT_SECRET_KEY": "k",  # the frontend's, near the worker's CURVE_CLIENT_KEYS
+        "PATH": "/bin",
+        "HOSTNAME": "box",
+    }
+    with caplog.at_level(logging.WARNING, logger="protocol.settings"):
+        load(WorkerConfig, [], environ)
+        load(WorkerConfig, [], environ)  # a second config of the same process
+    assert [record.getMessage() for record in caplog.records] == [
+        "MAX_BACTH_SIZE is no setting, and is ignored: did you mean MAX_BATCH_SIZE?",
+        "model_id is no setting, and is ignored: did you mean MODEL_ID?",
+    ]
 
 
 def test_a_bad_value_from_the_environment_names_no_flag() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from protocol.client_config import WorkerClientConfig
+from protocol.lifeline import SUPERVISOR_PID_ENV
+from protocol.settings import ALL_VARIABLES
 from tests.settings_table import READERS, documented, markdown, rows
 
 
@@ -32,3 +34,14 @@ def test_a_setting_read_by_several_processes_means_the_same_to_each() -> None:
             meanings.setdefault(field.metadata["env"], set()).add(meaning)
     differing = {env: meaning for env, meaning in meanings.items() if len(meaning) > 1}
     assert not differing
+
+
+def test_every_variable_a_process_reads_is_known_to_every_process() -> None:
+    """So that no process takes another's setting for a misspelling of its own."""
+    read = {
+        field.metadata["env"]
+        for config in (*(config for config, _ in READERS), WorkerClientConfig)
+        for field in dataclasses.fields(config)
+    }
+    read |= {"KERNELS_DIR", "KERNEL_ISA", SUPERVISOR_PID_ENV}  # read outside any config
+    assert read == ALL_VARIABLES, "add the new variable to protocol.settings.ALL_VARIABLES"
