@@ -395,6 +395,24 @@ def test_penalties_logit_bias_and_min_tokens_compose_with_the_grammar(new_engine
     assert (finished["early"].text, finished["early"].finish_reason) == ("done", "stop")
 
 
+@pytest.mark.parametrize("penalty", [1e-31, 1e-300])
+def test_a_tiny_repetition_penalty_cannot_lift_a_banned_token_over_the_grammar(
+    new_engine: Any, penalty: float
+) -> None:
+    """Dividing by 1e-31 lifts a repeated token past the mask's 1e30 (1e-300 is 0
+    in float32: to infinity): the output left the grammar, a 422 that blamed the
+    schema."""
+    schema = SCHEMAS["flat"]
+    shaped = [
+        constrained(f"{name}", "json_schema", schema, repetition_penalty=penalty, **sampling)
+        for name, sampling in (("greedy", {}), ("sampled", {"seed": 5, **SAMPLED}))
+    ]
+    finished = run_schedule(new_engine(), {0: shaped})
+    for name in ("greedy", "sampled"):
+        assert finished[name].finish_reason == "stop", finished[name]
+        jsonschema.validate(json.loads(finished[name].text), schema)
+
+
 def test_a_stop_within_min_tokens_stays_text_where_the_grammar_ends(new_engine: Any) -> None:
     """The grammar's last token is a stop token, or ends a stop string, within
     min_tokens: it stays in the text, as it does without a grammar; only the
