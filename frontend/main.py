@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = load(FrontendConfig, argv, description="MiniBatch-LLM HTTP frontend")
         check_can_listen(config.host, config.port)
     except ConfigError as exc:
-        exit_refusing("frontend", exc)
+        exit_refusing("frontend", exc, FrontendConfig, argv)
     _log_access(config)
     app = create_app(config)
     server_config = uvicorn.Config(

@@ -109,10 +109,45 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the variable."""
 
 
-def exit_refusing(process: str, error: ConfigError) -> NoReturn:
-    """Ends ``process`` with ``error``'s message and CONFIG_ERROR_EXIT_CODE."""
+def exit_refusing(
+    process: str,
+    error: ConfigError,
+    cls: type[Any] | None = None,
+    argv: Sequence[str] | None = None,
+) -> NoReturn:
+    """Ends ``process`` with ``error``'s message and CONFIG_ERROR_EXIT_CODE. Given
+    the config class its ``argv`` was loaded into, the message names the flag
+    that set each variable it names, as `load`'s own refusals do, for the checks
+    of several settings made after it."""
+    if cls is not None:
+        error = naming_flags(error, flags_given(cls, argv))
     print(f"{process}: configuration error: {error}", file=sys.stderr)
     sys.exit(CONFIG_ERROR_EXIT_CODE)
+
+
+def naming_flags(error: ConfigError, flags: Mapping[str, str]) -> ConfigError:
+    """``error``, naming the flag (of ``flags``: variable -> flag) that set each
+    variable it names: `--max-batch-size 0` was refused as MAX_BATCH_SIZE, which
+    was never set."""
+    message = str(error)
+    named = set(re.findall(r"\b[A-Z][A-Z0-9_]*\b", message))
+    given = [
+        f"{flag} sets {env}"
+        for env, flag in flags.items()
+        if env in named and f"{flag} sets {env}" not in message
+    ]
+    return ConfigError(f"{message} ({'; '.join(given)})") if given else error
+
+
+def flags_given(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str, str]:
+    """The variables that ``argv``'s flags set, each with its flag (flags that
+    are none of ``cls``'s, refused as such, are passed over)."""
+    args, _ = _parser(cls).parse_known_args(argv)
+    return {
+        f.metadata["env"]: "--" + f.name.replace("_", "-")
+        for f in dataclasses.fields(cls)
+        if getattr(args, f.name, None) is not None
+    }
 
 
 def _as_set(default: Any) -> str:
@@ -252,13 +287,7 @@ def load(
             values[f.name] = _parse(env, raw, hints[f.name])
         config = cls(**values)
     except ConfigError as exc:
-        # Refusals name the variable; one that a flag set says so, or
-        # `--max-batch-size 0` is refused as MAX_BATCH_SIZE, which was never set.
-        named = set(re.findall(r"\b[A-Z][A-Z0-9_]*\b", str(exc)))
-        given = [f"{flag} sets {env}" for env, flag in flags.items() if env in named]
-        if not given:
-            raise
-        raise ConfigError(f"{exc} ({'; '.join(given)})") from None
+        raise naming_flags(exc, flags) from None
     _warn_misspelt(cls, environ)
     return config
 

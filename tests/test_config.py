@@ -115,6 +115,17 @@ def test_minibatch_serve_refuses_another_processs_flag_saying_where_it_goes(
     assert re.search(message, refused.stderr)
 
 
+def test_a_refusal_of_several_settings_after_loading_names_the_flags_that_set_them() -> None:
+    """The checks of several settings together run after `load`, whose own
+    refusals name the flags: these named only the variables, never set."""
+    argv = ["--num-workers=2", "--port", "18250", "--worker-endpoint", "tcp://127.0.0.1:18250"]
+    refused = _minibatch_serve(argv)
+    assert refused.returncode == 78
+    assert refused.stderr.rstrip().endswith(
+        "(--worker-endpoint sets WORKER_ENDPOINT; --num-workers sets NUM_WORKERS; --port sets PORT)"
+    ), refused.stderr
+
+
 def test_minibatch_serve_help_offers_only_the_flags_it_takes() -> None:
     shown = _minibatch_serve(["--help"])
     assert shown.returncode == 0

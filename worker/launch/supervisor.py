@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_before_start(config, os.environ)
         supervisor = Supervisor(config)
     except ConfigError as exc:
-        exit_refusing("supervisor", exc)
+        exit_refusing("supervisor", exc, SupervisorConfig, argv)
     # SIGHUP too (a closed terminal): its default ended the stack with no stop at all.
     for stop_signal in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(stop_signal, lambda *_: supervisor.stop())

@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.info("worker loading %s", config.model_id)
         engine = build_engine(config)
     except ConfigError as exc:  # a bad value, or a model or device that cannot be used
-        exit_refusing("worker", exc)
+        exit_refusing("worker", exc, WorkerConfig, argv)
     except _StopWhileStarting as stop:
         log.info("worker told to stop (%s) while starting; stopped", stop)
         sys.exit(0)
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         server.serve_forever()
     except ConfigError as exc:  # its endpoint cannot be bound
-        exit_refusing("worker", exc)
+        exit_refusing("worker", exc, WorkerConfig, argv)
 
 
 if __name__ == "__main__":
