@@ -322,6 +322,12 @@ def _refuse_unknown_flags(
     meant = difflib.get_close_matches(given, flags, n=1, cutoff=0.7)
     if meant:
         parser.error(f"unrecognized argument {given}: did you mean {meant[0]}?")
+    env = given.lstrip("-").upper().replace("-", "_")
+    if env in ALL_VARIABLES:  # another process's (--max-batch-size to a frontend)
+        parser.error(
+            f"unrecognized argument {given}: {env} is another process's setting, not "
+            f"{parser.prog}'s (docs/operations.md's table says which process reads it)"
+        )
     parser.error(
         f"unrecognized argument {given}: not a flag of {parser.prog}, whose --help "
         "lists its own; each process takes only the settings it reads "

@@ -68,8 +68,9 @@ def test_a_bad_value_given_by_a_flag_names_the_flag(argv: list[str], message: st
     [
         (["--endpoint", "tcp://127.0.0.1:6000"], "did you mean --worker-endpoint?"),
         (["--threads=2"], "unrecognized argument --threads: did you mean --torch-threads?"),
-        # nothing close: most often another process's setting
-        (["--port", "8001"], "unrecognized argument --port: not a flag of"),
+        # nothing close: most often another process's setting, named as such
+        (["--port", "8001"], "unrecognized argument --port: PORT is another process's setting"),
+        (["--colour", "red"], "unrecognized argument --colour: not a flag of"),
     ],
 )
 def test_an_unknown_flag_is_refused_naming_the_flag_likely_meant(
