@@ -381,7 +381,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--url", nargs="+", help="a running stack's frontends; default: start a stack here"
     )
-    parser.add_argument("--model-id", default="synthetic", help="for the stack it starts")
+    parser.add_argument(
+        "--model-id", default="synthetic", help="for the stack it starts (default %(default)s)"
+    )
     parser.add_argument(
         "--port",
         type=int,
@@ -389,13 +391,19 @@ def main(argv: list[str] | None = None) -> None:
         "port + 10 and the ports after it",
     )
     parser.add_argument(
-        "--log", default=str(RESULTS / "fault_drill_stack"), help="the started stack's log folder"
+        "--log",
+        default=str(RESULTS / "fault_drill_stack"),
+        help="the started stack's log folder (default %(default)s)",
     )
     parser.add_argument(
         "--out", help="the results file (default: bench/results/fault_drill[_poison].json)"
     )
-    parser.add_argument("--kills", type=int, default=5, help="SIGKILLs of a worker")
-    parser.add_argument("--stops", type=int, default=1, help="SIGSTOPs of a worker")
+    parser.add_argument(
+        "--kills", type=int, default=5, help="SIGKILLs of a worker (default %(default)s)"
+    )
+    parser.add_argument(
+        "--stops", type=int, default=1, help="SIGSTOPs of a worker (default %(default)s)"
+    )
     parser.add_argument(
         "--workers",
         type=int,
@@ -403,13 +411,29 @@ def main(argv: list[str] | None = None) -> None:
         "one (--url), by default those live at the start",
     )
     parser.add_argument(
-        "--frontends", type=int, default=1, help="NUM_FRONTENDS of the stack it starts"
+        "--frontends",
+        type=int,
+        default=1,
+        help="NUM_FRONTENDS of the stack it starts (default %(default)s)",
     )
-    parser.add_argument("--stop-s", type=float, default=4.0, help="how long SIGSTOP lasts")
-    parser.add_argument("--requests", type=int, default=120)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="per request")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--stop-s", type=float, default=4.0, help="how long SIGSTOP lasts (default %(default)s)"
+    )
+    parser.add_argument(
+        "--requests", type=int, default=120, help="in each of the two runs (default %(default)s)"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="requests in flight at once (default %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=120.0, help="per request (default %(default)s)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="of the workload and the faults (default %(default)s)"
+    )
     parser.add_argument(
         "--sampled",
         action="store_true",
@@ -421,7 +445,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--poison", action="store_true", help="mix in poison requests instead of faults"
     )
-    parser.add_argument("--poison-repeats", type=int, default=3, help="sends of each poison")
+    parser.add_argument(
+        "--poison-repeats", type=int, default=3, help="sends of each poison (default %(default)s)"
+    )
     parser.add_argument(
         "--vocab-size", type=int, help="the served model's (default: by the model /health names)"
     )
@@ -429,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
         "--max-request-bytes",
         type=int,
         default=FrontendConfig.max_request_bytes,
-        help="the stack's MAX_REQUEST_BYTES",
+        help="the stack's MAX_REQUEST_BYTES (default %(default)s)",
     )
     args = parser.parse_args(argv)
     if bool(args.stop_cmd) != bool(args.cont_cmd):
