@@ -13,10 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import zmq
 
 from bench import load
 from bench.report import RESULTS, RequestRecord, report_run
@@ -24,16 +27,35 @@ from bench.stack import running_stack, stack_env
 from bench.zmq_client import ZmqTarget
 from protocol import GenerateRequest
 from protocol.client_config import WorkerClientConfig
+from protocol.curve import ClientKeys
 from protocol.settings import load as load_config
+from worker.launch.probe import ProbeFailed, probe
+
+_HELLO_TIMEOUT_S = 60.0  # a worker on a cold machine may still be loading its model
 
 
 async def run_zmq(
-    endpoint: str, requests: list[GenerateRequest], args: argparse.Namespace
+    endpoint: str,
+    requests: list[GenerateRequest],
+    args: argparse.Namespace,
+    curve: ClientKeys | None = None,
 ) -> list[RequestRecord]:
-    # A client's CURVE settings, for a worker with CURVE on.
-    curve = load_config(WorkerClientConfig, []).curve
     async with ZmqTarget(endpoint, stream=not args.no_stream, curve=curve) as target:
         return await load.drive(target.send, requests, args)
+
+
+def check_worker(endpoint: str, curve: ClientKeys | None) -> None:
+    """Say what it waits for, and end the run at once, saying why (as
+    minibatch-probe does), if no worker greets it: it waited 60 s in silence,
+    then raised."""
+    print(f"waiting up to {_HELLO_TIMEOUT_S:g} s for a worker's hello at {endpoint}", flush=True)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        probe(endpoint, _HELLO_TIMEOUT_S, context, curve)
+    except ProbeFailed as exc:
+        sys.exit(f"zmq_load: {exc}")
+    finally:
+        context.term()
 
 
 @contextlib.contextmanager
@@ -62,8 +84,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     requests = load.workload(args, tag=f"zmq-{uuid.uuid4().hex[:8]}")
+    # A client's CURVE settings, for a worker with CURVE on.
+    curve = load_config(WorkerClientConfig, []).curve
     with target_endpoint(args) as endpoint:
-        records = asyncio.run(run_zmq(endpoint, requests, args))
+        check_worker(endpoint, curve)
+        records = asyncio.run(run_zmq(endpoint, requests, args, curve))
     settings = {**load.describe(args), "endpoint": args.endpoint or "local stack"}
     out = args.out or RESULTS / f"zmq_{args.mode}.json"
     return report_run(f"zmq {args.mode}", records, settings, out)

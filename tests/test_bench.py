@@ -17,7 +17,7 @@ import httpx
 import pytest
 import zmq
 
-from bench import fault_drill, load, path_latency
+from bench import fault_drill, load, path_latency, zmq_load
 from bench import stack as bench_stack
 from bench.http_client import NATIVE, OPENAI, HttpTarget
 from bench.report import (
@@ -29,6 +29,7 @@ from bench.report import (
     machine,
     summarize,
 )
+from bench.stack import free_port
 from bench.zmq_client import LOST, ZmqTarget
 from protocol import GenerateRequest
 from tests.stack import Stack, running_stack
@@ -332,3 +333,16 @@ def test_path_latency_counts_the_path_not_the_worker(tmp_path: Path) -> None:
         context.term()
     assert 0 < http_ms < http_total_ms - 80
     assert 0 < zmq_ms < zmq_total_ms - 80
+
+
+def test_zmq_load_without_a_worker_says_what_it_waits_for_and_why_it_stops(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It waited 60 s in silence, then raised a bare RuntimeError."""
+    monkeypatch.setattr(zmq_load, "_HELLO_TIMEOUT_S", 0.5)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as stopped:
+        zmq_load.check_worker(endpoint, None)
+    assert f"waiting up to 0.5 s for a worker's hello at {endpoint}" in capsys.readouterr().out
+    assert str(stopped.value.code).startswith(f"zmq_load: no Hello from a worker at {endpoint}")
+    assert "check that the worker is running and bound there" in str(stopped.value.code)
