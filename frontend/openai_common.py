@@ -92,7 +92,19 @@ async def read_lenient_body(
     the OpenAI endpoints and /tokenize and /detokenize; refused instead with
     STRICT_REQUEST_FIELDS."""
     strict = client.config.strict_request_fields
-    return await parse_body(request, schema, ignore_unknown=not strict)
+    try:
+        return await parse_body(request, schema, ignore_unknown=not strict)
+    except ApiError as exc:
+        model = served_model(client)
+        if _MODEL_MISSING not in exc.message or model is None:
+            raise
+        named = f"{_MODEL_MISSING} (this server serves {model!r})"
+        raise ApiError(
+            exc.status, exc.message.replace(_MODEL_MISSING, named), exc.code, exc.param
+        ) from None
+
+
+_MODEL_MISSING = "model: required; send it"
 
 
 def served_model(client: WorkerClient) -> str | None:

@@ -170,6 +170,17 @@ def test_unknown_model_is_a_404(client: openai.OpenAI) -> None:
         client.completions.create(model="gpt-4", prompt="hi")
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_request_without_a_model_is_told_the_served_one(stack: Stack, path: str) -> None:
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": []}
+    refused = httpx.post(f"{stack.url}{path}", json=body, timeout=10)
+    assert refused.status_code == 422
+    assert (
+        "model: required; send it (this server serves 'fake')"
+        in (refused.json()["error"]["message"])
+    )
+
+
 def test_a_request_before_any_worker_is_checked_against_the_model_it_names(
     tmp_path: Path,
 ) -> None:
