@@ -78,8 +78,8 @@ def check_flat(frame: bytes) -> None:
         # Answerable if the id came first, as it does from our frontends.
         if request_id is not None and len(request_id) <= MAX_REQUEST_ID_CHARS:
             exc.request_id = request_id
-        if isinstance(version, int):
-            check_version(version, exc.request_id)
+        if type(version) is int and version != PROTOCOL_VERSION:
+            check_version(version, exc.request_id)  # another version's shape
         raise
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"frame is not valid msgpack ({len(frame)} bytes): {exc}") from exc

@@ -413,11 +413,14 @@ def test_an_engine_that_fails_everything_ends_the_worker_with_its_own_exit_code(
     assert "thread MainThread failed" not in log
 
 
-def test_an_endpoint_of_another_machine_is_refused_naming_worker_bind() -> None:
+@pytest.mark.parametrize(
+    "host", ["192.0.2.1", "host.invalid"], ids=["address", "name"]
+)  # TEST-NET-1 and a reserved name: no machine's own
+def test_an_endpoint_of_another_machine_is_refused_naming_worker_bind(host: str) -> None:
     """WORKER_ENDPOINT is where clients connect; a worker behind NAT or in a
     container cannot bind that address, and was asked whether another program
     listened there."""
-    endpoint = f"tcp://192.0.2.1:{free_port()}"  # TEST-NET-1: no machine's own address
+    endpoint = f"tcp://{host}:{free_port()}"
     config = WorkerConfig(model_id="fake", worker_endpoint=endpoint)
     server = WorkerServer(Scheduler(FakeEngine(1), 8), config)
     with pytest.raises(ConfigError, match="no address of this machine; set WORKER_BIND"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
-import sys
 import time
 from collections.abc import Sequence
 
@@ -35,8 +35,9 @@ def build_engine(config: WorkerConfig) -> InferenceEngine:
     return load_engine(config)
 
 
-class _StopWhileStarting(Exception):
-    """A stop signal came before the worker served: nothing to hand back."""
+class _StopWhileStarting(BaseException):
+    """A stop signal came before the worker served: nothing to hand back. No
+    Exception, which the model's loading code may catch."""
 
 
 def _stop_while_starting(signum: int, _: object) -> None:
@@ -53,18 +54,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     # (exit 0), not killed by the signal or with a KeyboardInterrupt's traceback.
     for stop_signal in _STOP_SIGNALS:
         signal.signal(stop_signal, _stop_while_starting)
-    follow_supervisor("worker")
     try:
+        follow_supervisor("worker")
         config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")
         check_endpoint_free(config)
         log.info("worker loading %s", config.model_id)
         engine = build_engine(config)
+        server = WorkerServer(Scheduler(engine, config.max_queue_depth), config)
     except ConfigError as exc:  # a bad value, or a model or device that cannot be used
         exit_refusing("worker", exc, WorkerConfig, argv)
     except _StopWhileStarting as stop:
         log.info("worker told to stop (%s) while starting; stopped", stop)
-        sys.exit(0)
-    server = WorkerServer(Scheduler(engine, config.max_queue_depth), config)
+        logging.shutdown()
+        # At once: an interpreter's shutdown (torch's exit hooks: most of a second)
+        # puts the default handlers back, and a second ^C in it killed the worker.
+        os._exit(0)
     for stop_signal in _STOP_SIGNALS:
         signal.signal(stop_signal, lambda *_: server.stop())
     # `kill -USR1 <pid>`: every thread's stack to the log, for a worker that seems

@@ -364,9 +364,9 @@ class WorkerServer:
 def _bind_failure(config: WorkerConfig, exc: zmq.ZMQError) -> str:
     """Why the worker cannot bind its endpoint, and what to set."""
     endpoint = config.listen_endpoint
-    if exc.errno == errno.EADDRNOTAVAIL:
+    if exc.errno in (errno.EADDRNOTAVAIL, errno.ENODEV):
         # WORKER_ENDPOINT names where clients connect, which may be another
-        # machine's address (or a name for this one that it cannot bind).
+        # machine's address (EADDRNOTAVAIL) or name (ENODEV, as ZMQ reports it).
         return (
             f"cannot bind {endpoint}: {exc}: it is no address of this machine; set "
             "WORKER_BIND to one that is (tcp://*:PORT binds them all) and keep "
