@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
 from typing import Any, NoReturn, TypeVar
 
+from protocol.lifeline import SUPERVISOR_PID_ENV
+
 log = logging.getLogger(__name__)
 
 # The largest number any setting takes: counts, bytes and seconds all fit (68
@@ -99,9 +101,10 @@ ALL_VARIABLES = frozenset(
         "MINIBATCH_SUPERVISOR_PID",
     ]
 )
-# How like a variable of its own another must be to be told as its misspelling:
-# MODLE_ID (0.88), MAX_BACTH_SIZE (0.93), DTPYE (0.8).
-_MISSPELLING_CUTOFF = 0.8
+# A variable one slip (a letter wrong, missing, extra, or two swapped) from one of
+# a process's own, or the same in lower case, is told as its misspelling: long
+# enough that the slip is no other word (MODEL_DIR, HOSTS and PORTS are others').
+_MIN_MISSPELT_CHARS = 6
 _told_misspelt: set[str] = set()  # once a process, whichever of its configs it loads
 
 
@@ -259,8 +262,10 @@ def load(
     argv: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
     description: str | None = None,
+    warn_misspelt: bool = True,
 ) -> C:
-    """Build ``cls`` from the environment, overridden by command-line flags."""
+    """Build ``cls`` from the environment, overridden by command-line flags; with
+    ``warn_misspelt``, warn of variables that look like misspellings of its own."""
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     parser = _parser(cls, description)
@@ -288,22 +293,52 @@ def load(
         config = cls(**values)
     except ConfigError as exc:
         raise naming_flags(exc, flags) from None
-    _warn_misspelt(cls, environ)
+    if warn_misspelt:
+        _warn_misspelt(cls, environ)
     return config
 
 
 def _warn_misspelt(cls: type[Any], environ: Mapping[str, str]) -> None:
     """Warn, once a process, of each variable in ``environ`` that no process reads
-    but that is spelt almost as one of ``cls``'s: MAX_BACTH_SIZE=4 was ignored
-    without a word, where a misspelt flag is refused naming the one it meant."""
-    own = [f.metadata["env"] for f in dataclasses.fields(cls)]
+    but that is a slip from one of ``cls``'s: MAX_BACTH_SIZE=4 was ignored without
+    a word, where a misspelt flag is refused naming the one it meant. A process
+    that a supervisor started leaves it to the supervisor, which said it once."""
+    if environ.get(SUPERVISOR_PID_ENV, str(os.getpid())) != str(os.getpid()):
+        return
+    own_by_length: dict[int, list[str]] = {}  # a slip changes the length by one at most
+    for f in dataclasses.fields(cls):
+        for length in range(len(f.metadata["env"]) - 1, len(f.metadata["env"]) + 2):
+            own_by_length.setdefault(length, []).append(f.metadata["env"])
     for name in sorted(environ.keys() - ALL_VARIABLES - _told_misspelt):
-        meant = [env for env in own if env == name.upper()] or difflib.get_close_matches(
-            name, own, n=1, cutoff=_MISSPELLING_CUTOFF
-        )
+        if len(name) < _MIN_MISSPELT_CHARS:
+            continue
+        own = own_by_length.get(len(name), [])
+        meant = [env for env in own if _is_one_slip(name, env) or _is_lower_case_of(name, env)]
         if meant:
             _told_misspelt.add(name)
             log.warning("%s is no setting, and is ignored: did you mean %s?", name, meant[0])
+
+
+def _is_lower_case_of(typed: str, meant: str) -> bool:
+    """model_id for MODEL_ID; not port for PORT, a word other tools use."""
+    return "_" in meant and typed.upper() == meant and typed != meant
+
+
+def _is_one_slip(typed: str, meant: str) -> bool:
+    """Whether ``typed`` is ``meant`` with one letter wrong, missing or extra, or
+    two neighbours swapped."""
+    if typed == meant or abs(len(typed) - len(meant)) > 1:
+        return False
+    start = 0  # the first difference
+    while start < min(len(typed), len(meant)) and typed[start] == meant[start]:
+        start += 1
+    rest_typed, rest_meant = typed[start:], meant[start:]
+    return (
+        rest_typed[1:] == rest_meant[1:]  # wrong
+        or rest_typed[1:] == rest_meant  # extra
+        or rest_typed == rest_meant[1:]  # missing
+        or (rest_typed[:2] == rest_meant[1::-1] and rest_typed[2:] == rest_meant[2:])  # swapped
+    )
 
 
 def _refuse_unknown_flags(

@@ -144,22 +144,32 @@ def _minibatch_serve(argv: list[str]) -> subprocess.CompletedProcess[str]:
 def test_a_misspelt_variable_is_named_with_the_setting_it_likely_meant_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """MAX_BACTH_SIZE=4 was ignored without a word; another process's setting (a
-    shared .env), and the environment's own variables, are no misspellings."""
+    """MAX_BACTH_SIZE=4 was ignored without a word. Another process's setting (a
+    shared .env), the environment's own variables and other tools' words are no
+    misspellings."""
     monkeypatch.setattr(settings, "_told_misspelt", set())
     environ = {
-        "MAX_BACTH_SIZE": "4",
-        "model_id": "fake",
+        "MAX_BACTH_SIZE": "4",  # two letters swapped
+        "model_id": "fake",  # lower case
+        "WEIGHT": "int8",  # one letter short
         "WORKER_ENDPOINTS": "tcp://a:1",  # the frontend's, one letter from WORKER_ENDPOINT
         "CURVE_CLIENT_SECRET_KEY": "k",  # the frontend's, near the worker's CURVE_CLIENT_KEYS
+        "MODEL_DIR": "/models",
+        "DEVICE_ID": "0",
+        "PORTS": "80",
+        "device": "cpu",
         "PATH": "/bin",
         "HOSTNAME": "box",
+        "WORKER_PORT": "tcp://10.0.0.1:5555",  # a Kubernetes service's
     }
     with caplog.at_level(logging.WARNING, logger="protocol.settings"):
         load(WorkerConfig, [], environ)
         load(WorkerConfig, [], environ)  # a second config of the same process
+        # A process a supervisor started: the supervisor told its environment's.
+        load(WorkerConfig, [], {"MAX_QUEUE_DEPHT": "9", "MINIBATCH_SUPERVISOR_PID": "1"})
     assert [record.getMessage() for record in caplog.records] == [
         "MAX_BACTH_SIZE is no setting, and is ignored: did you mean MAX_BATCH_SIZE?",
+        "WEIGHT is no setting, and is ignored: did you mean WEIGHTS?",
         "model_id is no setting, and is ignored: did you mean MODEL_ID?",
     ]
 

@@ -115,9 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             parser.error(str(exc))
     try:
-        endpoint = args.endpoint or local_endpoint(load(WorkerConfig, argv=[]))
+        # A healthcheck runs every few seconds: the worker itself warns of
+        # misspelt variables, once.
+        endpoint = args.endpoint or local_endpoint(load(WorkerConfig, argv=[], warn_misspelt=False))
         # It pings as a frontend would, so with a client's CURVE settings.
-        curve = load(WorkerClientConfig, argv=[]).curve
+        curve = load(WorkerClientConfig, argv=[], warn_misspelt=False).curve
     except ConfigError as exc:
         print(f"minibatch-probe: {exc}", file=sys.stderr)
         return 1
