@@ -265,7 +265,7 @@ def load(
     warn_misspelt: bool = True,
 ) -> C:
     """Build ``cls`` from the environment, overridden by command-line flags; with
-    ``warn_misspelt``, warn of variables that look like misspellings of its own."""
+    ``warn_misspelt``, warn of variables that look like misspelt settings."""
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     parser = _parser(cls, description)
@@ -294,29 +294,36 @@ def load(
     except ConfigError as exc:
         raise naming_flags(exc, flags) from None
     if warn_misspelt:
-        _warn_misspelt(cls, environ)
+        _warn_misspelt(environ)
     return config
 
 
-def _warn_misspelt(cls: type[Any], environ: Mapping[str, str]) -> None:
+def _warn_misspelt(environ: Mapping[str, str]) -> None:
     """Warn, once a process, of each variable in ``environ`` that no process reads
-    but that is a slip from one of ``cls``'s: MAX_BACTH_SIZE=4 was ignored without
-    a word, where a misspelt flag is refused naming the one it meant. A process
-    that a supervisor started leaves it to the supervisor, which said it once."""
+    but that is a slip from one that one does: MAX_BACTH_SIZE=4 was ignored
+    without a word, where a misspelt flag is refused naming the one it meant. A
+    process that a supervisor started leaves it to the supervisor, which said it
+    once for every process it starts."""
     if environ.get(SUPERVISOR_PID_ENV, str(os.getpid())) != str(os.getpid()):
         return
-    own_by_length: dict[int, list[str]] = {}  # a slip changes the length by one at most
-    for f in dataclasses.fields(cls):
-        for length in range(len(f.metadata["env"]) - 1, len(f.metadata["env"]) + 2):
-            own_by_length.setdefault(length, []).append(f.metadata["env"])
     for name in sorted(environ.keys() - ALL_VARIABLES - _told_misspelt):
         if len(name) < _MIN_MISSPELT_CHARS:
             continue
-        own = own_by_length.get(len(name), [])
-        meant = [env for env in own if _is_one_slip(name, env) or _is_lower_case_of(name, env)]
+        meant = [
+            known
+            for known in _VARIABLES_BY_LENGTH.get(len(name), [])
+            if _is_one_slip(name, known) or _is_lower_case_of(name, known)
+        ]
         if meant:
             _told_misspelt.add(name)
             log.warning("%s is no setting, and is ignored: did you mean %s?", name, meant[0])
+
+
+# ALL_VARIABLES by the lengths of their slips: one letter more or less at most.
+_VARIABLES_BY_LENGTH: dict[int, list[str]] = {}
+for _known in sorted(ALL_VARIABLES):
+    for _length in range(len(_known) - 1, len(_known) + 2):
+        _VARIABLES_BY_LENGTH.setdefault(_length, []).append(_known)
 
 
 def _is_lower_case_of(typed: str, meant: str) -> bool:
