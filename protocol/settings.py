@@ -237,6 +237,8 @@ def check_endpoint_value(endpoint: str, env: str) -> None:
             f"{env} must be a ZMQ endpoint such as {DEFAULT_WORKER_ENDPOINT}, got {endpoint!r}"
         )
     path = endpoint.removeprefix("ipc://")
+    if endpoint.startswith("ipc://") and not path:
+        raise ConfigError(f"{env} names no socket path: ipc:///run/minibatch.sock is one")
     if endpoint.startswith("ipc://") and len(path.encode()) > MAX_IPC_PATH_BYTES:
         raise ConfigError(
             f"{env} names a socket path of {len(path.encode())} bytes; the system allows "

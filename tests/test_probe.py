@@ -140,6 +140,11 @@ def test_no_worker_exits_1_quickly() -> None:
     [
         ("tcp://no-port-here", "--endpoint must end in a port from 1 to 65535"),
         ("localhost:5555", "--endpoint must be a ZMQ endpoint such as tcp://127.0.0.1:5555"),
+        (
+            "tcp://*:5555",
+            "where a worker binds, on every address; connect to one of them, such as tcp://127.0.0.1:5555",
+        ),
+        ("ipc://", "--endpoint names no socket path"),
     ],
 )
 def test_a_malformed_endpoint_exits_2_saying_what_an_endpoint_is(

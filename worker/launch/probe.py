@@ -114,6 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_endpoint_value(args.endpoint, "--endpoint")
         except ConfigError as exc:
             parser.error(str(exc))
+        if args.endpoint.startswith("tcp://*:"):
+            parser.error(
+                f"--endpoint {args.endpoint} is where a worker binds, on every address; "
+                "connect to one of them, such as tcp://127.0.0.1:" + args.endpoint[8:]
+            )
     try:
         # A healthcheck runs every few seconds: the worker itself warns of
         # misspelt variables, once.
