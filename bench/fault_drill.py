@@ -60,6 +60,7 @@ from bench.report import RESULTS, write_json
 from bench.stack import Stack, are_free, free_ports, running_stack, stack_env
 from bench.workload import make_workload
 from frontend.config import FrontendConfig
+from protocol.settings import MAX_PORT
 
 WORKER_MODULES = ("worker.serve.main", "minibatch-worker")
 
@@ -245,11 +246,15 @@ async def _wait_whole(
     raise RuntimeError(f"{num_workers} workers at {url} were not live within {timeout_s} s")
 
 
+def fault_points(num_requests: int) -> range:
+    """Where a fault may fall: between 5% and 85% of the requests answered."""
+    return range(max(1, num_requests // 20), max(2, num_requests * 85 // 100))
+
+
 def plan_faults(num_kills: int, num_stops: int, num_requests: int, seed: int) -> list[Fault]:
     """Kills and stops at random, distinct points between 5% and 85% of progress."""
     rng = random.Random(seed)
-    low, high = max(1, num_requests // 20), max(2, num_requests * 85 // 100)
-    points = sorted(rng.sample(range(low, high), num_kills + num_stops))
+    points = sorted(rng.sample(fault_points(num_requests), num_kills + num_stops))
     kinds = ["kill"] * num_kills + ["stop"] * num_stops
     rng.shuffle(kinds)
     return [Fault(kind, point) for kind, point in zip(kinds, points, strict=True)]
@@ -260,6 +265,8 @@ def _stack_ports(port: int | None, num_frontends: int, num_workers: int) -> int:
     stack takes are free, else the drill ends saying so; free ports if None."""
     if port is None:
         return free_ports(10 + num_workers)
+    if not 1 <= port <= MAX_PORT - 10 - num_workers:
+        sys.exit(f"--port must be 1 to {MAX_PORT - 10 - num_workers}, got {port}")
     taken = [*range(port, port + num_frontends), *range(port + 10, port + 10 + num_workers)]
     if not are_free(taken):
         sys.exit(
@@ -460,6 +467,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if bool(args.stop_cmd) != bool(args.cont_cmd):
         parser.error("--stop-cmd and --cont-cmd go together")
+    num_points = len(fault_points(args.requests))
+    if not args.poison and args.kills + args.stops > num_points:
+        parser.error(
+            f"--requests {args.requests} leave room for {num_points} faults, one per point "
+            f"of progress; --kills and --stops ask for {args.kills + args.stops}"
+        )
 
     bodies: list[dict[str, object]] = [
         {"request_id": r.request_id, "prompt": r.prompt, "max_new_tokens": r.max_new_tokens}

@@ -346,3 +346,28 @@ def test_zmq_load_without_a_worker_says_what_it_waits_for_and_why_it_stops(
     assert f"waiting up to 0.5 s for a worker's hello at {endpoint}" in capsys.readouterr().out
     assert str(stopped.value.code).startswith(f"zmq_load: no Hello from a worker at {endpoint}")
     assert "check that the worker is running and bound there" in str(stopped.value.code)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "65530"], "--port must be 1 to 65524, got 65530"),
+        (["--port", "0"], "--port must be 1 to 65524, got 0"),
+    ],
+)
+def test_a_fault_drill_told_a_port_out_of_range_starts_nothing(
+    argv: list[str], message: str
+) -> None:
+    """An OverflowError's traceback, or (0) a whole stack that then refused it."""
+    with pytest.raises(SystemExit) as exited:
+        fault_drill.main(["--model-id", "fake", *argv])
+    assert exited.value.code == message
+
+
+def test_a_fault_drill_with_more_faults_than_room_for_them_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        fault_drill.main(["--model-id", "fake", "--requests", "2"])
+    assert exited.value.code == 2
+    assert "--requests 2 leave room for 1 faults" in capsys.readouterr().err
