@@ -130,9 +130,15 @@ def test_a_build_that_exists_is_not_compiled_again(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.skipif(shutil.which(kernels_module._compiler()) is None, reason="needs a compiler")
-def test_a_build_interrupted_by_ctrl_c_stops_at_once_and_keeps_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "stop_signal", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name
+)
+def test_a_build_interrupted_by_ctrl_c_stops_at_once_and_keeps_nothing(
+    tmp_path: Path, stop_signal: signal.Signals
+) -> None:
     """^C in `make install`: the compiles still queued ran on, a minute on 2
-    cores, and it ended with a KeyboardInterrupt traceback."""
+    cores, and it ended with a KeyboardInterrupt traceback. SIGTERM left its
+    scratch directory behind."""
     build = subprocess.Popen(
         [sys.executable, "-m", "worker.model.kernels"],
         env={**os.environ, "KERNELS_DIR": str(tmp_path)},
@@ -147,11 +153,11 @@ def test_a_build_interrupted_by_ctrl_c_stops_at_once_and_keeps_nothing(tmp_path:
             assert build.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         time.sleep(0.5)
-        os.killpg(build.pid, signal.SIGINT)  # ^C reaches the whole job
+        os.killpg(build.pid, stop_signal)  # as ^C reaches the whole job
         output, _ = build.communicate(timeout=15)
     finally:
         build.kill()
-    assert build.returncode == 130, output
+    assert build.returncode == 128 + stop_signal, output
     assert b"build was interrupted" in output and b"Traceback" not in output
     assert not list(tmp_path.glob("*/*"))  # no library, no scratch directory
 

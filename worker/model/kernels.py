@@ -30,6 +30,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,7 +64,6 @@ ISAS: dict[str, tuple[list[str], frozenset[str]]] = {
 }
 # Multiply-adds are fused (ISO C++ mode would keep them apart).
 _COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=fast", "-fPIC", "-fopenmp", "-DNDEBUG"]
-_INTERRUPTED_EXIT_CODE = 130  # what shells report for a ^C
 
 
 @dataclass(frozen=True)
@@ -328,11 +328,12 @@ def main() -> None:
     started = time.monotonic()
     isas = buildable_isas()
     were_built = all(library_path(isa).exists() for isa in isas)
+    signal.signal(signal.SIGTERM, _interrupt)  # cleaned up after as after a ^C
     try:
         directory = build(isas)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         logger.info("the decode kernels' build was interrupted; nothing of it was kept")
-        sys.exit(_INTERRUPTED_EXIT_CODE)
+        sys.exit(128 + (stop.args[0] if stop.args else signal.SIGINT))
     done = "were built before" if were_built else f"built in {time.monotonic() - started:.1f} s"
     logger.info(
         "decode kernels for %s %s, in %s; this CPU runs %s",
@@ -341,6 +342,10 @@ def main() -> None:
         directory,
         chosen_isa(),
     )
+
+
+def _interrupt(signum: int, _: object) -> None:
+    raise KeyboardInterrupt(signum)
 
 
 if __name__ == "__main__":
