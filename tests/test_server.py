@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import llguidance
 import msgpack
@@ -39,7 +41,7 @@ from worker.engine.fake_engine import (
 )
 from worker.engine.grammar import Grammars
 from worker.engine.sequence import Sequence
-from worker.serve.config import MIN_MESSAGE_BYTES, WorkerConfig
+from worker.serve.config import MIN_MESSAGE_BYTES, WorkerConfig, check_endpoint_free
 from worker.serve.scheduler import Scheduler
 from worker.serve.server import WorkerServer
 
@@ -413,17 +415,28 @@ def test_an_engine_that_fails_everything_ends_the_worker_with_its_own_exit_code(
     assert "thread MainThread failed" not in log
 
 
+# Where the kernel lets a process bind any address (ip_nonlocal_bind), every
+# address is this machine's.
+_BINDS_ANY_ADDRESS = Path("/proc/sys/net/ipv4/ip_nonlocal_bind").read_text().strip() == "1"
+
+
+@pytest.mark.skipif(_BINDS_ANY_ADDRESS, reason="this kernel binds any address")
 @pytest.mark.parametrize(
     "host", ["192.0.2.1", "host.invalid"], ids=["address", "name"]
 )  # TEST-NET-1 and a reserved name: no machine's own
-def test_an_endpoint_of_another_machine_is_refused_naming_worker_bind(host: str) -> None:
+@pytest.mark.parametrize("setting", ["worker_endpoint", "worker_bind"])
+def test_an_endpoint_of_another_machine_is_refused_before_the_model_loads(
+    host: str, setting: str
+) -> None:
     """WORKER_ENDPOINT is where clients connect; a worker behind NAT or in a
-    container cannot bind that address, and was asked whether another program
-    listened there."""
-    endpoint = f"tcp://{host}:{free_port()}"
-    config = WorkerConfig(model_id="fake", worker_endpoint=endpoint)
-    server = WorkerServer(Scheduler(FakeEngine(1), 8), config)
-    with pytest.raises(ConfigError, match="no address of this machine; set WORKER_BIND"):
+    container cannot bind that address, and was asked, after its model loaded,
+    whether another program listened there."""
+    config = WorkerConfig(model_id="fake", **{setting: f"tcp://{host}:{free_port()}"})
+    advice = "; set WORKER_BIND to one that is (tcp://*:PORT binds them all)"
+    with pytest.raises(ConfigError, match=re.escape(f"no address of this machine{advice}")):
+        check_endpoint_free(config)
+    server = WorkerServer(Scheduler(FakeEngine(1), 8), config)  # the bind says the same
+    with pytest.raises(ConfigError, match=re.escape(f"no address of this machine{advice}")):
         server.serve_forever()
 
 

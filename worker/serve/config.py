@@ -214,18 +214,54 @@ class WorkerConfig:
     def listen_endpoint(self) -> str:
         return self.worker_bind or self.worker_endpoint
 
+    @property
+    def listen_setting(self) -> str:
+        """The setting that gave `listen_endpoint`."""
+        return "WORKER_BIND" if self.worker_bind else "WORKER_ENDPOINT"
+
 
 def check_endpoint_free(config: WorkerConfig) -> None:
     """Raises ConfigError when another program listens on the TCP port the worker
-    is to bind: found before the model loads (seconds, minutes for a large one),
-    not by the bind after it."""
+    is to bind, or its address is none of this machine's: found before the model
+    loads (seconds, minutes for a large one), not by the bind after it."""
     address = tcp_bind_address(config.listen_endpoint)
     if address is not None and is_listened_on(*address):
-        name = "WORKER_BIND" if config.worker_bind else "WORKER_ENDPOINT"
+        name = config.listen_setting
         raise ConfigError(
             f"port {address[1]} ({name}={config.listen_endpoint}) is taken by another "
             f"program, perhaps another worker: set {name} to a free address"
         )
+    if address is not None and not is_this_machines(address[0]):
+        raise ConfigError(not_this_machines(config))
+
+
+def not_this_machines(config: WorkerConfig) -> str:
+    """Why the worker cannot bind its endpoint, which names another machine (or
+    nothing), and what to set: WORKER_ENDPOINT names where clients connect,
+    which behind NAT or in a container is not where the worker binds."""
+    name, endpoint = config.listen_setting, config.listen_endpoint
+    fix = "set WORKER_BIND to one that is (tcp://*:PORT binds them all)"
+    if name == "WORKER_ENDPOINT":
+        fix += " and keep WORKER_ENDPOINT for where clients connect"
+    return f"cannot bind {name}={endpoint}: it is no address of this machine; {fix}"
+
+
+def is_this_machines(host: str) -> bool:
+    """Whether ``host`` names an address this machine can bind (a name that does
+    not resolve names none)."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return False
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    continue
+            return True
+    return False
 
 
 def tcp_bind_address(endpoint: str) -> tuple[str, int] | None:

@@ -50,7 +50,7 @@ from protocol.request_checks import RequestLimits
 from protocol.settings import ConfigError
 from protocol.throttled import Throttled
 from worker.engine.memory_limit import resident_bytes
-from worker.serve.config import WorkerConfig
+from worker.serve.config import WorkerConfig, not_this_machines
 from worker.serve.inbox import Inbox
 from worker.serve.peers import MAX_QUEUED_PER_PEER, Peers, sender_request_id
 from worker.serve.scheduler import QueueFull, Scheduler
@@ -362,20 +362,13 @@ class WorkerServer:
 
 
 def _bind_failure(config: WorkerConfig, exc: zmq.ZMQError) -> str:
-    """Why the worker cannot bind its endpoint, and what to set."""
-    endpoint = config.listen_endpoint
-    if exc.errno in (errno.EADDRNOTAVAIL, errno.ENODEV):
-        # WORKER_ENDPOINT names where clients connect, which may be another
-        # machine's address (EADDRNOTAVAIL) or name (ENODEV, as ZMQ reports it).
-        return (
-            f"cannot bind {endpoint}: {exc}: it is no address of this machine; set "
-            "WORKER_BIND to one that is (tcp://*:PORT binds them all) and keep "
-            "WORKER_ENDPOINT for where clients connect"
-        )
-    name = "WORKER_BIND" if config.worker_bind else "WORKER_ENDPOINT"
+    """Why the worker cannot bind its endpoint, and what to set (`check_endpoint_free`
+    finds most of these before the model loads)."""
+    if exc.errno in (errno.EADDRNOTAVAIL, errno.ENODEV):  # ENODEV: ZMQ's, for a name
+        return f"{not_this_machines(config)} ({exc})"
     return (
-        f"cannot bind {endpoint}: {exc}; is another program listening there? Set {name} "
-        "to a free address"
+        f"cannot bind {config.listen_endpoint}: {exc}; is another program listening there? "
+        f"Set {config.listen_setting} to a free address"
     )
 
 
