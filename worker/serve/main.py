@@ -41,6 +41,8 @@ class _StopWhileStarting(BaseException):
 
 
 def _stop_while_starting(signum: int, _: object) -> None:
+    for stop_signal in _STOP_SIGNALS:  # a second one (a double ^C) changes nothing now
+        signal.signal(stop_signal, signal.SIG_IGN)
     raise _StopWhileStarting(signal.Signals(signum).name)
 
 
@@ -61,16 +63,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.info("worker loading %s", config.model_id)
         engine = build_engine(config)
         server = WorkerServer(Scheduler(engine, config.max_queue_depth), config)
+        for stop_signal in _STOP_SIGNALS:
+            signal.signal(stop_signal, lambda *_: server.stop())
     except ConfigError as exc:  # a bad value, or a model or device that cannot be used
         exit_refusing("worker", exc, WorkerConfig, argv)
     except _StopWhileStarting as stop:
         log.info("worker told to stop (%s) while starting; stopped", stop)
         logging.shutdown()
         # At once: an interpreter's shutdown (torch's exit hooks: most of a second)
-        # puts the default handlers back, and a second ^C in it killed the worker.
+        # is no time to be in, and nothing of the worker needs closing yet.
         os._exit(0)
-    for stop_signal in _STOP_SIGNALS:
-        signal.signal(stop_signal, lambda *_: server.stop())
     # `kill -USR1 <pid>`: every thread's stack to the log, for a worker that seems
     # stuck; written by the interpreter's C code, so even a wedged one answers.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
