@@ -367,10 +367,12 @@ def _refuse_unknown_flags(
     if meant:
         parser.error(f"unrecognized argument {given}: did you mean {meant[0]}?")
     env = given.lstrip("-").upper().replace("-", "_")
-    if env in ALL_VARIABLES:  # another process's (--max-batch-size to a frontend)
+    if env in ALL_VARIABLES and env != SUPERVISOR_PID_ENV:
+        # Another process's (--max-batch-size to a frontend), or one without a flag.
         parser.error(
-            f"unrecognized argument {given}: {env} is another process's setting, not "
-            f"{parser.prog}'s (docs/operations.md's table says which process reads it)"
+            f"unrecognized argument {given}: {parser.prog} has no such flag, but {env} "
+            "is read from the environment: set it there, for the process that reads it "
+            "(docs/operations.md's table says which)"
         )
     parser.error(
         f"unrecognized argument {given}: not a flag of {parser.prog}, whose --help "

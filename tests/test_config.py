@@ -69,7 +69,8 @@ def test_a_bad_value_given_by_a_flag_names_the_flag(argv: list[str], message: st
         (["--endpoint", "tcp://127.0.0.1:6000"], "did you mean --worker-endpoint?"),
         (["--threads=2"], "unrecognized argument --threads: did you mean --torch-threads?"),
         # nothing close: most often another process's setting, named as such
-        (["--port", "8001"], "unrecognized argument --port: PORT is another process's setting"),
+        (["--port", "8001"], "has no such flag, but PORT is read from the environment"),
+        (["--fake-step-delay-s", "1"], "but FAKE_STEP_DELAY_S is read from the environment"),
         (["--colour", "red"], "unrecognized argument --colour: not a flag of"),
     ],
 )
