@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import os
@@ -67,6 +68,8 @@ ALL_VARIABLES = frozenset(
         "HEARTBEAT_TIMEOUT_S",
         "HOST",
         "KEEP_ALIVE_TIMEOUT_S",
+        "KERNELS_DIR",
+        "KERNEL_ISA",
         "MAX_BATCH_SIZE",
         "MAX_CONNECTIONS",
         "MAX_INFLIGHT_REQUESTS",
@@ -75,6 +78,7 @@ ALL_VARIABLES = frozenset(
         "MAX_QUEUE_DEPTH",
         "MAX_REQUEST_BYTES",
         "MAX_WORKER_DEATHS",
+        "MINIBATCH_SUPERVISOR_PID",
         "MODEL_ID",
         "NUM_FRONTENDS",
         "NUM_WORKERS",
@@ -96,9 +100,6 @@ ALL_VARIABLES = frozenset(
         "WORKER_ENDPOINTS",
         "WORKER_RESOLVE_INTERVAL_S",
         "WORKER_START_TIMEOUT_S",
-        "KERNELS_DIR",
-        "KERNEL_ISA",
-        "MINIBATCH_SUPERVISOR_PID",
     ]
 )
 # A variable one slip (a letter wrong, missing, extra, or two swapped) from one of
@@ -146,11 +147,20 @@ def flags_given(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str, 
     """The variables that ``argv``'s flags set, each with its flag (flags that
     are none of ``cls``'s, refused as such, are passed over)."""
     args, _ = _parser(cls).parse_known_args(argv)
+    return _flags_set(cls, args)
+
+
+def _flags_set(cls: type[Any], args: argparse.Namespace) -> dict[str, str]:
     return {
-        f.metadata["env"]: "--" + f.name.replace("_", "-")
+        f.metadata["env"]: flag_of(f)
         for f in dataclasses.fields(cls)
         if getattr(args, f.name, None) is not None
     }
+
+
+def flag_of(f: dataclasses.Field[Any]) -> str:
+    """A setting's flag: --max-batch-size for max_batch_size."""
+    return "--" + f.name.replace("_", "-")
 
 
 def _as_set(default: Any) -> str:
@@ -274,15 +284,12 @@ def load(
     _refuse_unknown_flags(parser, cls, argv)
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
-    flags: dict[str, str] = {}  # the variables a flag set, and that flag
     try:
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             env = f.metadata["env"]
             raw = getattr(args, f.name, None)  # None too where it has no flag (`_parser`)
             if raw is None:
                 raw = environ.get(env)
-            else:
-                flags[env] = "--" + f.name.replace("_", "-")
             if raw is None:
                 continue
             if f.metadata["is_secret"] and raw == "":
@@ -294,7 +301,7 @@ def load(
             values[f.name] = _parse(env, raw, hints[f.name])
         config = cls(**values)
     except ConfigError as exc:
-        raise naming_flags(exc, flags) from None
+        raise naming_flags(exc, _flags_set(cls, args)) from None
     if warn_misspelt:
         _warn_misspelt(environ)
     return config
@@ -313,7 +320,7 @@ def _warn_misspelt(environ: Mapping[str, str]) -> None:
             continue
         meant = [
             known
-            for known in _VARIABLES_BY_LENGTH.get(len(name), [])
+            for known in _variables_by_length().get(len(name), [])
             if _is_one_slip(name, known) or _is_lower_case_of(name, known)
         ]
         if meant:
@@ -321,11 +328,14 @@ def _warn_misspelt(environ: Mapping[str, str]) -> None:
             log.warning("%s is no setting, and is ignored: did you mean %s?", name, meant[0])
 
 
-# ALL_VARIABLES by the lengths of their slips: one letter more or less at most.
-_VARIABLES_BY_LENGTH: dict[int, list[str]] = {}
-for _known in sorted(ALL_VARIABLES):
-    for _length in range(len(_known) - 1, len(_known) + 2):
-        _VARIABLES_BY_LENGTH.setdefault(_length, []).append(_known)
+@functools.cache
+def _variables_by_length() -> dict[int, list[str]]:
+    """ALL_VARIABLES by the lengths of their slips: one letter more or less at most."""
+    by_length: dict[int, list[str]] = {}
+    for known in sorted(ALL_VARIABLES):
+        for length in range(len(known) - 1, len(known) + 2):
+            by_length.setdefault(length, []).append(known)
+    return by_length
 
 
 def _is_lower_case_of(typed: str, meant: str) -> bool:
@@ -362,7 +372,7 @@ def _refuse_unknown_flags(
     if not unknown:
         return
     given = unknown[0].split("=", 1)[0]
-    flags = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(cls)]
+    flags = [flag_of(f) for f in dataclasses.fields(cls)]
     meant = difflib.get_close_matches(given, flags, n=1, cutoff=0.7)
     if meant:
         parser.error(f"unrecognized argument {given}: did you mean {meant[0]}?")
@@ -406,7 +416,7 @@ def setting_of_flag(cls: type[Any], flag: str) -> str | None:
     ``=value`` or not, or cut short as argparse takes it: ``--max-batch``), or
     None if it has no such flag or several start so."""
     given = flag.split("=", 1)[0]
-    envs = {"--" + f.name.replace("_", "-"): f.metadata["env"] for f in dataclasses.fields(cls)}
+    envs = {flag_of(f): f.metadata["env"] for f in dataclasses.fields(cls)}
     if given in envs:
         return str(envs[given])
     matches = [env for name, env in envs.items() if name.startswith(given)]
@@ -428,7 +438,7 @@ def _parser(
             continue
         env = f.metadata["env"]
         parser.add_argument(
-            "--" + f.name.replace("_", "-"),
+            flag_of(f),
             dest=f.name,
             default=None,
             metavar=env,

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 from protocol.client_config import WorkerClientConfig
 from protocol.lifeline import SUPERVISOR_PID_ENV
 from protocol.settings import ALL_VARIABLES
 from tests.settings_table import READERS, documented, markdown, rows
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_operations_settings_table_is_the_codes() -> None:
@@ -36,12 +40,21 @@ def test_a_setting_read_by_several_processes_means_the_same_to_each() -> None:
     assert not differing
 
 
+# What the code reads of the environment by name, outside the config classes.
+_READ_BY_NAME = re.compile(r'environ(?:\.get)?[(\[]"([A-Z][A-Z0-9_]*)"')
+OTHER_TOOLS_VARIABLES = {"CXX", "HF_ENDPOINT", "HF_HUB_OFFLINE"}  # theirs to spell
+
+
 def test_every_variable_a_process_reads_is_known_to_every_process() -> None:
-    """So that no process takes another's setting for a misspelling of its own."""
+    """So that no process takes another's setting for a misspelling of its own:
+    every config class's, and every variable the code reads by name."""
     read = {
         field.metadata["env"]
         for config in (*(config for config, _ in READERS), WorkerClientConfig)
         for field in dataclasses.fields(config)
     }
-    read |= {"KERNELS_DIR", "KERNEL_ISA", SUPERVISOR_PID_ENV}  # read outside any config
+    for package in ("frontend", "worker", "protocol"):
+        for source in (REPO / package).rglob("*.py"):
+            read |= set(_READ_BY_NAME.findall(source.read_text())) - OTHER_TOOLS_VARIABLES
+    read.add(SUPERVISOR_PID_ENV)  # read by its constant's name
     assert read == ALL_VARIABLES, "add the new variable to protocol.settings.ALL_VARIABLES"
