@@ -85,18 +85,19 @@ class Fault:
 class FaultInjector:
     """SIGKILL/SIGSTOP a local worker of the stack under test, or run the user's
     commands for a remote one. Other stacks may be running on this machine: only
-    ``supervisor_pid``'s workers are faulted, or without one, the workers listening
-    on the endpoints that ``url``'s /health names."""
+    the workers of ``started`` (the stack the drill started) are faulted, or
+    without one, the workers listening on the endpoints that ``url``'s /health
+    names."""
 
-    def __init__(self, args: argparse.Namespace, supervisor_pid: int | None, url: str) -> None:
+    def __init__(self, args: argparse.Namespace, started: Stack | None, url: str) -> None:
         self.args = args
-        self.supervisor_pid = supervisor_pid
+        self.started = started
         self.url = url
         self.rng = random.Random(args.seed)
 
     async def _worker(self) -> psutil.Process:
         """One of the stack's local workers, at random."""
-        if self.supervisor_pid is None:
+        if self.started is None:
             listed = cast("list[dict[str, Any]]", (await health(self.url))["workers"])
             endpoints = _addresses(str(worker["endpoint"]) for worker in listed)
             local = _local_addresses()
@@ -104,7 +105,8 @@ class FaultInjector:
                 process for process in psutil.process_iter() if _listens(process, endpoints, local)
             ]
         else:
-            processes = psutil.Process(self.supervisor_pid).children(recursive=True)
+            supervisor = self.started.processes["supervisor"].pid
+            processes = psutil.Process(supervisor).children(recursive=True)
         workers = []
         for process in processes:
             with contextlib.suppress(psutil.Error):  # gone, a zombie, or not ours to read
@@ -209,10 +211,10 @@ async def inject_faults(
         print(f"  fault: {fault.kind} after {fault.after_completed} completed", flush=True)
         if fault.kind == "kill":
             await injector.kill()
-            await _wait_whole(run.url, num_workers, run.timeout_s, replacing=before)
+            await _wait_whole(run.url, num_workers, run.timeout_s, before, injector.started)
         else:
             await injector.stop(stop_s)
-            await _wait_whole(run.url, num_workers, run.timeout_s)
+            await _wait_whole(run.url, num_workers, run.timeout_s, started=injector.started)
         fault.live_again_at = time.monotonic()
         # The next fault waits until every request this one caught has its answer:
         # a request in flight on two workers that died is failed, not replayed again.
@@ -265,8 +267,9 @@ def _stack_ports(port: int | None, num_frontends: int, num_workers: int) -> int:
     stack takes are free, else the drill ends saying so; free ports if None."""
     if port is None:
         return free_ports(10 + num_workers)
-    if not 1 <= port <= MAX_PORT - 10 - num_workers:
-        sys.exit(f"--port must be 1 to {MAX_PORT - 10 - num_workers}, got {port}")
+    highest = MAX_PORT - 9 - num_workers  # its last worker's port is port + 9 + num_workers
+    if not 1 <= port <= highest:
+        sys.exit(f"--port must be 1 to {highest}, got {port}")
     taken = [*range(port, port + num_frontends), *range(port + 10, port + 10 + num_workers)]
     if not are_free(taken):
         sys.exit(
@@ -302,14 +305,14 @@ def kill_drill(
     bodies: list[dict[str, object]],
     reference: Outcome,
     args: argparse.Namespace,
-    supervisor_pid: int | None,
+    stack: Stack | None,
 ) -> tuple[dict[str, object], bool]:
     """The second run with faults; its summary, and whether anything went wrong."""
     faults = plan_faults(args.kills, args.stops, len(bodies), args.seed)
     print("drill run, with faults:", flush=True)
     started = time.monotonic()
     run = LoadRun(urls, bodies, args.concurrency, args.timeout_s)
-    injector = FaultInjector(args, supervisor_pid, urls[0])
+    injector = FaultInjector(args, stack, urls[0])
     drill = asyncio.run(
         run.run(lambda run: inject_faults(run, faults, injector, args.stop_s, args.workers))
     )
@@ -499,8 +502,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.poison:
             summary, is_bad = poison_drill(urls[0], bodies, reference, args)
         else:
-            supervisor_pid = local.processes["supervisor"].pid if local else None
-            summary, is_bad = kill_drill(urls, bodies, reference, args, supervisor_pid)
+            summary, is_bad = kill_drill(urls, bodies, reference, args, local)
     name = "fault_drill_poison.json" if args.poison else "fault_drill.json"
     out = Path(args.out) if args.out else RESULTS / name
     write_json(out, summary)

@@ -282,7 +282,7 @@ def test_fault_drill_at_a_url_faults_that_stacks_workers_and_no_others(tmp_path:
         for each in (stack, bystander):
             each.wait_for_health("both workers live", lambda h: h["workers_live"] == 2, 30)
         args = argparse.Namespace(seed=0, kill_cmd=None, stop_cmd=None)
-        injector = fault_drill.FaultInjector(args, supervisor_pid=None, url=stack.url)
+        injector = fault_drill.FaultInjector(args, started=None, url=stack.url)
         picked = {asyncio.run(injector._worker()).pid for _ in range(20)}
         assert picked <= set(stack.worker_pids()), (picked, bystander.worker_pids())
 
@@ -351,8 +351,8 @@ def test_zmq_load_without_a_worker_says_what_it_waits_for_and_why_it_stops(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--port", "65530"], "--port must be 1 to 65524, got 65530"),
-        (["--port", "0"], "--port must be 1 to 65524, got 0"),
+        (["--port", "65526"], "--port must be 1 to 65525, got 65526"),
+        (["--port", "0"], "--port must be 1 to 65525, got 0"),
     ],
 )
 def test_a_fault_drill_told_a_port_out_of_range_starts_nothing(
