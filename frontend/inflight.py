@@ -111,7 +111,7 @@ class InFlight:
         max_tokens), what its worker's context window leaves after its prompt, as
         the worker fits it (`fit_to_context`)."""
         hello = self.link.hello if self.link else None
-        if hello is None or not self.prompt_tokens:
+        if not self.request.fit_context or hello is None or not self.prompt_tokens:
             return self.request.max_new_tokens
         return fit_to_context(self.request, self.prompt_tokens, hello.context_window).max_new_tokens
 

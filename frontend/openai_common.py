@@ -96,7 +96,7 @@ async def read_lenient_body(
         return await parse_body(request, schema, ignore_unknown=not strict)
     except ApiError as exc:
         model = served_model(client)
-        if _MODEL_MISSING not in exc.message or model is None:
+        if exc.param != "model" or _MODEL_MISSING not in exc.message or model is None:
             raise
         named = f"{_MODEL_MISSING} (this server serves {model!r})"
         raise ApiError(

@@ -1,7 +1,8 @@
 """A grammar's allowed tokens applied to the logits of the rows that have one.
 
-Every constrained row's mask is unpacked at once and applied in one op; the other
-rows are not touched, and a batch without a constrained row never calls this.
+Every constrained row's mask is unpacked at once and applied to all of them
+together (taken out, filled, put back); the other rows are not touched, and a
+batch without a constrained row never calls this.
 A token the grammar does not allow gets a logit of -1e30 (-inf where the logits
 are float16), so that greedy choice, temperature, top-k, top-p and the Gumbel
 draw all pass it over. The logit is set, not lowered: a penalised logit may lie
