@@ -131,7 +131,9 @@ def test_a_build_that_exists_is_not_compiled_again(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.skipif(shutil.which(kernels_module._compiler()) is None, reason="needs a compiler")
 @pytest.mark.parametrize(
-    "stop_signal", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name
+    "stop_signal",
+    [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+    ids=lambda s: signal.Signals(s).name,
 )
 def test_a_build_interrupted_by_ctrl_c_stops_at_once_and_keeps_nothing(
     tmp_path: Path, stop_signal: signal.Signals

@@ -328,7 +328,8 @@ def main() -> None:
     started = time.monotonic()
     isas = buildable_isas()
     were_built = all(library_path(isa).exists() for isa in isas)
-    signal.signal(signal.SIGTERM, _interrupt)  # cleaned up after as after a ^C
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):  # cleaned up after as after a ^C
+        signal.signal(stop_signal, _interrupt)
     try:
         directory = build(isas)
     except KeyboardInterrupt as stop:
