@@ -135,12 +135,12 @@ def test_a_build_that_exists_is_not_compiled_again(monkeypatch: pytest.MonkeyPat
     [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
     ids=lambda s: signal.Signals(s).name,
 )
-def test_a_build_interrupted_by_ctrl_c_stops_at_once_and_keeps_nothing(
+def test_a_build_stopped_by_a_signal_to_its_job_stops_at_once_and_keeps_nothing(
     tmp_path: Path, stop_signal: signal.Signals
 ) -> None:
     """^C in `make install`: the compiles still queued ran on, a minute on 2
-    cores, and it ended with a KeyboardInterrupt traceback. SIGTERM left its
-    scratch directory behind."""
+    cores, and it ended with a KeyboardInterrupt traceback. SIGTERM and SIGHUP
+    (a closed terminal) left its scratch directory behind."""
     build = subprocess.Popen(
         [sys.executable, "-m", "worker.model.kernels"],
         env={**os.environ, "KERNELS_DIR": str(tmp_path)},
