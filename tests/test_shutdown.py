@@ -171,35 +171,15 @@ def test_a_frontend_stopped_by_a_signal_shuts_down_quietly_with_its_exit_code(
     traceback of the KeyboardInterrupt uvicorn raises again once it is done.
     SIGTERM or SIGHUP: exit 0, as the worker and the supervisor do; uvicorn's
     raising it again had ended the process as killed by it (143 under Docker)."""
-    env = {
-        **os.environ,
-        "PORT": str(free_port()),
-        "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
-    }
-    frontend = subprocess.Popen(
-        [sys.executable, "-m", "frontend.main"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        # As from a terminal: ^C's default action, whatever this test runner ignores.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    env = {"PORT": str(free_port()), "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}"}
+    frontend, output = _stopped_once(
+        "frontend.main", env, b"Application startup complete", [stop_signal]
     )
-    lines: list[bytes] = []
-    try:
-        assert frontend.stdout is not None
-        for line in frontend.stdout:
-            lines.append(line)
-            if b"Application startup complete" in line:
-                break
-        frontend.send_signal(stop_signal)
-        output, _ = frontend.communicate(timeout=30)
-    finally:
-        frontend.kill()
     assert frontend.returncode == exit_code
     assert b"Finished server process" in output
     assert b"Traceback" not in output
-    lines += output.splitlines()
     # uvicorn's own lines too: with several frontends, each says whose it is.
+    lines = output.splitlines()
     assert all(f" frontend[{frontend.pid}] ".encode() in line for line in lines if line), lines
 
 
@@ -213,33 +193,42 @@ def test_a_worker_told_to_stop_while_its_model_loads_stops_quietly(
     it (exit -2, -15); stopped as asked, it exits 0 as it does once serving, even
     told twice (a double ^C)."""
     env = {
-        **os.environ,
         "MODEL_ID": "fake",
         "FAKE_START_DELAY_S": "30",  # its model loads that long
         "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
     }
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "worker.serve.main"],
-        env=env,
+    twice = [stop_signal, stop_signal]
+    worker, output = _stopped_once("worker.serve.main", env, b"worker loading fake", twice)
+    assert worker.returncode == 0, output
+    assert f"told to stop ({stop_signal.name}) while starting; stopped".encode() in output
+    assert b"Traceback" not in output
+
+
+def _stopped_once(
+    module: str, env: dict[str, str], ready: bytes, stop_signals: list[signal.Signals]
+) -> tuple[subprocess.Popen[bytes], bytes]:
+    """Start ``module`` as from a terminal, send it ``stop_signals`` (20 ms apart)
+    once it writes a line holding ``ready``; the process, ended, and its output."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", module],
+        env={**os.environ, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        # As from a terminal: ^C's default action, whatever this test runner ignores.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines: list[bytes] = []
     try:
-        assert worker.stdout is not None
-        for line in worker.stdout:
+        assert process.stdout is not None
+        for line in process.stdout:
             lines.append(line)
-            if b"worker loading fake" in line:
+            if ready in line:
                 break
-        worker.send_signal(stop_signal)
-        time.sleep(0.02)
-        with contextlib.suppress(ProcessLookupError):
-            worker.send_signal(stop_signal)
-        output, _ = worker.communicate(timeout=10)
+        for i, stop_signal in enumerate(stop_signals):
+            time.sleep(0.02 if i else 0)
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(stop_signal)
+        output, _ = process.communicate(timeout=30)
     finally:
-        worker.kill()
-    output = b"".join(lines) + output
-    assert worker.returncode == 0, output
-    assert f"told to stop ({stop_signal.name}) while starting; stopped".encode() in output
-    assert b"Traceback" not in output
+        process.kill()
+    return process, b"".join(lines) + output
