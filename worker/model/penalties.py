@@ -49,7 +49,10 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     frequency = _column([seq.request.frequency_penalty for seq in penalised], device)
     presence = _column([seq.request.presence_penalty for seq in penalised], device)
     scores -= frequency * counts + presence * (counts > 0)
-    logits[row_index] = scores.to(logits.dtype)
+    # A tiny repetition penalty (1e-300 is 0 in float32) makes a logit infinite:
+    # kept finite, the largest there is, so that a grammar's -inf still bans it.
+    finite = torch.finfo(logits.dtype)
+    logits[row_index] = scores.clamp_(finite.min, finite.max).to(logits.dtype)
 
 
 def suppress_early_stops(

@@ -1,13 +1,12 @@
 """A grammar's allowed tokens applied to the logits of the rows that have one.
 
-Every constrained row's mask is unpacked at once and applied to all of them
-together (taken out, filled, put back); the other rows are not touched, and a
-batch without a constrained row never calls this.
-A token the grammar does not allow gets a logit of -1e30 (-inf where the logits
-are float16), so that greedy choice, temperature, top-k, top-p and the Gumbel
-draw all pass it over. The logit is set, not lowered: a penalised logit may lie
-past 1e30 (a repetition penalty of 1e-31 divides by it), and lowered by 1e30 it
-still won the draw.
+Every constrained row's mask is unpacked at once and added in one op; the other
+rows are not touched, and a batch without a constrained row never calls this.
+A token the grammar does not allow gets a logit of -inf, whatever it was, so
+that greedy choice, temperature, top-k, top-p and the Gumbel draw all pass it
+over. -1e30, added where the mask began, left a token a repetition penalty of
+1e-31 had lifted past 1e30 above the allowed ones; -inf takes every finite
+logit below them, and the penalties leave none infinite (inf - inf is a NaN).
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ import torch
 from worker.engine.grammar import TokenMasks
 from worker.model.host_copy import to_device
 
-_BANNED = -1e30  # below any logit and the Gumbel noise, within float32 and bfloat16
-
 
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> None:
     """Ban, in place, each constrained row's disallowed tokens in ``logits`` (N, V)."""
@@ -26,7 +23,9 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> None:
     allowed = torch.from_numpy(masks.allowed(vocab_size))  # (R, V) uint8, 1 where allowed
     if logits.device.type == "cuda":
         allowed = allowed.pin_memory().to(logits.device, non_blocking=True)
+    # 0 where allowed, -inf where banned: (1 - 1) x inf would be a NaN, so -1 x 1e30 x
+    # 1e30 overflows to -inf instead. (Setting the logits, by masked_fill or where,
+    # took 1 to 2 ms at 8 rows of GPT-2's vocabulary on 2 cores; adding, 0.1.)
+    penalty = allowed.float().sub_(1).mul_(1e30).mul_(1e30)
     rows = to_device(masks.rows, logits.device, torch.long)
-    banned = _BANNED if torch.finfo(logits.dtype).max > -_BANNED else float("-inf")
-    constrained = logits.index_select(0, rows).masked_fill_(allowed == 0, banned)
-    logits.index_copy_(0, rows, constrained)
+    logits.index_add_(0, rows, penalty.to(logits.dtype))
