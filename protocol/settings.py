@@ -103,8 +103,8 @@ ALL_VARIABLES = frozenset(
     ]
 )
 # A variable one slip (a letter wrong, missing, extra, or two swapped) from one of
-# a process's own, or the same in lower case, is told as its misspelling: long
-# enough that the slip is no other word (MODEL_DIR, HOSTS and PORTS are others').
+# these, or one of several words in lower case, is told as its misspelling, if
+# long enough that the slip is no other word (HOSTS and PORTS are others').
 _MIN_MISSPELT_CHARS = 6
 _told_misspelt: set[str] = set()  # once a process, whichever of its configs it loads
 
