@@ -225,13 +225,16 @@ def check_endpoint_free(config: WorkerConfig) -> None:
     is to bind, or its address is none of this machine's: found before the model
     loads (seconds, minutes for a large one), not by the bind after it."""
     address = tcp_bind_address(config.listen_endpoint)
-    if address is not None and is_listened_on(*address):
+    if address is None:
+        return
+    failures = bind_failures(*address)
+    if errno.EADDRINUSE in failures:
         name = config.listen_setting
         raise ConfigError(
             f"port {address[1]} ({name}={config.listen_endpoint}) is taken by another "
             f"program, perhaps another worker: set {name} to a free address"
         )
-    if address is not None and not is_this_machines(address[0]):
+    if all(failure == errno.EADDRNOTAVAIL for failure in failures):  # or no address at all
         raise ConfigError(not_this_machines(config))
 
 
@@ -246,24 +249,6 @@ def not_this_machines(config: WorkerConfig) -> str:
     return f"cannot bind {name}={endpoint}: it is no address of this machine; {fix}"
 
 
-def is_this_machines(host: str) -> bool:
-    """Whether ``host`` names an address this machine can bind (a name that does
-    not resolve names none)."""
-    try:
-        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (OSError, UnicodeError):
-        return False
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as probe:
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRNOTAVAIL:
-                    continue
-            return True
-    return False
-
-
 def tcp_bind_address(endpoint: str) -> tuple[str, int] | None:
     """The host and port a bind of ``endpoint`` takes (ZMQ's ``*``: IPv4's
     wildcard); None unless it is a TCP endpoint with a port."""
@@ -276,16 +261,25 @@ def tcp_bind_address(endpoint: str) -> tuple[str, int] | None:
 def is_listened_on(host: str, port: int) -> bool:
     """Whether binding ``host``:``port`` fails for a listener already there (a
     host that is not this machine's is left for the worker's own bind)."""
+    return errno.EADDRINUSE in bind_failures(host, port)
+
+
+def bind_failures(host: str, port: int) -> list[int | None]:
+    """Binding ``port`` at each address ``host`` resolves to, as ZMQ binds: None
+    where it can, else the errno (EADDRINUSE: a listener is there; EADDRNOTAVAIL:
+    no address of this machine); none at all for a name that does not resolve."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError):
-        return False
+        return []
+    failures: list[int | None] = []
     for family, kind, proto, _, address in infos:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
             try:
                 probe.bind(address)
             except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return True
-    return False
+                failures.append(exc.errno)
+            else:
+                failures.append(None)
+    return failures
