@@ -90,7 +90,9 @@ class Paths:
         zmq_args = zmq_load.parser().parse_args(_load_args(self.args, num_requests, users))
         requests = workload(zmq_args, tag=f"{path}-{uuid.uuid4().hex[:8]}")
         endpoint = self.stack.worker_endpoint
-        return summarize(asyncio.run(zmq_load.run_zmq(endpoint, requests, zmq_args)))
+        return summarize(
+            asyncio.run(zmq_load.run_zmq(endpoint, requests, zmq_args, zmq_load.client_keys()))
+        )
 
     def _worker_steps(self) -> int:
         """The worker's steps so far, once it is idle (it counts only steps that did work)."""

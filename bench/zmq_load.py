@@ -38,10 +38,15 @@ async def run_zmq(
     endpoint: str,
     requests: list[GenerateRequest],
     args: argparse.Namespace,
-    curve: ClientKeys | None = None,
+    curve: ClientKeys | None,
 ) -> list[RequestRecord]:
     async with ZmqTarget(endpoint, stream=not args.no_stream, curve=curve) as target:
         return await load.drive(target.send, requests, args)
+
+
+def client_keys() -> ClientKeys | None:
+    """A client's CURVE settings, from the environment, for a worker with CURVE on."""
+    return load_config(WorkerClientConfig, []).curve
 
 
 def check_worker(endpoint: str, curve: ClientKeys | None) -> None:
@@ -84,8 +89,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     requests = load.workload(args, tag=f"zmq-{uuid.uuid4().hex[:8]}")
-    # A client's CURVE settings, for a worker with CURVE on.
-    curve = load_config(WorkerClientConfig, []).curve
+    curve = client_keys()
     with target_endpoint(args) as endpoint:
         check_worker(endpoint, curve)
         records = asyncio.run(run_zmq(endpoint, requests, args, curve))
