@@ -26,9 +26,11 @@ import httpx
 import zmq
 from httpx_sse import EventSource
 
-from bench.report import RESULTS, write_json
+from bench.report import RESULTS, latency_stats, write_json
 from bench.stack import running_stack, stack_env
+from bench.zmq_load import client_keys
 from protocol import GenerateRequest, GenerateResult, decode_to_frontend, encode
+from protocol.curve import ClientKeys
 from protocol.peer import ping, wait_for_hello, worker_socket
 
 PROMPT = "The path from a client to the worker and back " * 4
@@ -58,10 +60,13 @@ def zmq_overhead_ms(socket: zmq.Socket[bytes], max_new_tokens: int) -> float:
     return (ended - started) * 1e3 - message.queue_wait_ms - message.generate_ms
 
 
-def connect_worker(context: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+def connect_worker(
+    context: zmq.Context[zmq.Socket[bytes]], endpoint: str, curve: ClientKeys | None
+) -> zmq.Socket[bytes]:
     """A DEALER to the worker at ``endpoint``, greeted: the worker answers a new
-    peer's first ping with its hello."""
-    socket = worker_socket(context, endpoint)
+    peer's first ping with its hello. ``curve``: the client's keys, for a worker
+    that the environment's CURVE settings secure."""
+    socket = worker_socket(context, endpoint, curve)
     socket.connect(endpoint)
     socket.send(ping("bench"))
     if wait_for_hello(socket, timeout_s=10) is None:
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with running_stack(RESULTS / "path_latency_stack", env) as stack:
         stack.wait_live(timeout_s=300)
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        socket = connect_worker(context, stack.worker_endpoint)
+        socket = connect_worker(context, stack.worker_endpoint, client_keys())
         with httpx.Client(timeout=120) as client:
             # Warm-up: the first request of each path pays for connections and caches.
             http_overhead_ms(client, stack.url, args.max_new_tokens)
@@ -94,8 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     medians = {path: statistics.median(values) for path, values in samples.items()}
     added = medians["http"] - medians["zmq"]
     for path, values in samples.items():
-        ordered = sorted(values)
-        p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+        p95 = latency_stats([value / 1e3 for value in values])["p95"]
         print(f"{path:<5} outside the worker: median {medians[path]:6.2f} ms, p95 {p95:6.2f} ms")
     print(f"HTTP adds {added:.2f} ms to a request over ZMQ (median; target <= 5)")
     report = {

@@ -325,7 +325,7 @@ def test_path_latency_counts_the_path_not_the_worker(tmp_path: Path) -> None:
             http_ms = path_latency.http_overhead_ms(client, stack.url, max_new_tokens=5)
             http_total_ms = (time.perf_counter() - started) * 1e3
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        socket = path_latency.connect_worker(context, stack.env["WORKER_ENDPOINT"])
+        socket = path_latency.connect_worker(context, stack.env["WORKER_ENDPOINT"], None)
         started = time.perf_counter()
         zmq_ms = path_latency.zmq_overhead_ms(socket, max_new_tokens=5)
         zmq_total_ms = (time.perf_counter() - started) * 1e3

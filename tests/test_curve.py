@@ -14,7 +14,9 @@ import httpx
 import pytest
 import zmq
 
+from bench import path_latency
 from bench.stack import REPO_ROOT
+from bench.zmq_load import client_keys
 from frontend.config import FrontendConfig
 from protocol import GenerateRequest, Ping, encode
 from protocol.curve import ClientKeys, _AllowedKeys, main, secure_client
@@ -59,6 +61,21 @@ def test_with_the_right_keys_the_frontend_supervisor_and_probe_reach_the_worker(
         time.sleep(max(0.0, started + 4 - time.monotonic()))
         assert stack.wait_live()["instance_id"] == live["instance_id"]
         assert "killing worker" not in stack.log("supervisor")
+
+
+def test_the_benchmarks_zmq_clients_take_the_environments_keys(
+    tmp_path: Path, keys: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench.path_latency connected without them: it waited 10 s for a hello, then raised."""
+    with running_stack(tmp_path, curve_env(keys), supervised=False) as stack:
+        stack.wait_live()
+        for name, value in curve_env(keys).items():
+            monkeypatch.setenv(name, value)
+        with zmq.Context() as context:
+            endpoint = stack.env["WORKER_ENDPOINT"]
+            socket = path_latency.connect_worker(context, endpoint, client_keys())
+            assert path_latency.zmq_overhead_ms(socket, max_new_tokens=2) > 0
+            socket.close()
 
 
 def test_a_peer_without_an_allowed_key_gets_nothing_and_the_worker_serves_on(
