@@ -267,6 +267,7 @@ def test_a_stop_during_a_step_still_ends_the_server(connect: Connect) -> None:
         deadline = time.monotonic() + 5
         while not server.scheduler.num_steps and time.monotonic() < deadline:
             time.sleep(0.05)
+    assert engine.num_decode_steps >= 1  # the stop came during a step, not before one
 
 
 def test_two_peers_may_use_the_same_request_id(connect: Connect) -> None:

@@ -730,16 +730,19 @@ def test_one_workers_crash_loop_leaves_the_other_serving(tmp_path: Path) -> None
 
 
 def test_killing_a_worker_that_answered_requests_is_not_a_crash_loop(tmp_path: Path) -> None:
+    """Each kill is a restart, counted in /health, and its replacement serves."""
     with running_stack(tmp_path, {"CRASH_LOOP_LIMIT": "1"}) as stack:
-        for _ in range(2):
-            live = stack.wait_live()
+        live = stack.wait_live()
+        for restarts in (1, 2):
             response = httpx.post(
                 f"{stack.url}/generate", json={"prompt": "hi", "max_new_tokens": 3}, timeout=30
             )
             assert response.json()["text"] == expected_text("hi", 3)
             time.sleep(1)  # heartbeats (every 0.1 s) tell the supervisor it answered
             stack.signal_worker(signal.SIGKILL)
-            stack.wait_live(instance_not=str(live["instance_id"]))
+            live = stack.wait_live(instance_not=str(live["instance_id"]))
+            assert live["worker_restarts"] == restarts
+        assert "worker stopped (killed by SIGKILL); restart #1" in stack.log("supervisor")
 
 
 def test_a_supervisor_killed_outright_takes_its_frontend_and_workers_with_it(
