@@ -17,6 +17,7 @@ from frontend.auth import OPEN_PATHS
 from frontend.config import FrontendConfig
 from frontend.http_protocol import edge_protocol
 from frontend.worker_client import WorkerClient
+from protocol.exit_codes import ExitCode
 from protocol.lifeline import FRONTEND_STOP_GRACE_S, follow_supervisor
 from protocol.logs import log_as
 from protocol.settings import ConfigError, exit_refusing, load
@@ -26,7 +27,6 @@ log = logging.getLogger(__name__)
 
 # What a stopping frontend gives its requests under way to finish.
 GRACEFUL_SHUTDOWN_S = FRONTEND_STOP_GRACE_S
-_INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # what shells report for a ^C
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # uvicorn shut down gracefully on ^C, then raised the signal again, as
         # the default handler would: end as a process stopped by ^C does, without
         # the traceback of that re-raise.
-        sys.exit(_INTERRUPTED_EXIT_CODE)
+        sys.exit(ExitCode.INTERRUPTED)
 
 
 def _log_access(config: FrontendConfig) -> None:

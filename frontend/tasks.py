@@ -9,9 +9,9 @@ import os
 from collections.abc import Coroutine, Iterable
 from typing import Any
 
-log = logging.getLogger(__name__)
+from protocol.exit_codes import ExitCode
 
-_TASK_DIED_EXIT_CODE = 4
+log = logging.getLogger(__name__)
 
 
 def start_task(coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -42,4 +42,4 @@ def _exit_if_failed(task: asyncio.Task[None]) -> None:
         exc_info=task.exception(),
     )
     logging.shutdown()
-    os._exit(_TASK_DIED_EXIT_CODE)
+    os._exit(ExitCode.THREAD_DIED)

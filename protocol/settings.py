@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
 from typing import Any, NoReturn, TypeVar
 
+from protocol.exit_codes import ExitCode
 from protocol.lifeline import SUPERVISOR_PID_ENV
 
 log = logging.getLogger(__name__)
@@ -33,12 +34,6 @@ log = logging.getLogger(__name__)
 # The largest number any setting takes: counts, bytes and seconds all fit (68
 # years of seconds), and so does everything the wire carries of them.
 MAX_SETTING = 2**31 - 1
-
-
-# The exit code of a process that refuses its configuration (sysexits.h's
-# EX_CONFIG): its supervisor does not start it again, as the same settings fail
-# the same way.
-CONFIG_ERROR_EXIT_CODE = 78
 
 
 # Every variable any process reads (a test holds it to the config classes, and to
@@ -119,14 +114,14 @@ def exit_refusing(
     cls: type[Any] | None = None,
     argv: Sequence[str] | None = None,
 ) -> NoReturn:
-    """Ends ``process`` with ``error``'s message and CONFIG_ERROR_EXIT_CODE. Given
+    """Ends ``process`` with ``error``'s message and ExitCode.CONFIG_ERROR. Given
     the config class its ``argv`` was loaded into, the message names the flag
     that set each variable it names, as `load`'s own refusals do, for the checks
     of several settings made after it."""
     if cls is not None:
         error = naming_flags(error, flags_given(cls, argv))
     print(f"{process}: configuration error: {error}", file=sys.stderr)
-    sys.exit(CONFIG_ERROR_EXIT_CODE)
+    sys.exit(ExitCode.CONFIG_ERROR)
 
 
 def naming_flags(error: ConfigError, flags: Mapping[str, str]) -> ConfigError:

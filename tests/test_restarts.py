@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from protocol.settings import CONFIG_ERROR_EXIT_CODE
+from protocol.exit_codes import ExitCode
 from tests.sse import sse_events
 from tests.stack import Stack, free_port, running_stack
 from worker.engine.fake_engine import expected_text
@@ -292,7 +292,7 @@ def test_a_setting_the_worker_refuses_stops_the_stack_at_once_naming_it(tmp_path
             code = supervisor.wait(timeout=30)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"supervisor still retrying\n{stack.logs()}") from None
-        assert code == CONFIG_ERROR_EXIT_CODE  # passed on, for a restart policy to see
+        assert code == ExitCode.CONFIG_ERROR  # passed on, for a restart policy to see
         log = stack.log("supervisor")
         assert "worker: configuration error: MAX_BATCH_SIZE must be > 0" in log
         assert "giving up: worker refused its configuration (exit code 78)" in log
@@ -322,7 +322,7 @@ def test_a_port_another_program_holds_stops_the_stack_at_once_naming_it(
             code = stack.processes["supervisor"].wait(timeout=30)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"supervisor still retrying\n{stack.logs()}") from None
-        assert code == CONFIG_ERROR_EXIT_CODE  # passed on, for a restart policy to see
+        assert code == ExitCode.CONFIG_ERROR  # passed on, for a restart policy to see
         log = stack.log("supervisor")
         assert message.format(port=port) in log
         if process == "frontend":
@@ -344,7 +344,7 @@ def test_a_worker_started_alone_on_a_port_in_use_says_so_before_loading_its_mode
             code = stack.processes["worker"].wait(timeout=20)  # not the model's 60 s
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the worker is loading its model\n{stack.logs()}") from None
-        assert code == CONFIG_ERROR_EXIT_CODE
+        assert code == ExitCode.CONFIG_ERROR
         assert f"port {port} (WORKER_ENDPOINT=tcp://127.0.0.1:{port}) is taken" in stack.log(
             "worker"
         )

@@ -22,10 +22,11 @@ import pytest
 import zmq
 
 from protocol import GenerateRequest, Heartbeat, Hello, encode
-from protocol.settings import CONFIG_ERROR_EXIT_CODE, ConfigError, load
+from protocol.exit_codes import ExitCode
+from protocol.settings import ConfigError, load
 from tests.fake_clock import FakeClock
 from tests.stack import Stack, free_port, running_stack
-from worker.engine.fake_engine import CRASH_EXIT_CODE, expected_text
+from worker.engine.fake_engine import expected_text
 from worker.launch import child as child_module
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
@@ -634,9 +635,9 @@ def test_a_child_that_refuses_its_configuration_is_given_up_on_at_its_first_exit
 ) -> None:
     child = _worker(clock, crash_loop_limit=5)
     with pytest.raises(CrashLoop, match="worker refused its configuration") as caught:
-        _run_and_die(child, clock, code=CONFIG_ERROR_EXIT_CODE, others_serve=True)
+        _run_and_die(child, clock, code=ExitCode.CONFIG_ERROR, others_serve=True)
     assert child.num_restarts == 0
-    assert caught.value.exit_code == CONFIG_ERROR_EXIT_CODE  # the supervisor's own
+    assert caught.value.exit_code == ExitCode.CONFIG_ERROR  # the supervisor's own
 
 
 def test_a_worker_without_hello_by_the_start_deadline_is_replaced_then_given_up_on(
@@ -705,7 +706,7 @@ def test_workers_that_die_taking_their_first_request_after_hello_are_a_crash_loo
         assert _exit_code(stack) != 0
         log = stack.log("supervisor")
         assert "giving up: worker died before serving 2 times in a row" in log
-        assert f"(last: exit code {CRASH_EXIT_CODE})" in log
+        assert f"(last: exit code {ExitCode.FAKE_CRASH:d})" in log
 
 
 def test_one_workers_crash_loop_leaves_the_other_serving(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ import llguidance
 import numpy as np
 
 from protocol import GenerateRequest
+from protocol.exit_codes import ExitCode
 from protocol.settings import ConfigError, setting
 from worker.engine.grammar import Grammars
 from worker.engine.interface import ModelInfo
@@ -34,7 +35,6 @@ FAKE_MODEL_NAME = "fake"
 FAKE_CONTEXT_WINDOW = 1024
 FAKE_VOCAB_SIZE = 0x110000  # one token per Unicode code point
 FAKE_GRAMMAR_VOCAB_SIZE = 256  # the tokens a grammar may choose from
-CRASH_EXIT_CODE = 70
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class FakeEngine(SlotEngine):
             ):
                 log.critical("admitted %s, the crash prompt: exiting", seq.request_id)
                 logging.shutdown()
-                os._exit(CRASH_EXIT_CODE)
+                os._exit(ExitCode.FAKE_CRASH)
             if self.fail_admit_if is not None and self.fail_admit_if(seq.request):
                 raise InjectedFailure(f"admit failure injected for {seq.request_id}")
             if seq.wants_prompt_logprobs:

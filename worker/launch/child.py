@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import psutil
 
-from protocol.settings import CONFIG_ERROR_EXIT_CODE
+from protocol.exit_codes import ExitCode
 from worker.launch.config import SupervisorConfig
-from worker.launch.warm_start import FORK_SERVER, UNKNOWN_EXIT_CODE, ForkedWorker, is_stopped
+from worker.launch.warm_start import FORK_SERVER, ForkedWorker, is_stopped
 
 log = logging.getLogger("supervisor")
 
@@ -27,7 +27,7 @@ KILL_AFTER_S = 5.0
 # ^C), or with a status its fork server could not report. A crash is SIGSEGV,
 # SIGABRT, another exit code.
 _OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
-_STOPPED_EXIT_CODES = frozenset({0, 128 + signal.SIGINT, UNKNOWN_EXIT_CODE})
+_STOPPED_EXIT_CODES = frozenset({ExitCode.STOPPED, ExitCode.INTERRUPTED, ExitCode.UNKNOWN})
 
 
 class CrashLoop(Exception):
@@ -35,7 +35,7 @@ class CrashLoop(Exception):
     of its kind served, or refused its configuration once; ``exit_code`` is the
     supervisor's."""
 
-    def __init__(self, message: str, exit_code: int = 1) -> None:
+    def __init__(self, message: str, exit_code: int = ExitCode.GAVE_UP) -> None:
         super().__init__(message)
         self.exit_code = exit_code
 
@@ -166,12 +166,12 @@ class Child:
         configuration, or died before serving CRASH_LOOP_LIMIT times in a row while
         no other child of its kind serves (``others_serve``): with one that does,
         the stack still serves, and this one is retried with its backoff."""
-        if self.process is not None and self.process.poll() == CONFIG_ERROR_EXIT_CODE:
+        if self.process is not None and self.process.poll() == ExitCode.CONFIG_ERROR:
             raise CrashLoop(
                 f"{self.name} refused its configuration ({cause}), which would fail the "
                 "same way at every start; its log above names the setting. Fix it and "
                 "start again",
-                CONFIG_ERROR_EXIT_CODE,
+                ExitCode.CONFIG_ERROR,
             )
         is_failed_start = not self.has_served and not self._was_stopped_from_outside()
         self.process = None

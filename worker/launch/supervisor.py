@@ -14,7 +14,7 @@ A child that keeps dying before it ever serves (a start that never finishes, a
 request that kills every worker that runs it) is a crash loop: while another
 child of its kind serves, it is still retried (with its backoff); else the
 supervisor says so and exits instead of retrying forever. One that refuses its
-configuration (exit code CONFIG_ERROR_EXIT_CODE: a bad MODEL_ID, a mode the CPU
+configuration (exit code ExitCode.CONFIG_ERROR: a bad MODEL_ID, a mode the CPU
 cannot run, a port in use) ends it at once, with that exit code. Configuration
 comes from the environment, which both children inherit.
 """

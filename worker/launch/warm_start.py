@@ -30,6 +30,8 @@ from collections.abc import Mapping
 import psutil
 from setproctitle import setproctitle
 
+from protocol.exit_codes import ExitCode
+
 log = logging.getLogger("supervisor")
 
 _FORK_SERVER = multiprocessing.get_context("forkserver")
@@ -39,10 +41,6 @@ _FORK_SERVER.set_forkserver_preload(["worker.launch.preload"])
 # also the console script that starts one from scratch.
 WORKER_TITLE = "minibatch-worker"
 FORK_SERVER_TITLE = "minibatch-fork-server"
-
-# What multiprocessing reports for a child whose fork server went away, and what
-# is reported for a worker whose exit its fork server could not report.
-UNKNOWN_EXIT_CODE = 255
 
 # A fork server reports a worker's exit within milliseconds; one that has not
 # this long after the exit is stuck, stopped or not.
@@ -287,7 +285,7 @@ class ForkedWorker:
             return self._code
         reported = self._process.exitcode
         has_exited = self._has_exited()
-        if reported is not None and (reported != UNKNOWN_EXIT_CODE or has_exited):
+        if reported is not None and (reported != ExitCode.UNKNOWN or has_exited):
             self._set_code(reported)
         elif reported is not None and not self._is_orphan:
             self._is_orphan = True
@@ -296,7 +294,7 @@ class ForkedWorker:
                     "the fork server is gone; worker pid %d serves on, watched directly "
                     "(its exit status will be unknown, reported as %d)",
                     self.pid,
-                    UNKNOWN_EXIT_CODE,
+                    ExitCode.UNKNOWN,
                 )
             self._fork_server.on_lost()
         elif has_exited and reported is None:
@@ -319,9 +317,9 @@ class ForkedWorker:
         how = "it is stopped" if is_fork_server_stopped else f"for {_EXIT_REPORT_TIMEOUT_S:g} s"
         self._fork_server.replace(
             f"worker pid {self.pid} exited, and its fork server did not report how ({how}); "
-            f"its exit status is unknown, reported as {UNKNOWN_EXIT_CODE}"
+            f"its exit status is unknown, reported as {ExitCode.UNKNOWN}"
         )
-        self._set_code(UNKNOWN_EXIT_CODE)
+        self._set_code(ExitCode.UNKNOWN)
 
     def _set_code(self, code: int) -> None:
         self._code = code

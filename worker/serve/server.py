@@ -46,6 +46,7 @@ from protocol import (
     encode,
 )
 from protocol.curve import secure_server
+from protocol.exit_codes import ExitCode
 from protocol.request_checks import RequestLimits
 from protocol.settings import ConfigError
 from protocol.throttled import Throttled
@@ -62,8 +63,6 @@ log = logging.getLogger(__name__)
 # longest wait between two looks at its stop flag.
 _IDLE_POLL_S = 0.1
 _PREPARING_POLL_S = 0.002  # how often one that waits on a grammar's compile checks
-_CRASHED_EXIT_CODE = 4
-_BROKEN_EXIT_CODE = 5  # its engine failed _MAX_FAILURES_IN_A_ROW times: not a crash
 _MAX_FAILURES_IN_A_ROW = 3  # engine failures with no request finished between them
 _MAX_FRAMES_PER_TURN = 256
 _MAX_TURN_S = 0.05
@@ -413,7 +412,7 @@ def _exit_on_crash(body: Callable[[], None]) -> Callable[[], None]:
         except EngineBroken as broken:  # its own decision: said in one line
             log.critical("%s", broken)
             logging.shutdown()
-            os._exit(_BROKEN_EXIT_CODE)
+            os._exit(ExitCode.ENGINE_BROKEN)
         except BaseException:
             log.critical(
                 "thread %s failed; exiting so that a new worker replaces this one",
@@ -421,6 +420,6 @@ def _exit_on_crash(body: Callable[[], None]) -> Callable[[], None]:
                 exc_info=True,
             )
             logging.shutdown()
-            os._exit(_CRASHED_EXIT_CODE)
+            os._exit(ExitCode.THREAD_DIED)
 
     return run

@@ -6,11 +6,10 @@ import logging
 import os
 import time
 
+from protocol.exit_codes import ExitCode
 from worker.serve.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-_WEDGED_EXIT_CODE = 3
 
 
 class Watchdog:
@@ -37,4 +36,4 @@ class Watchdog:
                 self.timeout_s,
             )
             logging.shutdown()
-            os._exit(_WEDGED_EXIT_CODE)
+            os._exit(ExitCode.ENGINE_WEDGED)
