@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import msgpack
 import pytest
 import zmq
 
+from bench.stack import free_port
 from protocol import Heartbeat, Hello, Ping, decode_to_worker, encode
 from worker.launch.probe import ProbeFailed, local_endpoint, main, probe
 from worker.serve.config import WorkerConfig
@@ -73,12 +73,6 @@ def stand_in(request: pytest.FixtureRequest) -> Iterator[StandInWorker]:
     worker.close()
 
 
-def unused_tcp_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 @pytest.mark.parametrize("stand_in", [[encode(HELLO)]], indirect=True)
 def test_hello_from_worker_exits_0(
     stand_in: StandInWorker, capsys: pytest.CaptureFixture[str]
@@ -119,7 +113,7 @@ def test_worker_of_another_protocol_version_exits_1(
 
 
 def test_no_worker_exits_1_quickly() -> None:
-    endpoint = unused_tcp_endpoint()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # not the ephemeral range's: no self-connect
     started = time.monotonic()
     completed = subprocess.run(
         [sys.executable, "-m", "worker.launch.probe", "--endpoint", endpoint, "--timeout-s", "1"],
