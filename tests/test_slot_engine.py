@@ -75,6 +75,29 @@ def test_fake_engine_resumes_exactly_with_a_stop_string() -> None:
     assert (result.text, result.finish_reason) == (free_run[:start], "stop")
 
 
+@pytest.mark.parametrize("prompt_chars", [1, 7, 8, 9, 30])
+def test_the_fake_engine_in_chunks_answers_as_it_does_whole(prompt_chars: int) -> None:
+    """A worker runs the fake with PREFILL_CHUNK_TOKENS as it runs a real model:
+    chunks of 8 tokens give the same output, logprobs and prompt logprobs."""
+    prompt = ("abcdefghij" * 3)[:prompt_chars]
+    request = GenerateRequest("r", prompt, 12, logprobs=2, prompt_logprobs=2)
+    whole = run(FakeEngine(capacity=1), request).result
+    in_chunks_engine = FakeEngine(capacity=2, prefill_chunk_tokens=8)
+    in_chunks_engine.admit([GenerateRequest("decoding", "z", 40)])
+    in_chunks_engine.step()  # a prompt goes in beside a stream in chunks, else whole
+    in_chunks = run(in_chunks_engine, request).result
+    assert repr(in_chunks) == repr(whole)  # the first prompt token's logprob is NaN
+    assert whole.prompt_logprobs is not None
+    assert len(whole.prompt_logprobs.token_ids) == prompt_chars
+
+
+def test_the_fake_engine_in_chunks_resumes_exactly() -> None:
+    assert_every_resume_is_exact(
+        lambda: FakeEngine(capacity=1, prefill_chunk_tokens=4),
+        streaming(max_new_tokens=12, stop=["q"]),
+    )
+
+
 def test_a_resume_that_already_finished_is_answered_without_the_model() -> None:
     script = b"Hi\n\nmore"
     request = streaming(stop=["\n\n"], resume_token_ids=list(b"Hi\n\n"), resume_text_len=2)

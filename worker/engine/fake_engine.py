@@ -28,6 +28,7 @@ from protocol.settings import ConfigError, setting
 from worker.engine.grammar import Grammars
 from worker.engine.interface import ModelInfo
 from worker.engine.logprobs import UNSCORED, TokenLogprob
+from worker.engine.prefill_plan import Chunk
 from worker.engine.sequence import Sequence
 from worker.engine.slot_engine import SlotEngine
 
@@ -156,6 +157,7 @@ class FakeEngine(SlotEngine):
         fail_admit_if: Callable[[GenerateRequest], bool] | None = None,
         fail_step_if: Callable[[int], bool] | None = None,
         crash_prompt: str = "",
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         info = ModelInfo(
             FAKE_MODEL_NAME,
@@ -164,7 +166,13 @@ class FakeEngine(SlotEngine):
             vocab_size=FAKE_VOCAB_SIZE,
             max_token_chars=1,
         )
-        super().__init__(info, CharTokenizer(), capacity, grammars=Grammars(fake_grammar_tokenizer))
+        super().__init__(
+            info,
+            CharTokenizer(),
+            capacity,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            grammars=Grammars(fake_grammar_tokenizer),
+        )
         self.step_delay_s = step_delay_s
         self.fail_admit_if = fail_admit_if
         self.fail_step_if = fail_step_if
@@ -175,6 +183,10 @@ class FakeEngine(SlotEngine):
         self.num_resets = 0
 
     def _prefill(self, newcomers: list[Sequence]) -> list[int]:
+        self._start_prefill(newcomers)
+        return self._prefill_chunks([(seq, 0, len(seq.context_token_ids)) for seq in newcomers])
+
+    def _start_prefill(self, newcomers: list[Sequence]) -> None:
         for seq in newcomers:
             # Decoded from the ids, so that a replay sent as token ids crashes too.
             if self.crash_prompt and self.crash_prompt in self.tokenizer.decode(
@@ -185,11 +197,25 @@ class FakeEngine(SlotEngine):
                 os._exit(ExitCode.FAKE_CRASH)
             if self.fail_admit_if is not None and self.fail_admit_if(seq.request):
                 raise InjectedFailure(f"admit failure injected for {seq.request_id}")
+
+    def _prefill_chunks(self, chunks: list[Chunk]) -> list[int]:
+        for seq, start, end in chunks:
             if seq.wants_prompt_logprobs:
-                num_top = seq.request.prompt_logprobs or 0
-                scores = [fake_logprob(t, num_top) for t in seq.prompt_token_ids[1:]]
-                seq.score_prompt_tokens(0, [UNSCORED, *scores], is_last=True)
-        return self._next_tokens(newcomers)
+                self._score_chunk(seq, start, min(end, len(seq.prompt_token_ids)))
+        ending = [seq for seq, _, end in chunks if end == len(seq.context_token_ids)]
+        return self._next_tokens(ending)
+
+    @staticmethod
+    def _score_chunk(seq: Sequence, start: int, end: int) -> None:
+        """As `TorchEngine._score_chunk`: positions [start, end) score the prompt
+        tokens after them; the first token has no score."""
+        if start >= end:
+            return
+        num_top = seq.request.prompt_logprobs or 0
+        scores = [UNSCORED] if start == 0 else []
+        scores += [fake_logprob(t, num_top) for t in seq.prompt_token_ids[start + 1 : end + 1]]
+        is_last = end == len(seq.prompt_token_ids)
+        seq.score_prompt_tokens(0 if start == 0 else start + 1, scores, is_last)
 
     def _decode(self, active: list[Sequence]) -> list[int]:
         self.num_decode_steps += 1

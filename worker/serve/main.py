@@ -29,6 +29,8 @@ def build_engine(config: WorkerConfig) -> InferenceEngine:
             config.max_batch_size,
             step_delay_s=fake.fake_step_delay_s,
             crash_prompt=fake.fake_crash_prompt,
+            # In chunks, as a real model's prompts go in by default; it has no prefix cache.
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
         )
     from worker.engine.load import load_engine  # torch loads only for a real model
 
