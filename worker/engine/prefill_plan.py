@@ -4,11 +4,19 @@ are computed in."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from worker.engine.prefix_cache import PrefixCache
 from worker.engine.sequence import Sequence
 
-# A sequence and the context positions [start, end) to run into its slot.
-Chunk = tuple[Sequence, int, int]
+
+class Chunk(NamedTuple):
+    """A sequence and the context positions [start, end) to run into its slot."""
+
+    seq: Sequence
+    start: int
+    end: int
+
 
 # Context tokens one pass over the model takes at most, when a step prefills more
 # (whole prompts, or chunks while no stream waits): a step's prefill runs in such
@@ -87,7 +95,7 @@ def plan_chunks(
             end = end // block * block
         if end <= done:
             continue
-        chunks.append((seq, done, end))
+        chunks.append(Chunk(seq, done, end))
         budget -= round((end - done) * cost)
         if seq.wants_prompt_logprobs:
             scored_left -= end - done

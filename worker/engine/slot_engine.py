@@ -336,7 +336,7 @@ class SlotEngine(InferenceEngine):
             scored_token_cost=self.scored_token_cost,
         )
         decoded = False
-        for k, group in enumerate(_passes(chunks, lambda chunk: chunk[2] - chunk[1])):
+        for k, group in enumerate(_passes(chunks, lambda chunk: chunk.end - chunk.start)):
             if k:
                 self._num_extra_prefill_passes += 1
             if decoding and not decoded and self._run_beside_decode(group, decoding):
@@ -378,7 +378,7 @@ class SlotEngine(InferenceEngine):
                 for chunk in chunks:
                     self._run_chunks([chunk], output)
                 return
-            seq = chunks[0][0]
+            seq = chunks[0].seq
             log.exception("prefill failed for request %s", seq.request_id)
             output.failed.append((seq.request_id, exc))
             self._free(seq)

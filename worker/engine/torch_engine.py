@@ -17,6 +17,7 @@ from worker.engine.chat_template import ChatTemplate
 from worker.engine.grammar import Grammars, hf_grammar_tokenizer
 from worker.engine.interface import ModelInfo
 from worker.engine.logprobs import UNSCORED, TokenLogprob
+from worker.engine.prefill_plan import Chunk
 from worker.engine.prefix_cache import Match
 from worker.engine.sequence import Sequence
 from worker.engine.slot_engine import SlotEngine
@@ -111,19 +112,23 @@ class TorchEngine(SlotEngine):
 
     def _prefill(self, newcomers: list[Sequence]) -> list[int]:
         self._start_prefill(newcomers)
-        return self._prefill_chunks([(seq, 0, len(seq.context_token_ids)) for seq in newcomers])
+        return self._prefill_chunks(
+            [Chunk(seq, 0, len(seq.context_token_ids)) for seq in newcomers]
+        )
 
     def _start_prefill(self, newcomers: list[Sequence]) -> None:
         for seq in newcomers:
             self._seeds[seq.slot] = self.sampler.seed_for(seq.request)
 
     @torch.inference_mode()
-    def _prefill_chunks(self, chunks: list[tuple[Sequence, int, int]]) -> list[int]:
+    def _prefill_chunks(self, chunks: list[Chunk]) -> list[int]:
         # Only prompts are prefilled. Output that a resumed sequence already
         # streamed was decoded, a token a step, when it was drawn: it goes back in
         # the same way (`GPT2.replay`), so that what it draws next is bit for bit
         # what the uninterrupted run drew.
-        prompts = [(seq, start, min(end, len(seq.prompt_token_ids))) for seq, start, end in chunks]
+        prompts = [
+            Chunk(seq, start, min(end, len(seq.prompt_token_ids))) for seq, start, end in chunks
+        ]
         in_prompt = [i for i, (_, start, end) in enumerate(prompts) if start < end]
         last: dict[int, torch.Tensor] = {}  # (V,) logits after chunk i
         if in_prompt:
@@ -140,7 +145,7 @@ class TorchEngine(SlotEngine):
 
     @torch.inference_mode()
     def _prefill_beside_decode(
-        self, chunks: list[tuple[Sequence, int, int]], decoding: list[Sequence]
+        self, chunks: list[Chunk], decoding: list[Sequence]
     ) -> tuple[list[int], list[int]] | None:
         # On the CPU only, where a row's products are the same whatever rows share
         # the call (`Projection`), and only where decode steps are not captured
@@ -164,21 +169,17 @@ class TorchEngine(SlotEngine):
         seeds = [self._seeds[seq.slot] for seq in decoding]
         return first_tokens, self._choose(logits[len(chunks) :], decoding, seeds)
 
-    def _first_tokens(
-        self, chunks: list[tuple[Sequence, int, int]], last: dict[int, torch.Tensor]
-    ) -> list[int]:
+    def _first_tokens(self, chunks: list[Chunk], last: dict[int, torch.Tensor]) -> list[int]:
         """The next token of each sequence whose chunk ends its context, from
         ``last[i]``, the (V,) logits after chunk i."""
         ending = [i for i, (seq, _, end) in enumerate(chunks) if end == len(seq.context_token_ids)]
         if not ending:
             return []
-        finishing = [chunks[i][0] for i in ending]
+        finishing = [chunks[i].seq for i in ending]
         logits = torch.stack([last[i] for i in ending])
         return self._choose(logits, finishing, [self._seeds[seq.slot] for seq in finishing])
 
-    def _keep_prompt_logits(
-        self, chunks: list[tuple[tuple[Sequence, int, int], torch.Tensor]]
-    ) -> None:
+    def _keep_prompt_logits(self, chunks: list[tuple[Chunk, torch.Tensor]]) -> None:
         """Keep the logits after each prompt these chunks complete (see `SlotEngine`)."""
         for (seq, _, end), logits in chunks:
             if end == len(seq.prompt_token_ids) and not seq.scores_prompt:
@@ -200,7 +201,7 @@ class TorchEngine(SlotEngine):
         return self._choose(logits, [seq], [self._seeds[seq.slot]])[0]
 
     def _prefill_prompts(
-        self, chunks: list[tuple[Sequence, int, int]], beside: DecodeRows | None = None
+        self, chunks: list[Chunk], beside: DecodeRows | None = None
     ) -> torch.Tensor:
         """Prefill prompt positions [start, end) of each sequence (scoring the prompts
         asked for), and decode ``beside`` in the same pass; returns the (B, V)
