@@ -367,12 +367,11 @@ def _refuse_unknown_flags(
     if not unknown:
         return
     given = unknown[0].split("=", 1)[0]
-    flags = [flag_of(f) for f in dataclasses.fields(cls)]
-    meant = difflib.get_close_matches(given, flags, n=1, cutoff=0.7)
+    meant = difflib.get_close_matches(given, own_flags(cls), n=1, cutoff=0.7)
     if meant:
         parser.error(f"unrecognized argument {given}: did you mean {meant[0]}?")
-    env = given.lstrip("-").upper().replace("-", "_")
-    if env in ALL_VARIABLES and env != SUPERVISOR_PID_ENV:
+    env = variable_of_flag(given)
+    if env is not None:
         # Another process's (--max-batch-size to a frontend), or one without a flag.
         parser.error(
             f"unrecognized argument {given}: {parser.prog} has no such flag, but {env} "
@@ -384,6 +383,18 @@ def _refuse_unknown_flags(
         "lists its own; each process takes only the settings it reads "
         "(docs/operations.md's table says which)"
     )
+
+
+def own_flags(cls: type[Any]) -> list[str]:
+    """``cls``'s flags: ``--max-batch-size`` for MAX_BATCH_SIZE, and so on."""
+    return [flag_of(f) for f in dataclasses.fields(cls)]
+
+
+def variable_of_flag(flag: str) -> str | None:
+    """The variable a flag spelt after it names (``--api-key``: API_KEY), if any
+    process reads it: it may be another process's, or have no flag."""
+    env = flag.lstrip("-").upper().replace("-", "_")
+    return env if env in ALL_VARIABLES and env != SUPERVISOR_PID_ENV else None
 
 
 def flag_settings(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str, str]:

@@ -104,9 +104,12 @@ def test_flag_settings_are_the_variables_the_flags_set() -> None:
         (["--max-batch", "16"], r"--max-batch is a worker's flag.*set MAX_BATCH_SIZE"),
         (["--", "--max-batch-size", "16"], r"--max-batch-size is a worker's flag"),
         # Not a flag the worker takes either.
-        (["--max_batch_size", "16"], r"--max_batch_size is not a flag of minibatch-serve"),
+        (["--max_batch_size", "16"], r"--max_batch_size is no flag of .*: set MAX_BATCH_SIZE"),
         (["--worker-endpoints", "tcp://127.0.0.1:5556"], "WORKER_ENDPOINTS is for a frontend"),
-        (["--api-key", "k"], r"--api-key is not a flag of minibatch-serve \(--help lists them\)"),
+        # A frontend's: the variable is named as for a worker's.
+        (["--api-key", "k"], r"--api-key is no flag of minibatch-serve: set API_KEY in its env"),
+        (["--prot", "8080"], r"--prot is not a flag of minibatch-serve: did you mean --port\?"),
+        (["--colour", "1"], r"--colour is not a flag of minibatch-serve \(--help lists them\)"),
     ],
 )
 def test_minibatch_serve_refuses_another_processs_flag_saying_where_it_goes(

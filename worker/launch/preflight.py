@@ -4,13 +4,21 @@ make unworkable. Each refusal says what to set instead."""
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import socket
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 from protocol.lifeline import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
-from protocol.settings import ConfigError, load, setting_of_flag, unknown_flags
+from protocol.settings import (
+    ConfigError,
+    load,
+    own_flags,
+    setting_of_flag,
+    unknown_flags,
+    variable_of_flag,
+)
 from worker.launch.child import KILL_AFTER_S
 from worker.launch.config import SupervisorConfig
 from worker.serve.config import WorkerConfig, is_listened_on, tcp_bind_address
@@ -149,20 +157,30 @@ def check_no_worker_endpoints(config: SupervisorConfig) -> None:
 
 def check_own_flags(argv: Sequence[str]) -> None:
     """Refuse a flag that is not minibatch-serve's (`--max-batch-size 16`, a
-    worker's), saying where that setting goes instead: argparse's bare
-    "unrecognized arguments" left the user guessing."""
+    worker's; `--api-key`, a frontend's), saying where that setting goes instead,
+    or naming the flag it likely meant (`--prot`): argparse's bare "unrecognized
+    arguments" left the user guessing."""
     for flag in unknown_flags(SupervisorConfig, argv):
+        given = flag.split("=", 1)[0]
         if setting_of_flag(SupervisorConfig, flag) == "WORKER_ENDPOINTS":
             raise ConfigError(NO_WORKER_ENDPOINTS)
-        env = setting_of_flag(WorkerConfig, flag)
+        worker_env = setting_of_flag(WorkerConfig, flag)
+        env = worker_env or variable_of_flag(given)
         if env is not None:
-            raise ConfigError(
-                f"{flag.split('=', 1)[0]} is a worker's flag, not minibatch-serve's: set "
-                f"{env} in its environment instead (`{env}=... minibatch-serve`), which "
-                "the workers it starts inherit"
+            whose = (
+                "a worker's flag, not minibatch-serve's"
+                if worker_env
+                else "no flag of minibatch-serve"
             )
+            raise ConfigError(
+                f"{given} is {whose}: set {env} in its environment instead "
+                f"(`{env}=... minibatch-serve`), which the processes it starts inherit"
+            )
+        meant = difflib.get_close_matches(given, own_flags(SupervisorConfig), n=1, cutoff=0.7)
+        if meant:
+            raise ConfigError(f"{given} is not a flag of minibatch-serve: did you mean {meant[0]}?")
         raise ConfigError(
-            f"{flag.split('=', 1)[0]} is not a flag of minibatch-serve (--help lists them); "
+            f"{given} is not a flag of minibatch-serve (--help lists them); "
             "the workers and frontends it starts read their own settings from its "
             "environment (`minibatch-frontend --help` names the variable of each of its flags)"
         )
