@@ -161,6 +161,7 @@ def test_a_build_stopped_by_a_signal_to_its_job_stops_at_once_and_keeps_nothing(
         build.kill()
     assert build.returncode == 128 + stop_signal, output
     assert b"build was interrupted" in output and b"Traceback" not in output
+    assert output.startswith(b"building the decode kernels for ")  # said before it compiled
     assert not list(tmp_path.glob("*/*"))  # no library, no scratch directory
 
 

@@ -328,6 +328,8 @@ def main() -> None:
     started = time.monotonic()
     isas = buildable_isas()
     were_built = all(library_path(isa).exists() for isa in isas)
+    if not were_built:  # else the only output is the last line, a minute or two later
+        logger.info("building the decode kernels for %s, once (a minute or two)", ", ".join(isas))
     for stop_signal in (signal.SIGTERM, signal.SIGHUP):  # cleaned up after as after a ^C
         signal.signal(stop_signal, _interrupt)
     try:
