@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_can_listen(config.host, config.port)
     except ConfigError as exc:
         exit_refusing("frontend", exc, FrontendConfig, argv)
-    _log_access(config)
+    log_access(config)
     app = create_app(config)
     server_config = uvicorn.Config(
         app,
@@ -75,14 +75,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(ExitCode.INTERRUPTED)
 
 
-def _log_access(config: FrontendConfig) -> None:
-    """Who may use the API, said once at start: an operator sees whether API_KEY
-    took effect without sending a request."""
+def log_access(config: FrontendConfig) -> None:
+    """Who may use the API, and whether workers are reached with CURVE, said once
+    at start: an operator sees whether API_KEY and the CURVE keys took effect
+    without sending a request."""
     if config.api_key:
         open_paths = ", ".join(sorted(OPEN_PATHS))
         log.info("API_KEY is set: every path but %s needs 'Authorization: Bearer'", open_paths)
+    elif config.host in ("0.0.0.0", "::"):  # a container's too: compose publishes its own
+        log.info(
+            "no API_KEY: anyone who reaches port %d on any address here (HOST=%s) may use the API",
+            config.port,
+            config.host,
+        )
     else:
         log.info("no API_KEY: anyone who reaches %s:%d may use the API", config.host, config.port)
+    if config.curve is not None:
+        log.info("CURVE is on: workers are reached with the key in CURVE_CLIENT_SECRET_KEY")
 
 
 _LISTEN_HINTS = {

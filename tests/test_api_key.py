@@ -3,12 +3,16 @@ token, from raw HTTP and from the `openai` client alike."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
+from frontend.config import FrontendConfig
+from frontend.main import log_access
+from protocol.settings import load
 from tests.stack import Stack, running_stack
 from worker.engine.fake_engine import expected_text
 
@@ -38,6 +42,24 @@ def test_the_frontend_says_at_start_that_the_api_needs_the_key(stack: Stack) -> 
     log = stack.log("frontend")
     assert "API_KEY is set: every path but /health, /metrics, /ready needs" in log
     assert KEY not in log
+
+
+@pytest.mark.parametrize(
+    ("host", "said"),
+    [
+        ("127.0.0.1", "no API_KEY: anyone who reaches 127.0.0.1:18000 may use the API"),
+        # Not "0.0.0.0:18000", an address no client uses.
+        ("0.0.0.0", "no API_KEY: anyone who reaches port 18000 on any address here (HOST=0.0.0.0)"),
+    ],
+)
+def test_without_a_key_the_frontend_says_who_may_use_the_api(
+    host: str, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = load(FrontendConfig, [], {"HOST": host, "PORT": "18000"})
+    with caplog.at_level(logging.INFO):
+        log_access(config)
+    assert said in caplog.text
+    assert "CURVE" not in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,10 @@ def test_with_the_right_keys_the_frontend_supervisor_and_probe_reach_the_worker(
         assert hello.instance_id == live["instance_id"]
         time.sleep(max(0.0, started + 4 - time.monotonic()))
         assert stack.wait_live()["instance_id"] == live["instance_id"]
-        assert "killing worker" not in stack.log("supervisor")
+        log = stack.log("supervisor")
+        assert "killing worker" not in log
+        assert "(capacity 8; CURVE on; client keys allowed: 1)" in log
+        assert "CURVE is on: workers are reached with the key in CURVE_CLIENT_SECRET_KEY" in log
 
 
 def test_the_benchmarks_zmq_clients_take_the_environments_keys(

@@ -677,7 +677,9 @@ def test_the_supervisors_flags_reach_the_processes_it_starts(tmp_path: Path) -> 
         command = [sys.executable, "-m", "worker.launch.supervisor", "--worker-endpoint", endpoint]
         stack.start_command("supervisor", command, stack.env)
         stack.wait_live()
-        assert f"serving fake on {endpoint}" in stack.log("supervisor")
+        assert f"serving fake on {endpoint} (capacity 8; no CURVE: any process" in stack.log(
+            "supervisor"
+        )
 
 
 def _send_poison(endpoint: str, request_id: str) -> None:

@@ -148,12 +148,16 @@ class WorkerServer:
                     [route.encode(), _FINAL if final else _PARTIAL, encode(reply)]
                 )
 
+        curve = self.config.curve
         log.info(
-            "worker %s serving %s on %s (capacity %d)",
+            "worker %s serving %s on %s (capacity %d; %s)",
             self.instance_id[:8],
             self.hello.model,
             self.config.listen_endpoint,
             self.hello.capacity,
+            f"CURVE on; client keys allowed: {len(curve.client_public_keys)}"
+            if curve
+            else "no CURVE: any process that reaches it may send requests",
         )
         try:
             while not self._stopping.is_set():
