@@ -1,9 +1,9 @@
-"""docs/operations.md's table of every setting, written from the config classes
-that read them (their defaults and help), so that the table cannot drift:
-tests/test_settings_table.py fails when it has.
+"""docs/operations.md's table of every setting, and README.md's of the main ones,
+written from the config classes that read them (their defaults and help), so
+that neither can drift: tests/test_settings_table.py fails when one has.
 
-    python -m tests.settings_table           # print the table
-    python -m tests.settings_table --write   # put it in docs/operations.md
+    python -m tests.settings_table           # print the whole table
+    python -m tests.settings_table --write   # put both tables in their files
 """
 
 from __future__ import annotations
@@ -19,9 +19,26 @@ from worker.engine.fake_engine import FakeEngineConfig
 from worker.launch.config import SupervisorConfig
 from worker.serve.config import WorkerConfig
 
-OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
+REPO = Path(__file__).resolve().parent.parent
+OPERATIONS = REPO / "docs" / "operations.md"
+README = REPO / "README.md"
 BEGIN = "<!-- settings table: python -m tests.settings_table --write -->"
 END = "<!-- end of settings table -->"
+# The settings README.md shows, in this order: a first deployment's.
+MAIN_SETTINGS = (
+    "MODEL_ID",
+    "MAX_BATCH_SIZE",
+    "DTYPE",
+    "WEIGHTS",
+    "HOST",
+    "PORT",
+    "WORKER_ENDPOINT",
+    "NUM_WORKERS",
+    "TORCH_THREADS",
+    "MAX_NEW_TOKENS_LIMIT",
+    "REQUEST_TIMEOUT_S",
+    "API_KEY",
+)
 
 # Each config class and the process that reads it. The worker-client settings
 # (FrontendConfig and SupervisorConfig inherit them) are read by whatever talks
@@ -66,27 +83,33 @@ def rows() -> dict[str, tuple[list[str], str, str]]:
     return table
 
 
-def markdown() -> str:
+def markdown(only: tuple[str, ...] | None = None) -> str:
+    """The table of every setting, or of ``only`` these, in their order."""
+    table = rows()
     lines = ["| variable | read by | default | meaning |", "|---|---|---|---|"]
-    for env, (readers, default, help_text) in rows().items():
+    for env in only or table:
+        readers, default, help_text = table[env]
         lines.append(f"| `{env}` | {', '.join(readers)} | {default} | {help_text} |")
     return "\n".join([BEGIN, *lines, END])
 
 
-def documented() -> str:
-    """The table as docs/operations.md has it now."""
-    text = OPERATIONS.read_text()
+def documented(path: Path = OPERATIONS) -> str:
+    """The table as ``path`` has it now."""
+    text = path.read_text()
     return text[text.index(BEGIN) : text.index(END) + len(END)]
 
 
 def write() -> None:
-    text = OPERATIONS.read_text()
-    OPERATIONS.write_text(text.replace(documented(), markdown()))
+    for path, only in ((OPERATIONS, None), (README, MAIN_SETTINGS)):
+        text = path.read_text()
+        path.write_text(text.replace(documented(path), markdown(only)))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="update docs/operations.md")
+    parser.add_argument(
+        "--write", action="store_true", help="update docs/operations.md and README.md"
+    )
     if parser.parse_args().write:
         write()
     else:

@@ -1,4 +1,5 @@
-"""docs/operations.md lists every setting with the default the code gives it."""
+"""docs/operations.md lists every setting, and README.md the main ones, with the
+default the code gives each."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from protocol.client_config import WorkerClientConfig
 from protocol.lifeline import SUPERVISOR_PID_ENV
 from protocol.settings import ALL_VARIABLES
-from tests.settings_table import READERS, documented, markdown, rows
+from tests.settings_table import MAIN_SETTINGS, READERS, README, documented, markdown, rows
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -17,6 +18,13 @@ REPO = Path(__file__).resolve().parent.parent
 def test_the_operations_settings_table_is_the_codes() -> None:
     assert documented() == markdown(), (
         "docs/operations.md's settings table differs from the config classes: "
+        "run python -m tests.settings_table --write"
+    )
+
+
+def test_the_readmes_table_of_the_main_settings_is_the_codes() -> None:
+    assert documented(README) == markdown(MAIN_SETTINGS), (
+        "README.md's settings table differs from the config classes: "
         "run python -m tests.settings_table --write"
     )
 
