@@ -14,7 +14,7 @@ from collections.abc import Sequence as Seq
 import torch
 from transformers import GPT2LMHeadModel
 
-from protocol import GenerateRequest
+from protocol import FinishReason, GenerateRequest
 from worker.engine.interface import FinishedSequence
 from worker.engine.sequence import Sequence, Tokenizer
 
@@ -76,6 +76,6 @@ class StaticBatchRunner:
             request_id=request.request_id,
             token_ids=seq.output_token_ids,
             text=seq.final_text(),
-            finish_reason=seq.finish_reason or "length",
+            finish_reason=seq.finish_reason or FinishReason.LENGTH,
             num_prompt_tokens=len(prompt),
         )

@@ -21,6 +21,7 @@ import zmq.asyncio
 from bench.report import RequestRecord
 from protocol import (
     ErrorResult,
+    FinishReason,
     GenerateRequest,
     GenerateResult,
     Hello,
@@ -126,7 +127,7 @@ class ZmqTarget:
             if isinstance(message, GenerateResult):
                 record.num_tokens = message.completion_tokens
                 record.server_s = (message.queue_wait_ms + message.generate_ms) / 1000
-                if message.finish_reason not in ("stop", "length"):
+                if message.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
                     record.status = message.finish_reason
             else:
                 record.status = message.code

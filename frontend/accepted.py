@@ -25,7 +25,7 @@ from frontend.inflight import Event, InFlight
 from frontend.inflight_table import Overloaded
 from frontend.metrics import Metrics
 from frontend.worker_client import WorkerClient
-from protocol import ErrorResult, GenerateRequest, GenerateResult, TokenDelta
+from protocol import ErrorResult, FinishReason, GenerateRequest, GenerateResult, TokenDelta
 from protocol.throttled import Throttled
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class Accepted:
             self.metrics.observe_results(self.endpoint, self.finished_results(), e2e_s)
 
     def on_client_gone(self) -> None:
-        self.metrics.count_request(self.endpoint, CLIENT_CLOSED_REQUEST, "abort")
+        self.metrics.count_request(self.endpoint, CLIENT_CLOSED_REQUEST, FinishReason.ABORT)
 
 
 def accept(

@@ -15,7 +15,7 @@ from protocol.wire import shorten
 RETRY_AFTER_S = 1
 MAX_WORKER_MESSAGE_CHARS = 1024  # of a worker's error message, passed on to the client
 
-_STATUS_BY_CODE = {
+_STATUS_BY_CODE: dict[str, int] = {  # by the code as it comes off the wire
     ErrorCode.INVALID_REQUEST: 422,
     ErrorCode.CONTEXT_OVERFLOW: 422,
     ErrorCode.UNSUPPORTED: 400,
@@ -34,7 +34,7 @@ _PARAM_BY_WORKER_FIELD = {
     "chat_contents": "messages",
     "logit_bias_token_ids": "logit_bias",
     "logit_bias_values": "logit_bias",
-    **{GrammarKind.field(kind): GrammarKind.field(kind) for kind in GrammarKind.ALL},
+    **{GrammarKind.field(kind): GrammarKind.field(kind) for kind in GrammarKind},
 }
 # Fields the frontend fills in, never a client: a refusal of one names no param.
 _FRONTEND_FIELDS = frozenset(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from protocol import (
     Admitted,
     ErrorResult,
+    FinishReason,
     GenerateRequest,
     GenerateResult,
     Hello,
@@ -141,7 +142,7 @@ class InFlight:
         problem = self._growth_problem(
             message.completion_tokens, len(message.text), message.prompt_tokens, len(scored), hello
         )
-        if problem is not None or message.finish_reason == "abort":
+        if problem is not None or message.finish_reason == FinishReason.ABORT:
             return problem  # an abort's result, from its queue, carries no tokens
         if message.token_ids[: len(self.streamed_token_ids)] != self.streamed_token_ids:
             return "a result whose tokens are not the ones it streamed"

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import ClassVar
 
 PROTOCOL_VERSION = 8
 
 
-class ErrorCode:
+class ErrorCode(StrEnum):
     """Why the worker refused or failed a request; the frontend maps each to HTTP."""
 
     INVALID_REQUEST = "invalid_request"  # 422: the request can never be served as sent
@@ -35,18 +36,8 @@ class ErrorCode:
     # requests with it, a 503.
     SHUTTING_DOWN = "shutting_down"
 
-    ALL: ClassVar[tuple[str, ...]] = (
-        INVALID_REQUEST,
-        CONTEXT_OVERFLOW,
-        UNSUPPORTED,
-        QUEUE_FULL,
-        INTERNAL,
-        WORKERS_DIED,
-        SHUTTING_DOWN,
-    )
 
-
-class GrammarKind:
+class GrammarKind(StrEnum):
     """Where a request's grammar came from: OpenAI's ``response_format`` or vLLM's
     ``structured_outputs``. The worker names that request field in its errors."""
 
@@ -57,8 +48,6 @@ class GrammarKind:
     CHOICE = "choice"  # structured_outputs.choice
     GRAMMAR = "grammar"  # structured_outputs.grammar: Lark or GBNF
 
-    ALL: ClassVar[tuple[str, ...]] = (JSON_SCHEMA, JSON_OBJECT, JSON, REGEX, CHOICE, GRAMMAR)
-
     @staticmethod
     def field(kind: str) -> str:
         """The request field a grammar of ``kind`` came from, by its whole path as
@@ -66,7 +55,7 @@ class GrammarKind:
         return _GRAMMAR_FIELDS.get(kind, "structured_outputs")
 
 
-_GRAMMAR_FIELDS = {
+_GRAMMAR_FIELDS: dict[str, str] = {
     GrammarKind.JSON_SCHEMA: "response_format.json_schema.schema",
     GrammarKind.JSON_OBJECT: "response_format",
     GrammarKind.JSON: "structured_outputs.json",
@@ -328,7 +317,7 @@ class GenerateResult:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str  # one of FINISH_REASONS
+    finish_reason: str  # a FinishReason
     prompt_tokens: int
     completion_tokens: int
     queue_wait_ms: float
@@ -348,7 +337,8 @@ class GenerateResult:
         # sums, wrong for good: a NaN in a histogram's sum stays there.
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(
-                f"unknown finish_reason {self.finish_reason[:40]!r}; they are {FINISH_REASONS}"
+                f"unknown finish_reason {self.finish_reason[:40]!r}; "
+                f"they are {', '.join(FINISH_REASONS)}"
             )
         if self.completion_tokens != len(self.token_ids):
             raise ValueError(
@@ -376,9 +366,19 @@ class GenerateResult:
             )
 
 
-# Why a sequence ended: a stop (the end token, a stop token or string, the
-# grammar's end), its max_new_tokens (or the context window), or an abort.
-FINISH_REASONS = ("stop", "length", "abort")
+class FinishReason(StrEnum):
+    """Why a sequence ended, in OpenAI's words."""
+
+    STOP = "stop"  # the end token, a stop token or string, the grammar's end
+    LENGTH = "length"  # its max_new_tokens, or the context window
+    ABORT = "abort"  # aborted: its client went away, or its deadline passed
+
+
+# Each enum's values as plain strings, for `in`: Python 3.11's enums raise a
+# TypeError for a string that is no member.
+FINISH_REASONS = tuple(reason.value for reason in FinishReason)
+ERROR_CODES = tuple(code.value for code in ErrorCode)
+GRAMMAR_KINDS = tuple(kind.value for kind in GrammarKind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,12 +388,14 @@ class ErrorResult:
 
     TYPE: ClassVar[str] = "error"
     request_id: str
-    code: str  # one of ErrorCode.ALL
+    code: str  # an ErrorCode
     message: str
 
     def __post_init__(self) -> None:
-        if self.code not in ErrorCode.ALL:
-            raise ValueError(f"unknown code {self.code[:40]!r}; the codes are {ErrorCode.ALL}")
+        if self.code not in ERROR_CODES:
+            raise ValueError(
+                f"unknown code {self.code[:40]!r}; the codes are {', '.join(ERROR_CODES)}"
+            )
 
 
 ToWorker = GenerateRequest | AbortRequest | Ping

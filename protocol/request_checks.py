@@ -35,7 +35,14 @@ from protocol.limits import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
 )
-from protocol.messages import AbortRequest, ErrorCode, GenerateRequest, GrammarKind, Hello
+from protocol.messages import (
+    GRAMMAR_KINDS,
+    AbortRequest,
+    ErrorCode,
+    GenerateRequest,
+    GrammarKind,
+    Hello,
+)
 from protocol.wire import MAX_REQUEST_ID_CHARS
 
 
@@ -273,9 +280,9 @@ def _grammar_problem(request: GenerateRequest) -> tuple[str, str] | None:
     kind, grammar = request.grammar_kind, request.grammar
     if not kind and not grammar:
         return None
-    if kind not in GrammarKind.ALL:
+    if kind not in GRAMMAR_KINDS:
         return invalid, (
-            f"grammar_kind: must be one of {', '.join(GrammarKind.ALL)}, "
+            f"grammar_kind: must be one of {', '.join(GRAMMAR_KINDS)}, "
             f"got {kind[:40]!r}{'...' if len(kind) > 40 else ''}"
         )
     field = GrammarKind.field(kind)

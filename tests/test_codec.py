@@ -15,7 +15,6 @@ from protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
     Admitted,
-    ErrorCode,
     ErrorResult,
     GenerateRequest,
     GenerateResult,
@@ -32,7 +31,7 @@ from protocol import (
     encode,
 )
 from protocol.checks import Schema
-from protocol.messages import FINISH_REASONS, TO_FRONTEND, TO_WORKER
+from protocol.messages import ERROR_CODES, FINISH_REASONS, TO_FRONTEND, TO_WORKER
 
 texts = st.text(max_size=40)
 ids = st.lists(st.integers(min_value=0, max_value=2**31), max_size=20)
@@ -150,7 +149,7 @@ to_frontend = st.one_of(
         TokenDelta, request_id=texts, token_ids=ids, text=texts, logprobs=st.none() | logprobs()
     ),
     results(),
-    st.builds(ErrorResult, request_id=texts, code=st.sampled_from(ErrorCode.ALL), message=texts),
+    st.builds(ErrorResult, request_id=texts, code=st.sampled_from(ERROR_CODES), message=texts),
     st.builds(Waiting, request_id=texts),
     st.builds(Admitted, request_id=texts),
 )

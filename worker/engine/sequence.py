@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Protocol
 
-from protocol import GenerateRequest
+from protocol import FinishReason, GenerateRequest
 from worker.engine.logprobs import TokenLogprob
 
 if TYPE_CHECKING:
@@ -58,7 +58,9 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.slot = slot
         self.num_cached_tokens = 0  # prompt rows taken from the prefix cache, not computed
-        self.finish_reason: str | None = "length" if request.max_new_tokens == 0 else None
+        self.finish_reason: str | None = (
+            FinishReason.LENGTH if request.max_new_tokens == 0 else None
+        )
         self._tokenizer = tokenizer
         self._stop_ids = set(request.stop_token_ids)
         if tokenizer.eos_token_id is not None and not request.ignore_eos:
@@ -211,7 +213,7 @@ class Sequence:
         # it ends the output there, and its end token is never text.
         may_stop = len(self.output_token_ids) > self.request.min_tokens
         if (may_stop or is_grammar_end_token) and token_id in self._stop_ids:
-            self.finish_reason = "stop"
+            self.finish_reason = FinishReason.STOP
             return self.finish_reason
         self._num_text_tokens = len(self.output_token_ids)
         is_last = ends_grammar or len(self.output_token_ids) >= self.request.max_new_tokens
@@ -224,13 +226,13 @@ class Sequence:
             and may_stop
             and self._cut_at_stop_string(num_chars_before)
         ) or ends_grammar:
-            self.finish_reason = "stop"
+            self.finish_reason = FinishReason.STOP
         elif is_last:
-            self.finish_reason = "length"
+            self.finish_reason = FinishReason.LENGTH
         return self.finish_reason
 
     def abort(self) -> None:
-        self.finish_reason = "abort"
+        self.finish_reason = FinishReason.ABORT
 
     def final_text(self) -> str:
         """The whole output text (stop token and stop string excluded)."""

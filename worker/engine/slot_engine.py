@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from typing import TypeVar
 
-from protocol import ErrorCode, GenerateRequest, Logprobs, TokenDelta
+from protocol import ErrorCode, FinishReason, GenerateRequest, Logprobs, TokenDelta
 from protocol.request_checks import sampling_problem
 from protocol.throttled import Throttled
 from worker.engine.admission import new_sequence, tokenize_prompt
@@ -484,7 +484,7 @@ class SlotEngine(InferenceEngine):
             request_id=seq.request_id,
             token_ids=list(seq.output_token_ids),
             text=seq.final_text(),
-            finish_reason=seq.finish_reason or "abort",
+            finish_reason=seq.finish_reason or FinishReason.ABORT,
             num_prompt_tokens=len(seq.prompt_token_ids),
             logprobs=self._take_logprobs(seq),
             prompt_logprobs=self._take_prompt_logprobs(seq),

@@ -25,6 +25,7 @@ from protocol import (
     Admitted,
     ErrorCode,
     ErrorResult,
+    FinishReason,
     GenerateRequest,
     GenerateResult,
     RequestNews,
@@ -150,7 +151,17 @@ class Scheduler:
             if queued is not None:
                 self.engine.unprepare(queued[0])
                 waited_ms = (self._clock() - queued[1]) * 1000
-                outputs.append(GenerateResult(request_id, "", [], "abort", 0, 0, waited_ms, 0.0))
+                aborted = GenerateResult(
+                    request_id=request_id,
+                    text="",
+                    token_ids=[],
+                    finish_reason=FinishReason.ABORT,
+                    prompt_tokens=0,
+                    completion_tokens=0,
+                    queue_wait_ms=waited_ms,
+                    generate_ms=0.0,
+                )
+                outputs.append(aborted)
         running = [r for r in request_ids if r in self._admitted_at]
         for finished in self.engine.abort(running):
             outputs.append(self._finished_result(finished))
