@@ -73,7 +73,8 @@ class Scheduler:
         self.num_busy = 0
         self._clock = clock
         self._queue: OrderedDict[str, tuple[GenerateRequest, float]] = OrderedDict()
-        self._admitted_at: dict[str, tuple[float, float]] = {}  # id -> (arrival, admission)
+        # Requests in slots, each with when it arrived and when it was admitted.
+        self._running: dict[str, tuple[float, float]] = {}
         self._reported_waiting: set[str] = set()  # queued ids the frontend was told wait
         # Queued since the last iteration, in order (a dict: an abort drops its id).
         self._newly_queued: dict[str, None] = {}
@@ -101,12 +102,12 @@ class Scheduler:
 
     def held_request_ids(self) -> list[str]:
         """Every request queued or running here."""
-        return [*self._queue, *self._admitted_at]
+        return [*self._queue, *self._running]
 
     @property
     def num_running(self) -> int:
         """Requests admitted into slots, not yet finished."""
-        return len(self._admitted_at)
+        return len(self._running)
 
     def take_queued(self) -> list[str]:
         """Drop every queued request, unanswered (a stopping worker hands them
@@ -120,7 +121,7 @@ class Scheduler:
         return request_ids
 
     def is_known(self, request_id: str) -> bool:
-        return request_id in self._queue or request_id in self._admitted_at
+        return request_id in self._queue or request_id in self._running
 
     def submit(self, request: GenerateRequest, arrival: float | None = None) -> None:
         """Queue a request that arrived at ``arrival`` (the scheduler's clock; now if
@@ -162,7 +163,7 @@ class Scheduler:
                     generate_ms=0.0,
                 )
                 outputs.append(aborted)
-        running = [r for r in request_ids if r in self._admitted_at]
+        running = [r for r in request_ids if r in self._running]
         for finished in self.engine.abort(running):
             outputs.append(self._finished_result(finished))
         self.num_finished += len(outputs)
@@ -272,7 +273,7 @@ class Scheduler:
                 self._admit_failed(newcomers, admitted_at, outputs, exc)
                 return
             for request, arrival in newcomers:
-                self._admitted_at[request.request_id] = (arrival, admitted_at)
+                self._running[request.request_id] = (arrival, admitted_at)
             return
 
     def _admit_failed(
@@ -313,7 +314,7 @@ class Scheduler:
         except Exception as exc:
             log.exception("step failed; failing %d active sequences", self.engine.num_active())
             for request_id in self.engine.reset():
-                self._admitted_at.pop(request_id, None)
+                self._running.pop(request_id, None)
                 outputs.append(_internal_error(request_id, exc))
             self._engine_failed = True
             return False
@@ -322,7 +323,7 @@ class Scheduler:
 
     def _report(self, step: StepOutput, outputs: list[RequestNews]) -> None:
         for request_id, error in step.failed:  # the engine failed on these alone
-            self._admitted_at.pop(request_id, None)
+            self._running.pop(request_id, None)
             if isinstance(error, RequestRejected):  # the request's own fault (its grammar)
                 outputs.append(ErrorResult(request_id, error.code, error.message))
             else:
@@ -335,7 +336,7 @@ class Scheduler:
         self._request_finished = self._request_finished or bool(step.finished)
 
     def _finished_result(self, finished: FinishedSequence) -> GenerateResult:
-        arrival, admitted = self._admitted_at.pop(finished.request_id)
+        arrival, admitted = self._running.pop(finished.request_id)
         return GenerateResult(
             request_id=finished.request_id,
             text=finished.text,
