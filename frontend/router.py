@@ -12,12 +12,14 @@ def pick(links: Iterable[WorkerLink], is_trial: bool = False) -> WorkerLink | No
 
     A suspect's trial goes only to a worker that runs no other: two suspects
     side by side could be one poison request and an innocent one, and the
-    innocent one would die a second time before making progress. Other requests
-    prefer a worker with no trial, the fewer to replay if its suspect is poison."""
+    innocent one would die a second time before making progress. Nor to one not
+    heard from since a worker last died (`WorkerLink.is_heard_since_a_death`).
+    Other requests prefer a worker with no trial, the fewer to replay if its
+    suspect is poison."""
     best: WorkerLink | None = None
     best_key = (False, 0)
     for link in links:
-        if is_trial and link.trial is not None:
+        if is_trial and (link.trial is not None or not link.is_heard_since_a_death):
             continue
         num_free = link.free_slots()
         key = (link.trial is None, num_free)

@@ -80,6 +80,11 @@ class WorkerLink:
         self.liveness = Liveness(config.heartbeat_timeout_s, config.step_timeout_s)
         self.held: set[InFlight] = set()  # requests whose current attempt this worker holds
         self.trial: InFlight | None = None  # a suspect replayed here, no progress seen yet
+        # It said hello or sent a heartbeat since a worker last died. A suspect's
+        # trial goes only to one that did: killed with the worker that died, and not
+        # yet found dead, it would die again with the trial and fail it, an
+        # innocent request, for two deaths it had no part in (`frontend.replay`).
+        self.is_heard_since_a_death = True
         self.was_live = False
         self._events = events
         # Requests sent and answers received since the last heartbeat, which counted

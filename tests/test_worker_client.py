@@ -231,6 +231,40 @@ def test_two_deaths_while_a_request_only_waited_in_the_queue_do_not_fail_it(
     asyncio.run(drill())
 
 
+def test_a_suspect_waits_for_a_sign_of_life_from_the_worker_it_is_tried_on() -> None:
+    """Two workers killed together: the first found dead left a suspect, which
+    went at once to the second, dead too but not yet found so. It died with it,
+    its second death without progress, and was failed: an innocent request."""
+
+    async def drill() -> None:
+        context = zmq.asyncio.Context()
+        first, second = StandInWorker(context), StandInWorker(context)
+        endpoints = f"{first.endpoint},{second.endpoint}"
+        client = WorkerClient(load(FrontendConfig, [], {"WORKER_ENDPOINTS": endpoints}))
+        await client.start()
+        try:
+            await asyncio.gather(first.greet(capacity=1), second.greet(capacity=1))
+            while sum(link.verdict().is_live for link in client.workers()) < 2:
+                await asyncio.sleep(0.01)
+            client.submit(
+                [GenerateRequest("r", "a prompt", 4)], asyncio.get_running_loop().time() + 30
+            )
+            sent = await asyncio.gather(*(w.next_request(timeout_s=2) for w in (first, second)))
+            holder, other = (first, second) if sent[0] is not None else (second, first)
+            holder.socket.close()  # killed: its connection closes
+            assert await other.next_request(timeout_s=0.5) is None  # no heartbeat yet
+            await other.send(Heartbeat("stand-in", num_steps=2, num_queued=0, num_active=0))
+            trial = await other.next_request(timeout_s=2)
+            assert trial is not None and trial.request_id == "r.2"
+        finally:
+            await client.close()
+            for worker in (first, second):
+                worker.socket.close()
+            context.term()
+
+    asyncio.run(drill())
+
+
 def _heartbeating_worker(endpoint_ready: queue.Queue[str], stop: threading.Event) -> None:
     """A worker on a thread of its own: greets the first ping, then heartbeats
     every 50 ms, whatever the frontend's event loop is doing."""
