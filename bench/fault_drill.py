@@ -60,7 +60,7 @@ from bench.report import RESULTS, write_json
 from bench.stack import Stack, are_free, free_ports, running_stack, stack_env
 from bench.workload import make_workload
 from frontend.config import FrontendConfig
-from protocol.settings import MAX_PORT
+from protocol.endpoints import MAX_PORT
 
 WORKER_MODULES = ("worker.serve.main", "minibatch-worker")
 

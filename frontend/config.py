@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.client_config import WorkerClientConfig
-from protocol.settings import MAX_PORT, ConfigError, require_positive, setting
+from protocol.endpoints import MAX_PORT
+from protocol.settings import ConfigError, require_positive, setting
 
 # A body limit this low still holds a request's fields at their limits (a grammar
 # of MAX_GRAMMAR_CHARS, stop strings, logit_bias) beside a prompt; a lower one

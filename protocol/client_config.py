@@ -8,16 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from protocol.curve import ClientKeys, read_public_key, read_secret_key
-from protocol.settings import (
-    DEFAULT_WORKER_ENDPOINT,
-    ConfigError,
-    check_endpoint,
-    read_curve_keys,
-    require_interval,
-    require_positive,
-    setting,
-)
+from protocol.curve import ClientKeys, read_curve_keys, read_public_key, read_secret_key
+from protocol.endpoints import DEFAULT_WORKER_ENDPOINT, check_endpoint
+from protocol.settings import ConfigError, require_interval, require_positive, setting
 
 
 @dataclass(frozen=True)

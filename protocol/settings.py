@@ -15,93 +15,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import functools
-import logging
 import math
 import os
 import re
 import sys
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import field
 from typing import Any, NoReturn, TypeVar
 
 from protocol.exit_codes import ExitCode
-from protocol.lifeline import SUPERVISOR_PID_ENV
-
-log = logging.getLogger(__name__)
+from protocol.variables import variable_of_flag, warn_of_misspellings
 
 # The largest number any setting takes: counts, bytes and seconds all fit (68
 # years of seconds), and so does everything the wire carries of them.
 MAX_SETTING = 2**31 - 1
-
-
-# Every variable any process reads (a test holds it to the config classes, and to
-# the few variables read elsewhere): another process's setting in this one's
-# environment, from a shared .env or compose file, is no misspelling of its own.
-ALL_VARIABLES = frozenset(
-    [
-        "API_KEY",
-        "BFLOAT16_PRODUCTS",
-        "BODY_TIMEOUT_S",
-        "CHAT_TEMPLATE",
-        "CRASH_LOOP_LIMIT",
-        "CUDA_GRAPHS",
-        "CURVE_CLIENT_KEYS",
-        "CURVE_CLIENT_SECRET_KEY",
-        "CURVE_SERVER_PUBLIC_KEY",
-        "CURVE_SERVER_SECRET_KEY",
-        "DEVICE",
-        "DTYPE",
-        "ENGINE_WATCHDOG_S",
-        "FAKE_CRASH_PROMPT",
-        "FAKE_START_DELAY_S",
-        "FAKE_STEP_DELAY_S",
-        "FRONTEND_TIMEOUT_S",
-        "HEADER_TIMEOUT_S",
-        "HEARTBEAT_INTERVAL_S",
-        "HEARTBEAT_TIMEOUT_S",
-        "HOST",
-        "KEEP_ALIVE_TIMEOUT_S",
-        "KERNELS_DIR",
-        "KERNEL_ISA",
-        "MAX_BATCH_SIZE",
-        "MAX_CONNECTIONS",
-        "MAX_INFLIGHT_REQUESTS",
-        "MAX_MESSAGE_BYTES",
-        "MAX_NEW_TOKENS_LIMIT",
-        "MAX_QUEUE_DEPTH",
-        "MAX_REQUEST_BYTES",
-        "MAX_WORKER_DEATHS",
-        "MINIBATCH_SUPERVISOR_PID",
-        "MODEL_ID",
-        "NUM_FRONTENDS",
-        "NUM_WORKERS",
-        "PING_INTERVAL_S",
-        "PORT",
-        "PREFILL_CHUNK_TOKENS",
-        "PREFIX_CACHE",
-        "REQUEST_TIMEOUT_S",
-        "RESTART_BACKOFF_MAX_S",
-        "RESTART_BACKOFF_S",
-        "STEP_TIMEOUT_S",
-        "STOP_GRACE_S",
-        "STRICT_REQUEST_FIELDS",
-        "TORCH_THREADS",
-        "WARM_START",
-        "WEIGHTS",
-        "WORKER_BIND",
-        "WORKER_ENDPOINT",
-        "WORKER_ENDPOINTS",
-        "WORKER_RESOLVE_INTERVAL_S",
-        "WORKER_START_TIMEOUT_S",
-    ]
-)
-# A variable one slip (a letter wrong, missing, extra, or two swapped) from one of
-# these, or one of several words in lower case, is told as its misspelling, if
-# long enough that the slip is no other word (HOSTS and PORTS are others').
-_MIN_MISSPELT_CHARS = 6
-_told_misspelt: set[str] = set()  # once a process, whichever of its configs it loads
 
 
 class ConfigError(ValueError):
@@ -196,71 +124,6 @@ def env_name(cls: type[Any], name: str) -> str:
     return str({f.name: f.metadata["env"] for f in dataclasses.fields(cls)}[name])
 
 
-def read_curve_keys(
-    config: object, *settings: tuple[str, Callable[[str], Any]]
-) -> list[Any] | None:
-    """Read the CURVE settings ``(field name, reader)``: None when all are unset
-    (CURVE off), every key when all are set, and a ConfigError otherwise."""
-    given = {name: getattr(config, name) for name, _ in settings if getattr(config, name)}
-    if not given:
-        return None
-    if len(given) < len(settings):
-        (missing,) = (name for name, _ in settings if name not in given)
-        raise ConfigError(
-            f"{env_name(type(config), missing)} is unset, but "
-            f"{', '.join(env_name(type(config), name) for name in given)} is set: CURVE "
-            "needs both (minibatch-keys writes them), or neither to leave it off"
-        )
-    keys = []
-    for name, read in settings:
-        try:
-            keys.append(read(given[name]))
-        except ValueError as exc:
-            raise ConfigError(f"{env_name(type(config), name)}: {exc}") from None
-    return keys
-
-
-# A Unix socket's path, less its terminating NUL (sockaddr_un.sun_path on Linux).
-MAX_IPC_PATH_BYTES = 107
-MAX_PORT = 65535
-# Where the worker listens, and its clients connect, unless WORKER_ENDPOINT says.
-DEFAULT_WORKER_ENDPOINT = "tcp://127.0.0.1:5555"
-
-
-def check_endpoint(config: object, name: str, endpoint: str | None = None) -> None:
-    """Raises ConfigError naming the setting ``name`` unless ``endpoint`` (by
-    default the setting's value; one of its items for a list) is a ZMQ endpoint,
-    a tcp:// one with a port from 1 to MAX_PORT."""
-    endpoint = getattr(config, name) if endpoint is None else endpoint
-    check_endpoint_value(endpoint, env_name(type(config), name))
-
-
-def check_endpoint_value(endpoint: str, env: str) -> None:
-    """`check_endpoint` for a value that ``env`` (a setting, or a flag) gave."""
-    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ConfigError(
-            f"{env} must be a ZMQ endpoint such as {DEFAULT_WORKER_ENDPOINT}, got {endpoint!r}"
-        )
-    path = endpoint.removeprefix("ipc://")
-    if endpoint.startswith("ipc://") and not path:
-        raise ConfigError(f"{env} names no socket path: ipc:///run/minibatch.sock is one")
-    if endpoint.startswith("ipc://") and len(path.encode()) > MAX_IPC_PATH_BYTES:
-        raise ConfigError(
-            f"{env} names a socket path of {len(path.encode())} bytes; the system allows "
-            f"{MAX_IPC_PATH_BYTES}: choose a shorter path, got {endpoint!r}"
-        )
-    if not endpoint.startswith("tcp://"):
-        return
-    # libzmq takes a port past 65535 modulo 65536 (99999 listens on 34463), and
-    # 0 or * for a port the system picks: either way, not where clients look.
-    _, colon, port = endpoint.removeprefix("tcp://").rpartition(":")
-    if not (colon and port.isascii() and port.isdigit() and 1 <= int(port) <= MAX_PORT):
-        raise ConfigError(
-            f"{env} must end in a port from 1 to {MAX_PORT}, as tcp://127.0.0.1:5555 does, "
-            f"got {endpoint!r}"
-        )
-
-
 C = TypeVar("C")
 
 
@@ -298,61 +161,8 @@ def load(
     except ConfigError as exc:
         raise naming_flags(exc, _flags_set(cls, args)) from None
     if warn_misspelt:
-        _warn_misspelt(environ)
+        warn_of_misspellings(environ)
     return config
-
-
-def _warn_misspelt(environ: Mapping[str, str]) -> None:
-    """Warn, once a process, of each variable in ``environ`` that no process reads
-    but that is a slip from one that one does: MAX_BACTH_SIZE=4 was ignored
-    without a word, where a misspelt flag is refused naming the one it meant. A
-    process that a supervisor started leaves it to the supervisor, which said it
-    once for every process it starts."""
-    if environ.get(SUPERVISOR_PID_ENV, str(os.getpid())) != str(os.getpid()):
-        return
-    for name in sorted(environ.keys() - ALL_VARIABLES - _told_misspelt):
-        if len(name) < _MIN_MISSPELT_CHARS:
-            continue
-        meant = [
-            known
-            for known in _variables_by_length().get(len(name), [])
-            if _is_one_slip(name, known) or _is_lower_case_of(name, known)
-        ]
-        if meant:
-            _told_misspelt.add(name)
-            log.warning("%s is no setting, and is ignored: did you mean %s?", name, meant[0])
-
-
-@functools.cache
-def _variables_by_length() -> dict[int, list[str]]:
-    """ALL_VARIABLES by the lengths of their slips: one letter more or less at most."""
-    by_length: dict[int, list[str]] = {}
-    for known in sorted(ALL_VARIABLES):
-        for length in range(len(known) - 1, len(known) + 2):
-            by_length.setdefault(length, []).append(known)
-    return by_length
-
-
-def _is_lower_case_of(typed: str, meant: str) -> bool:
-    """model_id for MODEL_ID; not port for PORT, a word other tools use."""
-    return "_" in meant and typed.upper() == meant and typed != meant
-
-
-def _is_one_slip(typed: str, meant: str) -> bool:
-    """Whether ``typed`` is ``meant`` with one letter wrong, missing or extra, or
-    two neighbours swapped."""
-    if typed == meant or abs(len(typed) - len(meant)) > 1:
-        return False
-    start = 0  # the first difference
-    while start < min(len(typed), len(meant)) and typed[start] == meant[start]:
-        start += 1
-    rest_typed, rest_meant = typed[start:], meant[start:]
-    return (
-        rest_typed[1:] == rest_meant[1:]  # wrong
-        or rest_typed[1:] == rest_meant  # extra
-        or rest_typed == rest_meant[1:]  # missing
-        or (rest_typed[:2] == rest_meant[1::-1] and rest_typed[2:] == rest_meant[2:])  # swapped
-    )
 
 
 def _refuse_unknown_flags(
@@ -388,13 +198,6 @@ def _refuse_unknown_flags(
 def own_flags(cls: type[Any]) -> list[str]:
     """``cls``'s flags: ``--max-batch-size`` for MAX_BATCH_SIZE, and so on."""
     return [flag_of(f) for f in dataclasses.fields(cls)]
-
-
-def variable_of_flag(flag: str) -> str | None:
-    """The variable a flag spelt after it names (``--api-key``: API_KEY), if any
-    process reads it: it may be another process's, or have no flag."""
-    env = flag.lstrip("-").upper().replace("-", "_")
-    return env if env in ALL_VARIABLES and env != SUPERVISOR_PID_ENV else None
 
 
 def flag_settings(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str, str]:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from frontend.config import FrontendConfig
-from protocol import GenerateRequest, Hello, encode, settings
+from protocol import GenerateRequest, Hello, encode, variables
 from protocol.limits import (
     MAX_CHAT_MESSAGES,
     MAX_GRAMMAR_CHARS,
@@ -151,7 +151,7 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_likely_meant_once(
     """MAX_BACTH_SIZE=4 was ignored without a word. Another process's setting (a
     shared .env), the environment's own variables and other tools' words are no
     misspellings."""
-    monkeypatch.setattr(settings, "_told_misspelt", set())
+    monkeypatch.setattr(variables, "_told_misspelt", set())
     environ = {
         "MAX_BACTH_SIZE": "4",  # two letters swapped
         "model_id": "fake",  # lower case

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from protocol.client_config import WorkerClientConfig
 from protocol.lifeline import SUPERVISOR_PID_ENV
-from protocol.settings import ALL_VARIABLES
+from protocol.variables import ALL_VARIABLES
 from tests.settings_table import MAIN_SETTINGS, READERS, README, documented, markdown, rows
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,4 +65,4 @@ def test_every_variable_a_process_reads_is_known_to_every_process() -> None:
         for source in (REPO / package).rglob("*.py"):
             read |= set(_READ_BY_NAME.findall(source.read_text())) - OTHER_TOOLS_VARIABLES
     read.add(SUPERVISOR_PID_ENV)  # read by its constant's name
-    assert read == ALL_VARIABLES, "add the new variable to protocol.settings.ALL_VARIABLES"
+    assert read == ALL_VARIABLES, "add the new variable to protocol.variables.ALL_VARIABLES"

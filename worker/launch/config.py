@@ -7,14 +7,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from protocol.client_config import WorkerClientConfig
-from protocol.settings import (
-    DEFAULT_WORKER_ENDPOINT,
-    MAX_PORT,
-    ConfigError,
-    env_name,
-    require_positive,
-    setting,
-)
+from protocol.endpoints import DEFAULT_WORKER_ENDPOINT, MAX_PORT
+from protocol.settings import ConfigError, env_name, require_positive, setting
 from worker.serve.config import check_torch_threads
 
 # Workers or frontends one supervisor runs: each worker holds a copy of the model,

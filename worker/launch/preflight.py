@@ -11,14 +11,8 @@ from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 from protocol.lifeline import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
-from protocol.settings import (
-    ConfigError,
-    load,
-    own_flags,
-    setting_of_flag,
-    unknown_flags,
-    variable_of_flag,
-)
+from protocol.settings import ConfigError, load, own_flags, setting_of_flag, unknown_flags
+from protocol.variables import variable_of_flag
 from worker.launch.child import KILL_AFTER_S
 from worker.launch.config import SupervisorConfig
 from worker.serve.config import WorkerConfig, is_listened_on, tcp_bind_address

@@ -19,8 +19,9 @@ import zmq
 from protocol import Hello, ProtocolError
 from protocol.client_config import WorkerClientConfig
 from protocol.curve import ClientKeys
+from protocol.endpoints import check_endpoint_value
 from protocol.peer import HANDSHAKE_FAILED, HandshakeRefused, ping, wait_for_hello, worker_socket
-from protocol.settings import ConfigError, check_endpoint_value, load
+from protocol.settings import ConfigError, load
 from worker.serve.config import WorkerConfig
 
 DEFAULT_TIMEOUT_S = 5.0

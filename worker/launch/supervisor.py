@@ -29,17 +29,11 @@ import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
+from protocol.endpoints import MAX_IPC_PATH_BYTES, MAX_PORT
 from protocol.lifeline import name_supervisor
 from protocol.liveness import PauseWatch, WorkerState
 from protocol.logs import log_as
-from protocol.settings import (
-    MAX_IPC_PATH_BYTES,
-    MAX_PORT,
-    ConfigError,
-    exit_refusing,
-    flag_settings,
-    load,
-)
+from protocol.settings import ConfigError, exit_refusing, flag_settings, load
 from worker.launch.child import Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
 from worker.launch.preflight import check_before_start, check_own_flags

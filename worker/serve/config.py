@@ -10,16 +10,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from urllib.parse import urlsplit
 
-from protocol.curve import ServerKeys, read_public_keys, read_secret_key
-from protocol.settings import (
-    DEFAULT_WORKER_ENDPOINT,
-    ConfigError,
-    check_endpoint,
-    read_curve_keys,
-    require_interval,
-    require_positive,
-    setting,
-)
+from protocol.curve import ServerKeys, read_curve_keys, read_public_keys, read_secret_key
+from protocol.endpoints import DEFAULT_WORKER_ENDPOINT, check_endpoint
+from protocol.settings import ConfigError, require_interval, require_positive, setting
 
 DEFAULT_MODEL_ID = "distilgpt2"
 

@@ -1,0 +1,46 @@
+"""What a ZMQ endpoint setting must look like: the checks every process makes of
+the worker endpoints it is given, before it binds or connects."""
+
+from __future__ import annotations
+
+from protocol.settings import ConfigError, env_name
+
+# A Unix socket's path, less its terminating NUL (sockaddr_un.sun_path on Linux).
+MAX_IPC_PATH_BYTES = 107
+MAX_PORT = 65535
+# Where the worker listens, and its clients connect, unless WORKER_ENDPOINT says.
+DEFAULT_WORKER_ENDPOINT = "tcp://127.0.0.1:5555"
+
+
+def check_endpoint(config: object, name: str, endpoint: str | None = None) -> None:
+    """Raises ConfigError naming the setting ``name`` unless ``endpoint`` (by
+    default the setting's value; one of its items for a list) is a ZMQ endpoint,
+    a tcp:// one with a port from 1 to MAX_PORT."""
+    endpoint = getattr(config, name) if endpoint is None else endpoint
+    check_endpoint_value(endpoint, env_name(type(config), name))
+
+
+def check_endpoint_value(endpoint: str, env: str) -> None:
+    """`check_endpoint` for a value that ``env`` (a setting, or a flag) gave."""
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(
+            f"{env} must be a ZMQ endpoint such as {DEFAULT_WORKER_ENDPOINT}, got {endpoint!r}"
+        )
+    path = endpoint.removeprefix("ipc://")
+    if endpoint.startswith("ipc://") and not path:
+        raise ConfigError(f"{env} names no socket path: ipc:///run/minibatch.sock is one")
+    if endpoint.startswith("ipc://") and len(path.encode()) > MAX_IPC_PATH_BYTES:
+        raise ConfigError(
+            f"{env} names a socket path of {len(path.encode())} bytes; the system allows "
+            f"{MAX_IPC_PATH_BYTES}: choose a shorter path, got {endpoint!r}"
+        )
+    if not endpoint.startswith("tcp://"):
+        return
+    # libzmq takes a port past 65535 modulo 65536 (99999 listens on 34463), and
+    # 0 or * for a port the system picks: either way, not where clients look.
+    _, colon, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not (colon and port.isascii() and port.isdigit() and 1 <= int(port) <= MAX_PORT):
+        raise ConfigError(
+            f"{env} must end in a port from 1 to {MAX_PORT}, as tcp://127.0.0.1:5555 does, "
+            f"got {endpoint!r}"
+        )
