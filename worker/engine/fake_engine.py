@@ -184,7 +184,9 @@ class FakeEngine(SlotEngine):
 
     def _prefill(self, newcomers: list[Sequence]) -> list[int]:
         self._start_prefill(newcomers)
-        return self._prefill_chunks([(seq, 0, len(seq.context_token_ids)) for seq in newcomers])
+        return self._prefill_chunks(
+            [Chunk(seq, 0, len(seq.context_token_ids)) for seq in newcomers]
+        )
 
     def _start_prefill(self, newcomers: list[Sequence]) -> None:
         for seq in newcomers:
