@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -209,7 +209,7 @@ class WorkerServer:
         be replayed as the requests of a worker that died."""
         if request_ids:
             log.info("stopping: handing %d requests back to their frontends", len(request_ids))
-        return [ErrorResult(rid, ErrorCode.SHUTTING_DOWN, _HANDED_BACK) for rid in request_ids]
+        return [_handed_back(request_id) for request_id in request_ids]
 
     def _requests_in_inbox(self) -> list[str]:
         """Take what waits in the inbox; the ids of the requests among it."""
@@ -231,7 +231,7 @@ class WorkerServer:
 
     def _apply(self, message: ToWorker, received_at: float, outputs: list[RequestNews]) -> None:
         if isinstance(message, GenerateRequest) and self._stopping.is_set():
-            outputs.append(ErrorResult(message.request_id, ErrorCode.SHUTTING_DOWN, _HANDED_BACK))
+            outputs.append(_handed_back(message.request_id))
         elif isinstance(message, GenerateRequest):
             try:
                 self.scheduler.submit(message, received_at)
@@ -289,17 +289,8 @@ class WorkerServer:
                     is_stop_announced = True
                 timeout_ms = max(0.0, next_heartbeat - time.monotonic()) * 1000
                 events = dict(poller.poll(int(min(timeout_ms, _IDLE_POLL_S * 1000))))
-                # A bounded batch per turn, in count and time: a peer flooding the
-                # socket cannot hold up outputs or heartbeats.
-                turn_ends_at = time.monotonic() + _MAX_TURN_S
-                for _ in range(_MAX_FRAMES_PER_TURN if router in events else 0):
-                    if time.monotonic() > turn_ends_at:
-                        break
-                    try:
-                        frames = router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    for message in peers.receive(frames):
+                if router in events:
+                    for message in _receive_turn(router, peers):
                         self._inbox.put(message)
                 if outputs in events:
                     _forward(outputs, peers)
@@ -341,8 +332,7 @@ class WorkerServer:
         peers.heartbeat(self._heartbeat(is_stopping=True))
 
         def hand_back(route: str) -> None:
-            reply = ErrorResult(sender_request_id(route), ErrorCode.SHUTTING_DOWN, _HANDED_BACK)
-            peers.send(route, True, encode(reply))
+            peers.send(route, True, encode(_handed_back(sender_request_id(route))))
 
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
@@ -352,12 +342,8 @@ class WorkerServer:
             events = dict(poller.poll(int(left_s * 1000) + 1))
             if outputs in events:
                 _forward(outputs, peers)
-            for _ in range(_MAX_FRAMES_PER_TURN if router in events else 0):
-                try:
-                    frames = router.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                for message in peers.receive(frames):
+            if router in events:
+                for message in _receive_turn(router, peers):
                     if isinstance(message, GenerateRequest):
                         hand_back(message.request_id)
             for route in self._requests_in_inbox():
@@ -373,6 +359,26 @@ def _bind_failure(config: WorkerConfig, exc: zmq.ZMQError) -> str:
         f"cannot bind {config.listen_endpoint}: {exc}; is another program listening there? "
         f"Set {config.listen_setting} to a free address"
     )
+
+
+def _handed_back(request_id: str) -> ErrorResult:
+    """A stopping worker's answer to a request it will not run: the frontend sends
+    it to another worker, and counts no death."""
+    return ErrorResult(request_id, ErrorCode.SHUTTING_DOWN, _HANDED_BACK)
+
+
+def _receive_turn(router: zmq.Socket[bytes], peers: Peers) -> Iterator[ToWorker]:
+    """The messages of one turn's frames: a batch bounded in count and time, so
+    that a peer flooding the socket cannot hold up outputs or heartbeats."""
+    turn_ends_at = time.monotonic() + _MAX_TURN_S
+    for _ in range(_MAX_FRAMES_PER_TURN):
+        if time.monotonic() > turn_ends_at:
+            return
+        try:
+            frames = router.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        yield from peers.receive(frames)
 
 
 def _forward(outputs: zmq.Socket[bytes], peers: Peers) -> None:
