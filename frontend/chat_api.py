@@ -8,6 +8,7 @@ deltas, a last chunk with the finish reason, then usage and ``[DONE]``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from starlette.requests import Request
@@ -44,12 +45,8 @@ async def chat_completions(request: Request) -> Response:
     roles, contents = conversation(body.messages)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    work = openai_request(
-        body,
-        client,
-        asked or client.config.max_new_tokens_limit,
-        param,
-        prompt="",
+    work = dataclasses.replace(
+        openai_request(read, asked or client.config.max_new_tokens_limit, param),
         chat_roles=roles,
         chat_contents=contents,
         add_generation_prompt=body.add_generation_prompt is not False,
@@ -57,7 +54,6 @@ async def chat_completions(request: Request) -> Response:
         # Unasked, the reply may use whatever the context window leaves, as vLLM's.
         fit_context=asked is None,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        **read.grammar,
     )
     read.log_ignored(work.request_id)
     chat = Envelope(f"chatcmpl-{work.request_id}", read.model)

@@ -47,13 +47,13 @@ def generate_request(
     max_tokens_param: str,
     min_tokens: int = 0,
     stop: str | list[str] | None = None,
-    **fields: Any,
 ) -> GenerateRequest:
-    """The request for the worker, under a new request id; ``fields`` are the
-    rest of its fields (the prompt, sampling, what to score). 422 when
-    max_new_tokens (the client's ``max_tokens_param``) is over
+    """The request for the worker, under a new request id, its budget checked:
+    422 when max_new_tokens (the client's ``max_tokens_param``) is over
     MAX_NEW_TOKENS_LIMIT, or min_tokens is over it (the body's schema refused an
-    empty stop string)."""
+    empty stop string). Its other fields (the prompt, sampling, what to score)
+    are the caller's to set with `dataclasses.replace`, which mypy checks field
+    by field."""
     check_max_new_tokens(max_new_tokens, config.max_new_tokens_limit, max_tokens_param)
     if min_tokens > max_new_tokens:
         raise ApiError(
@@ -64,10 +64,10 @@ def generate_request(
         )
     return GenerateRequest(
         request_id=uuid.uuid4().hex,
+        prompt="",
         max_new_tokens=max_new_tokens,
         min_tokens=min_tokens,
         stop=stop_strings(stop),
-        **fields,
     )
 
 

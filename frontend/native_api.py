@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -33,11 +34,8 @@ async def generate(request: Request) -> Response:
     """
     body, _ = await parse_body(request, GenerateBody)
     client: WorkerClient = request.app.state.client
-    work = generate_request(
-        client.config,
-        body.max_new_tokens,
-        "max_new_tokens",
-        stop=body.stop,
+    work = dataclasses.replace(
+        generate_request(client.config, body.max_new_tokens, "max_new_tokens", stop=body.stop),
         prompt=body.prompt,
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,

@@ -7,6 +7,7 @@ unchanged, streaming, logprobs, echo, ``n`` and ``best_of`` included.
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from typing import Any
 
@@ -66,18 +67,14 @@ async def completions(request: Request) -> Response:
         n, body.best_of, bool(body.stream), client.config.max_inflight_requests
     )
     is_ranked = num_choices > n  # best_of: the n likeliest of num_choices
-    work = openai_request(
-        body,
-        client,
-        max_tokens,
-        "max_tokens",
+    work = dataclasses.replace(
+        openai_request(read, max_tokens, "max_tokens"),
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
         # best_of ranks the choices by their tokens' logprobs: ask for those at least.
         logprobs=0 if is_ranked and body.logprobs is None else body.logprobs,
         prompt_logprobs=body.logprobs if body.echo else None,
         echo=bool(body.echo),
-        **read.grammar,
     )
     read.log_ignored(work.request_id)
     completion = Envelope(f"cmpl-{work.request_id}", read.model)

@@ -4,10 +4,11 @@ and usage."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
@@ -18,7 +19,7 @@ from frontend.field_errors import printable, short_name
 from frontend.generation import generate_request
 from frontend.openai_schemas import OpenAIBody
 from frontend.parse import name_fields, parse_body
-from frontend.structured import grammar_fields
+from frontend.structured import NO_GRAMMAR, Grammar, request_grammar
 from frontend.worker_client import WorkerClient
 from protocol import GenerateRequest, GenerateResult
 from protocol.throttled import Throttled
@@ -41,8 +42,7 @@ class OpenAIRequest(Generic[Body]):
     client: WorkerClient
     model: str  # as the worker names it
     ignored: list[str]  # unknown fields, ignored
-    # The request's grammar_kind and grammar (structured outputs), if any.
-    grammar: dict[str, str] = field(default_factory=dict)
+    grammar: Grammar = NO_GRAMMAR  # structured outputs, compiled
 
     @property
     def headers(self) -> dict[str, str]:
@@ -81,7 +81,7 @@ async def read_openai_request(request: Request, schema: type[Body]) -> OpenAIReq
         param, message = unsupported
         raise ApiError(400, message, "unsupported", param)
     model = await check_requested_model(request, client, body.model)
-    grammar = await grammar_fields(body.response_format, body.structured_outputs)
+    grammar = await request_grammar(body.response_format, body.structured_outputs)
     return OpenAIRequest(body, client, model, ignored, grammar)
 
 
@@ -153,21 +153,21 @@ def check_model(client: WorkerClient, name: str) -> None:
 
 
 def openai_request(
-    body: OpenAIBody,
-    client: WorkerClient,
-    max_tokens: int,
-    max_tokens_param: str,
-    **prompt: Any,
+    read: OpenAIRequest[Body], max_tokens: int, max_tokens_param: str
 ) -> GenerateRequest:
     """The request for the worker: the body's sampling fields, an absent one at
-    its neutral value, and ``prompt``: the prompt fields (text, ids or a
-    conversation) and what to score."""
-    return generate_request(
-        client.config,
-        max_tokens,
-        max_tokens_param,
-        min_tokens=body.min_tokens or 0,
-        stop=body.stop,
+    its neutral value, and its grammar. The prompt fields (text, ids or a
+    conversation) and what to score are the endpoint's to set
+    (`dataclasses.replace`)."""
+    body = read.body
+    return dataclasses.replace(
+        generate_request(
+            read.client.config,
+            max_tokens,
+            max_tokens_param,
+            min_tokens=body.min_tokens or 0,
+            stop=body.stop,
+        ),
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=bool(body.ignore_eos),
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -182,7 +182,8 @@ def openai_request(
         logit_bias_token_ids=[int(key) for key in body.logit_bias or {}],
         logit_bias_values=list((body.logit_bias or {}).values()),
         cache_salt=body.cache_salt or "",
-        **prompt,
+        grammar_kind=read.grammar.kind,
+        grammar=read.grammar.text,
     )
 
 

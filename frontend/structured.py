@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import llguidance
 
@@ -85,15 +85,25 @@ class GrammarSource:
     param: str  # where it was in the body, for errors
 
 
-async def grammar_fields(
+class Grammar(NamedTuple):
+    """A request's grammar, compiled: `GenerateRequest`'s ``grammar_kind`` and
+    ``grammar``; both empty for unconstrained text."""
+
+    kind: str  # a GrammarKind
+    text: str  # in llguidance's format
+
+
+NO_GRAMMAR = Grammar("", "")
+
+
+async def request_grammar(
     response_format: ResponseFormat | None, structured_outputs: dict[str, Any] | None
-) -> dict[str, str]:
-    """The `GenerateRequest` fields (``grammar_kind``, ``grammar``) for what the
-    body asks, none for unconstrained text. Raises ApiError naming the field: 422
+) -> Grammar:
+    """The grammar for what the body asks. Raises ApiError naming the field: 422
     for an invalid one, 400 for one this server does not support."""
     source = grammar_source(response_format, structured_outputs)
     if source is None:
-        return {}
+        return NO_GRAMMAR
     grammar, problem = await asyncio.to_thread(compile_grammar, source.kind, source.value)
     if problem is not None:
         param = source.param
@@ -102,7 +112,7 @@ async def grammar_fields(
         if problem.startswith("Unimplemented"):
             raise ApiError(400, f"{param}: {problem}", "unsupported", param)
         raise ApiError(422, f"{param}: {problem}", "invalid_request", param)
-    return {"grammar_kind": source.kind, "grammar": grammar}
+    return Grammar(source.kind, grammar)
 
 
 def grammar_source(

@@ -8,6 +8,7 @@ the model.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 from typing import Any, TypeVar
 
@@ -30,7 +31,7 @@ from frontend.openai_common import (
 from frontend.openai_schemas import ChatMessage
 from frontend.schemas import STRICT, RequestBody, TokenIds
 from frontend.worker_client import WorkerClient
-from protocol import GenerateResult
+from protocol import GenerateRequest, GenerateResult
 from protocol.limits import MAX_CHAT_MESSAGES
 
 PACKAGE = "minibatch-llm"
@@ -83,12 +84,19 @@ async def tokenize(request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(422, "body: send a prompt or messages, one of them", "invalid_request")
     # continue_final_message goes with a prompt too, for the check that refuses it.
-    fields: dict[str, Any] = {"prompt": body.prompt or ""}
-    fields["continue_final_message"] = body.continue_final_message
+    work = dataclasses.replace(
+        _no_tokens(client),
+        prompt=body.prompt or "",
+        continue_final_message=body.continue_final_message,
+    )
     if body.messages is not None:
         roles, contents = conversation(body.messages)
-        fields.update(chat_roles=roles, chat_contents=contents)
-        fields["add_generation_prompt"] = body.add_generation_prompt
+        work = dataclasses.replace(
+            work,
+            chat_roles=roles,
+            chat_contents=contents,
+            add_generation_prompt=body.add_generation_prompt,
+        )
 
     def final(accepted: Accepted, results: list[GenerateResult]) -> dict[str, Any]:
         token_ids = results[0].prompt_token_ids or []
@@ -100,7 +108,7 @@ async def tokenize(request: Request) -> Response:
             "token_strs": None,
         }
 
-    return await _ask(request, client, TOKENIZE, ignored, final, {}, **fields)
+    return await _ask(request, work, TOKENIZE, ignored, final, {})
 
 
 async def detokenize(request: Request) -> Response:
@@ -115,16 +123,8 @@ async def detokenize(request: Request) -> Response:
 
     # The worker checks ``tokens`` as a prompt's ids: only it knows the vocabulary.
     renamed = {"prompt_token_ids": "tokens", "prompt": "tokens"}
-    return await _ask(
-        request,
-        client,
-        DETOKENIZE,
-        ignored,
-        final,
-        renamed,
-        prompt="",
-        prompt_token_ids=body.tokens,
-    )
+    work = dataclasses.replace(_no_tokens(client), prompt_token_ids=body.tokens)
+    return await _ask(request, work, DETOKENIZE, ignored, final, renamed)
 
 
 async def version(request: Request) -> Response:
@@ -144,17 +144,22 @@ async def _read(
     return body, ignored
 
 
+def _no_tokens(client: WorkerClient) -> GenerateRequest:
+    """A request for no tokens, whose answer echoes its prompt: tokenized, or the
+    text of its ids."""
+    return dataclasses.replace(generate_request(client.config, 0, "max_new_tokens"), echo=True)
+
+
 async def _ask(
     request: Request,
-    client: WorkerClient,
+    work: GenerateRequest,
     endpoint: str,
     ignored: list[str],
     final: FinalAnswer,
     field_names: dict[str, str],
-    **fields: Any,
 ) -> Response:
-    """``final``'s answer to a request for no tokens; ``field_names`` as `respond`'s."""
-    work = generate_request(client.config, 0, "max_new_tokens", echo=True, **fields)
+    """``final``'s answer to ``work``, a request for no tokens; ``field_names`` as
+    `respond`'s."""
     log_ignored_fields(work.request_id, ignored)
     headers = ignored_fields_headers(ignored)
     return await respond(request, work, endpoint, final, headers=headers, field_names=field_names)

@@ -23,7 +23,7 @@ import pytest
 from frontend.errors import ApiError
 from frontend.openai_common import IGNORED_FIELDS_HEADER
 from frontend.openai_schemas import ResponseFormat
-from frontend.structured import compile_grammar, grammar_fields
+from frontend.structured import NO_GRAMMAR, Grammar, compile_grammar, request_grammar
 from protocol import GrammarKind
 from protocol.limits import MAX_GRAMMAR_CHARS
 from tests.stack import Stack, live_stack, openai_client, running_stack
@@ -58,27 +58,27 @@ def client(stack: Stack) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def _fields(response_format: Any = None, structured_outputs: Any = None) -> dict[str, str]:
+def _grammar(response_format: Any = None, structured_outputs: Any = None) -> Grammar:
     """What the frontend makes of the two fields, once the body's schema took them."""
     if response_format is not None:
         response_format = ResponseFormat.model_validate(response_format)
-    return asyncio.run(grammar_fields(response_format, structured_outputs))
+    return asyncio.run(request_grammar(response_format, structured_outputs))
 
 
 def test_text_asks_for_no_grammar_and_each_kind_names_its_source() -> None:
-    assert _fields({"type": "text"}) == {}
-    assert _fields() == {}
+    assert _grammar({"type": "text"}) == NO_GRAMMAR
+    assert _grammar() == NO_GRAMMAR
     kinds = {
-        "json_object": _fields({"type": "json_object"}),
-        "json_schema": _fields(PERSON_FORMAT),
-        "json": _fields(structured_outputs={"json": json.dumps(PERSON)}),
-        "regex": _fields(structured_outputs={"regex": "[0-9]+"}),
-        "choice": _fields(structured_outputs={"choice": ["yes", "no"]}),
-        "grammar": _fields(structured_outputs={"grammar": 'root ::= "a" | "b"'}),  # GBNF
+        "json_object": _grammar({"type": "json_object"}),
+        "json_schema": _grammar(PERSON_FORMAT),
+        "json": _grammar(structured_outputs={"json": json.dumps(PERSON)}),
+        "regex": _grammar(structured_outputs={"regex": "[0-9]+"}),
+        "choice": _grammar(structured_outputs={"choice": ["yes", "no"]}),
+        "grammar": _grammar(structured_outputs={"grammar": 'root ::= "a" | "b"'}),  # GBNF
     }
-    for kind, fields in kinds.items():
-        assert fields["grammar_kind"] == kind
-        assert 0 < len(fields["grammar"]) <= MAX_GRAMMAR_CHARS
+    for kind, grammar in kinds.items():
+        assert grammar.kind == kind
+        assert 0 < len(grammar.text) <= MAX_GRAMMAR_CHARS
 
 
 def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
@@ -91,9 +91,9 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
         "whitespace_pattern": None,
         "structural_tag": None,
     }
-    assert _fields(structured_outputs={"choice": ["a"], **defaults})["grammar_kind"] == "choice"
+    assert _grammar(structured_outputs={"choice": ["a"], **defaults}).kind == "choice"
     as_vllm = {**defaults, "json_object": True}  # vLLM's spelling of any JSON object
-    assert _fields(structured_outputs=as_vllm) == _fields({"type": "json_object"})
+    assert _grammar(structured_outputs=as_vllm) == _grammar({"type": "json_object"})
 
 
 @pytest.mark.parametrize(
@@ -248,7 +248,7 @@ def test_each_bad_grammar_is_refused_naming_its_field(
     response_format: Any, structured_outputs: Any, status: int, param: str, message: str
 ) -> None:
     with pytest.raises(ApiError) as caught:
-        _fields(response_format, structured_outputs)
+        _grammar(response_format, structured_outputs)
     assert (caught.value.status, caught.value.param) == (status, param)
     assert caught.value.message.startswith(f"{param}: ") and message in caught.value.message
 
@@ -258,7 +258,7 @@ def test_a_choice_list_matches_exactly_its_strings_however_long_and_whatever_the
     means something in a regex or a grammar taken for itself."""
     tricky = [chr(c) for c in range(1, 256)] + ["a b", "x|y", ".*", "\\d+", '"quoted"', "(ab)?"]
     choices = tricky + [f"o{i}" for i in range(2500)]
-    grammar = _fields(structured_outputs={"choice": choices})["grammar"]
+    grammar = _grammar(structured_outputs={"choice": choices}).text
     tokenizer = fake_grammar_tokenizer()  # one token per code point below 256
 
     def is_matched(text: str) -> bool:
@@ -310,7 +310,7 @@ def test_an_integer_past_two_to_the_53_is_refused_not_followed_as_its_neighbour(
     # the schema as its JSON text too
     for fields in ((response_format, None), (None, {"json": json.dumps(schema)})):
         with pytest.raises(ApiError) as caught:
-            _fields(*fields)
+            _grammar(*fields)
         assert (caught.value.status, caught.value.code) == (400, "unsupported")
         assert where in caught.value.message and "2^53" in caught.value.message
 
@@ -324,7 +324,7 @@ def test_integers_up_to_two_to_the_53_and_large_defaults_are_followed_exactly() 
         "default": PAST_DOUBLES,  # not asked for: an annotation
         "examples": [PAST_DOUBLES],
     }
-    grammar = _fields({"type": "json_schema", "json_schema": {"schema": schema}})["grammar"]
+    grammar = _grammar({"type": "json_schema", "json_schema": {"schema": schema}}).text
     tokenizer = fake_grammar_tokenizer()  # one token per code point below 256
 
     def is_matched(number: int) -> bool:
@@ -337,9 +337,9 @@ def test_integers_up_to_two_to_the_53_and_large_defaults_are_followed_exactly() 
 
 def test_the_frontend_checks_grammars_without_torch_or_llguidance_torch() -> None:
     code = (
-        "import asyncio, sys; from frontend.structured import grammar_fields; "
+        "import asyncio, sys; from frontend.structured import request_grammar; "
         "from frontend.openai_schemas import ResponseFormat; "
-        "asyncio.run(grammar_fields(ResponseFormat(type='json_object'), None)); "
+        "asyncio.run(request_grammar(ResponseFormat(type='json_object'), None)); "
         "assert 'torch' not in sys.modules and 'llguidance.torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
