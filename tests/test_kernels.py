@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from protocol.settings import ConfigError  # noqa: E402
 from tests.model_fixtures import force_kernels, tiny_engine  # noqa: E402
 from worker.model import kernels as kernels_module  # noqa: E402
 from worker.model import projection as projection_module  # noqa: E402
@@ -28,6 +29,7 @@ from worker.model.kernels import (  # noqa: E402
     Kernels,
     build,
     build_directory,
+    check_aten_capability,
     chosen_isa,
     cpu_flags,
     l2_cache_bytes,
@@ -107,6 +109,58 @@ def test_an_avx2_cpu_gets_the_avx2_build_and_is_refused_avx512(
         chosen_isa()
     monkeypatch.setenv("KERNEL_ISA", " AVX2 ")  # as ONEDNN_MAX_CPU_ISA spells it
     assert chosen_isa() == "avx2"
+
+
+@pytest.mark.parametrize("capability", ["avx512", " AVX512 "])
+def test_an_aten_capability_the_cpu_lacks_is_refused(
+    capability: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch trusts ATEN_CPU_CAPABILITY over the CPU: on a Zen 3, avx512 served its
+    hello, then died of SIGILL on its first request."""
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(kernels_module, "cpu_flags", lambda: AVX2_ONLY)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+    with pytest.raises(ConfigError, match=r"lacks \(avx512bw.*one this CPU runs \(avx2, default\)"):
+        check_aten_capability()
+    for runnable in ("avx2", "default", ""):
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", runnable)
+        check_aten_capability()
+
+
+@pytest.mark.parametrize("damage", ["empty", "cut short", "not a library"])
+def test_a_damaged_build_is_said_and_skipped_then_built_again(
+    damage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A library cut short (a copy that ran out of disk) killed the worker with
+    SIGBUS as torch loaded it; an empty one raised in every worker start; and the
+    build skipped both as built."""
+    built = library_path("baseline").read_bytes()
+    monkeypatch.setenv("KERNELS_DIR", str(tmp_path))
+    kernels_module._load.cache_clear()
+    damaged = library_path("baseline")  # in tmp_path now
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(
+        {"empty": b"", "cut short": built[:100_000], "not a library": b"x" * 99}[damage]
+    )
+    assert not kernels_module.is_whole_library(damaged)
+    with caplog.at_level(logging.WARNING):
+        assert load_kernels("baseline") is None
+    assert f"`rm {damaged} && KERNELS_DIR={tmp_path} " in caplog.text
+    kernels_module._load.cache_clear()
+
+    class Compiling(Exception):
+        pass
+
+    def compile_(*_: object, **__: object) -> None:
+        raise Compiling
+
+    monkeypatch.setattr(subprocess, "run", compile_)
+    with pytest.raises(Compiling):  # built again, not skipped as built
+        build(["baseline"])
+
+
+def test_a_whole_build_is_whole() -> None:
+    assert kernels_module.is_whole_library(library_path(chosen_isa()))
 
 
 def test_a_worker_without_built_kernels_serves_without_them_and_never_compiles(

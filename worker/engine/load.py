@@ -15,7 +15,7 @@ from worker.engine.chat_template import choose_chat_template
 from worker.engine.memory_limit import memory_limit_bytes, resident_bytes
 from worker.engine.torch_engine import TorchEngine
 from worker.model.gpt2 import GPT2
-from worker.model.kernels import chosen_isa
+from worker.model.kernels import check_aten_capability, chosen_isa
 from worker.model.kv_cache import SlotKVCache
 from worker.model.loader import LoadedModel, load_model
 from worker.model.precision import Precision
@@ -30,7 +30,10 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
     torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
     device = resolve_device(config.device)
     if device.type == "cpu":
-        chosen_isa()  # a KERNEL_ISA this CPU cannot run is refused now, not after loading
+        # A KERNEL_ISA or ATEN_CPU_CAPABILITY this CPU cannot run is refused now,
+        # not after loading.
+        chosen_isa()
+        check_aten_capability()
     precision = Precision.for_device(device, config.dtype, config.weights, config.bfloat16_products)
     if config.prefix_cache and not config.prefill_chunk_tokens:
         logger.warning(

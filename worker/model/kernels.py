@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +175,29 @@ def chosen_isa() -> str:
     return asked
 
 
+# The instruction sets torch's own kernels run under each ATEN_CPU_CAPABILITY.
+# torch trusts the variable over the CPU: one the CPU lacks serves its hello,
+# then dies of an illegal instruction in the first step that uses them.
+_ATEN_CAPABILITIES = {"avx2": ISAS["avx2"][1], "avx512": ISAS["avx512"][1]}
+
+
+def check_aten_capability() -> None:
+    """Refuse an ATEN_CPU_CAPABILITY (torch's own setting) that this CPU cannot run."""
+    asked = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    needs = _ATEN_CAPABILITIES.get(asked)
+    if platform.machine() != "x86_64" or needs is None:
+        return
+    missing = sorted(needs - cpu_flags())
+    if missing:
+        runs = [cap for cap, caps in _ATEN_CAPABILITIES.items() if caps <= cpu_flags()]
+        raise ConfigError(
+            f"ATEN_CPU_CAPABILITY={asked} makes torch run code this CPU lacks "
+            f"({', '.join(missing)}), which would die of an illegal instruction on the "
+            "first request: unset ATEN_CPU_CAPABILITY, or set it to one this CPU runs "
+            f"({', '.join([*runs, 'default'])})"
+        )
+
+
 def cpu_summary() -> str:
     """The CPU model and the ISA flags that matter here, for logs and bench reports."""
     model = platform.processor() or platform.machine()
@@ -243,7 +267,7 @@ def build(isas: list[str] | None = None, jobs: int | None = None) -> Path:
     into place whole, so a killed build leaves nothing half-written behind."""
     directory = build_directory()
     isas = buildable_isas() if isas is None else isas
-    todo = [isa for isa in isas if not library_path(isa).exists()]
+    todo = [isa for isa in isas if not is_whole_library(library_path(isa))]
     if not todo:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
@@ -275,6 +299,44 @@ def build(isas: list[str] | None = None, jobs: int | None = None) -> Path:
     return directory
 
 
+def _say_decode_is_slower(why: str, damaged: Path | str) -> None:
+    """Warn that the worker serves without its decode kernels, and say how to
+    build them: the command as this worker would find what it builds (KERNELS_DIR
+    and CXX each choose the directory), after removing a ``damaged`` library."""
+    kernels_dir = os.environ.get("KERNELS_DIR")
+    setting = f"KERNELS_DIR={shlex.quote(kernels_dir)} " if kernels_dir else ""
+    remove = f"rm {shlex.quote(str(damaged))} && " if damaged else ""
+    logger.warning(
+        "%s, so decode runs on oneDNN and SDPA, slower; build them with `%s%sCXX=%s %s -m "
+        "worker.model.kernels` (make install builds them in the default KERNELS_DIR when "
+        "it sets up .venv, and again when their sources change)",
+        why,
+        remove,
+        setting,
+        shlex.quote(_compiler()),
+        sys.executable,
+    )
+
+
+def is_whole_library(path: Path) -> bool:
+    """Whether ``path`` is a 64-bit ELF library with every byte its header counts
+    (the section headers come last). One cut short (a copy that ran out of disk)
+    is mapped by the loader, then faults (SIGBUS) with nothing said."""
+    try:
+        with path.open("rb") as library:
+            header = library.read(64)
+            size = os.fstat(library.fileno()).st_size
+    except OSError:
+        return False
+    if len(header) < 64 or header[:5] != b"\x7fELF\x02":
+        return False
+    order: typing.Literal["little", "big"] = "little" if header[5] == 1 else "big"
+    section_headers = int.from_bytes(header[0x28:0x30], order)
+    entry_bytes = int.from_bytes(header[0x3A:0x3C], order)
+    num_entries = int.from_bytes(header[0x3C:0x3E], order)
+    return size >= section_headers + entry_bytes * num_entries
+
+
 def _raise_with_output(future: concurrent.futures.Future[subprocess.CompletedProcess[str]]) -> None:
     try:
         future.result()
@@ -292,23 +354,16 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
 def _load(isa: str) -> Kernels | None:
     path = library_path(isa)
     if not path.exists():
-        # The command as this worker would find what it builds: KERNELS_DIR and CXX
-        # each choose the directory.
-        kernels_dir = os.environ.get("KERNELS_DIR")
-        setting = f"KERNELS_DIR={shlex.quote(kernels_dir)} " if kernels_dir else ""
-        logger.warning(
-            "no decode kernels are built for %s at %s, so decode runs on oneDNN and SDPA, "
-            "slower; build them once with `%sCXX=%s %s -m worker.model.kernels` (make "
-            "install builds them in the default KERNELS_DIR when it sets up .venv, and "
-            "again when their sources change)",
-            isa,
-            path.parent,
-            setting,
-            shlex.quote(_compiler()),
-            sys.executable,
-        )
+        _say_decode_is_slower(f"no decode kernels are built for {isa} at {path.parent}", "")
         return None
-    torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
+    if not is_whole_library(path):  # the loader would fault on it, with nothing said
+        _say_decode_is_slower(f"the decode kernels at {path} are cut short", path)
+        return None
+    try:
+        torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
+    except OSError as exc:
+        _say_decode_is_slower(f"the decode kernels at {path} do not load ({exc})", path)
+        return None
     ops = getattr(torch.ops, f"minibatch_{isa}")
     kernels = Kernels(
         isa=isa,
