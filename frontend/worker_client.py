@@ -219,11 +219,9 @@ class WorkerClient:
             # reconnected as a new peer. Either way it holds none of them now.
             self._release(link, "greeted this frontend again", is_death=False)
         link.was_live = True
-        link.is_heard_since_a_death = True
         self._dispatch()
 
     def on_heartbeat(self, link: WorkerLink) -> None:
-        link.is_heard_since_a_death = True
         self._notice_own_pause(is_turn=False)
         self._check_liveness(link)
         self._dispatch()  # it may show slots freed by another frontend
@@ -283,10 +281,10 @@ class WorkerClient:
         return any(link.verdict().is_live and not link.is_stopping for link in self._pool.links())
 
     def _release(self, link: WorkerLink, why: str, is_death: bool) -> None:
-        if is_death:  # the others may have died with it
-            for other in self._pool.links():
+        if is_death and link.hello is not None and not link.is_stopping and not link.is_refused:
+            for other in self._pool.links():  # they may have died with it
                 if other is not link:
-                    other.is_heard_since_a_death = False
+                    other.on_other_death()
         if release(self._table, link, why, is_death, self.config.max_worker_deaths):
             self._dispatch()
 

@@ -49,6 +49,9 @@ from protocol.throttled import Throttled
 log = logging.getLogger(__name__)
 
 HANDSHAKE_RETRY_MAX_S = 10.0
+# After another worker's death, a heartbeat read sooner than this (or half the
+# worker's heartbeat interval) may have been sent before it (`on_other_death`).
+_MIN_HEARD_AFTER_S = 0.05
 # After this long with no hello, a worker's verdict asks whether one runs there at
 # all (a first start that downloads a model takes longer, and says so in its log).
 SILENT_WORKER_HINT_S = 15.0
@@ -80,11 +83,13 @@ class WorkerLink:
         self.liveness = Liveness(config.heartbeat_timeout_s, config.step_timeout_s)
         self.held: set[InFlight] = set()  # requests whose current attempt this worker holds
         self.trial: InFlight | None = None  # a suspect replayed here, no progress seen yet
-        # It said hello or sent a heartbeat since a worker last died. A suspect's
-        # trial goes only to one that did: killed with the worker that died, and not
-        # yet found dead, it would die again with the trial and fail it, an
-        # innocent request, for two deaths it had no part in (`frontend.replay`).
+        # It said hello, or sent a heartbeat read well after another worker last
+        # died (`on_other_death`). A suspect's trial goes only to one that did:
+        # killed with the worker that died, and not yet found dead, it would die
+        # again with the trial and fail it, an innocent request, for two deaths it
+        # had no part in (`frontend.replay`).
         self.is_heard_since_a_death = True
+        self._heard_from = 0.0  # time.monotonic() from which a heartbeat counts
         self.was_live = False
         self._events = events
         # Requests sent and answers received since the last heartbeat, which counted
@@ -189,6 +194,15 @@ class WorkerLink:
             "retrying may succeed, and this frontend's log names the worker",
         )
 
+    def on_other_death(self) -> None:
+        """Another worker died, and this one may have died with it, unseen yet. Its
+        heartbeats read in the next half interval may have waited in this socket
+        since before (read in a burst after this frontend's own pause, say): only
+        a later one shows it alive after the death."""
+        self.is_heard_since_a_death = False
+        interval = self.hello.heartbeat_interval_s if self.hello else 0.0
+        self._heard_from = time.monotonic() + max(interval / 2, _MIN_HEARD_AFTER_S)
+
     def on_sent(self) -> None:
         self._num_sent += 1
 
@@ -252,6 +266,7 @@ class WorkerLink:
                 message = self.refuse_answer(exc.request_id, str(exc))
             if isinstance(message, Hello):
                 self._refusal = ""
+                self.is_heard_since_a_death = True
                 if message.instance_id != self.instance_id:
                     self._num_sent = self._num_done = 0  # a new worker: no heartbeat yet
                     self._is_queue_full = self.is_stopping = False
@@ -263,6 +278,8 @@ class WorkerLink:
                     self._is_queue_full = False
                     if message.is_stopping:
                         self.on_stopping()
+                    if time.monotonic() >= self._heard_from:
+                        self.is_heard_since_a_death = True
                 self.liveness.on_heartbeat(message)
                 self._events.on_heartbeat(self)
             else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -83,16 +84,22 @@ class StandInWorker:
         self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
         self.peer = b""
 
-    async def greet(self, capacity: int) -> None:
+    async def greet(self, capacity: int, heartbeat_interval_s: float = 0.0) -> None:
         """Answer the frontend's first ping with a hello and a heartbeat."""
         self.peer, frame = await self.socket.recv_multipart()
         assert isinstance(decode_to_worker(frame), Ping)
-        await self.say_hello("stand-in", capacity)
+        await self.say_hello("stand-in", capacity, heartbeat_interval_s)
 
-    async def say_hello(self, instance_id: str, capacity: int) -> None:
+    async def say_hello(
+        self, instance_id: str, capacity: int, heartbeat_interval_s: float = 0.0
+    ) -> None:
         """Greet as ``instance_id``: a new one is a replacement, as if the worker
         the frontend knew had died."""
-        await self.send(Hello(instance_id, "fake", False, capacity, 1024, 16, 1 << 20))
+        hello = Hello(instance_id, "fake", False, capacity, 1024, 16, 1 << 20)
+        await self.send(dataclasses.replace(hello, heartbeat_interval_s=heartbeat_interval_s))
+        await self.heartbeat(instance_id)
+
+    async def heartbeat(self, instance_id: str = "stand-in") -> None:
         await self.send(Heartbeat(instance_id, num_steps=1, num_queued=0, num_active=0))
 
     async def send(self, message: ToFrontend) -> None:
@@ -234,7 +241,9 @@ def test_two_deaths_while_a_request_only_waited_in_the_queue_do_not_fail_it(
 def test_a_suspect_waits_for_a_sign_of_life_from_the_worker_it_is_tried_on() -> None:
     """Two workers killed together: the first found dead left a suspect, which
     went at once to the second, dead too but not yet found so. It died with it,
-    its second death without progress, and was failed: an innocent request."""
+    its second death without progress, and was failed: an innocent request. A
+    heartbeat read right after the death may have been sent before it: only one
+    read half a heartbeat interval later lets the trial go."""
 
     async def drill() -> None:
         context = zmq.asyncio.Context()
@@ -243,17 +252,25 @@ def test_a_suspect_waits_for_a_sign_of_life_from_the_worker_it_is_tried_on() -> 
         client = WorkerClient(load(FrontendConfig, [], {"WORKER_ENDPOINTS": endpoints}))
         await client.start()
         try:
-            await asyncio.gather(first.greet(capacity=1), second.greet(capacity=1))
+            await asyncio.gather(*(w.greet(1, heartbeat_interval_s=1.0) for w in (first, second)))
             while sum(link.verdict().is_live for link in client.workers()) < 2:
                 await asyncio.sleep(0.01)
-            client.submit(
-                [GenerateRequest("r", "a prompt", 4)], asyncio.get_running_loop().time() + 30
-            )
-            sent = await asyncio.gather(*(w.next_request(timeout_s=2) for w in (first, second)))
-            holder, other = (first, second) if sent[0] is not None else (second, first)
+            deadline = asyncio.get_running_loop().time() + 30
+            client.submit([GenerateRequest("r", "a prompt", 4)], deadline)
+            receiving = {asyncio.ensure_future(w.next_request(5)): w for w in (first, second)}
+            done, pending = await asyncio.wait(receiving, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            holder = receiving[done.pop()]
+            other = second if holder is first else first
+            (holder_link,) = [link for link in client.workers() if link.endpoint == holder.endpoint]
             holder.socket.close()  # killed: its connection closes
-            assert await other.next_request(timeout_s=0.5) is None  # no heartbeat yet
-            await other.send(Heartbeat("stand-in", num_steps=2, num_queued=0, num_active=0))
+            while holder_link.verdict().is_live:
+                await asyncio.sleep(0.01)
+            await other.heartbeat()  # may have been sent before the death
+            assert await other.next_request(timeout_s=0.3) is None
+            await asyncio.sleep(0.3)  # past half of its heartbeat interval since the death
+            await other.heartbeat()
             trial = await other.next_request(timeout_s=2)
             assert trial is not None and trial.request_id == "r.2"
         finally:
