@@ -8,9 +8,8 @@ another worker is live), the requests it held are replayed on the others:
   once the one before has made progress, on a worker that runs no other suspect
   and has shown it is alive since the death (`WorkerLink.on_other_death`: one
   killed with it, not yet found dead, would count a second death against the
-  suspect), and never on every
-  live worker at once when two or more are live. A poison request kills one
-  worker at a time and no innocent suspect with it.
+  suspect), and never on every live worker at once when two or more are live.
+  A poison request kills one worker at a time and no innocent suspect with it.
 A request in flight on two workers that died before it made progress there, or
 on MAX_WORKER_DEATHS workers that died (3 by default), is answered with an error
 and not replayed again.

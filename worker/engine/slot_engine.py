@@ -1,8 +1,10 @@
 """Slot bookkeeping shared by every engine: admission checks, slot allocation,
 finishing and streaming deltas, and the schedule of chunked prefill. A subclass
 computes next tokens (`_prefill`, `_decode`); one that also implements the
-chunk hooks (`_start_prefill`, `_prefill_chunks`, as the torch engine does) gets
-chunked prefill and the prefix cache, and one without them prefills whole prompts."""
+chunk hooks (`_start_prefill`, `_prefill_chunks`) gets chunked prefill, and one
+without them prefills whole prompts. The prefix cache needs the hooks that copy
+rows and keep logits too (`_copy_rows`, `_first_token_from_kept_logits`), which
+the torch engine implements and the fake one does not."""
 
 from __future__ import annotations
 
