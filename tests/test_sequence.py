@@ -328,12 +328,14 @@ def test_a_resumed_sequence_completes_a_character_split_at_the_cut() -> None:
 
 
 def test_a_prompt_scored_in_chunks_is_whole_once_and_a_chunk_run_again_replaces_its_own() -> None:
-    seq = make(prompt_logprobs=0)
+    request = GenerateRequest("r", "prompt", 4, prompt_logprobs=0)
+    seq = Sequence(request, list(b"prompt"), ByteTokenizer(), slot=0)
+    assert seq.prompt_targets(0, 2) == list(b"ro") and seq.prompt_targets(4, 6) == list(b"t")
     scores = [UNSCORED, *(TokenLogprob(-float(i), [], []) for i in range(1, 6))]
-    seq.score_prompt_tokens(0, scores[:3], is_last=False)
+    seq.score_prompt_chunk(0, 2, scores[1:3])
     assert seq.wants_prompt_logprobs and seq.take_prompt_logprobs() is None
-    seq.score_prompt_tokens(3, scores[3:5], is_last=False)
-    seq.score_prompt_tokens(3, scores[3:5], is_last=False)  # that chunk again, after a failure
-    seq.score_prompt_tokens(5, scores[5:], is_last=True)
+    seq.score_prompt_chunk(2, 4, scores[3:5])
+    seq.score_prompt_chunk(2, 4, scores[3:5])  # that chunk again, after a failure
+    seq.score_prompt_chunk(4, 6, scores[5:])
     assert not seq.wants_prompt_logprobs
     assert seq.take_prompt_logprobs() == scores

@@ -27,7 +27,7 @@ from protocol.exit_codes import ExitCode
 from protocol.settings import ConfigError, setting
 from worker.engine.grammar import Grammars
 from worker.engine.interface import ModelInfo
-from worker.engine.logprobs import UNSCORED, TokenLogprob
+from worker.engine.logprobs import TokenLogprob
 from worker.engine.prefill_plan import Chunk
 from worker.engine.sequence import Sequence
 from worker.engine.slot_engine import SlotEngine
@@ -209,15 +209,12 @@ class FakeEngine(SlotEngine):
 
     @staticmethod
     def _score_chunk(seq: Sequence, start: int, end: int) -> None:
-        """As `TorchEngine._score_chunk`: positions [start, end) score the prompt
-        tokens after them; the first token has no score."""
+        """Score the prompt tokens that positions [start, end) predict."""
         if start >= end:
             return
         num_top = seq.request.prompt_logprobs or 0
-        scores = [UNSCORED] if start == 0 else []
-        scores += [fake_logprob(t, num_top) for t in seq.prompt_token_ids[start + 1 : end + 1]]
-        is_last = end == len(seq.prompt_token_ids)
-        seq.score_prompt_tokens(0 if start == 0 else start + 1, scores, is_last)
+        targets = seq.prompt_targets(start, end)
+        seq.score_prompt_chunk(start, end, [fake_logprob(t, num_top) for t in targets])
 
     def _decode(self, active: list[Sequence]) -> list[int]:
         self.num_decode_steps += 1

@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Protocol
 
 from protocol import FinishReason, GenerateRequest
-from worker.engine.logprobs import TokenLogprob
+from worker.engine.logprobs import UNSCORED, TokenLogprob
 
 if TYPE_CHECKING:
     from worker.engine.grammar import GrammarMatcher
@@ -128,13 +128,21 @@ class Sequence:
         """The prefill must score the prompt: `scores_prompt`, and not done yet."""
         return self.scores_prompt and not self._is_prompt_scored
 
-    def score_prompt_tokens(self, first: int, scores: list[TokenLogprob], is_last: bool) -> None:
-        """The logprobs of prompt tokens ``first`` onwards (a chunk's; a chunk run
-        again after a failure replaces what it gave before); ``is_last``: the
-        prompt is scored to its end, and `prompt_logprobs` holds it all."""
+    def prompt_targets(self, start: int, end: int) -> list[int]:
+        """The prompt tokens that context positions [start, end) predict: each
+        position's next token, within the prompt (the one after its last
+        position is the output's first)."""
+        return self.prompt_token_ids[start + 1 : end + 1]
+
+    def score_prompt_chunk(self, start: int, end: int, scores: list[TokenLogprob]) -> None:
+        """The logprobs of `prompt_targets(start, end)`, a chunk's (a chunk run
+        again after a failure replaces what it gave before). The prompt's first
+        token has none. Once a chunk reaches the prompt's end, `prompt_logprobs`
+        holds it all."""
+        first = 0 if start == 0 else start + 1
         del self._prompt_scores[first:]
-        self._prompt_scores += scores
-        if is_last:
+        self._prompt_scores += [UNSCORED, *scores] if start == 0 else scores
+        if end == len(self.prompt_token_ids):
             self.prompt_logprobs, self._prompt_scores = self._prompt_scores, []
             self._is_prompt_scored = True
 

@@ -16,7 +16,7 @@ from transformers import GPT2Config
 from worker.engine.chat_template import ChatTemplate
 from worker.engine.grammar import Grammars, hf_grammar_tokenizer
 from worker.engine.interface import ModelInfo
-from worker.engine.logprobs import UNSCORED, TokenLogprob
+from worker.engine.logprobs import TokenLogprob
 from worker.engine.prefill_plan import Chunk
 from worker.engine.prefix_cache import Match
 from worker.engine.sequence import Sequence
@@ -229,14 +229,13 @@ class TorchEngine(SlotEngine):
         token has no score. The LM head runs over a few positions at a time, to
         bound the (n, V) logits."""
         num_top = seq.request.prompt_logprobs or 0
-        targets = self._tensor(seq.prompt_token_ids[start + 1 : end + 1])
-        scores = [UNSCORED] if start == 0 else []
+        targets = self._tensor(seq.prompt_targets(start, end))
+        scores: list[TokenLogprob] = []
         for first in range(0, len(targets), _PROMPT_SCORE_CHUNK):
             last = min(first + _PROMPT_SCORE_CHUNK, len(targets))
             logprobs = self.gpt2.logits(hidden[first:last]).float().log_softmax(dim=-1)
             scores += _scores(logprobs, targets[first:last], num_top)
-        is_last = end == len(seq.prompt_token_ids)
-        seq.score_prompt_tokens(0 if start == 0 else start + 1, scores, is_last)
+        seq.score_prompt_chunk(start, end, scores)
 
     @torch.inference_mode()
     def _decode(self, active: list[Sequence]) -> list[int]:
