@@ -177,9 +177,9 @@ def _refuse_unknown_flags(
     if not unknown:
         return
     given = unknown[0].split("=", 1)[0]
-    meant = difflib.get_close_matches(given, own_flags(cls), n=1, cutoff=0.7)
+    meant = nearest_flag(cls, given)
     if meant:
-        parser.error(f"unrecognized argument {given}: did you mean {meant[0]}?")
+        parser.error(f"unrecognized argument {given}: did you mean {meant}?")
     env = variable_of_flag(given)
     if env is not None:
         # Another process's (--max-batch-size to a frontend), or one without a flag.
@@ -195,9 +195,12 @@ def _refuse_unknown_flags(
     )
 
 
-def own_flags(cls: type[Any]) -> list[str]:
-    """``cls``'s flags: ``--max-batch-size`` for MAX_BATCH_SIZE, and so on."""
-    return [flag_of(f) for f in dataclasses.fields(cls)]
+def nearest_flag(cls: type[Any], given: str) -> str | None:
+    """The flag of ``cls`` that ``given`` likely meant (``--max-bacth-size``,
+    ``--worker_endpoint``), if one is close."""
+    flags = [flag_of(f) for f in dataclasses.fields(cls)]
+    meant = difflib.get_close_matches(given, flags, n=1, cutoff=0.7)
+    return meant[0] if meant else None
 
 
 def flag_settings(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str, str]:

@@ -109,6 +109,8 @@ def test_flag_settings_are_the_variables_the_flags_set() -> None:
         # A frontend's: the variable is named as for a worker's.
         (["--api-key", "k"], r"--api-key is no flag of minibatch-serve: set API_KEY in its env"),
         (["--prot", "8080"], r"--prot is not a flag of minibatch-serve: did you mean --port\?"),
+        # Its own, misspelt: not told to set a variable of that name.
+        (["--worker_endpoint", "tcp://127.0.0.1:1"], r"did you mean --worker-endpoint\?"),
         (["--colour", "1"], r"--colour is not a flag of minibatch-serve \(--help lists them\)"),
     ],
 )
@@ -166,7 +168,7 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_likely_meant_once(
         "HOSTNAME": "box",
         "WORKER_PORT": "tcp://10.0.0.1:5555",  # a Kubernetes service's
     }
-    with caplog.at_level(logging.WARNING, logger="protocol.settings"):
+    with caplog.at_level(logging.WARNING, logger="protocol.variables"):
         load(WorkerConfig, [], environ)
         load(WorkerConfig, [], environ)  # a second config of the same process
         # A process a supervisor started: the supervisor told its environment's.

@@ -4,14 +4,13 @@ make unworkable. Each refusal says what to set instead."""
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import socket
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 from protocol.lifeline import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
-from protocol.settings import ConfigError, load, own_flags, setting_of_flag, unknown_flags
+from protocol.settings import ConfigError, load, nearest_flag, setting_of_flag, unknown_flags
 from protocol.variables import variable_of_flag
 from worker.launch.child import KILL_AFTER_S
 from worker.launch.config import SupervisorConfig
@@ -159,6 +158,9 @@ def check_own_flags(argv: Sequence[str]) -> None:
         if setting_of_flag(SupervisorConfig, flag) == "WORKER_ENDPOINTS":
             raise ConfigError(NO_WORKER_ENDPOINTS)
         worker_env = setting_of_flag(WorkerConfig, flag)
+        meant = None if worker_env else nearest_flag(SupervisorConfig, given)
+        if meant:
+            raise ConfigError(f"{given} is not a flag of minibatch-serve: did you mean {meant}?")
         env = worker_env or variable_of_flag(given)
         if env is not None:
             whose = (
@@ -170,9 +172,6 @@ def check_own_flags(argv: Sequence[str]) -> None:
                 f"{given} is {whose}: set {env} in its environment instead "
                 f"(`{env}=... minibatch-serve`), which the processes it starts inherit"
             )
-        meant = difflib.get_close_matches(given, own_flags(SupervisorConfig), n=1, cutoff=0.7)
-        if meant:
-            raise ConfigError(f"{given} is not a flag of minibatch-serve: did you mean {meant[0]}?")
         raise ConfigError(
             f"{given} is not a flag of minibatch-serve (--help lists them); "
             "the workers and frontends it starts read their own settings from its "
