@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Once it has shut down gracefully, uvicorn raises the signal again under the
     # handler that was there before: a stop asked for is a clean exit (0), as
     # the worker's and the supervisor's are, not a process killed by SIGTERM.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(ExitCode.STOPPED))
     try:
         server.run()
     except KeyboardInterrupt:

@@ -178,6 +178,30 @@ class _AllowedKeys:
         return False
 
 
+def read_curve_keys(
+    config: object, *settings: tuple[str, Callable[[str], Any]]
+) -> list[Any] | None:
+    """Read the CURVE settings ``(field name, reader)``: None when all are unset
+    (CURVE off), every key when all are set, and a ConfigError otherwise."""
+    given = {name: getattr(config, name) for name, _ in settings if getattr(config, name)}
+    if not given:
+        return None
+    if len(given) < len(settings):
+        (missing,) = (name for name, _ in settings if name not in given)
+        raise ConfigError(
+            f"{env_name(type(config), missing)} is unset, but "
+            f"{', '.join(env_name(type(config), name) for name in given)} is set: CURVE "
+            "needs both (minibatch-keys writes them), or neither to leave it off"
+        )
+    keys = []
+    for name, read in settings:
+        try:
+            keys.append(read(given[name]))
+        except ValueError as exc:
+            raise ConfigError(f"{env_name(type(config), name)}: {exc}") from None
+    return keys
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`minibatch-keys DIR`: write a worker and a client certificate pair."""
     parser = argparse.ArgumentParser(
@@ -211,27 +235,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def read_curve_keys(
-    config: object, *settings: tuple[str, Callable[[str], Any]]
-) -> list[Any] | None:
-    """Read the CURVE settings ``(field name, reader)``: None when all are unset
-    (CURVE off), every key when all are set, and a ConfigError otherwise."""
-    given = {name: getattr(config, name) for name, _ in settings if getattr(config, name)}
-    if not given:
-        return None
-    if len(given) < len(settings):
-        (missing,) = (name for name, _ in settings if name not in given)
-        raise ConfigError(
-            f"{env_name(type(config), missing)} is unset, but "
-            f"{', '.join(env_name(type(config), name) for name in given)} is set: CURVE "
-            "needs both (minibatch-keys writes them), or neither to leave it off"
-        )
-    keys = []
-    for name, read in settings:
-        try:
-            keys.append(read(given[name]))
-        except ValueError as exc:
-            raise ConfigError(f"{env_name(type(config), name)}: {exc}") from None
-    return keys

@@ -1,6 +1,8 @@
-"""Every exit code a process of this project ends with on purpose, in one place.
-docs/operations.md's table lists the same codes (tests/test_exit_codes.py holds
-them equal): a supervisor, systemd or Docker reads them to decide what to do next."""
+"""The exit codes the serving processes (worker, frontend, supervisor) end with
+on purpose, in one place. docs/operations.md's table lists the same codes
+(tests/test_exit_codes.py holds them equal): a supervisor, systemd or Docker
+reads them to decide what to do next. The tools keep their own: a health probe
+exits 1 for any failure, and the kernels' build 128 + the signal that stopped it."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Sequence
 
+from protocol.exit_codes import ExitCode
 from protocol.lifeline import follow_supervisor
 from protocol.logs import log_as
 from protocol.settings import ConfigError, exit_refusing, load
@@ -74,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging.shutdown()
         # At once: an interpreter's shutdown (torch's exit hooks: most of a second)
         # is no time to be in, and nothing of the worker needs closing yet.
-        os._exit(0)
+        os._exit(ExitCode.STOPPED)
     # `kill -USR1 <pid>`: every thread's stack to the log, for a worker that seems
     # stuck; written by the interpreter's C code, so even a wedged one answers.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
