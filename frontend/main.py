@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import signal
 import socket
@@ -82,7 +83,7 @@ def log_access(config: FrontendConfig) -> None:
     if config.api_key:
         open_paths = ", ".join(sorted(OPEN_PATHS))
         log.info("API_KEY is set: every path but %s needs 'Authorization: Bearer'", open_paths)
-    elif config.host in ("0.0.0.0", "::"):  # a container's too: compose publishes its own
+    elif _is_every_address(config.host):  # a container's too: compose publishes its own
         log.info(
             "no API_KEY: anyone who reaches port %d on any address here (HOST=%s) may use the API",
             config.port,
@@ -92,6 +93,14 @@ def log_access(config: FrontendConfig) -> None:
         log.info("no API_KEY: anyone who reaches %s:%d may use the API", config.host, config.port)
     if config.curve is not None:
         log.info("CURVE is on: workers are reached with the key in CURVE_CLIENT_SECRET_KEY")
+
+
+def _is_every_address(host: str) -> bool:
+    """0.0.0.0, ::, or another spelling of them (::0, 0:0::0)."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:  # a name
+        return False
 
 
 _LISTEN_HINTS = {
