@@ -15,8 +15,8 @@ import msgpack
 import pytest
 import zmq
 
-from bench.stack import free_port
 from protocol import Heartbeat, Hello, Ping, decode_to_worker, encode
+from tests.stack import free_port
 from worker.launch.probe import ProbeFailed, local_endpoint, main, probe
 from worker.serve.config import WorkerConfig
 

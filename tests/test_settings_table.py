@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 from protocol.client_config import WorkerClientConfig
 from protocol.lifeline import SUPERVISOR_PID_ENV
 from protocol.variables import ALL_VARIABLES
-from tests.settings_table import MAIN_SETTINGS, READERS, README, documented, markdown, rows
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.settings_table import (
+    MAIN_SETTINGS,
+    READERS,
+    README,
+    REPO,
+    documented,
+    markdown,
+    rows,
+)
 
 
 def test_the_operations_settings_table_is_the_codes() -> None:
@@ -50,7 +55,7 @@ def test_a_setting_read_by_several_processes_means_the_same_to_each() -> None:
 
 # What the code reads of the environment by name, outside the config classes.
 _READ_BY_NAME = re.compile(r'environ(?:\.get)?[(\[]"([A-Z][A-Z0-9_]*)"')
-OTHER_TOOLS_VARIABLES = {"CXX", "HF_ENDPOINT", "HF_HUB_OFFLINE"}  # theirs to spell
+OTHER_TOOLS_VARIABLES = {"ATEN_CPU_CAPABILITY", "CXX", "HF_ENDPOINT", "HF_HUB_OFFLINE"}  # theirs
 
 
 def test_every_variable_a_process_reads_is_known_to_every_process() -> None:
