@@ -186,12 +186,12 @@ def _refuse_unknown_flags(
         parser.error(
             f"unrecognized argument {given}: {parser.prog} has no such flag, but {env} "
             "is read from the environment: set it there, for the process that reads it "
-            "(docs/operations.md's table says which)"
+            "(docs/operations.md's settings say which)"
         )
     parser.error(
         f"unrecognized argument {given}: not a flag of {parser.prog}, whose --help "
         "lists its own; each process takes only the settings it reads "
-        "(docs/operations.md's table says which)"
+        "(docs/operations.md's settings say which)"
     )
 
 
