@@ -17,8 +17,8 @@ wait beside it.
 
 Suspects (`frontend.replay`) go first, each on a worker that runs no other
 suspect and has shown it is alive since the last death, and never on every
-live worker at once when two or more are live. While no worker qualifies (for
-half a heartbeat interval after a death), the others take the free slots.
+live worker at once when two or more are live. While no worker qualifies (up
+to a heartbeat interval after a death), the others take the free slots.
 """
 
 from __future__ import annotations

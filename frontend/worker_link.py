@@ -49,9 +49,10 @@ from protocol.throttled import Throttled
 log = logging.getLogger(__name__)
 
 HANDSHAKE_RETRY_MAX_S = 10.0
-# After another worker's death, a heartbeat read sooner than this (or half the
-# worker's heartbeat interval) may have been sent before it (`on_other_death`).
-_MIN_HEARD_AFTER_S = 0.05
+# After another worker's death, a heartbeat read sooner than this may have been
+# sent before it (`on_other_death`): frames that waited in the socket are read in
+# a burst, within a few turns of the event loop.
+HEARD_AFTER_DEATH_S = 0.1
 # After this long with no hello, a worker's verdict asks whether one runs there at
 # all (a first start that downloads a model takes longer, and says so in its log).
 SILENT_WORKER_HINT_S = 15.0
@@ -196,12 +197,11 @@ class WorkerLink:
 
     def on_other_death(self) -> None:
         """Another worker died, and this one may have died with it, unseen yet. Its
-        heartbeats read in the next half interval may have waited in this socket
-        since before (read in a burst after this frontend's own pause, say): only
-        a later one shows it alive after the death."""
+        heartbeats read in the next HEARD_AFTER_DEATH_S may have waited in this
+        socket since before (read in a burst after this frontend's own pause, say):
+        only a later one shows it alive after the death."""
         self.is_heard_since_a_death = False
-        interval = self.hello.heartbeat_interval_s if self.hello else 0.0
-        self._heard_from = time.monotonic() + max(interval / 2, _MIN_HEARD_AFTER_S)
+        self._heard_from = time.monotonic() + HEARD_AFTER_DEATH_S
 
     def on_sent(self) -> None:
         self._num_sent += 1
