@@ -90,16 +90,22 @@ def log_access(config: FrontendConfig) -> None:
             config.host,
         )
     else:
-        log.info("no API_KEY: anyone who reaches %s:%d may use the API", config.host, config.port)
+        where = f"[{config.host}]" if ":" in config.host else config.host  # IPv6, bracketed
+        log.info("no API_KEY: anyone who reaches %s:%d may use the API", where, config.port)
     if config.curve is not None:
         log.info("CURVE is on: workers are reached with the key in CURVE_CLIENT_SECRET_KEY")
 
 
 def _is_every_address(host: str) -> bool:
-    """0.0.0.0, ::, or another spelling of them (::0, 0:0::0)."""
+    """0.0.0.0, ::, or another spelling of them (::0, 0:0::0, or 0, as the C
+    library reads an IPv4 address)."""
     try:
         return ipaddress.ip_address(host).is_unspecified
-    except ValueError:  # a name
+    except ValueError:
+        pass
+    try:
+        return socket.inet_aton(host) == bytes(4)
+    except OSError:  # a name
         return False
 
 

@@ -189,7 +189,7 @@ def read_curve_keys(
     if len(given) < len(settings):
         (missing,) = (name for name, _ in settings if name not in given)
         raise ConfigError(
-            f"{env_name(type(config), missing)} is unset, but "
+            f"{env_name(type(config), missing)} is unset or empty, but "
             f"{', '.join(env_name(type(config), name) for name in given)} is set: CURVE "
             "needs both (minibatch-keys writes them), or neither to leave it off"
         )

@@ -197,9 +197,9 @@ def _refuse_unknown_flags(
 
 def nearest_flag(cls: type[Any], given: str) -> str | None:
     """The flag of ``cls`` that ``given`` likely meant (``--max-bacth-size``,
-    ``--worker_endpoint``), if one is close."""
+    ``--worker_endpoint``, ``--PORT``), if one is close."""
     flags = [flag_of(f) for f in dataclasses.fields(cls)]
-    meant = difflib.get_close_matches(given, flags, n=1, cutoff=0.7)
+    meant = difflib.get_close_matches(given.lower(), flags, n=1, cutoff=0.7)
     return meant[0] if meant else None
 
 

@@ -111,6 +111,7 @@ def test_flag_settings_are_the_variables_the_flags_set() -> None:
         (["--prot", "8080"], r"--prot is not a flag of minibatch-serve: did you mean --port\?"),
         # Its own, misspelt: not told to set a variable of that name.
         (["--worker_endpoint", "tcp://127.0.0.1:1"], r"did you mean --worker-endpoint\?"),
+        (["--PORT=1"], r"--PORT is not a flag of minibatch-serve: did you mean --port\?"),
         (["--colour", "1"], r"--colour is not a flag of minibatch-serve \(--help lists them\)"),
     ],
 )

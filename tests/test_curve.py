@@ -190,7 +190,7 @@ def test_half_a_curve_configuration_is_refused_at_start(
         [sys.executable, "-m", module], env=env, cwd=REPO_ROOT, capture_output=True, timeout=30
     )
     assert result.returncode != 0
-    assert f"{missing} is unset, but {given} is set" in result.stderr.decode()
+    assert f"{missing} is unset or empty, but {given} is set" in result.stderr.decode()
 
 
 @pytest.mark.parametrize(
