@@ -284,7 +284,7 @@ class WorkerClient:
         if is_death and link.hello is not None and not link.is_stopping and not link.is_refused:
             for other in self._pool.links():  # they may have died with it
                 if other is not link:
-                    other.on_other_death()
+                    other.on_other_death(self._ping)
         if release(self._table, link, why, is_death, self.config.max_worker_deaths):
             self._dispatch()
 

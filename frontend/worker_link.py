@@ -195,13 +195,19 @@ class WorkerLink:
             "retrying may succeed, and this frontend's log names the worker",
         )
 
-    def on_other_death(self) -> None:
+    def on_other_death(self, ping: bytes) -> None:
         """Another worker died, and this one may have died with it, unseen yet. Its
         heartbeats read in the next HEARD_AFTER_DEATH_S may have waited in this
         socket since before (read in a burst after this frontend's own pause, say):
-        only a later one shows it alive after the death."""
+        only a later one shows it alive after the death. ``ping`` goes then, for a
+        heartbeat in answer at once rather than at its timer's next turn."""
         self.is_heard_since_a_death = False
         self._heard_from = time.monotonic() + HEARD_AFTER_DEATH_S
+        asyncio.get_running_loop().call_later(HEARD_AFTER_DEATH_S, self._ping_if_open, ping)
+
+    def _ping_if_open(self, ping: bytes) -> None:
+        if not self._socket.closed:
+            self.send_frame(ping)
 
     def on_sent(self) -> None:
         self._num_sent += 1

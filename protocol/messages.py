@@ -162,7 +162,8 @@ class AbortRequest:
 @dataclass(frozen=True, slots=True)
 class Ping:
     """The frontend's keep-alive. A worker greets a sender it does not know with
-    `Hello`, and drops a frontend's requests when its pings stop."""
+    `Hello`, answers every ping with a `Heartbeat` to its sender, and drops a
+    frontend's requests when its pings stop."""
 
     TYPE: ClassVar[str] = "ping"
     frontend_id: str
@@ -251,7 +252,8 @@ class Hello:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """Sent on a timer that a long step cannot hold up. ``num_steps`` only ever
+    """Sent on a timer that a long step cannot hold up, and to a peer at once in
+    answer to its `Ping`. ``num_steps`` only ever
     grows while the worker makes progress; ``num_finished`` counts the requests
     it has answered since it started."""
 

@@ -157,6 +157,20 @@ def test_a_malformed_frame_is_answered_when_it_names_a_request_and_never_stops_t
         assert isinstance(result, GenerateResult) and result.request_id == "good"
 
 
+def test_a_ping_is_answered_with_a_heartbeat_at_once(connect: Connect) -> None:
+    """A frontend that saw another worker die asks this one whether it lives: the
+    answer comes in a round trip, not at the timer's next turn (here 30 s)."""
+    with serving(FakeEngine(1), heartbeat_interval_s=30.0) as server:
+        frontend = connect(server)
+        frontend.send(encode(Ping("f1")))
+        frontend.receive_until(Hello)
+        frontend.receive_until(Heartbeat)  # the timer's first, at start
+        for _ in range(2):
+            frontend.send(encode(Ping("f1")))
+            (beat,) = frontend.receive_until(Heartbeat, timeout_s=1)
+            assert isinstance(beat, Heartbeat) and beat.instance_id == server.instance_id
+
+
 def test_heartbeats_keep_coming_during_a_long_step(connect: Connect) -> None:
     with serving(FakeEngine(1, step_delay_s=1.0)) as server:
         frontend = connect(server)

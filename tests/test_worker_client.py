@@ -35,6 +35,7 @@ from protocol import (
     Ping,
     ToFrontend,
     TokenDelta,
+    ToWorker,
     Waiting,
     decode_to_worker,
     encode,
@@ -104,6 +105,13 @@ class StandInWorker:
 
     async def send(self, message: ToFrontend) -> None:
         await self.socket.send_multipart([self.peer, encode(message)])
+
+    async def next_message(self, timeout_s: float) -> ToWorker | None:
+        """The next message the frontend sends, or None in time."""
+        if not await self.socket.poll(timeout_s * 1000):
+            return None
+        _, frame = await self.socket.recv_multipart()
+        return decode_to_worker(frame)
 
     async def next_request(self, timeout_s: float) -> GenerateRequest | None:
         """The next request the frontend sends (pings skipped), or None in time."""
@@ -273,6 +281,45 @@ def test_a_suspect_waits_for_a_sign_of_life_from_the_worker_it_is_tried_on() -> 
             await other.heartbeat()
             trial = await other.next_request(timeout_s=2)
             assert trial is not None and trial.request_id == "r.2"
+        finally:
+            await client.close()
+            for worker in (first, second):
+                worker.socket.close()
+            context.term()
+
+    asyncio.run(drill())
+
+
+def test_after_a_death_the_others_are_pinged_for_a_sign_of_life() -> None:
+    """The suspect need not wait for the survivor's timer (here 10 s): 0.1 s after
+    the death the frontend pings it, and the heartbeat that answers lets the
+    trial go."""
+
+    async def drill() -> None:
+        context = zmq.asyncio.Context()
+        first, second = StandInWorker(context), StandInWorker(context)
+        settings = {"WORKER_ENDPOINTS": f"{first.endpoint},{second.endpoint}"}
+        client = WorkerClient(load(FrontendConfig, [], {**settings, "PING_INTERVAL_S": "30"}))
+        await client.start()
+        try:
+            await asyncio.gather(*(w.greet(1, heartbeat_interval_s=10.0) for w in (first, second)))
+            while sum(link.verdict().is_live for link in client.workers()) < 2:
+                await asyncio.sleep(0.01)
+            deadline = asyncio.get_running_loop().time() + 30
+            client.submit([GenerateRequest("r", "a prompt", 4)], deadline)
+            receiving = {asyncio.ensure_future(w.next_request(5)): w for w in (first, second)}
+            done, pending = await asyncio.wait(receiving, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            holder = receiving[done.pop()]
+            other = second if holder is first else first
+            holder.socket.close()  # killed: its connection closes
+            died_at = asyncio.get_running_loop().time()
+            assert isinstance(await other.next_message(timeout_s=1), Ping)
+            await other.heartbeat()  # the answer
+            trial = await other.next_request(timeout_s=1)
+            assert trial is not None and trial.request_id == "r.2"
+            assert asyncio.get_running_loop().time() - died_at < 0.6
         finally:
             await client.close()
             for worker in (first, second):

@@ -17,6 +17,7 @@ from protocol import (
     GenerateRequest,
     Heartbeat,
     Hello,
+    Ping,
     ProtocolError,
     ToWorker,
     VersionMismatch,
@@ -73,6 +74,7 @@ class Peers:
         self.last_seen: dict[bytes, float] = {}
         self.first_seen: dict[bytes, float] = {}
         self.routes: dict[str, bytes] = {}  # route -> peer, for requests in flight
+        self._pinged_by: set[bytes] = set()  # peers that pinged since the last heartbeat
         self._orphans: list[str] = []
         self._malformed = Throttled(log, "malformed frames")
         self._refused = Throttled(log, "refused requests")
@@ -121,7 +123,9 @@ class Peers:
             return [dataclasses.replace(message, request_id=route)]
         if isinstance(message, AbortRequest) and is_valid_abort(message):
             return [AbortRequest(route_for(peer, message.request_id))]
-        return []  # a ping: seeing the peer was all it was for
+        if isinstance(message, Ping):
+            self._pinged_by.add(peer)  # `answer_pings`
+        return []
 
     def send(self, route: str, final: bool, payload: bytes) -> None:
         peer = self.routes.pop(route, None) if final else self.routes.get(route)
@@ -132,6 +136,20 @@ class Peers:
         frame = encode(heartbeat)
         for peer in list(self.last_seen):
             self._deliver(peer, frame)
+        self._pinged_by.clear()
+
+    @property
+    def is_pinged(self) -> bool:
+        return bool(self._pinged_by)
+
+    def answer_pings(self, heartbeat: Heartbeat) -> None:
+        """Send ``heartbeat`` at once to each peer that pinged since the last one: a
+        frontend that saw another worker die learns within a round trip, not a
+        heartbeat interval, that this one lives (`frontend.worker_link`)."""
+        frame = encode(heartbeat)
+        for peer in self._pinged_by & self.last_seen.keys():
+            self._deliver(peer, frame)
+        self._pinged_by.clear()
 
     def expire(self) -> None:
         """Forget peers whose pings stopped."""
