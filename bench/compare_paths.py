@@ -34,7 +34,7 @@ import psutil
 
 from bench import http_load, zmq_load
 from bench.engine_bench import run_continuous
-from bench.load import workload
+from bench.load import tagged_workload
 from bench.report import RESULTS, median_summary, save_figure, summarize, table, write_json
 from bench.stack import Stack, running_stack, stack_env
 from worker.engine.load import load_engine
@@ -72,7 +72,7 @@ class Paths:
             engine_args = zmq_load.parser().parse_args(
                 _load_args(self.args, num_requests, self.args.capacity)
             )
-            requests = workload(engine_args, tag=f"{path}-{uuid.uuid4().hex[:8]}")
+            requests = tagged_workload(engine_args, tag=f"{path}-{uuid.uuid4().hex[:8]}")
             summary = run_continuous(self.engine, requests, concurrency=self.args.capacity)
         else:
             steps_before = self._worker_steps()
@@ -85,10 +85,10 @@ class Paths:
         users = self.args.capacity * (2 if path == "http-queue" else 1)
         if path.startswith("http"):
             http_args = http_load.parser().parse_args(_load_args(self.args, num_requests, users))
-            requests = workload(http_args, tag=f"http-{uuid.uuid4().hex[:8]}")
+            requests = tagged_workload(http_args, tag=f"http-{uuid.uuid4().hex[:8]}")
             return summarize(asyncio.run(http_load.run_http(self.stack.url, requests, http_args)))
         zmq_args = zmq_load.parser().parse_args(_load_args(self.args, num_requests, users))
-        requests = workload(zmq_args, tag=f"{path}-{uuid.uuid4().hex[:8]}")
+        requests = tagged_workload(zmq_args, tag=f"{path}-{uuid.uuid4().hex[:8]}")
         endpoint = self.stack.worker_endpoint
         return summarize(
             asyncio.run(zmq_load.run_zmq(endpoint, requests, zmq_args, zmq_load.client_keys()))

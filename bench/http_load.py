@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
-    requests = load.workload(args, tag=f"http-{uuid.uuid4().hex[:8]}")
+    requests = load.tagged_workload(args, tag=f"http-{uuid.uuid4().hex[:8]}")
     with target_url(args) as url:
         records = asyncio.run(run_http(url, requests, args))
     settings = {

@@ -132,9 +132,9 @@ def run_once(
     then the workload; its records and the prompt lengths the server counted."""
     warm_up = load_args(args, slots, slots, args.seed + 1)
     measured = load_args(args, slots, args.requests or num_requests(slots), args.seed)
-    requests = load.workload(measured, tag=f"{engine}-{uuid.uuid4().hex[:8]}")
+    requests = load.tagged_workload(measured, tag=f"{engine}-{uuid.uuid4().hex[:8]}")
     with serving(engine, slots, args) as url:
-        asyncio.run(run_http(url, load.workload(warm_up, tag=f"warm-{engine}"), warm_up))
+        asyncio.run(run_http(url, load.tagged_workload(warm_up, tag=f"warm-{engine}"), warm_up))
         records = asyncio.run(run_http(url, requests, measured))
     return records, check_tokens(engine, requests, records)
 

@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def workload(args: argparse.Namespace, tag: str) -> list[GenerateRequest]:
+def tagged_workload(args: argparse.Namespace, tag: str) -> list[GenerateRequest]:
     """The seeded workload, with request ids unique to this run (``tag``), so that
     two runs against one worker never collide."""
     requests = make_workload(

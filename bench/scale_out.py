@@ -58,9 +58,9 @@ def run_layout(layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
     with running_stack(logs, env) as stack:
         stack.wait_live(timeout_s=300)
         _wait_for_workers(stack.url, layout.num_workers)
-        warm_up = load.workload(args, tag=f"warm-{uuid.uuid4().hex[:8]}")[: 2 * slots]
+        warm_up = load.tagged_workload(args, tag=f"warm-{uuid.uuid4().hex[:8]}")[: 2 * slots]
         asyncio.run(run_http(stack.url, warm_up, args))
-        requests = load.workload(args, tag=f"scale-{uuid.uuid4().hex[:8]}")
+        requests = load.tagged_workload(args, tag=f"scale-{uuid.uuid4().hex[:8]}")
         records = asyncio.run(run_http(stack.url, requests, args))
     return {"slots_per_worker": slots, **summarize(records)}
 

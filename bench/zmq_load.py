@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
-    requests = load.workload(args, tag=f"zmq-{uuid.uuid4().hex[:8]}")
+    requests = load.tagged_workload(args, tag=f"zmq-{uuid.uuid4().hex[:8]}")
     curve = client_keys()
     with target_endpoint(args) as endpoint:
         check_worker(endpoint, curve)

@@ -158,12 +158,12 @@ def test_http_and_zmq_clients_against_a_fake_stack(tmp_path: Path) -> None:
         stack.wait_live()
         for api, mode in ((NATIVE, "closed"), (OPENAI, "open")):
             args = _args(mode=mode)
-            requests = load.workload(args, tag=api)
+            requests = load.tagged_workload(args, tag=api)
             records = asyncio.run(_run_http(stack.url, api, requests, args))
             _check(records, requests, says_server_time=api == NATIVE)
             assert all(r.num_prompt_tokens for r in records), "both APIs answer with usage"
         args = _args()
-        requests = load.workload(args, tag="zmq")
+        requests = load.tagged_workload(args, tag="zmq")
         _check(asyncio.run(_run_zmq(stack.env["WORKER_ENDPOINT"], requests, args)), requests)
 
 
