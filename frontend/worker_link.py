@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 HANDSHAKE_RETRY_MAX_S = 10.0
 # After another worker's death, a heartbeat read sooner than this may have been
 # sent before it (`on_other_death`): frames that waited in the socket are read in
-# a burst, within a few turns of the event loop.
+# a burst, within a few turns of the event loop. (A loop held up longer than this
+# in that moment could still take one for a sign of life.)
 HEARD_AFTER_DEATH_S = 0.1
 # After this long with no hello, a worker's verdict asks whether one runs there at
 # all (a first start that downloads a model takes longer, and says so in its log).

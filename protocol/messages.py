@@ -162,8 +162,9 @@ class AbortRequest:
 @dataclass(frozen=True, slots=True)
 class Ping:
     """The frontend's keep-alive. A worker greets a sender it does not know with
-    `Hello`, answers every ping with a `Heartbeat` to its sender, and drops a
-    frontend's requests when its pings stop."""
+    `Hello`, answers a ping with a `Heartbeat` to its sender within a round trip
+    (at most one every 50 ms a sender), and drops a frontend's requests when its
+    pings stop."""
 
     TYPE: ClassVar[str] = "ping"
     frontend_id: str

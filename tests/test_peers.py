@@ -7,10 +7,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from protocol import GenerateRequest, Hello, Ping, encode
+from protocol import GenerateRequest, Heartbeat, Hello, Ping, encode
 from protocol.request_checks import RequestLimits
 from tests.fake_clock import FakeClock
-from worker.serve.peers import SETTLED_S, Peers
+from worker.serve.peers import MIN_PING_ANSWER_S, SETTLED_S, Peers
 
 
 class _Router:
@@ -89,3 +89,24 @@ def test_a_peer_of_another_protocol_version_is_greeted_and_never_seen() -> None:
     old_request = msgpack.packb({"v": 1, "type": "generate", "request_id": "r", "prompt": "hi"})
     assert peers.receive([b"old", old_request]) == []
     assert not peers.routes
+
+
+def test_a_flood_of_pings_is_answered_once_in_a_while_and_none_is_left_unanswered(
+    clock: FakeClock,
+) -> None:
+    """Each ping is answered with a heartbeat (a frontend's sign of life after a
+    death): 3,000 pings a second got 2,200 heartbeats a second back, and doubled
+    the worker's CPU."""
+    peers = _table(max_peers=4)
+    beat = Heartbeat("worker", num_steps=0, num_queued=0, num_active=0)
+    answered = 0
+    for _ in range(100):  # 100 pings in 10 ms
+        _ping(peers, b"flood")
+        if due := peers.pings_due():
+            peers.answer_pings(due, beat)
+            answered += 1
+        clock.now += 0.0001
+    assert answered == 1
+    assert peers.pings_due() == []  # the last ones wait their turn
+    clock.now += MIN_PING_ANSWER_S
+    assert peers.pings_due() == [b"flood"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 
 import zmq
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 MAX_QUEUED_PER_PEER = 2048
 # A peer connected this long keeps its place in a full table (see `Peers._make_room`).
 SETTLED_S = 5.0
+# A peer's pings are answered with a heartbeat at most this often (`pings_due`).
+MIN_PING_ANSWER_S = 0.05
 _MAX_ERROR_CHARS = 512
 
 
@@ -75,6 +78,7 @@ class Peers:
         self.first_seen: dict[bytes, float] = {}
         self.routes: dict[str, bytes] = {}  # route -> peer, for requests in flight
         self._pinged_by: set[bytes] = set()  # peers that pinged since the last heartbeat
+        self._answered_at: dict[bytes, float] = {}  # peer -> when its last ping was answered
         self._orphans: list[str] = []
         self._malformed = Throttled(log, "malformed frames")
         self._refused = Throttled(log, "refused requests")
@@ -138,18 +142,28 @@ class Peers:
             self._deliver(peer, frame)
         self._pinged_by.clear()
 
-    @property
-    def is_pinged(self) -> bool:
-        return bool(self._pinged_by)
+    def pings_due(self) -> list[bytes]:
+        """The peers whose pings since the last heartbeat are to be answered now:
+        at most one answer every MIN_PING_ANSWER_S a peer, so that a flood of pings
+        costs a heartbeat now and then, not one each; the others wait their turn."""
+        now = time.monotonic()
+        self._pinged_by &= self.last_seen.keys()
+        return [
+            peer
+            for peer in self._pinged_by
+            if now - self._answered_at.get(peer, -math.inf) >= MIN_PING_ANSWER_S
+        ]
 
-    def answer_pings(self, heartbeat: Heartbeat) -> None:
-        """Send ``heartbeat`` at once to each peer that pinged since the last one: a
-        frontend that saw another worker die learns within a round trip, not a
-        heartbeat interval, that this one lives (`frontend.worker_link`)."""
+    def answer_pings(self, peers: list[bytes], heartbeat: Heartbeat) -> None:
+        """Send ``heartbeat`` to ``peers`` (`pings_due`): a frontend that saw another
+        worker die learns within a round trip, not a heartbeat interval, that this
+        one lives (`frontend.worker_link`)."""
         frame = encode(heartbeat)
-        for peer in self._pinged_by & self.last_seen.keys():
-            self._deliver(peer, frame)
-        self._pinged_by.clear()
+        now = time.monotonic()
+        for peer in peers:
+            if self._deliver(peer, frame):
+                self._answered_at[peer] = now
+            self._pinged_by.discard(peer)
 
     def expire(self) -> None:
         """Forget peers whose pings stopped."""
@@ -225,6 +239,7 @@ class Peers:
                 log.debug("%s", message)
             self.last_seen.pop(peer, None)
             self.first_seen.pop(peer, None)
+            self._answered_at.pop(peer, None)
         for route in orphans:
             del self.routes[route]
         self._orphans.extend(orphans)

@@ -299,8 +299,8 @@ class WorkerServer:
                     peers.heartbeat(self._heartbeat(is_stop_announced))
                     peers.expire()
                     watchdog.check()
-                elif peers.is_pinged:
-                    peers.answer_pings(self._heartbeat(is_stop_announced))
+                elif pinged := peers.pings_due():
+                    peers.answer_pings(pinged, self._heartbeat(is_stop_announced))
                 for route in peers.take_orphans():
                     self._inbox.put(AbortRequest(route))
             self._close(router, outputs, peers)
