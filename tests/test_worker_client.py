@@ -25,6 +25,7 @@ import zmq.asyncio
 from frontend import worker_link
 from frontend.config import FrontendConfig
 from frontend.worker_client import WorkerClient
+from frontend.worker_link import HEARD_AFTER_DEATH_S
 from protocol import (
     Admitted,
     ErrorCode,
@@ -246,46 +247,56 @@ def test_two_deaths_while_a_request_only_waited_in_the_queue_do_not_fail_it(
     asyncio.run(drill())
 
 
+@contextlib.asynccontextmanager
+async def _one_of_two_killed_holding_a_suspect(
+    heartbeat_interval_s: float, **settings: str
+) -> AsyncIterator[StandInWorker]:
+    """Two stand-in workers of one slot; a request goes to one, which is killed
+    before it made progress (its connection closes) and found dead: the request
+    is a suspect. Yields the other."""
+    context = zmq.asyncio.Context()
+    first, second = StandInWorker(context), StandInWorker(context)
+    settings["WORKER_ENDPOINTS"] = f"{first.endpoint},{second.endpoint}"
+    client = WorkerClient(load(FrontendConfig, [], settings))
+    await client.start()
+    try:
+        await asyncio.gather(*(w.greet(1, heartbeat_interval_s) for w in (first, second)))
+        while sum(link.verdict().is_live for link in client.workers()) < 2:
+            await asyncio.sleep(0.01)
+        client.submit([GenerateRequest("r", "a prompt", 4)], asyncio.get_running_loop().time() + 30)
+        receiving = {asyncio.ensure_future(w.next_request(5)): w for w in (first, second)}
+        done, pending = await asyncio.wait(receiving, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        holder = receiving[done.pop()]
+        (holder_link,) = [link for link in client.workers() if link.endpoint == holder.endpoint]
+        holder.socket.close()
+        while holder_link.verdict().is_live:
+            await asyncio.sleep(0.01)
+        yield second if holder is first else first
+    finally:
+        await client.close()
+        for worker in (first, second):
+            worker.socket.close()
+        context.term()
+
+
 def test_a_suspect_waits_for_a_sign_of_life_from_the_worker_it_is_tried_on() -> None:
     """Two workers killed together: the first found dead left a suspect, which
     went at once to the second, dead too but not yet found so. It died with it,
     its second death without progress, and was failed: an innocent request. A
     heartbeat read right after the death may have been sent before it: only one
-    read half a heartbeat interval later lets the trial go."""
+    read HEARD_AFTER_DEATH_S later lets the trial go (this stand-in answers no
+    ping)."""
 
     async def drill() -> None:
-        context = zmq.asyncio.Context()
-        first, second = StandInWorker(context), StandInWorker(context)
-        endpoints = f"{first.endpoint},{second.endpoint}"
-        client = WorkerClient(load(FrontendConfig, [], {"WORKER_ENDPOINTS": endpoints}))
-        await client.start()
-        try:
-            await asyncio.gather(*(w.greet(1, heartbeat_interval_s=1.0) for w in (first, second)))
-            while sum(link.verdict().is_live for link in client.workers()) < 2:
-                await asyncio.sleep(0.01)
-            deadline = asyncio.get_running_loop().time() + 30
-            client.submit([GenerateRequest("r", "a prompt", 4)], deadline)
-            receiving = {asyncio.ensure_future(w.next_request(5)): w for w in (first, second)}
-            done, pending = await asyncio.wait(receiving, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            holder = receiving[done.pop()]
-            other = second if holder is first else first
-            (holder_link,) = [link for link in client.workers() if link.endpoint == holder.endpoint]
-            holder.socket.close()  # killed: its connection closes
-            while holder_link.verdict().is_live:
-                await asyncio.sleep(0.01)
+        async with _one_of_two_killed_holding_a_suspect(heartbeat_interval_s=1.0) as other:
             await other.heartbeat()  # may have been sent before the death
             assert await other.next_request(timeout_s=0.3) is None
-            await asyncio.sleep(0.3)  # past half of its heartbeat interval since the death
+            await asyncio.sleep(HEARD_AFTER_DEATH_S)
             await other.heartbeat()
             trial = await other.next_request(timeout_s=2)
             assert trial is not None and trial.request_id == "r.2"
-        finally:
-            await client.close()
-            for worker in (first, second):
-                worker.socket.close()
-            context.term()
 
     asyncio.run(drill())
 
@@ -296,35 +307,13 @@ def test_after_a_death_the_others_are_pinged_for_a_sign_of_life() -> None:
     trial go."""
 
     async def drill() -> None:
-        context = zmq.asyncio.Context()
-        first, second = StandInWorker(context), StandInWorker(context)
-        settings = {"WORKER_ENDPOINTS": f"{first.endpoint},{second.endpoint}"}
-        client = WorkerClient(load(FrontendConfig, [], {**settings, "PING_INTERVAL_S": "30"}))
-        await client.start()
-        try:
-            await asyncio.gather(*(w.greet(1, heartbeat_interval_s=10.0) for w in (first, second)))
-            while sum(link.verdict().is_live for link in client.workers()) < 2:
-                await asyncio.sleep(0.01)
-            deadline = asyncio.get_running_loop().time() + 30
-            client.submit([GenerateRequest("r", "a prompt", 4)], deadline)
-            receiving = {asyncio.ensure_future(w.next_request(5)): w for w in (first, second)}
-            done, pending = await asyncio.wait(receiving, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            holder = receiving[done.pop()]
-            other = second if holder is first else first
-            holder.socket.close()  # killed: its connection closes
-            died_at = asyncio.get_running_loop().time()
+        async with _one_of_two_killed_holding_a_suspect(10.0, PING_INTERVAL_S="30") as other:
+            found_dead_at = asyncio.get_running_loop().time()
             assert isinstance(await other.next_message(timeout_s=1), Ping)
             await other.heartbeat()  # the answer
             trial = await other.next_request(timeout_s=1)
             assert trial is not None and trial.request_id == "r.2"
-            assert asyncio.get_running_loop().time() - died_at < 0.6
-        finally:
-            await client.close()
-            for worker in (first, second):
-                worker.socket.close()
-            context.term()
+            assert asyncio.get_running_loop().time() - found_dead_at < 0.6
 
     asyncio.run(drill())
 
