@@ -1,12 +1,15 @@
 """A worker's side of the protocol, played by the test: a hello, heartbeats, and
-to each request what the test says, to show how the frontend takes answers no
-real worker would send."""
+to each request what the test says, to show how the frontend (or the probe)
+takes answers no real worker would send.
+
+`tests/test_worker_client.py` has the other stand-in: one the test drives frame
+by frame from its event loop, for the order of what the frontend sends."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -27,19 +30,28 @@ Answer = Callable[[GenerateRequest], list[ToFrontend | bytes]]
 
 class StandInWorker:
     """A ROUTER, on its own thread, that speaks the worker's side of the protocol:
-    a hello and heartbeats, and to each request what ``answer`` says. Everything
-    the frontend sends it is in ``received``."""
+    a hello and heartbeats, and to each request what ``answer`` says. The requests
+    and aborts it gets are in ``received``, the pings in ``pings``."""
 
-    def __init__(self, answer: Answer, capacity: int, hello: Hello | bytes | None = None) -> None:
-        """``hello`` may be a frame (bytes), sent as it is."""
+    def __init__(
+        self,
+        answer: Answer,
+        capacity: int,
+        hello: Hello | bytes | None = None,
+        greeting: Sequence[ToFrontend | bytes] | None = None,
+    ) -> None:
+        """``hello`` may be a frame (bytes), sent as it is. ``greeting``, if given,
+        answers the first ping in place of the hello (heartbeats follow either)."""
         self.answer = answer
         self.capacity = capacity
         self.hello = hello or Hello("stand-in", "fake", False, capacity, 1024, 16, 1 << 20)
+        self.greeting = [self.hello] if greeting is None else list(greeting)
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
         self.received: list[GenerateRequest | AbortRequest] = []
+        self.pings: list[Ping] = []
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
@@ -67,9 +79,12 @@ class StandInWorker:
             if self.socket.poll(20):
                 sender, frame = self.socket.recv_multipart()
                 message = decode_to_worker(frame)
+                if isinstance(message, Ping):
+                    self.pings.append(message)
                 if isinstance(message, Ping) and peer is None:
                     peer = sender
-                    self._send(peer, self.hello)
+                    for frame in self.greeting:
+                        self._send(peer, frame)
                 elif isinstance(message, (GenerateRequest, AbortRequest)):
                     self.received.append(message)
                     if isinstance(message, GenerateRequest):

@@ -1,11 +1,10 @@
-"""`minibatch-probe` against a stand-in worker: a ROUTER that greets a Ping with Hello."""
+"""`minibatch-probe` against a stand-in worker (`tests.stand_in_worker`)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +14,9 @@ import msgpack
 import pytest
 import zmq
 
-from protocol import Heartbeat, Hello, Ping, decode_to_worker, encode
+from protocol import Heartbeat, Hello, encode
 from tests.stack import free_port
+from tests.stand_in_worker import StandInWorker
 from worker.launch.probe import ProbeFailed, local_endpoint, main, probe
 from worker.serve.config import WorkerConfig
 
@@ -33,44 +33,11 @@ HELLO = Hello(
 )
 
 
-class StandInWorker:
-    """Answers each Ping with ``replies``, on a thread, until stopped."""
-
-    def __init__(self, replies: list[bytes]) -> None:
-        self.replies = replies
-        self.pings: list[Ping] = []
-        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._socket.poll(50, zmq.POLLIN):
-                continue
-            identity, frame = self._socket.recv_multipart()
-            message = decode_to_worker(frame)
-            if isinstance(message, Ping):
-                self.pings.append(message)
-                for reply in self.replies:
-                    self._socket.send_multipart([identity, reply])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._socket.close()
-        self._context.term()
-
-
 @pytest.fixture
 def stand_in(request: pytest.FixtureRequest) -> Iterator[StandInWorker]:
-    worker = StandInWorker(request.param)
-    yield worker
-    worker.close()
+    """A stand-in worker that answers the first ping with ``request.param``'s frames."""
+    with StandInWorker(lambda request: [], capacity=4, greeting=request.param) as worker:
+        yield worker
 
 
 @pytest.mark.parametrize("stand_in", [[encode(HELLO)]], indirect=True)

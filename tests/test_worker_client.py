@@ -10,11 +10,9 @@ import contextlib
 import dataclasses
 import logging
 import os
-import queue
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -43,6 +41,7 @@ from protocol import (
 )
 from protocol.settings import load
 from tests.stack import free_port
+from tests.stand_in_worker import StandInWorker
 
 
 @pytest.mark.parametrize(
@@ -77,8 +76,9 @@ def test_a_background_task_that_raises_ends_the_frontend_loudly(cls: str, loop: 
     assert "RuntimeError: injected" in done.stderr
 
 
-class StandInWorker:
-    """A ROUTER that speaks the worker's side of the protocol as the test says."""
+class ScriptedWorker:
+    """A ROUTER that speaks the worker's side of the protocol frame by frame, as
+    the test's event loop says (`tests.stand_in_worker` answers on its own thread)."""
 
     def __init__(self, context: zmq.asyncio.Context) -> None:
         self.socket = context.socket(zmq.ROUTER)
@@ -129,10 +129,10 @@ class StandInWorker:
 
 
 @contextlib.asynccontextmanager
-async def _client_of_one_slot() -> AsyncIterator[tuple[WorkerClient, StandInWorker]]:
+async def _client_of_one_slot() -> AsyncIterator[tuple[WorkerClient, ScriptedWorker]]:
     """A frontend's client of workers, live with a stand-in worker of one slot."""
     context = zmq.asyncio.Context()
-    worker = StandInWorker(context)
+    worker = ScriptedWorker(context)
     client = WorkerClient(load(FrontendConfig, [], {"WORKER_ENDPOINT": worker.endpoint}))
     await client.start()
     try:
@@ -191,7 +191,7 @@ def test_a_chat_that_fills_the_context_window_sends_its_successor_in_its_last_st
 
 
 async def _next_attempt_of(
-    worker: StandInWorker, request_id: str, timeout_s: float
+    worker: ScriptedWorker, request_id: str, timeout_s: float
 ) -> GenerateRequest | None:
     """The next attempt of ``request_id`` the frontend sends; any other request
     sent before it makes progress at once (a token)."""
@@ -250,12 +250,12 @@ def test_two_deaths_while_a_request_only_waited_in_the_queue_do_not_fail_it(
 @contextlib.asynccontextmanager
 async def _one_of_two_killed_holding_a_suspect(
     heartbeat_interval_s: float, **settings: str
-) -> AsyncIterator[StandInWorker]:
+) -> AsyncIterator[ScriptedWorker]:
     """Two stand-in workers of one slot; a request goes to one, which is killed
     before it made progress (its connection closes) and found dead: the request
     is a suspect. Yields the other."""
     context = zmq.asyncio.Context()
-    first, second = StandInWorker(context), StandInWorker(context)
+    first, second = ScriptedWorker(context), ScriptedWorker(context)
     settings["WORKER_ENDPOINTS"] = f"{first.endpoint},{second.endpoint}"
     client = WorkerClient(load(FrontendConfig, [], settings))
     await client.start()
@@ -318,33 +318,13 @@ def test_after_a_death_the_others_are_pinged_for_a_sign_of_life() -> None:
     asyncio.run(drill())
 
 
-def _heartbeating_worker(endpoint_ready: queue.Queue[str], stop: threading.Event) -> None:
-    """A worker on a thread of its own: greets the first ping, then heartbeats
-    every 50 ms, whatever the frontend's event loop is doing."""
-    context = zmq.Context()
-    socket = context.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.LINGER, 0)
-    endpoint_ready.put(f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}")
-    peer, _ = socket.recv_multipart()
-    socket.send_multipart([peer, encode(Hello("stand-in", "fake", False, 1, 1024, 16, 1 << 20))])
-    while not stop.wait(0.05):
-        heartbeat = Heartbeat("stand-in", num_steps=1, num_queued=0, num_active=0)
-        socket.send_multipart([peer, encode(heartbeat)])
-    socket.close()
-    context.term()
-
-
 def test_a_busy_event_loop_does_not_take_unread_heartbeats_for_silence() -> None:
     """The loop blocked past HEARTBEAT_TIMEOUT_S (a burst of large bodies to
     validate) while the worker kept sending heartbeats: they wait unread, and the
     worker is still live when the loop looks again, before it reads them."""
-    endpoint_ready: queue.Queue[str] = queue.Queue()
-    stop = threading.Event()
-    worker = threading.Thread(target=_heartbeating_worker, args=(endpoint_ready, stop))
-    worker.start()
 
-    async def drill() -> None:
-        env = {"WORKER_ENDPOINT": endpoint_ready.get(timeout=5), "HEARTBEAT_TIMEOUT_S": "0.5"}
+    async def drill(endpoint: str) -> None:
+        env = {"WORKER_ENDPOINT": endpoint, "HEARTBEAT_TIMEOUT_S": "0.5"}
         client = WorkerClient(load(FrontendConfig, [], env))
         await client.start()
         try:
@@ -357,11 +337,9 @@ def test_a_busy_event_loop_does_not_take_unread_heartbeats_for_silence() -> None
         finally:
             await client.close()
 
-    try:
-        asyncio.run(drill())
-    finally:
-        stop.set()
-        worker.join()
+    # Its heartbeats go on, every 0.1 s, from a thread of its own.
+    with StandInWorker(lambda request: [], capacity=1) as worker:
+        asyncio.run(drill(worker.endpoint))
 
 
 def test_a_frontend_with_no_worker_at_its_address_asks_whether_one_runs_there(
