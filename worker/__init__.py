@@ -1,5 +1,9 @@
-"""The engine worker: the engine seam, engines, the scheduler and its ZMQ server.
+"""The engine worker: `engine/` (the seam, the slot bookkeeping, the fake and
+torch engines), `model/` (the GPT-2 forward and its kernels), `serve/` (the
+scheduler, its ZMQ server, the process) and `launch/` (the supervisor, warm
+starts, the probe).
 
-The only package that may import torch or transformers, and only in the modules
-of the torch engine, so that FakeEngine and the scheduler load without them.
+The only package that may import torch or transformers: `model/`, and in
+`engine/` the torch engine and what builds it (`torch_engine`, `load`), so that
+FakeEngine and the scheduler load without them.
 """

@@ -182,12 +182,6 @@ class FakeEngine(SlotEngine):
         self.num_decode_steps = 0
         self.num_resets = 0
 
-    def _prefill(self, newcomers: list[Sequence]) -> list[int]:
-        self._start_prefill(newcomers)
-        return self._prefill_chunks(
-            [Chunk(seq, 0, len(seq.context_token_ids)) for seq in newcomers]
-        )
-
     def _start_prefill(self, newcomers: list[Sequence]) -> None:
         for seq in newcomers:
             # Decoded from the ids, so that a replay sent as token ids crashes too.

@@ -1,10 +1,10 @@
 """Slot bookkeeping shared by every engine: admission checks, slot allocation,
 finishing and streaming deltas, and the schedule of chunked prefill. A subclass
-computes next tokens (`_prefill`, `_decode`); one that also implements the
-chunk hooks (`_start_prefill`, `_prefill_chunks`) gets chunked prefill, and one
-without them prefills whole prompts. The prefix cache needs the hooks that copy
-rows and keep logits too (`_copy_rows`, `_first_token_from_kept_logits`), which
-the torch engine implements and the fake one does not."""
+computes next tokens: `_decode`, and the chunk hooks (`_start_prefill`,
+`_prefill_chunks`), which serve chunked prefill and whole prompts alike (one
+without them, a test's, overrides `_prefill`). The prefix cache needs the hooks
+that copy rows and keep logits too (`_copy_rows`, `_first_token_from_kept_logits`),
+which the torch engine implements and the fake one does not."""
 
 from __future__ import annotations
 
@@ -91,11 +91,15 @@ class SlotEngine(InferenceEngine):
 
     # --- what a subclass computes -------------------------------------------------
 
-    @abstractmethod
     def _prefill(self, newcomers: list[Sequence]) -> list[int]:
         """Run the newcomers' contexts (prompt, then any resumed output) into their
         slots; return each one's next token. Must change nothing a live sequence
-        depends on if it raises."""
+        depends on if it raises. An engine with the chunk hooks runs each whole
+        context as one chunk."""
+        self._start_prefill(newcomers)
+        return self._prefill_chunks(
+            [Chunk(seq, 0, len(seq.context_token_ids)) for seq in newcomers]
+        )
 
     def _start_prefill(self, newcomers: list[Sequence]) -> None:
         """Hook, for chunked prefill: check the newcomers and set up their slots

@@ -110,12 +110,6 @@ class TorchEngine(SlotEngine):
     def num_matmul_shapes(self) -> int:
         return num_matmul_shapes()
 
-    def _prefill(self, newcomers: list[Sequence]) -> list[int]:
-        self._start_prefill(newcomers)
-        return self._prefill_chunks(
-            [Chunk(seq, 0, len(seq.context_token_ids)) for seq in newcomers]
-        )
-
     def _start_prefill(self, newcomers: list[Sequence]) -> None:
         for seq in newcomers:
             self._seeds[seq.slot] = self.sampler.seed_for(seq.request)

@@ -1,3 +1,3 @@
 """The model: the batched GPT-2 forward on the slot KV cache, its matrix products
 and CPU kernels, precision, sampling and penalties, and where weights come from.
-The only package that imports torch or transformers."""
+Imported only by the torch engine (`worker.engine.torch_engine`, `load`)."""

@@ -1,2 +1,3 @@
-"""The worker process: its ZMQ server, the scheduler loop, the checks on every
-request it receives, and its entry point."""
+"""The worker process: its entry point and settings, the scheduler, and its ZMQ
+server (its peers, inbox and watchdog; the checks on what peers send are
+`protocol.request_checks`)."""
