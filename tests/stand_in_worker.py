@@ -7,9 +7,11 @@ by frame from its event loop, for the order of what the frontend sends."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
@@ -23,6 +25,21 @@ from protocol import (
     decode_to_worker,
     encode,
 )
+
+
+def stand_in_hello(**fields: Any) -> Hello:
+    """A hello as a small fake worker sends it, with ``fields`` changed."""
+    hello = Hello(
+        instance_id="stand-in",
+        model="fake",
+        is_random_weights=False,
+        capacity=1,
+        context_window=1024,
+        max_queue_depth=16,
+        max_message_bytes=1 << 20,
+    )
+    return dataclasses.replace(hello, **fields)
+
 
 # What the stand-in answers a request: messages, or frames (bytes) sent as they are.
 Answer = Callable[[GenerateRequest], list[ToFrontend | bytes]]
@@ -44,7 +61,7 @@ class StandInWorker:
         answers the first ping in place of the hello (heartbeats follow either)."""
         self.answer = answer
         self.capacity = capacity
-        self.hello = hello or Hello("stand-in", "fake", False, capacity, 1024, 16, 1 << 20)
+        self.hello = hello or stand_in_hello(capacity=capacity)
         self.greeting = [self.hello] if greeting is None else list(greeting)
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)

@@ -3,6 +3,7 @@ with the official `openai` client where it speaks them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from protocol.limits import CHAT_ROLES
+from tests.sse import sse_events
 from tests.stack import Stack, live_stack, openai_client
 from worker.engine.fake_engine import FAKE_VOCAB_SIZE, expected_text
 
@@ -167,8 +169,8 @@ def test_chat_continuous_usage_counts_every_chunk(stack: Stack) -> None:
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=10) as r:
-        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
-    usages = [httpx.Response(200, content=line[6:]).json()["usage"] for line in lines]
+        chunks = [json.loads(data) for _, data in sse_events(r) if data != "[DONE]"]
+    usages = [chunk["usage"] for chunk in chunks]
     assert [u["completion_tokens"] for u in usages] == [1, 2, 3, 4, 4, 4]
     assert {u["prompt_tokens"] for u in usages} == {len(CHAT_PROMPT)}
 

@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from bench.stack import REPO_ROOT
-from protocol import GenerateRequest, GenerateResult, Hello, ToFrontend
+from protocol import GenerateRequest, GenerateResult, ToFrontend
 from tests.sse import sse_events
 from tests.stack import Stack, running_stack
-from tests.stand_in_worker import StandInWorker
+from tests.stand_in_worker import StandInWorker, stand_in_hello
 from worker.engine.fake_engine import expected_text
 
 
@@ -131,6 +131,10 @@ def test_a_request_no_worker_can_serve_is_refused_while_every_slot_is_busy(
                 assert problem in response.json()["error"]["message"]
 
 
+# A worker that takes no request and no prompt over one character.
+_TINY = stand_in_hello(model="tiny", capacity=0, context_window=1, vocab_size=2, max_token_chars=1)
+
+
 @pytest.mark.parametrize("tiny_first", [True, False])
 def test_a_request_is_refused_only_if_no_live_worker_could_serve_it(
     tmp_path: Path, tiny_first: bool
@@ -142,10 +146,9 @@ def test_a_request_is_refused_only_if_no_live_worker_could_serve_it(
     def answer(request: GenerateRequest) -> list[ToFrontend | bytes]:
         return [GenerateResult(request.request_id, "ab", [97, 98], "length", 2, 2, 0, 1)]
 
-    tiny = Hello("stand-in", "tiny", False, 0, 1, 16, 1 << 20, vocab_size=2, max_token_chars=1)
-    roomy = Hello("stand-in", "roomy", False, 1, 64, 16, 1 << 20, vocab_size=99, max_token_chars=1)
+    roomy = stand_in_hello(model="roomy", context_window=64, vocab_size=99, max_token_chars=1)
     with (
-        StandInWorker(answer, capacity=0, hello=tiny) as first,
+        StandInWorker(answer, capacity=0, hello=_TINY) as first,
         StandInWorker(answer, capacity=1, hello=roomy) as second,
     ):
         endpoints = [first.endpoint, second.endpoint]
@@ -170,10 +173,9 @@ def test_a_live_worker_that_does_not_say_its_limits_may_serve_anything(tmp_path:
     def answer(request: GenerateRequest) -> list[ToFrontend | bytes]:
         return [GenerateResult(request.request_id, "ab", [97, 98], "length", 2, 2, 0, 1)]
 
-    tiny = Hello("stand-in", "tiny", False, 0, 1, 16, 1 << 20, vocab_size=2, max_token_chars=1)
-    silent = Hello("stand-in", "silent", False, 1, 64, 16, 1 << 20)  # no limits said
+    silent = stand_in_hello(model="silent", context_window=64)  # no limits said
     with (
-        StandInWorker(answer, capacity=0, hello=tiny) as first,
+        StandInWorker(answer, capacity=0, hello=_TINY) as first,
         StandInWorker(answer, capacity=1, hello=silent) as second,
     ):
         overrides = {"WORKER_ENDPOINTS": f"{first.endpoint},{second.endpoint}"}

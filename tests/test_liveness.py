@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from protocol import Heartbeat, Hello
 from protocol.liveness import Liveness, PauseWatch, WorkerState
+from tests.stand_in_worker import stand_in_hello
 
 
 class Clock:
@@ -13,7 +14,7 @@ class Clock:
 
 
 def _hello(instance_id: str = "a") -> Hello:
-    return Hello(instance_id, "fake", True, 8, 1024, 16, 1 << 20)
+    return stand_in_hello(instance_id=instance_id, is_random_weights=True, capacity=8)
 
 
 def test_no_hello_means_connecting() -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from protocol import GenerateRequest, Heartbeat, Hello, Ping, encode
+from protocol import GenerateRequest, Heartbeat, Ping, encode
 from protocol.request_checks import RequestLimits
 from tests.fake_clock import FakeClock
+from tests.stand_in_worker import stand_in_hello
 from worker.serve.peers import MIN_PING_ANSWER_S, SETTLED_S, Peers
 
 
@@ -24,7 +25,7 @@ class _Router:
 
 
 def _table(max_peers: int) -> Peers:
-    hello = Hello("worker", "fake", False, 1, 1024, 16, 1 << 20)
+    hello = stand_in_hello(instance_id="worker")
     limits = RequestLimits(vocab_size=1000, context_window=64, max_token_chars=4)
     return Peers(_Router(), hello, limits, timeout_s=60, max_peers=max_peers)  # type: ignore[arg-type]
 

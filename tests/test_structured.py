@@ -26,6 +26,7 @@ from frontend.openai_schemas import ResponseFormat
 from frontend.structured import NO_GRAMMAR, Grammar, compile_grammar, request_grammar
 from protocol import GrammarKind
 from protocol.limits import MAX_GRAMMAR_CHARS
+from tests.sse import sse_events
 from tests.stack import Stack, live_stack, openai_client, running_stack
 from worker.engine.fake_engine import fake_grammar_tokenizer
 
@@ -478,11 +479,10 @@ def test_a_constrained_stream_cut_by_a_worker_kill_continues_exactly(tmp_path: P
     def stream(stack: Stack, kill_after: int | None) -> str:
         texts = []
         with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as reply:
-            for line in reply.iter_lines():
-                if not line.startswith("data: {"):
+            for _, data in sse_events(reply):
+                if data == "[DONE]":
                     continue
-                choices = json.loads(line[6:])["choices"]
-                texts.append(choices[0]["text"])
+                texts.append(json.loads(data)["choices"][0]["text"])
                 if len(texts) == kill_after:
                     stack.signal_worker(signal.SIGKILL)
         return "".join(texts)

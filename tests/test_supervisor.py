@@ -21,11 +21,12 @@ import psutil
 import pytest
 import zmq
 
-from protocol import GenerateRequest, Heartbeat, Hello, encode
+from protocol import GenerateRequest, Heartbeat, encode
 from protocol.exit_codes import ExitCode
 from protocol.settings import ConfigError, load
 from tests.fake_clock import FakeClock
 from tests.stack import Stack, free_port, running_stack
+from tests.stand_in_worker import stand_in_hello
 from worker.engine.fake_engine import expected_text
 from worker.launch import child as child_module
 from worker.launch.child import Child, CrashLoop
@@ -320,7 +321,7 @@ def test_a_restarted_worker_is_pinged_as_it_binds_and_its_hello_counts_after_its
                 watch.poll(0.01)
             assert replacement.poll(0), "no ping as the replacement bound"
             peer, _ = replacement.recv_multipart()
-            replacement.send_multipart([peer, encode(Hello("w", "fake", False, 1, 1024, 16, 1))])
+            replacement.send_multipart([peer, encode(stand_in_hello(instance_id="w"))])
             time.sleep(0.2)  # the hello is on its way; the worker is killed before it is read
             assert isinstance(worker.process, _FakeProcess)
             worker.process.returncode = -signal.SIGKILL
@@ -481,7 +482,7 @@ def test_a_supervisor_that_was_paused_reads_the_heartbeats_before_judging(
             watch.poll(0.01)  # pings until one reaches the stand-in
         peer, _ = worker_socket.recv_multipart()
         heartbeat = encode(Heartbeat("w", num_steps=1, num_queued=0, num_active=0))
-        worker_socket.send_multipart([peer, encode(Hello("w", "fake", False, 1, 1024, 16, 1))])
+        worker_socket.send_multipart([peer, encode(stand_in_hello(instance_id="w"))])
         worker_socket.send_multipart([peer, heartbeat])
         while not watch.liveness.verdict().is_live:
             watch.poll(0.01)
@@ -503,7 +504,7 @@ def test_a_supervisor_paused_past_the_workers_frontend_timeout_asks_before_judgi
         while not worker_socket.poll(100):
             watch.poll(0.01)  # pings until one reaches the stand-in
         peer, _ = worker_socket.recv_multipart()
-        worker_socket.send_multipart([peer, encode(Hello("w", "fake", False, 1, 1024, 16, 1))])
+        worker_socket.send_multipart([peer, encode(stand_in_hello(instance_id="w"))])
         while not watch.liveness.verdict().is_live:
             watch.poll(0.01)
         supervisor._judge(worker, watch)

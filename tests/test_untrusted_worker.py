@@ -23,12 +23,11 @@ from protocol import (
     ErrorResult,
     GenerateRequest,
     GenerateResult,
-    Hello,
 )
 from protocol.wire import MAX_WORKER_MESSAGE_BYTES
 from tests.sse import sse_events
 from tests.stack import Stack, running_stack
-from tests.stand_in_worker import StandInWorker
+from tests.stand_in_worker import StandInWorker, stand_in_hello
 
 
 def _result_frame(request: GenerateRequest, **fields: object) -> bytes:
@@ -76,7 +75,7 @@ def _error_frame(request: GenerateRequest, code: str, message: str) -> bytes:
 def stand_in(tmp_path: Path) -> Iterator[tuple[StandInWorker, Stack]]:
     """A stand-in worker, whose ``answer`` each test sets, and a frontend. It says
     what a real worker says of its tokens: at most 8 characters each."""
-    hello = Hello("stand-in", "fake", False, 2, 1024, 16, 1 << 20, vocab_size=1000)
+    hello = stand_in_hello(capacity=2, vocab_size=1000)
     hello = dataclasses.replace(hello, max_token_chars=8, max_token_bytes=32)
     with StandInWorker(lambda request: [], capacity=2, hello=hello) as worker:
         overrides = {"WORKER_ENDPOINT": worker.endpoint}

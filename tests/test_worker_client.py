@@ -30,7 +30,6 @@ from protocol import (
     ErrorResult,
     GenerateRequest,
     Heartbeat,
-    Hello,
     Ping,
     ToFrontend,
     TokenDelta,
@@ -41,7 +40,7 @@ from protocol import (
 )
 from protocol.settings import load
 from tests.stack import free_port
-from tests.stand_in_worker import StandInWorker
+from tests.stand_in_worker import StandInWorker, stand_in_hello
 
 
 @pytest.mark.parametrize(
@@ -97,7 +96,7 @@ class ScriptedWorker:
     ) -> None:
         """Greet as ``instance_id``: a new one is a replacement, as if the worker
         the frontend knew had died."""
-        hello = Hello(instance_id, "fake", False, capacity, 1024, 16, 1 << 20)
+        hello = stand_in_hello(instance_id=instance_id, capacity=capacity)
         await self.send(dataclasses.replace(hello, heartbeat_interval_s=heartbeat_interval_s))
         await self.heartbeat(instance_id)
 
