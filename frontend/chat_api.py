@@ -20,7 +20,7 @@ from frontend.choices import num_to_generate
 from frontend.errors import ApiError
 from frontend.generation import respond
 from frontend.inflight import InFlight
-from frontend.logprobs import TokenScore, chat_logprobs, unpack
+from frontend.logprobs import TokenScore, chat_logprobs, unpack_logprobs
 from frontend.openai_common import (
     Envelope,
     UsageStream,
@@ -62,7 +62,7 @@ async def chat_completions(request: Request) -> Response:
         logprobs = None
         if body.logprobs:
             _, parts = entry.all_logprobs(result)
-            logprobs = chat_logprobs([score for part in parts for score in unpack(part)])
+            logprobs = chat_logprobs([score for part in parts for score in unpack_logprobs(part)])
         return {
             "index": index,
             "message": {"role": "assistant", "content": result.text},
@@ -141,14 +141,14 @@ class _ChatStream:
     def delta(self, delta: TokenDelta) -> str | None:
         self.usage.count(delta.prompt_tokens, len(delta.token_ids))
         if self.wants_logprobs:
-            self.pending += unpack(delta.logprobs)
+            self.pending += unpack_logprobs(delta.logprobs)
         if not delta.text:
             return None  # held back (half a character): its logprobs go with its text
         return self._chunk({"content": delta.text}, self._take_logprobs(), None)
 
     def final(self, result: GenerateResult) -> list[str]:
         if self.wants_logprobs:
-            self.pending += unpack(result.logprobs)
+            self.pending += unpack_logprobs(result.logprobs)
         return [self._chunk({}, self._take_logprobs(), result.finish_reason)]
 
     def _take_logprobs(self) -> dict[str, Any] | None:

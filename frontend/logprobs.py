@@ -33,7 +33,7 @@ class TokenScore:
     top: list[Candidate]  # the likeliest tokens, best first
 
 
-def unpack(logprobs: Logprobs | None) -> list[TokenScore]:
+def unpack_logprobs(logprobs: Logprobs | None) -> list[TokenScore]:
     """One `TokenScore` per token (the lists agree: `Logprobs` checks them)."""
     if logprobs is None:
         return []

@@ -21,7 +21,7 @@ from frontend.errors import ApiError
 from frontend.generation import respond
 from frontend.inflight import InFlight
 from frontend.json_response import JSONResponse
-from frontend.logprobs import TextOffsets, TokenScore, completion_logprobs, unpack
+from frontend.logprobs import TextOffsets, TokenScore, completion_logprobs, unpack_logprobs
 from frontend.openai_common import (
     Envelope,
     UsageStream,
@@ -84,8 +84,8 @@ async def completions(request: Request) -> Response:
         logprobs = None
         if body.logprobs is not None:
             prompt_logprobs, output_logprobs = entry.all_logprobs(result)
-            prompt_scores = unpack(prompt_logprobs) if body.echo else []
-            scores = [score for part in output_logprobs for score in unpack(part)]
+            prompt_scores = unpack_logprobs(prompt_logprobs) if body.echo else []
+            scores = [score for part in output_logprobs for score in unpack_logprobs(part)]
             offsets = TextOffsets().place(prompt_scores) + TextOffsets(len(echoed)).place(scores)
             logprobs = completion_logprobs(prompt_scores + scores, offsets)
         return _choice(index, echoed + result.text, logprobs, result.finish_reason)
@@ -203,7 +203,7 @@ class _CompletionStream:
                 (prompt_logprobs, self.prompt_offsets),
                 (logprobs, self.output_offsets),
             ):
-                scores = unpack(part)
+                scores = unpack_logprobs(part)
                 self.pending += zip(scores, offsets.place(scores), strict=True)
 
     def _take_echo(self) -> str:

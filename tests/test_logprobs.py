@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from frontend.logprobs import TextOffsets, TokenScore, chat_logprobs, unpack
-from worker.engine.logprobs import TokenLogprob, pack
+from frontend.logprobs import TextOffsets, TokenScore, chat_logprobs, unpack_logprobs
+from worker.engine.logprobs import TokenLogprob, pack_logprobs
 
 
 def _scores(*pieces: bytes) -> list[TokenScore]:
@@ -73,8 +73,10 @@ def test_a_streams_offsets_are_the_whole_answers_however_it_is_cut(
 def test_chat_bytes_are_the_tokens_own_and_those_of_its_alternatives() -> None:
     own = {1: b" \xf0\x9f", 2: b"\x98\x80", 3: b"!", 4: b"<|endoftext|>"}
     scores = [TokenLogprob(-0.5, [1, 3], [-0.5, -1.0]), TokenLogprob(-0.1, [2, 4], [-0.1, -3.0])]
-    packed = pack([1, 2], scores, 2, lambda t: own[t].decode(errors="replace"), own.__getitem__)
-    content = chat_logprobs(unpack(packed))["content"]
+    packed = pack_logprobs(
+        [1, 2], scores, 2, lambda t: own[t].decode(errors="replace"), own.__getitem__
+    )
+    content = chat_logprobs(unpack_logprobs(packed))["content"]
     assert b"".join(bytes(token["bytes"]) for token in content).decode() == " 😀"
     assert [token["token"] for token in content] == [" \ufffd", "\ufffd\ufffd"]
     assert [entry["bytes"] for entry in content[1]["top_logprobs"]] == [
@@ -82,15 +84,17 @@ def test_chat_bytes_are_the_tokens_own_and_those_of_its_alternatives() -> None:
         list(b"<|endoftext|>"),
     ]
     # A token the text leaves out (an end or stop token) travels without bytes.
-    left_out = pack([4], [scores[1]], 0, lambda t: "<|endoftext|>", own.__getitem__, [False])
-    assert unpack(left_out)[0].bytes == b""
+    left_out = pack_logprobs(
+        [4], [scores[1]], 0, lambda t: "<|endoftext|>", own.__getitem__, [False]
+    )
+    assert unpack_logprobs(left_out)[0].bytes == b""
 
 
 def test_logprobs_whose_lists_do_not_agree_or_score_above_0_are_refused() -> None:
     """Where a frame is read (the codec builds the message), so that a worker's
     broken answer fails its request there, not half way through a stream."""
-    packed = pack([1], [TokenLogprob(-0.5, [], [])], 0, lambda t: "a", lambda t: b"a")
-    assert unpack(packed)[0].bytes == b"a"
+    packed = pack_logprobs([1], [TokenLogprob(-0.5, [], [])], 0, lambda t: "a", lambda t: b"a")
+    assert unpack_logprobs(packed)[0].bytes == b"a"
     for broken in ({"byte_lens": [1, 0]}, {"token_bytes": b"ab"}, {"text_lens": [2]}):
         with pytest.raises(ValueError, match="whose lists do not agree"):
             dataclasses.replace(packed, **broken)  # type: ignore[arg-type]

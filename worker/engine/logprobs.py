@@ -24,7 +24,7 @@ class TokenLogprob:
 UNSCORED = TokenLogprob(math.nan, [], [])
 
 
-def pack(
+def pack_logprobs(
     token_ids: list[int],
     scores: list[TokenLogprob],
     num_top: int,

@@ -27,7 +27,7 @@ from worker.engine.interface import (
     RequestRejected,
     StepOutput,
 )
-from worker.engine.logprobs import TokenLogprob, pack
+from worker.engine.logprobs import TokenLogprob, pack_logprobs
 from worker.engine.prefill_plan import PREFILL_PASS_TOKENS, Chunk, block_tokens_for, plan_chunks
 from worker.engine.prefix_cache import Match, PrefixCache
 from worker.engine.prompt_tokens import PromptTokenizer, PromptTokens
@@ -523,7 +523,9 @@ class SlotEngine(InferenceEngine):
         num_top: int,
         in_text: list[bool] | None = None,
     ) -> Logprobs:
-        return pack(token_ids, scores, num_top, self._token_text, self._token_bytes, in_text)
+        return pack_logprobs(
+            token_ids, scores, num_top, self._token_text, self._token_bytes, in_text
+        )
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
