@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -20,6 +19,7 @@ from frontend.chat_api import chat_completions
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError, error_response, handle_api_error
 from frontend.framing import AmbiguousFramingMiddleware
+from frontend.health import health, ready
 from frontend.json_response import JSONResponse
 from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, UNROUTED, Metrics
 from frontend.native_api import generate
@@ -28,9 +28,7 @@ from frontend.openapi import openapi_schema
 from frontend.refusal import log_refusal
 from frontend.tokenize_api import detokenize, tokenize, version
 from frontend.worker_client import WorkerClient
-from frontend.worker_link import WorkerLink
 from protocol import ErrorCode
-from protocol.liveness import WorkerState
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -164,91 +162,6 @@ def _is_route(request: Request, path: str) -> bool:
 
 
 _CODE_BY_HTTP_STATUS = {404: "not_found", 405: "method_not_allowed"}
-
-
-def _status(client: WorkerClient) -> dict[str, Any]:
-    verdict = client.verdict()
-    hello = client.hello
-    workers = [_worker_status(link) for link in client.workers()]
-    live = [worker for worker in workers if worker["state"] == WorkerState.LIVE.value]
-
-    def total(key: str) -> int | None:
-        values = [worker[key] for worker in live if worker[key] is not None]
-        return sum(values) if values else None
-
-    active, queued_in_workers = total("active"), total("queued")
-    return {
-        "status": "ok" if verdict.is_live else "unavailable",
-        "worker": verdict.state.value,
-        "reason": verdict.reason,
-        "model": hello.model if hello else None,
-        "random_weights": hello.is_random_weights if hello else None,
-        "instance_id": workers[0]["instance_id"] if len(workers) == 1 else None,
-        "capacity": total("capacity"),
-        "context_window": hello.context_window if hello else None,
-        # Waiting for a slot: in the workers' queues, and in this frontend for a free one.
-        "queued": None if queued_in_workers is None else queued_in_workers + client.num_waiting,
-        "active": active,
-        "inflight": client.num_inflight,
-        "worker_restarts": client.num_worker_restarts,
-        "workers_live": len(live),
-        "workers": workers,
-    }
-
-
-def _worker_status(link: WorkerLink) -> dict[str, Any]:
-    verdict = link.verdict()
-    hello = link.hello
-    # A dead worker's last heartbeat says nothing of it now.
-    heartbeat = link.liveness.last_heartbeat if verdict.state is not WorkerState.DEAD else None
-    return {
-        "endpoint": link.endpoint,
-        "state": verdict.state.value,
-        "reason": verdict.reason,
-        "stopping": link.is_stopping,  # it takes nothing new
-        "instance_id": hello.instance_id if hello else None,
-        "capacity": hello.capacity if hello else None,
-        "compute": hello.compute if hello else None,
-        "active": heartbeat.num_active if heartbeat else None,
-        "queued": heartbeat.num_queued if heartbeat else None,
-        "finished": heartbeat.num_finished if heartbeat else None,
-        "steps": heartbeat.num_steps if heartbeat else None,
-        "held": len(link.held),  # this frontend's requests it runs or queues
-    }
-
-
-async def health(request: Request) -> Response:
-    """200 while a worker is live (judged from its heartbeats), else 503 and why."""
-    status = _status(_client(request))
-    return JSONResponse(status, status_code=200 if status["status"] == "ok" else 503)
-
-
-async def ready(request: Request) -> Response:
-    """For load balancers: 200 only when a worker is live and takes new requests,
-    and there is room for more requests and connections; 503 (hold off) otherwise."""
-    client = _client(request)
-    status = _status(client)
-    if status["status"] == "ok":
-        refusal = _why_not_ready(client, request.app.state.count_connections())
-        if refusal is not None:
-            status["status"], status["reason"] = refusal
-    status["ready"] = status["status"] == "ok"
-    return JSONResponse(status, status_code=200 if status["ready"] else 503)
-
-
-def _why_not_ready(client: WorkerClient, num_connections: int) -> tuple[str, str] | None:
-    """Why a new request would wait or be refused 503 now, if it would: every
-    live worker is stopping (taking nothing new), no room for it in flight, or
-    no connection left (the probe's own counts, as it does when uvicorn refuses
-    a request past MAX_CONNECTIONS)."""
-    config = client.config
-    if not client.any_worker_takes_work():
-        return "stopping", "every live worker is stopping, and takes no new request"
-    if client.num_inflight >= config.max_inflight_requests:
-        return "full", f"MAX_INFLIGHT_REQUESTS={config.max_inflight_requests} requests in flight"
-    if num_connections >= config.max_connections:
-        return "full", f"MAX_CONNECTIONS={config.max_connections} connections open"
-    return None
 
 
 async def metrics(request: Request) -> Response:

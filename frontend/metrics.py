@@ -20,6 +20,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from frontend.health import pool_load
 from frontend.worker_client import WorkerClient
 from protocol import GenerateResult
 
@@ -125,49 +126,44 @@ class _WorkerCollector(Collector):
         self.client = client
 
     def collect(self) -> Iterator[Metric]:
-        live = [link for link in self.client.workers() if link.verdict().is_live]
+        load = pool_load(self.client)
         yield GaugeMetricFamily(
-            "minibatch_worker_up", "Workers live, judged from connections and heartbeats", len(live)
+            "minibatch_worker_up",
+            "Workers live, judged from connections and heartbeats",
+            len(load.live),
         )
         yield GaugeMetricFamily(
             "minibatch_worker_stopping",
             "Live workers that are stopping: they finish what they run and take nothing new",
-            sum(link.is_stopping for link in live),
+            sum(worker.is_stopping for worker in load.live),
         )
         yield CounterMetricFamily(
             "minibatch_worker_restarts",
             "Times a new worker instance replaced the previous one at its address",
-            self.client.num_worker_restarts,
+            load.num_restarts,
         )
         yield GaugeMetricFamily(
             "minibatch_frontend_inflight",
             "Requests accepted by the frontend and not yet answered",
-            self.client.num_inflight,
-        )
-        # A dead worker's last numbers would be stale: only live ones count.
-        seen = [(link, link.liveness.hello, link.liveness.last_heartbeat) for link in live]
-        loads = [(hello, heartbeat) for _, hello, heartbeat in seen if hello and heartbeat]
-        # A stopping worker's slots take nothing new.
-        taking = [
-            (hello, beat) for link, hello, beat in seen if hello and beat and not link.is_stopping
-        ]
-        if not loads:
-            return
-        yield GaugeMetricFamily(
-            "minibatch_num_requests_running",
-            "Sequences in the live workers' batches",
-            sum(heartbeat.num_active for _, heartbeat in loads),
+            load.num_inflight,
         )
         yield GaugeMetricFamily(
             "minibatch_num_requests_waiting",
             "Requests waiting for a slot: in the live workers' queues and in this frontend",
-            sum(heartbeat.num_queued for _, heartbeat in loads) + self.client.num_waiting,
+            load.num_queued,
         )
         yield GaugeMetricFamily(
             "minibatch_free_slots",
             "Batch slots free for new sequences in the live workers that are not stopping",
-            sum(hello.capacity - heartbeat.num_active for hello, heartbeat in taking),
+            load.num_free_slots,
         )
+        # A dead worker's last numbers would be stale: only live ones count.
+        if load.num_running is not None:
+            yield GaugeMetricFamily(
+                "minibatch_num_requests_running",
+                "Sequences in the live workers' batches",
+                load.num_running,
+            )
         # Each worker's memory, so that growth shows (labelled by its address).
         rss = GaugeMetricFamily(
             "minibatch_worker_rss_bytes",
@@ -184,10 +180,9 @@ class _WorkerCollector(Collector):
             "Matrix-product shapes the worker's math library keeps kernels for",
             labels=["worker"],
         )
-        for link in live:
-            hello, heartbeat = link.liveness.hello, link.liveness.last_heartbeat
-            if hello and heartbeat:
-                rss.add_metric([link.endpoint], heartbeat.rss_bytes)
-                kv_cache.add_metric([link.endpoint], hello.kv_cache_bytes)
-                shapes.add_metric([link.endpoint], heartbeat.num_matmul_shapes)
+        for worker in load.live:
+            if worker.hello and worker.heartbeat:
+                rss.add_metric([worker.endpoint], worker.heartbeat.rss_bytes)
+                kv_cache.add_metric([worker.endpoint], worker.hello.kv_cache_bytes)
+                shapes.add_metric([worker.endpoint], worker.heartbeat.num_matmul_shapes)
         yield from (rss, kv_cache, shapes)

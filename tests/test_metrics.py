@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -208,6 +209,25 @@ def test_worker_down_and_restart_are_reported(stack: Stack) -> None:
     samples = scrape(stack)
     assert value(samples, "minibatch_worker_up") == 1
     assert value(samples, "minibatch_worker_restarts_total") == 1
+
+
+def test_requests_waiting_with_no_worker_live_are_counted(tmp_path: Path) -> None:
+    """They are all that waits then: /health said queued null, and /metrics left
+    minibatch_num_requests_waiting out, as if nothing waited."""
+    with running_stack(tmp_path, supervised=False, start=("frontend",)) as stack:
+        stack.wait_answering()
+        body = {"prompt": "waits", "max_new_tokens": 2}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, f"{stack.url}/generate", json=body, timeout=30)
+            health = stack.wait_for_health("a request waiting", lambda h: h["queued"] == 1)
+            assert (health["status"], health["active"]) == ("unavailable", None)
+            samples = scrape(stack)
+            assert samples[("minibatch_num_requests_waiting", ())] == 1
+            assert samples[("minibatch_free_slots", ())] == 0
+            assert ("minibatch_num_requests_running", ()) not in samples
+            stack.start("worker", "worker.serve.main")
+            assert waiting.result().status_code == 200
+        assert stack.wait_for_health("served", lambda h: h["queued"] == 0)["inflight"] == 0
 
 
 def test_an_unexpected_exception_is_a_counted_500_in_the_error_shape(
