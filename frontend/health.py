@@ -110,14 +110,15 @@ def pool_load(client: WorkerClient) -> PoolLoad:
 
 async def health(request: Request) -> Response:
     """200 while a worker is live (judged from its heartbeats), else 503 and why."""
-    status = _status(pool_load(_client(request)))
+    client: WorkerClient = request.app.state.client
+    status = _status(pool_load(client))
     return JSONResponse(status, status_code=200 if status["status"] == "ok" else 503)
 
 
 async def ready(request: Request) -> Response:
     """For load balancers: 200 only when a worker is live and takes new requests,
     and there is room for more requests and connections; 503 (hold off) otherwise."""
-    client = _client(request)
+    client: WorkerClient = request.app.state.client
     load = pool_load(client)
     status = _status(load)
     if status["status"] == "ok":
@@ -126,11 +127,6 @@ async def ready(request: Request) -> Response:
             status["status"], status["reason"] = refusal
     status["ready"] = status["status"] == "ok"
     return JSONResponse(status, status_code=200 if status["ready"] else 503)
-
-
-def _client(request: Request) -> WorkerClient:
-    client: WorkerClient = request.app.state.client
-    return client
 
 
 def _why_not_ready(
