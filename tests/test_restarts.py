@@ -501,7 +501,7 @@ def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_worker_serves_on(
     with running_stack(tmp_path, supervised=False) as stack:
         stack.wait_live()
         stack.processes["worker"].send_signal(signal.SIGUSR1)
-        stack.wait_until(lambda: "_engine_loop" in stack.log("worker"), "a stack dump")
-        assert "_io_loop" in stack.log("worker")  # the other thread's too
+        stack.wait_until(lambda: "engine_loop.py" in stack.log("worker"), "a stack dump")
+        assert "io_loop.py" in stack.log("worker")  # the other thread's too
         body = {"prompt": "hi", "max_new_tokens": 2}
         assert httpx.post(f"{stack.url}/generate", json=body, timeout=10).status_code == 200

@@ -55,3 +55,15 @@ class Inbox:
                 item = self._queue.get_nowait()
         except queue.Empty:
             return
+
+    def take_request_ids(self) -> list[str]:
+        """Take everything waiting; the ids of the requests among it (a stopping
+        worker hands them back)."""
+        request_ids: list[str] = []
+
+        def note(message: ToWorker, _: float) -> None:
+            if isinstance(message, GenerateRequest):
+                request_ids.append(message.request_id)
+
+        self.drain(note)
+        return request_ids
