@@ -49,6 +49,7 @@ ALL_VARIABLES = frozenset(
         "MAX_QUEUE_DEPTH",
         "MAX_REQUEST_BYTES",
         "MAX_WORKER_DEATHS",
+        "MINIBATCH_READY_SOCKET",
         "MINIBATCH_SUPERVISOR_PID",
         "MODEL_ID",
         "NUM_FRONTENDS",
@@ -137,4 +138,5 @@ def variable_of_flag(flag: str) -> str | None:
     """The variable a flag spelt after it names (``--api-key``: API_KEY), if any
     process reads it: it may be another process's, or have no flag."""
     env = flag.lstrip("-").upper().replace("-", "_")
-    return env if env in ALL_VARIABLES and env != SUPERVISOR_PID_ENV else None
+    # MINIBATCH_*: what the supervisor tells its children, no setting of anyone's.
+    return env if env in ALL_VARIABLES and not env.startswith("MINIBATCH_") else None

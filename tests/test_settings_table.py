@@ -18,6 +18,7 @@ from tests.settings_table import (
     markdown,
     rows,
 )
+from worker.launch.readiness import READY_SOCKET_ENV
 
 
 def test_the_operations_settings_table_is_the_codes() -> None:
@@ -69,5 +70,5 @@ def test_every_variable_a_process_reads_is_known_to_every_process() -> None:
     for package in ("frontend", "worker", "protocol"):
         for source in (REPO / package).rglob("*.py"):
             read |= set(_READ_BY_NAME.findall(source.read_text())) - OTHER_TOOLS_VARIABLES
-    read.add(SUPERVISOR_PID_ENV)  # read by its constant's name
+    read |= {SUPERVISOR_PID_ENV, READY_SOCKET_ENV}  # read by their constants' names
     assert read == ALL_VARIABLES, "add the new variable to protocol.variables.ALL_VARIABLES"

@@ -222,15 +222,26 @@ def test_hosts_are_looked_up_only_for_ports_in_common(monkeypatch: pytest.Monkey
     check_ports_apart(config, {"HOST": "fe.example"})
 
 
-def test_workers_that_die_after_hello_before_answering_anything_are_a_crash_loop(
+def test_workers_that_die_after_hello_before_serving_back_off_and_are_no_crash_loop(
     clock: FakeClock,
 ) -> None:
-    # A poison request: each worker says hello, takes it and dies at once.
+    # Poison requests: each worker says hello, takes one and dies at once. The
+    # frontends fail each after MAX_WORKER_DEATHS; the stack must stay up.
     child = _worker(clock, crash_loop_limit=3)
-    _run_and_die(child, clock, 0, 0)
-    _run_and_die(child, clock, 0)
-    with pytest.raises(CrashLoop, match="3 times in a row"):
-        _run_and_die(child, clock, 0, 0, 0)
+    for _ in range(6):
+        _run_and_die(child, clock, 0)
+        assert child.restart_delay_s() == child.config.restart_backoff_s  # never growing
+    assert (child.num_failed_starts, child.num_restarts) == (6, 6)
+
+
+def test_workers_that_die_before_hello_are_a_crash_loop(clock: FakeClock) -> None:
+    child = _worker(clock, crash_loop_limit=3)
+    _run_and_die(child, clock)
+    _run_and_die(child, clock, 0)  # it came up: the count starts again
+    _run_and_die(child, clock)
+    _run_and_die(child, clock)
+    with pytest.raises(CrashLoop, match="died before coming up 3 times in a row"):
+        _run_and_die(child, clock)
 
 
 def test_a_crash_loop_while_other_workers_serve_is_retried_at_the_longest_backoff(
@@ -238,11 +249,11 @@ def test_a_crash_loop_while_other_workers_serve_is_retried_at_the_longest_backof
 ) -> None:
     child = _worker(clock, crash_loop_limit=2)
     for _ in range(6):
-        _run_and_die(child, clock, 0, others_serve=True)
+        _run_and_die(child, clock, others_serve=True)
     assert (child.num_failed_starts, child.num_restarts) == (6, 6)
     assert child.restart_delay_s() == child.config.restart_backoff_max_s
     with pytest.raises(CrashLoop, match="7 times in a row"):  # the others stopped serving
-        _run_and_die(child, clock, 0)
+        _run_and_die(child, clock)
 
 
 @contextlib.contextmanager
@@ -555,7 +566,7 @@ def test_a_worker_that_served_restarts_at_once_and_failed_starts_back_off(
     assert child.restart_delay_s() == 0.0
     backoff = child.config.restart_backoff_s
     for num_failed in range(1, 4):
-        _run_and_die(child, clock, 0)
+        _run_and_die(child, clock)  # before it came up
         assert child.restart_delay_s() == backoff * 2 ** (num_failed - 1)
 
 
@@ -609,11 +620,15 @@ def test_kills_from_outside_after_hello_are_no_crash_loop(
 
 
 def test_kills_before_hello_and_crashes_after_it_are_failed_starts(clock: FakeClock) -> None:
-    child = _worker(clock, crash_loop_limit=3)
+    child = _worker(clock, crash_loop_limit=2)
     _run_and_die(child, clock, code=-signal.SIGKILL)  # never came up
     _run_and_die(child, clock, 0, code=-signal.SIGSEGV)
-    with pytest.raises(CrashLoop):
-        _run_and_die(child, clock, 0)  # exit code 1
+    _run_and_die(child, clock, 0)  # exit code 1
+    assert child.num_failed_starts == 3
+    assert child.restart_delay_s() == child.config.restart_backoff_s
+    _run_and_die(child, clock, code=-signal.SIGKILL)
+    with pytest.raises(CrashLoop):  # killed before hello twice in a row
+        _run_and_die(child, clock, code=-signal.SIGKILL)
 
 
 def test_a_child_killed_by_a_real_time_signal_is_named_by_its_number(clock: FakeClock) -> None:
@@ -656,7 +671,7 @@ def test_a_worker_without_hello_by_the_start_deadline_is_replaced_then_given_up_
         assert log.count("killing worker") == 2, log
         assert "no hello within 1 s of its start (WORKER_START_TIMEOUT_S=1," in log
         assert "restart #1" in log
-        assert "giving up: worker died before serving 2 times in a row" in log
+        assert "giving up: worker died before coming up 2 times in a row" in log
 
 
 def test_a_worker_killed_by_signal_37_is_restarted_and_the_supervisor_lives_on(
@@ -695,40 +710,44 @@ def _send_poison(endpoint: str, request_id: str) -> None:
         assert socket.poll(10_000), "the worker never greeted the poison's sender"
 
 
-def test_workers_that_die_taking_their_first_request_after_hello_are_a_crash_loop(
+def test_workers_that_die_taking_their_first_request_after_hello_are_retried(
     tmp_path: Path,
 ) -> None:
     overrides = {"FAKE_CRASH_PROMPT": "poison", "CRASH_LOOP_LIMIT": "2"}
+    overrides["RESTART_BACKOFF_S"] = "0.1"
     with running_stack(tmp_path, overrides) as stack:
         live = stack.wait_live()
-        time.sleep(0.5)  # the supervisor pings every 0.1 s: it has heard the hello
-        _send_poison(stack.env["WORKER_ENDPOINT"], "poison-1")
-        live = stack.wait_live(instance_not=str(live["instance_id"]))
-        time.sleep(0.5)
-        _send_poison(stack.env["WORKER_ENDPOINT"], "poison-2")
-        assert _exit_code(stack) != 0
+        for attempt in (1, 2, 3):
+            time.sleep(0.5)  # the supervisor pings every 0.1 s: it has heard the hello
+            _send_poison(stack.env["WORKER_ENDPOINT"], f"poison-{attempt}")
+            live = stack.wait_live(instance_not=str(live["instance_id"]))
+        assert stack.processes["supervisor"].poll() is None
         log = stack.log("supervisor")
-        assert "giving up: worker died before serving 2 times in a row" in log
-        assert f"(last: exit code {ExitCode.FAKE_CRASH:d})" in log
+        assert "worker died after coming up, before serving (3 times in a row" in log
+        assert f"worker stopped (exit code {ExitCode.FAKE_CRASH:d})" in log
+        response = httpx.post(
+            f"{stack.url}/generate", json={"prompt": "hi", "max_new_tokens": 3}, timeout=30
+        )
+        assert response.json()["text"] == expected_text("hi", 3)
 
 
-def test_one_workers_crash_loop_leaves_the_other_serving(tmp_path: Path) -> None:
+def test_poison_requests_in_a_row_over_http_fail_alone_and_the_stack_serves_on(
+    tmp_path: Path,
+) -> None:
+    """Each killed the two workers that ran it before the frontend failed it, so
+    five in a row made the supervisor give up on the stack as a crash loop."""
     overrides = {"NUM_WORKERS": "2", "FAKE_CRASH_PROMPT": "poison", "CRASH_LOOP_LIMIT": "2"}
     overrides["RESTART_BACKOFF_S"] = "0.1"
     with running_stack(tmp_path, overrides) as stack:
-        for attempt in (1, 2, 3):
-            stack.wait_for_health("both workers live", lambda h: h["workers_live"] == 2, 30)
-            time.sleep(0.5)  # the supervisor pings every 0.1 s: it has heard the hello
-            _send_poison(stack.env["WORKER_ENDPOINT"], f"poison-{attempt}")  # worker-0's
-            stack.wait_until(
-                lambda a=attempt: f"restart #{a} " in stack.log("supervisor"), f"restart #{attempt}"
-            )
-        assert stack.processes["supervisor"].poll() is None
-        log = stack.log("supervisor")
-        assert "worker-0 died before serving 2 times in a row" in log
-        assert "the others serve meanwhile, and it is retried" in log
+        stack.wait_for_health("both workers live", lambda h: h["workers_live"] == 2, 30)
+        for attempt in range(4):
+            body = {"prompt": f"poison {attempt}", "max_new_tokens": 2}
+            poisoned = httpx.post(f"{stack.url}/generate", json=body, timeout=60)
+            assert poisoned.status_code == 500, f"{poisoned.text}\n{stack.log('supervisor')}"
+            assert poisoned.json()["error"]["code"] == "workers_died"
+        assert stack.processes["supervisor"].poll() is None, stack.log("supervisor")
         response = httpx.post(
-            f"{stack.url}/generate", json={"prompt": "hi", "max_new_tokens": 3}, timeout=30
+            f"{stack.url}/generate", json={"prompt": "hi", "max_new_tokens": 3}, timeout=60
         )
         assert response.json()["text"] == expected_text("hi", 3)
 

@@ -31,7 +31,7 @@ _STOPPED_EXIT_CODES = frozenset({ExitCode.STOPPED, ExitCode.INTERRUPTED, ExitCod
 
 
 class CrashLoop(Exception):
-    """A child died before serving CRASH_LOOP_LIMIT times in a row while no other
+    """A child died before coming up CRASH_LOOP_LIMIT times in a row while no other
     of its kind served, or refused its configuration once; ``exit_code`` is the
     supervisor's."""
 
@@ -65,6 +65,7 @@ class Child:
         self.process: subprocess.Popen[bytes] | ForkedWorker | None = None
         self.num_restarts = 0
         self.num_failed_starts = 0  # in a row, died before serving
+        self.num_starts_never_up = 0  # in a row, died before coming up (its backoff grows)
         self.has_served = False
         self.started_at = 0.0
         self.up_since: float | None = None  # first seen working (a worker: its hello)
@@ -162,10 +163,17 @@ class Child:
         return is_up or (self.num_failed_starts == 0 and self.num_restarts > 0)
 
     def schedule_restart(self, cause: str, others_serve: bool = False) -> None:
-        """Restart after a backoff. Raises CrashLoop when the child refused its
-        configuration, or died before serving CRASH_LOOP_LIMIT times in a row while
+        """Restart after a backoff (`restart_delay_s`). Raises CrashLoop when the
+        child refused its configuration, or died before coming up (a worker: before
+        its hello, or its note to `readiness`) CRASH_LOOP_LIMIT times in a row while
         no other child of its kind serves (``others_serve``): with one that does,
-        the stack still serves, and this one is retried with its backoff."""
+        the stack still serves, and this one is retried with its backoff.
+
+        One that came up and then died before serving is retried however often:
+        its start works, and what kills it is most likely a request (a worker's
+        first, run right after its hello), which the frontends fail after
+        MAX_WORKER_DEATHS. Counted as a crash loop, five such requests in a row
+        ended the whole stack."""
         if self.process is not None and self.process.poll() == ExitCode.CONFIG_ERROR:
             raise CrashLoop(
                 f"{self.name} refused its configuration ({cause}), which would fail the "
@@ -174,19 +182,30 @@ class Child:
                 ExitCode.CONFIG_ERROR,
             )
         is_failed_start = not self.has_served and not self._was_stopped_from_outside()
+        never_came_up = is_failed_start and self.up_since is None
         self.process = None
         self.num_failed_starts = self.num_failed_starts + 1 if is_failed_start else 0
-        if self.num_failed_starts >= self.config.crash_loop_limit:
+        self.num_starts_never_up = self.num_starts_never_up + 1 if never_came_up else 0
+        if self.num_starts_never_up >= self.config.crash_loop_limit:
             why = (
-                f"{self.name} died before serving {self.num_failed_starts} times in a row "
-                f"(last: {cause}); its log above says why"
+                f"{self.name} died before coming up {self.num_starts_never_up} times in a "
+                f"row (last: {cause}); its log above says why"
             )
             if not others_serve:
                 raise CrashLoop(
-                    f"{why}. Fix that (for a worker, often a request that crashes it, or "
-                    "a start slower than WORKER_START_TIMEOUT_S) and start again"
+                    f"{why}. Fix that (for a worker, often a model that cannot load, or a "
+                    "start slower than WORKER_START_TIMEOUT_S) and start again"
                 )
             log.error("%s; the others serve meanwhile, and it is retried", why)
+        elif is_failed_start and not never_came_up:
+            log.error(
+                "%s died after coming up, before serving (%d times in a row; retried): "
+                "for a worker, most likely a request that crashes each worker "
+                "that runs it, which the frontends fail after MAX_WORKER_DEATHS; its log "
+                "above says why",
+                self.name,
+                self.num_failed_starts,
+            )
         delay = self.restart_delay_s()
         self.num_restarts += 1
         self.start_at = time.monotonic() + delay
@@ -212,12 +231,18 @@ class Child:
     def restart_delay_s(self) -> float:
         """No wait after a child that had served: its death says nothing of the next
         start, and its share of the work waits meanwhile. RESTART_BACKOFF_S after
-        one that died before serving, doubling with each such death in a row."""
+        one that came up and died before serving: most likely a request's doing,
+        and a growing wait would let a stream of such requests keep every worker
+        down (after eight in a row, the next request waited 10 s). After one that
+        died before coming up, RESTART_BACKOFF_S doubling with each such death in a
+        row."""
         if self.num_failed_starts == 0:
             return 0.0
+        if self.num_starts_never_up == 0:
+            return self.config.restart_backoff_s
         return min(
             self.config.restart_backoff_max_s,
-            self.config.restart_backoff_s * 2.0 ** (self.num_failed_starts - 1),
+            self.config.restart_backoff_s * 2.0 ** (self.num_starts_never_up - 1),
         )
 
     def kill(self, reason: str) -> None:

@@ -63,14 +63,17 @@ class SupervisorConfig(WorkerClientConfig):
     restart_backoff_s: float = setting(
         "RESTART_BACKOFF_S",
         0.5,
-        "wait before restarting a child that died before serving; doubles with each such "
-        "death in a row (one that had served restarts at once)",
+        "wait before restarting a child that died before serving; doubles with each death "
+        "before coming up in a row (one that had served restarts at once)",
     )
     restart_backoff_max_s: float = setting(
         "RESTART_BACKOFF_MAX_S", 10.0, "the longest wait between restarts"
     )
     crash_loop_limit: int = setting(
-        "CRASH_LOOP_LIMIT", 5, "give up after this many workers in a row die before serving"
+        "CRASH_LOOP_LIMIT",
+        5,
+        "give up after a process dies this many times in a row before coming up (a worker: "
+        "before its hello)",
     )
     worker_start_timeout_s: float = setting(
         "WORKER_START_TIMEOUT_S",

@@ -37,6 +37,7 @@ from protocol.settings import ConfigError, exit_refusing, flag_settings, load
 from worker.launch.child import Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
 from worker.launch.preflight import check_before_start, check_own_flags
+from worker.launch.readiness import READY_SOCKET_ENV, ReadyListener
 from worker.launch.warm_start import FORK_SERVER
 from worker.launch.worker_watch import WorkerWatch
 
@@ -60,7 +61,7 @@ class Supervisor:
         self.workers: list[tuple[Child, WorkerWatch]] = []
         for i, endpoint in enumerate(endpoints):
             name = "worker" if len(endpoints) == 1 else f"worker-{i}"
-            env = _worker_env(endpoint, config) if len(endpoints) > 1 else None
+            env = _worker_env(endpoint, config) if len(endpoints) > 1 else dict(os.environ)
             child = Child(
                 name,
                 "worker.serve.main",
@@ -78,6 +79,7 @@ class Supervisor:
             child = Child(name, "frontend.main", config, _FRONTEND_SERVED_AFTER_S, env=env)
             self.frontends.append(child)
         self._stopping = False
+        self._ready: ReadyListener | None = None  # where workers say they came up: `run`
         self._pause = PauseWatch("supervisor", config.heartbeat_timeout_s, _TICK_S)
 
     def stop(self) -> None:
@@ -88,6 +90,10 @@ class Supervisor:
         FORK_SERVER.shut_down()
 
     def run(self) -> None:
+        self._ready = ReadyListener()
+        for child, _ in self.workers:
+            assert child.env is not None
+            child.env[READY_SOCKET_ENV] = self._ready.name
         try:
             while not self._stopping:
                 for _, watch in self.workers:
@@ -109,6 +115,7 @@ class Supervisor:
             for _, watch in self.workers:
                 watch.close()
             FORK_SERVER.stop()
+            self._ready.close()
             log.info("stopped")
 
     def _notice_own_pause(self) -> None:
@@ -133,7 +140,8 @@ class Supervisor:
         if cause is not None:
             if watch is not None:
                 watch.poll(0)  # a hello it sent before it died: it had come up
-                if watch.liveness.hello is not None:
+                said_ready = self._ready is not None and self._ready.came_up(child.process.pid)
+                if watch.liveness.hello is not None or said_ready:
                     child.on_up()
                 watch.forget_worker()
             others_serve = any(other.serves for other in kind if other is not child)
