@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from protocol.curve import ClientKeys, read_curve_keys, read_public_key, read_secret_key
-from protocol.endpoints import DEFAULT_WORKER_ENDPOINT, check_endpoint
+from protocol.endpoints import DEFAULT_WORKER_ENDPOINT, check_connect_endpoint
 from protocol.settings import ConfigError, require_interval, require_positive, setting
 
 
@@ -58,7 +58,7 @@ class WorkerClientConfig:
     def __post_init__(self) -> None:
         require_positive(self, "heartbeat_timeout_s", "step_timeout_s")
         require_interval(self, "ping_interval_s", "worker_resolve_interval_s")
-        check_endpoint(self, "worker_endpoint")
+        check_connect_endpoint(self.worker_endpoint, "WORKER_ENDPOINT")
         if self.worker_endpoints.strip() and any(
             not endpoint.strip() for endpoint in self.worker_endpoints.split(",")
         ):
@@ -68,7 +68,7 @@ class WorkerClientConfig:
                 "WORKER_ENDPOINT"
             )
         for endpoint in self.endpoints:
-            check_endpoint(self, "worker_endpoints", endpoint)
+            check_connect_endpoint(endpoint, "WORKER_ENDPOINTS")
         _ = self.curve  # a bad key stops the process at start, not at its first connect
 
     def timing_problems(self, heartbeat_interval_s: float, frontend_timeout_s: float) -> list[str]:

@@ -44,3 +44,17 @@ def check_endpoint_value(endpoint: str, env: str) -> None:
             f"{env} must end in a port from 1 to {MAX_PORT}, as tcp://127.0.0.1:5555 does, "
             f"got {endpoint!r}"
         )
+
+
+def check_connect_endpoint(endpoint: str, env: str) -> None:
+    """`check_endpoint_value` for where a client connects: ``tcp://*:PORT`` names
+    where a worker binds, every address, and is none to connect to (libzmq
+    refuses the connect with "Invalid argument")."""
+    check_endpoint_value(endpoint, env)
+    if endpoint.startswith("tcp://*:"):
+        port = endpoint.removeprefix("tcp://*:")
+        raise ConfigError(
+            f"{env}={endpoint} is where a worker binds, on every address; connect to "
+            f"one of them, such as tcp://127.0.0.1:{port} (a worker binds every "
+            f"address with WORKER_BIND=tcp://*:{port})"
+        )

@@ -247,6 +247,13 @@ def test_a_bad_worker_value_names_its_variable(env: dict[str, str], message: str
         ({"PING_INTERVAL_S": "1e-9"}, "PING_INTERVAL_S must be at least 0.01 s"),
         ({"WORKER_RESOLVE_INTERVAL_S": "0.001"}, "WORKER_RESOLVE_INTERVAL_S must be at least"),
         ({"WORKER_ENDPOINT": "ipc:///tmp/" + "a" * 120}, "names a socket path of 125 bytes"),
+        # Where a worker binds, which a connect refused as "Invalid argument" forever.
+        (
+            {"WORKER_ENDPOINT": "tcp://*:5555"},
+            r"WORKER_ENDPOINT=tcp://\*:5555 is where a worker binds, on every address; "
+            "connect to one of them, such as tcp://127.0.0.1:5555",
+        ),
+        ({"WORKER_ENDPOINTS": "tcp://a:1,tcp://*:2"}, r"WORKER_ENDPOINTS=tcp://\*:2 is where"),
     ],
 )
 def test_a_bad_frontend_value_names_its_variable(env: dict[str, str], message: str) -> None:
@@ -306,6 +313,7 @@ def test_the_api_key_stays_out_of_the_config_repr() -> None:
     [
         ({"TORCH_THREADS": "40000"}, "TORCH_THREADS must be 0 .every core. to"),
         ({"NUM_WORKERS": "100000"}, "NUM_WORKERS must be at most 64"),
+        ({"WORKER_ENDPOINT": "tcp://*:18170"}, r"WORKER_ENDPOINT=tcp://\*:18170 is where a"),
         ({"NUM_FRONTENDS": "65"}, "NUM_FRONTENDS must be at most 64"),
         (
             {"RESTART_BACKOFF_S": "5", "RESTART_BACKOFF_MAX_S": "0.1"},

@@ -19,7 +19,7 @@ import zmq
 from protocol import Hello, ProtocolError
 from protocol.client_config import WorkerClientConfig
 from protocol.curve import ClientKeys
-from protocol.endpoints import check_endpoint_value
+from protocol.endpoints import check_connect_endpoint
 from protocol.peer import HANDSHAKE_FAILED, HandshakeRefused, ping, wait_for_hello, worker_socket
 from protocol.settings import ConfigError, load
 from worker.serve.config import WorkerConfig
@@ -112,14 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s:g}")
     if args.endpoint is not None:
         try:
-            check_endpoint_value(args.endpoint, "--endpoint")
+            check_connect_endpoint(args.endpoint, "--endpoint")
         except ConfigError as exc:
             parser.error(str(exc))
-        if args.endpoint.startswith("tcp://*:"):
-            parser.error(
-                f"--endpoint {args.endpoint} is where a worker binds, on every address; "
-                "connect to one of them, such as tcp://127.0.0.1:" + args.endpoint[8:]
-            )
     try:
         # A healthcheck runs every few seconds: the worker itself warns of
         # misspelt variables, once.
