@@ -83,6 +83,13 @@ class WorkerClientConfig:
                 f"worker's HEARTBEAT_INTERVAL_S={heartbeat_interval_s:g}: the worker "
                 "will be declared dead between heartbeats; raise HEARTBEAT_TIMEOUT_S"
             )
+        if self.step_timeout_s < 2 * heartbeat_interval_s:
+            # Its progress, idle or busy, shows only in its heartbeats.
+            problems.append(
+                f"STEP_TIMEOUT_S={self.step_timeout_s:g} is less than twice the worker's "
+                f"HEARTBEAT_INTERVAL_S={heartbeat_interval_s:g}: the worker, idle or "
+                "busy, will be declared hung between heartbeats; raise STEP_TIMEOUT_S"
+            )
         if frontend_timeout_s and 2 * self.ping_interval_s > frontend_timeout_s:
             problems.append(
                 f"PING_INTERVAL_S={self.ping_interval_s:g} is more than half the worker's "

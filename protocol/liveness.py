@@ -121,10 +121,12 @@ class Liveness:
             )
         stalled_s = now - self._last_progress_at
         if stalled_s > self.step_timeout_s:
+            beat = self.last_heartbeat
+            pending = " with work pending" if beat and (beat.num_queued or beat.num_active) else ""
             return Verdict(
                 WorkerState.HUNG,
-                f"worker {self.hello.instance_id[:8]} made no progress for {stalled_s:.1f} s "
-                f"with work pending (STEP_TIMEOUT_S={self.step_timeout_s:g})",
+                f"worker {self.hello.instance_id[:8]} made no progress for {stalled_s:.1f} s"
+                f"{pending} (STEP_TIMEOUT_S={self.step_timeout_s:g})",
             )
         return Verdict(WorkerState.LIVE, f"worker {self.hello.instance_id[:8]} is live")
 

@@ -356,6 +356,7 @@ def _hello(heartbeat_interval_s: float, frontend_timeout_s: float) -> Hello:
         ({"HEARTBEAT_TIMEOUT_S": "0.2"}, _hello(0.5, 10), "raise HEARTBEAT_TIMEOUT_S"),
         ({"PING_INTERVAL_S": "15"}, _hello(0.5, 10), "lower PING_INTERVAL_S"),
         ({"PING_INTERVAL_S": "15"}, _hello(0.5, 0), None),  # a worker that does not say
+        ({"STEP_TIMEOUT_S": "0.6"}, _hello(0.5, 10), "raise STEP_TIMEOUT_S"),
     ],
 )
 def test_a_client_whose_timing_cannot_work_with_the_workers_is_told_what_to_change(
@@ -377,6 +378,8 @@ def test_a_client_whose_timing_cannot_work_with_the_workers_is_told_what_to_chan
         ({"FRONTEND_TIMEOUT_S": "0.5"}, "lower PING_INTERVAL_S"),
         ({"STOP_GRACE_S": "3"}, None),
         ({"STOP_GRACE_S": "3.5"}, "lower STOP_GRACE_S"),  # its hand-back comes too late
+        # An idle worker was killed as hung between heartbeats, a crash loop in 5 s.
+        ({"STEP_TIMEOUT_S": "0.1"}, "raise STEP_TIMEOUT_S"),
         # Wrong in itself: the worker refuses it, naming it (test_restarts).
         ({"HEARTBEAT_TIMEOUT_S": "0.2", "MAX_BATCH_SIZE": "0"}, None),
     ],
