@@ -24,6 +24,7 @@ from frontend.logprobs import TokenScore, chat_logprobs, unpack_logprobs
 from frontend.openai_common import (
     Envelope,
     UsageStream,
+    check_requested_model,
     openai_request,
     read_openai_request,
     results_usage,
@@ -56,7 +57,8 @@ async def chat_completions(request: Request) -> Response:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
     read.log_ignored(work.request_id)
-    chat = Envelope(f"chatcmpl-{work.request_id}", read.model)
+    model = await check_requested_model(request, client, body.model)
+    chat = Envelope(f"chatcmpl-{work.request_id}", model)
 
     def choice(index: int, entry: InFlight, result: GenerateResult) -> dict[str, Any]:
         logprobs = None

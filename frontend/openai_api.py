@@ -26,6 +26,7 @@ from frontend.openai_common import (
     Envelope,
     UsageStream,
     check_model,
+    check_requested_model,
     openai_request,
     read_openai_request,
     results_usage,
@@ -77,7 +78,8 @@ async def completions(request: Request) -> Response:
         echo=bool(body.echo),
     )
     read.log_ignored(work.request_id)
-    completion = Envelope(f"cmpl-{work.request_id}", read.model)
+    model = await check_requested_model(request, client, body.model)
+    completion = Envelope(f"cmpl-{work.request_id}", model)
 
     def choice(index: int, entry: InFlight, result: GenerateResult) -> dict[str, Any]:
         echoed = (result.prompt_text or "") if body.echo else ""

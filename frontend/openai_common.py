@@ -40,7 +40,6 @@ Model = TypeVar("Model", bound=BaseModel)
 class OpenAIRequest(Generic[Body]):
     body: Body
     client: WorkerClient
-    model: str  # as the worker names it
     ignored: list[str]  # unknown fields, ignored
     grammar: Grammar = NO_GRAMMAR  # structured outputs, compiled
 
@@ -72,17 +71,18 @@ def log_ignored_fields(request_id: str, ignored: list[str]) -> None:
 
 async def read_openai_request(request: Request, schema: type[Body]) -> OpenAIRequest[Body]:
     """The body, checked: 422 for a bad field (and, with STRICT_REQUEST_FIELDS,
-    an unknown one), 400 for a value this server cannot honour, 404 for a model
-    it does not serve; its grammar, if it asks for structured output, checked too."""
+    an unknown one), 400 for a value this server cannot honour; its grammar, if
+    it asks for structured output, checked too. The model is the endpoint's to
+    check (`check_requested_model`), once it has checked the rest: that may wait
+    for a worker's hello, which nothing else the body gets wrong should."""
     client: WorkerClient = request.app.state.client
     body, ignored = await read_lenient_body(request, client, schema)
     unsupported = body.unsupported()
     if unsupported is not None:
         param, message = unsupported
         raise ApiError(400, message, "unsupported", param)
-    model = await check_requested_model(request, client, body.model)
     grammar = await request_grammar(body.response_format, body.structured_outputs)
-    return OpenAIRequest(body, client, model, ignored, grammar)
+    return OpenAIRequest(body, client, ignored, grammar)
 
 
 async def read_lenient_body(

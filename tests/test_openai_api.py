@@ -13,10 +13,14 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from starlette.testclient import TestClient
 
+from frontend.app import create_app
+from frontend.config import FrontendConfig
 from frontend.openai_common import IGNORED_FIELDS_HEADER
+from protocol.settings import load
 from tests.sse import sse_events
-from tests.stack import Stack, live_stack, openai_client, running_stack
+from tests.stack import Stack, free_port, live_stack, openai_client, running_stack
 from worker.engine.fake_engine import FAKE_VOCAB_SIZE, expected_text
 
 
@@ -610,3 +614,36 @@ def test_openapi_describes_as_valid_only_what_the_server_takes(
     response = httpx.post(f"{stack.url}{endpoint}", json=body | {"stream": False}, timeout=30)
     assert response.status_code in (200, 400, 422), response.text
     assert validator.is_valid(body) == (response.status_code == 200), response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "problem"),
+    [
+        ("/v1/completions", {"max_tokens": 2, "min_tokens": 5}, "min_tokens: 5 is more than"),
+        ("/v1/completions", {"max_tokens": 0}, "max_tokens: must be at least 1"),
+        ("/v1/completions", {"n": 2, "best_of": 1}, "best_of: 1 is less than n (2)"),
+        ("/v1/completions", {"structured_outputs": {"regex": "(a"}}, "regex"),
+        ("/v1/chat/completions", {"max_tokens": 2, "min_tokens": 5}, "min_tokens: 5 is more"),
+    ],
+)
+def test_a_wrong_request_is_refused_at_once_while_no_worker_has_said_hello(
+    path: str, fields: dict[str, object], problem: str
+) -> None:
+    """It waited REQUEST_TIMEOUT_S for the model's name, then got a 504 that said
+    to retry once a worker is live: a retry that could never succeed."""
+    config = load(
+        FrontendConfig,
+        [],
+        {"WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}", "REQUEST_TIMEOUT_S": "20"},
+    )
+    body: dict[str, object] = {"model": "any", **fields}
+    if path == "/v1/completions":
+        body["prompt"] = "x"
+    else:
+        body["messages"] = [{"role": "user", "content": "x"}]
+    with TestClient(create_app(config)) as http:
+        started = time.monotonic()
+        refused = http.post(path, json=body)
+        assert time.monotonic() - started < 5
+    assert refused.status_code in (400, 422), refused.text
+    assert problem in refused.json()["error"]["message"]
