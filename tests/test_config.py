@@ -314,6 +314,7 @@ def test_the_api_key_stays_out_of_the_config_repr() -> None:
         ({"TORCH_THREADS": "40000"}, "TORCH_THREADS must be 0 .every core. to"),
         ({"NUM_WORKERS": "100000"}, "NUM_WORKERS must be at most 64"),
         ({"WORKER_ENDPOINT": "tcp://*:18170"}, r"WORKER_ENDPOINT=tcp://\*:18170 is where a"),
+        ({"PORT": "0"}, "PORT must be > 0"),  # was left to the frontend, once started
         ({"NUM_FRONTENDS": "65"}, "NUM_FRONTENDS must be at most 64"),
         (
             {"RESTART_BACKOFF_S": "5", "RESTART_BACKOFF_MAX_S": "0.1"},

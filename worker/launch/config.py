@@ -89,7 +89,7 @@ class SupervisorConfig(WorkerClientConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require_positive(self, "restart_backoff_s", "restart_backoff_max_s", "crash_loop_limit")
-        require_positive(self, "worker_start_timeout_s", "num_workers", "num_frontends")
+        require_positive(self, "worker_start_timeout_s", "num_workers", "num_frontends", "port")
         check_torch_threads(self.torch_threads)
         if self.restart_backoff_max_s < self.restart_backoff_s:
             raise ConfigError(

@@ -64,7 +64,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         follow_supervisor("worker")
         config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")
         check_endpoint_free(config)
-        log.info("worker loading %s", config.model_to_load)
+        log.info(
+            "worker loading %s%s",
+            config.model_to_load,
+            "" if config.model_id else " (MODEL_ID unset: synthetic if it cannot be loaded)",
+        )
         engine = build_engine(config)
         server = WorkerServer(Scheduler(engine, config.max_queue_depth), config)
         for stop_signal in _STOP_SIGNALS:
