@@ -182,8 +182,10 @@ _ATEN_CAPABILITIES = {"avx2": ISAS["avx2"][1], "avx512": ISAS["avx512"][1]}
 
 
 def check_aten_capability() -> None:
-    """Refuse an ATEN_CPU_CAPABILITY (torch's own setting) that this CPU cannot run."""
-    asked = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    """Refuse an ATEN_CPU_CAPABILITY (torch's own setting) that this CPU cannot run.
+    As torch reads it: spelt exactly (torch ignores AVX512 or " avx512", with a
+    warning, and runs what the CPU has)."""
+    asked = os.environ.get("ATEN_CPU_CAPABILITY", "")
     needs = _ATEN_CAPABILITIES.get(asked)
     if platform.machine() != "x86_64" or needs is None:
         return
@@ -267,7 +269,7 @@ def build(isas: list[str] | None = None, jobs: int | None = None) -> Path:
     into place whole, so a killed build leaves nothing half-written behind."""
     directory = build_directory()
     isas = buildable_isas() if isas is None else isas
-    todo = [isa for isa in isas if not is_whole_library(library_path(isa))]
+    todo = [isa for isa in isas if _damage(isa) is not None]
     if not todo:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
@@ -295,6 +297,8 @@ def build(isas: list[str] | None = None, jobs: int | None = None) -> Path:
                 pool.shutdown(cancel_futures=True)
                 raise
         for isa in todo:
+            if library_path(isa).is_dir():  # what a damaged build left: replaced whole
+                shutil.rmtree(library_path(isa))
             os.replace(out / library_path(isa).name, library_path(isa))
     return directory
 
@@ -305,7 +309,10 @@ def _say_decode_is_slower(why: str, damaged: Path | str) -> None:
     and CXX each choose the directory), after removing a ``damaged`` library."""
     kernels_dir = os.environ.get("KERNELS_DIR")
     setting = f"KERNELS_DIR={shlex.quote(kernels_dir)} " if kernels_dir else ""
-    remove = f"rm {shlex.quote(str(damaged))} && " if damaged else ""
+    remove = ""
+    if damaged:
+        recursive = "-r " if Path(damaged).is_dir() else ""
+        remove = f"rm {recursive}{shlex.quote(str(damaged))} && "
     logger.warning(
         "%s, so decode runs on oneDNN and SDPA, slower; build them with `%s%sCXX=%s %s -m "
         "worker.model.kernels` (make install builds them in the default KERNELS_DIR when "
@@ -316,6 +323,23 @@ def _say_decode_is_slower(why: str, damaged: Path | str) -> None:
         shlex.quote(_compiler()),
         sys.executable,
     )
+
+
+def _damage(isa: str) -> str | None:
+    """What is wrong with the library built for ``isa``, if anything (its absence
+    included): only a whole library of that build is loaded, or skipped as built."""
+    path = library_path(isa)
+    if not path.exists():
+        return "missing"
+    if path.is_dir():
+        return f"{path} is a directory, not the decode kernels' library"
+    if not is_whole_library(path):
+        return f"the decode kernels at {path} are damaged (cut short, or no library)"
+    # Another build's library under this name registers its own ops, and may run
+    # instructions this CPU lacks as it loads.
+    if f"minibatch_{isa}\0".encode() not in path.read_bytes():
+        return f"the library at {path} is not the {isa} build of the decode kernels"
+    return None
 
 
 def is_whole_library(path: Path) -> bool:
@@ -353,25 +377,26 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
 @functools.cache
 def _load(isa: str) -> Kernels | None:
     path = library_path(isa)
-    if not path.exists():
+    damage = _damage(isa)
+    if damage == "missing":
         _say_decode_is_slower(f"no decode kernels are built for {isa} at {path.parent}", "")
         return None
-    if not is_whole_library(path):  # the loader would fault on it, with nothing said
-        _say_decode_is_slower(f"the decode kernels at {path} are cut short", path)
+    if damage is not None:  # the loader could fault on it (SIGBUS), with nothing said
+        _say_decode_is_slower(damage, path)
         return None
     try:
         torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
-    except OSError as exc:
+        ops = getattr(torch.ops, f"minibatch_{isa}")
+        kernels = Kernels(
+            isa=isa,
+            int8_products=ops.int8_products(),
+            pack_weight=ops.pack_weight,
+            packed_linear=ops.packed_linear,
+            decode_attention=ops.decode_attention,
+        )
+    except (OSError, AttributeError, RuntimeError) as exc:
         _say_decode_is_slower(f"the decode kernels at {path} do not load ({exc})", path)
         return None
-    ops = getattr(torch.ops, f"minibatch_{isa}")
-    kernels = Kernels(
-        isa=isa,
-        int8_products=ops.int8_products(),
-        pack_weight=ops.pack_weight,
-        packed_linear=ops.packed_linear,
-        decode_attention=ops.decode_attention,
-    )
     logger.info("decode kernels: %s on %s", kernels.describe(), cpu_summary())
     return kernels
 
@@ -382,7 +407,7 @@ def main() -> None:
         sys.exit(f"no C++ compiler ({_compiler()}) to build the decode kernels with: install g++")
     started = time.monotonic()
     isas = buildable_isas()
-    were_built = all(library_path(isa).exists() for isa in isas)
+    were_built = all(_damage(isa) is None for isa in isas)
     if not were_built:  # else the only output is the last line, a minute or two later
         logger.info("building the decode kernels for %s, once (a minute or two)", ", ".join(isas))
     for stop_signal in (signal.SIGTERM, signal.SIGHUP):  # cleaned up after as after a ^C
@@ -392,6 +417,11 @@ def main() -> None:
     except KeyboardInterrupt as stop:
         logger.info("the decode kernels' build was interrupted; nothing of it was kept")
         sys.exit(128 + (stop.args[0] if stop.args else signal.SIGINT))
+    except OSError as exc:  # not a directory, read-only, no space left
+        sys.exit(
+            f"cannot build the decode kernels in {build_directory()} ({exc}): set "
+            "KERNELS_DIR to a directory this user can write"
+        )
     done = "were built before" if were_built else f"built in {time.monotonic() - started:.1f} s"
     logger.info(
         "decode kernels for %s %s, in %s; this CPU runs %s",
