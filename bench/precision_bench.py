@@ -51,15 +51,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"this CPU cannot run {', '.join(cannot_run)} (it runs {', '.join(cpu_modes())})"
         )
 
-    engines = {mode: mode_engine(mode, args.capacity) for mode in args.modes}
-    wide_engines = {mode: mode_engine(mode, args.wide_capacity) for mode in args.modes}
-    bandwidth = read_bandwidth(torch.device("cpu"), 2**28, repeats=5)
-    requests = make_workload(NUM_REQUESTS, seed=0)
     print(
         f"{len(args.modes)} modes, {args.runs} runs of {NUM_REQUESTS} requests each, then "
         "their decode steps: a few minutes",
         flush=True,
     )
+    engines = {mode: mode_engine(mode, args.capacity) for mode in args.modes}
+    wide_engines = {mode: mode_engine(mode, args.wide_capacity) for mode in args.modes}
+    bandwidth = read_bandwidth(torch.device("cpu"), 2**28, repeats=5)
+    requests = make_workload(NUM_REQUESTS, seed=0)
     medians, _ = median_of_runs(
         {
             mode: functools.partial(run_continuous, engine, requests)

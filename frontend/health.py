@@ -137,7 +137,7 @@ def _why_not_ready(
     no connection left (the probe's own counts, as it does when uvicorn refuses
     a request past MAX_CONNECTIONS)."""
     config = client.config
-    if not any(worker.is_live and not worker.is_stopping for worker in load.workers):
+    if not client.any_worker_takes_work():
         return "stopping", "every live worker is stopping, and takes no new request"
     if load.num_inflight >= config.max_inflight_requests:
         return "full", f"MAX_INFLIGHT_REQUESTS={config.max_inflight_requests} requests in flight"

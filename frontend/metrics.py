@@ -180,9 +180,12 @@ class _WorkerCollector(Collector):
             "Matrix-product shapes the worker's math library keeps kernels for",
             labels=["worker"],
         )
-        for worker in load.live:
-            if worker.hello and worker.heartbeat:
-                rss.add_metric([worker.endpoint], worker.heartbeat.rss_bytes)
-                kv_cache.add_metric([worker.endpoint], worker.hello.kv_cache_bytes)
-                shapes.add_metric([worker.endpoint], worker.heartbeat.num_matmul_shapes)
-        yield from (rss, kv_cache, shapes)
+        reporting = [
+            (w.endpoint, w.hello, w.heartbeat) for w in load.live if w.hello and w.heartbeat
+        ]
+        for endpoint, hello, heartbeat in reporting:
+            rss.add_metric([endpoint], heartbeat.rss_bytes)
+            kv_cache.add_metric([endpoint], hello.kv_cache_bytes)
+            shapes.add_metric([endpoint], heartbeat.num_matmul_shapes)
+        if reporting:  # no family without a sample
+            yield from (rss, kv_cache, shapes)

@@ -18,7 +18,7 @@ from tests.settings_table import (
     markdown,
     rows,
 )
-from worker.launch.readiness import READY_SOCKET_ENV
+from worker.serve.readiness import READY_SOCKET_ENV
 
 
 def test_the_operations_settings_table_is_the_codes() -> None:

@@ -72,7 +72,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 
 def _worker(clock: FakeClock, crash_loop_limit: int) -> Child:
     config = SupervisorConfig(crash_loop_limit=crash_loop_limit)
-    return Child("worker", "worker.serve.main", config, served_after_s=10.0, clock=clock)
+    return Child(
+        "worker", "worker.serve.main", config, served_after_s=10.0, clock=clock, is_worker=True
+    )
 
 
 def _run_and_die(
@@ -123,7 +125,6 @@ def test_each_of_several_workers_is_told_its_endpoint_cores_and_how_many_share_m
         ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "127.1", 8000),
         ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "0", 8000),
         ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://[::1]:8000"}, "::0", 8000),
-        ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://*:8000"}, "127.0.0.1", 8000),
         # A lone worker binds WORKER_BIND, where it is set.
         (
             {
@@ -232,6 +233,27 @@ def test_workers_that_die_after_hello_before_serving_back_off_and_are_no_crash_l
         _run_and_die(child, clock, 0)
         assert child.restart_delay_s() == child.config.restart_backoff_s  # never growing
     assert (child.num_failed_starts, child.num_restarts) == (6, 6)
+
+
+@pytest.mark.parametrize("code", [ExitCode.ENGINE_BROKEN, ExitCode.THREAD_DIED])
+def test_workers_that_end_themselves_as_broken_after_hello_are_a_crash_loop(
+    clock: FakeClock, code: int
+) -> None:
+    child = _worker(clock, crash_loop_limit=3)
+    _run_and_die(child, clock, 0, code=code)
+    _run_and_die(child, clock, 0, code=code)
+    with pytest.raises(CrashLoop, match="3 times in a row"):
+        _run_and_die(child, clock, 0, code=code)
+
+
+def test_frontends_that_die_before_serving_are_a_crash_loop(clock: FakeClock) -> None:
+    """A frontend is seen up as soon as it runs: requests are no excuse for it."""
+    child = Child(
+        "frontend", "frontend.main", SupervisorConfig(crash_loop_limit=2), 5.0, clock=clock
+    )
+    _run_and_die(child, clock, 0)
+    with pytest.raises(CrashLoop, match="frontend died before coming up 2 times in a row"):
+        _run_and_die(child, clock, 0)
 
 
 def test_workers_that_die_before_hello_are_a_crash_loop(clock: FakeClock) -> None:
@@ -699,10 +721,10 @@ def test_the_supervisors_flags_reach_the_processes_it_starts(tmp_path: Path) -> 
 
 
 def _send_poison(endpoint: str, request_id: str) -> None:
-    """Hand the worker at ``endpoint`` a request with the crash prompt. Straight over
-    ZMQ, so that no frontend replays it on the next worker the instant that worker
-    says hello, before the supervisor has heard the hello too. It stays until the
-    worker greets it: a worker drops the requests of a peer that has left."""
+    """Hand the worker at ``endpoint`` a request with the crash prompt, straight over
+    ZMQ, so that it kills that one worker and no frontend replays it on the next.
+    It stays until the worker greets it: a worker drops the requests of a peer
+    that has left."""
     with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
         socket.setsockopt(zmq.LINGER, 1000)
         socket.connect(endpoint)
@@ -718,7 +740,8 @@ def test_workers_that_die_taking_their_first_request_after_hello_are_retried(
     with running_stack(tmp_path, overrides) as stack:
         live = stack.wait_live()
         for attempt in (1, 2, 3):
-            time.sleep(0.5)  # the supervisor pings every 0.1 s: it has heard the hello
+            # At once: the worker's note says it came up, whether or not the
+            # supervisor has heard its hello yet.
             _send_poison(stack.env["WORKER_ENDPOINT"], f"poison-{attempt}")
             live = stack.wait_live(instance_not=str(live["instance_id"]))
         assert stack.processes["supervisor"].poll() is None

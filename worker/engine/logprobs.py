@@ -1,6 +1,6 @@
 """Per-token log-probabilities as the engine computes them, and their wire form.
 
-An engine records one `TokenLogprob` per scored token; `pack` turns a run of them
+An engine records one `TokenLogprob` per scored token; `pack_logprobs` turns a run of them
 into the protocol's `Logprobs`, with every token's text, since the frontend has
 no tokenizer.
 """

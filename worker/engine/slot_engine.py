@@ -104,13 +104,17 @@ class SlotEngine(InferenceEngine):
     def _start_prefill(self, newcomers: list[Sequence]) -> None:
         """Hook, for chunked prefill: check the newcomers and set up their slots
         without running them; raise as `_prefill` would."""
-        raise NotImplementedError(f"{type(self).__name__} does not prefill in chunks")
+        raise NotImplementedError(
+            f"{type(self).__name__} implements neither _prefill nor the chunk hooks"
+        )
 
     def _prefill_chunks(self, chunks: list[Chunk]) -> list[int]:
         """For chunked prefill: run context positions [start, end) of each
         sequence into its slot, its earlier positions being there already; return
         the next token of each whose chunk ends its context (in order)."""
-        raise NotImplementedError(f"{type(self).__name__} does not prefill in chunks")
+        raise NotImplementedError(
+            f"{type(self).__name__} implements neither _prefill nor the chunk hooks"
+        )
 
     @abstractmethod
     def _decode(self, active: list[Sequence]) -> list[int]:

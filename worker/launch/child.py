@@ -52,13 +52,16 @@ class Child:
         clock: Callable[[], float] = time.monotonic,
         env: Mapping[str, str] | None = None,
         is_forked: bool = False,
+        is_worker: bool = False,
     ) -> None:
         """``is_forked``: a worker forked from the warm fork server
-        (`worker.launch.warm_start`) rather than started from scratch as ``module``."""
+        (`worker.launch.warm_start`) rather than started from scratch as ``module``.
+        ``is_worker``: a worker, which requests may kill once it came up."""
         self.name = name
         self.argv = [sys.executable, "-m", module]
         self.env = None if env is None else dict(env)
         self.is_forked = is_forked
+        self.is_worker = is_worker
         self.awaiting_fork_server_since: float | None = None
         self.config = config
         self.served_after_s = served_after_s
@@ -169,11 +172,11 @@ class Child:
         no other child of its kind serves (``others_serve``): with one that does,
         the stack still serves, and this one is retried with its backoff.
 
-        One that came up and then died before serving is retried however often:
-        its start works, and what kills it is most likely a request (a worker's
+        A worker that came up and then died before serving is retried however
+        often: its start works, and what kills it is most likely a request (its
         first, run right after its hello), which the frontends fail after
         MAX_WORKER_DEATHS. Counted as a crash loop, five such requests in a row
-        ended the whole stack."""
+        ended the whole stack. Unless it ended itself as broken (exit 4 or 5)."""
         if self.process is not None and self.process.poll() == ExitCode.CONFIG_ERROR:
             raise CrashLoop(
                 f"{self.name} refused its configuration ({cause}), which would fail the "
@@ -182,7 +185,9 @@ class Child:
                 ExitCode.CONFIG_ERROR,
             )
         is_failed_start = not self.has_served and not self._was_stopped_from_outside()
-        never_came_up = is_failed_start and self.up_since is None
+        never_came_up = is_failed_start and (
+            not self.is_worker or self.up_since is None or self._judged_itself_broken()
+        )
         self.process = None
         self.num_failed_starts = self.num_failed_starts + 1 if is_failed_start else 0
         self.num_starts_never_up = self.num_starts_never_up + 1 if never_came_up else 0
@@ -212,6 +217,13 @@ class Child:
         log.warning(
             "%s stopped (%s); restart #%d in %.1f s", self.name, cause, self.num_restarts, delay
         )
+
+    def _judged_itself_broken(self) -> bool:
+        """A worker that ended itself as broken: its engine failed whatever it
+        was given, or one of its threads died. No request's doing: a start that
+        fails, however far it got."""
+        code = self.process.poll() if self.process is not None else None
+        return code in (ExitCode.ENGINE_BROKEN, ExitCode.THREAD_DIED)
 
     def _was_stopped_from_outside(self) -> bool:
         """Its start did not fail: it had come up and was ended from outside (a

@@ -73,7 +73,7 @@ class SupervisorConfig(WorkerClientConfig):
         "CRASH_LOOP_LIMIT",
         5,
         "give up after a process dies this many times in a row before coming up (a worker: "
-        "before its hello)",
+        "before its model loaded and its socket bound, or of its own verdict, exit 4 or 5)",
     )
     worker_start_timeout_s: float = setting(
         "WORKER_START_TIMEOUT_S",

@@ -37,9 +37,9 @@ from protocol.settings import ConfigError, exit_refusing, flag_settings, load
 from worker.launch.child import Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
 from worker.launch.preflight import check_before_start, check_own_flags
-from worker.launch.readiness import READY_SOCKET_ENV, ReadyListener
 from worker.launch.warm_start import FORK_SERVER
 from worker.launch.worker_watch import WorkerWatch
+from worker.serve.readiness import READY_SOCKET_ENV, ReadyListener
 
 log = logging.getLogger("supervisor")
 
@@ -69,6 +69,7 @@ class Supervisor:
                 _WORKER_SERVED_AFTER_S,
                 env=env,
                 is_forked=config.warm_start,
+                is_worker=True,
             )
             self.workers.append((child, WorkerWatch(config, endpoint)))
         self.frontends: list[Child] = []
@@ -98,6 +99,7 @@ class Supervisor:
             while not self._stopping:
                 for _, watch in self.workers:
                     watch.poll(_TICK_S / len(self.workers))
+                self._ready.poll(self._worker_pids())
                 for child in self.frontends:
                     self._tend(child, self.frontends)
                     if child.process is not None:
@@ -117,6 +119,18 @@ class Supervisor:
             FORK_SERVER.stop()
             self._ready.close()
             log.info("stopped")
+
+    def _worker_pids(self) -> set[int]:
+        return {child.process.pid for child, _ in self.workers if child.process is not None}
+
+    def _said_ready(self, worker: Child) -> bool:
+        """The worker, now dead, had told this supervisor it came up, though no
+        hello of its own was heard here; and no verdict of this supervisor's
+        killed it (one killed for never saying hello did not come up)."""
+        if self._ready is None or worker.process is None:
+            return False
+        self._ready.poll(self._worker_pids())
+        return self._ready.came_up(worker.process.pid) and worker.kill_reason is None
 
     def _notice_own_pause(self) -> None:
         """Before each verdict: a supervisor that did not run would kill a live
@@ -140,8 +154,7 @@ class Supervisor:
         if cause is not None:
             if watch is not None:
                 watch.poll(0)  # a hello it sent before it died: it had come up
-                said_ready = self._ready is not None and self._ready.came_up(child.process.pid)
-                if watch.liveness.hello is not None or said_ready:
+                if watch.liveness.hello is not None or self._said_ready(child):
                     child.on_up()
                 watch.forget_worker()
             others_serve = any(other.serves for other in kind if other is not child)

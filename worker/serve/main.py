@@ -15,7 +15,6 @@ from protocol.logs import log_as
 from protocol.settings import ConfigError, exit_refusing, load
 from worker.engine.fake_engine import FAKE_MODEL_NAME, FakeEngine, FakeEngineConfig
 from worker.engine.interface import InferenceEngine
-from worker.launch.readiness import note_ready
 from worker.serve.config import WorkerConfig, check_endpoint_free
 from worker.serve.scheduler import Scheduler
 from worker.serve.server import WorkerServer
@@ -84,7 +83,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     # `kill -USR1 <pid>`: every thread's stack to the log, for a worker that seems
     # stuck; written by the interpreter's C code, so even a wedged one answers.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    note_ready()  # its model is loaded: a death from now on is no failed start
     try:
         server.serve_forever()
     except ConfigError as exc:  # its endpoint cannot be bound

@@ -30,6 +30,7 @@ from worker.serve.config import WorkerConfig
 from worker.serve.engine_loop import EngineBroken, EngineLoop
 from worker.serve.inbox import Inbox
 from worker.serve.io_loop import IoLoop
+from worker.serve.readiness import note_ready
 from worker.serve.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class WorkerServer:
             io_thread.join()  # it closes its sockets, then the context can end
             self._context.term()
             raise self._io.bind_error
+        note_ready()  # its model loaded, its socket bound: a death now is no failed start
         curve = self.config.curve
         log.info(
             "worker %s serving %s on %s (capacity %d; %s)",
