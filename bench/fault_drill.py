@@ -370,6 +370,12 @@ def kill_drill(
         )
     if num_injected < len(faults):
         print("  some faults came too late for the workload: give more --requests")
+    idle = sum(1 for fault in faults if fault.injected_at and not fault.num_in_flight)
+    if idle:
+        print(
+            f"  {idle} of {num_injected} faults caught no request in flight, and tested "
+            "nothing: give more --requests, or a slower engine"
+        )
     summary |= {
         "workers": args.workers,
         "frontends": len(urls),
@@ -495,6 +501,10 @@ def main(argv: list[str] | None = None) -> None:
             args.workers = max(1, len(asyncio.run(_live_instances(urls[0]))))
         for url in urls:
             asyncio.run(_wait_whole(url, args.workers, 300, started=local))
+        # A worker's first requests pay for its warm-up (allocations, kernels'
+        # first calls): in the reference alone, they made a fault look free.
+        warm_up = bodies[: args.concurrency]
+        asyncio.run(LoadRun(urls, warm_up, args.concurrency, args.timeout_s).run())
         print(f"reference run: {len(bodies)} requests, concurrency {args.concurrency}", flush=True)
         reference = asyncio.run(LoadRun(urls, bodies, args.concurrency, args.timeout_s).run())
         if reference.succeeded != len(bodies):
