@@ -252,7 +252,7 @@ def test_frontends_that_die_before_serving_are_a_crash_loop(clock: FakeClock) ->
         "frontend", "frontend.main", SupervisorConfig(crash_loop_limit=2), 5.0, clock=clock
     )
     _run_and_die(child, clock, 0)
-    with pytest.raises(CrashLoop, match="frontend died before coming up 2 times in a row"):
+    with pytest.raises(CrashLoop, match="frontend died before serving 2 times in a row"):
         _run_and_die(child, clock, 0)
 
 

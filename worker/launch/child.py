@@ -192,8 +192,9 @@ class Child:
         self.num_failed_starts = self.num_failed_starts + 1 if is_failed_start else 0
         self.num_starts_never_up = self.num_starts_never_up + 1 if never_came_up else 0
         if self.num_starts_never_up >= self.config.crash_loop_limit:
+            before = "coming up" if self.is_worker else "serving"
             why = (
-                f"{self.name} died before coming up {self.num_starts_never_up} times in a "
+                f"{self.name} died before {before} {self.num_starts_never_up} times in a "
                 f"row (last: {cause}); its log above says why"
             )
             if not others_serve:
