@@ -72,8 +72,9 @@ class SupervisorConfig(WorkerClientConfig):
     crash_loop_limit: int = setting(
         "CRASH_LOOP_LIMIT",
         5,
-        "give up after a process dies this many times in a row before coming up (a worker: "
-        "before its model loaded and its socket bound, or of its own verdict, exit 4 or 5)",
+        "give up after a child dies this many times in a row before serving (a frontend) or "
+        "before coming up (a worker: its model loaded, its socket bound), or ends itself as "
+        "broken (a worker: exit 4 or 5)",
     )
     worker_start_timeout_s: float = setting(
         "WORKER_START_TIMEOUT_S",
