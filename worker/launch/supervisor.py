@@ -3,20 +3,22 @@
 The local twin of the compose file. NUM_WORKERS workers listen on
 WORKER_ENDPOINT's port and the ones after it, each with an even share of the
 cores (TORCH_THREADS), and NUM_FRONTENDS frontends on PORT and the ones after
-it, each connected to every worker. A child that exits is restarted after a
-backoff that doubles with each crash in a row (capped); one that had served, at
-once. Workers fork from a process that has loaded the model (`worker.launch.warm_start`),
-so a replacement serves within a second. A worker that stops
-sending heartbeats, or sends them without making progress on pending work, is
-killed and replaced: the supervisor watches it over ZMQ exactly as the frontend
-does, and so is a worker that has not said hello within WORKER_START_TIMEOUT_S.
-A child that keeps dying before it ever serves (a start that never finishes, a
-request that kills every worker that runs it) is a crash loop: while another
-child of its kind serves, it is still retried (with its backoff); else the
-supervisor says so and exits instead of retrying forever. One that refuses its
-configuration (exit code ExitCode.CONFIG_ERROR: a bad MODEL_ID, a mode the CPU
-cannot run, a port in use) ends it at once, with that exit code. Configuration
-comes from the environment, which both children inherit.
+it, each connected to every worker. A child that exits is restarted at once if
+it had served, else after a backoff (`Child.restart_delay_s`). Workers fork from
+a process that has loaded the model (`worker.launch.warm_start`), so a
+replacement serves within a second. A worker that stops sending heartbeats, or
+sends them without making progress on pending work, is killed and replaced: the
+supervisor watches it over ZMQ exactly as the frontend does, and so is a worker
+that has not said hello within WORKER_START_TIMEOUT_S. A child that keeps dying
+before it comes up (a start that never finishes; a frontend, before it serves; a
+worker that ends itself as broken) is a crash loop: while another child of its
+kind serves, it is still retried (with its backoff); else the supervisor says so
+and exits instead of retrying forever. A worker that came up
+(`worker.serve.readiness`) and then died is retried however often: a request
+that kills every worker that runs it is the frontends' to fail. One that refuses
+its configuration (exit code ExitCode.CONFIG_ERROR: a bad MODEL_ID, a mode the
+CPU cannot run, a port in use) ends it at once, with that exit code.
+Configuration comes from the environment, which both children inherit.
 """
 
 from __future__ import annotations

@@ -297,8 +297,11 @@ def build(isas: list[str] | None = None, jobs: int | None = None) -> Path:
                 pool.shutdown(cancel_futures=True)
                 raise
         for isa in todo:
-            if library_path(isa).is_dir():  # what a damaged build left: replaced whole
-                shutil.rmtree(library_path(isa))
+            target = library_path(isa)
+            if target.is_symlink():  # replaced, not followed
+                target.unlink()
+            elif target.is_dir():  # what a damaged build left: replaced whole
+                shutil.rmtree(target)
             os.replace(out / library_path(isa).name, library_path(isa))
     return directory
 
