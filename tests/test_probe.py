@@ -14,23 +14,15 @@ import msgpack
 import pytest
 import zmq
 
-from protocol import Heartbeat, Hello, encode
+from protocol import Heartbeat, encode
 from tests.stack import free_port
-from tests.stand_in_worker import StandInWorker
+from tests.stand_in_worker import StandInWorker, stand_in_hello
 from worker.launch.probe import ProbeFailed, local_endpoint, main, probe
 from worker.serve.config import WorkerConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-HELLO = Hello(
-    instance_id="stand-in-1",
-    model="fake",
-    is_random_weights=False,
-    capacity=4,
-    context_window=1024,
-    max_queue_depth=16,
-    max_message_bytes=1 << 20,
-)
+HELLO = stand_in_hello(instance_id="stand-in-1", capacity=4)
 
 
 @pytest.fixture
