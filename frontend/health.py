@@ -119,19 +119,16 @@ async def ready(request: Request) -> Response:
     """For load balancers: 200 only when a worker is live and takes new requests,
     and there is room for more requests and connections; 503 (hold off) otherwise."""
     client: WorkerClient = request.app.state.client
-    load = pool_load(client)
-    status = _status(load)
+    status = _status(pool_load(client))
     if status["status"] == "ok":
-        refusal = _why_not_ready(client, load, request.app.state.count_connections())
+        refusal = _why_not_ready(client, request.app.state.count_connections())
         if refusal is not None:
             status["status"], status["reason"] = refusal
     status["ready"] = status["status"] == "ok"
     return JSONResponse(status, status_code=200 if status["ready"] else 503)
 
 
-def _why_not_ready(
-    client: WorkerClient, load: PoolLoad, num_connections: int
-) -> tuple[str, str] | None:
+def _why_not_ready(client: WorkerClient, num_connections: int) -> tuple[str, str] | None:
     """Why a new request would wait or be refused 503 now, if it would: every
     live worker is stopping (taking nothing new), no room for it in flight, or
     no connection left (the probe's own counts, as it does when uvicorn refuses
@@ -139,7 +136,7 @@ def _why_not_ready(
     config = client.config
     if not client.any_worker_takes_work():
         return "stopping", "every live worker is stopping, and takes no new request"
-    if load.num_inflight >= config.max_inflight_requests:
+    if client.num_inflight >= config.max_inflight_requests:
         return "full", f"MAX_INFLIGHT_REQUESTS={config.max_inflight_requests} requests in flight"
     if num_connections >= config.max_connections:
         return "full", f"MAX_CONNECTIONS={config.max_connections} connections open"

@@ -333,7 +333,7 @@ def _damage(isa: str) -> str | None:
     included): only a whole library of that build is loaded, or skipped as built."""
     path = library_path(isa)
     if not path.exists():
-        return "missing"
+        return f"no decode kernels are built for {isa} at {path.parent}"
     if path.is_dir():
         return f"{path} is a directory, not the decode kernels' library"
     if not is_whole_library(path):
@@ -381,11 +381,8 @@ def load_kernels(isa: str | None = None) -> Kernels | None:
 def _load(isa: str) -> Kernels | None:
     path = library_path(isa)
     damage = _damage(isa)
-    if damage == "missing":
-        _say_decode_is_slower(f"no decode kernels are built for {isa} at {path.parent}", "")
-        return None
     if damage is not None:  # the loader could fault on it (SIGBUS), with nothing said
-        _say_decode_is_slower(damage, path)
+        _say_decode_is_slower(damage, path if path.exists() else "")
         return None
     try:
         torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
