@@ -15,6 +15,15 @@ on MAX_WORKER_DEATHS workers that died (3 by default), is answered with an error
 and not replayed again.
 So an innocent request beside a poison one (it made progress, or it is new) is
 never failed for it: it can die without progress only once before it runs.
+A death beside a request that had been in flight on a worker that died before
+and made no progress on this one (a suspect's trial, or one whose `Admitted`
+was lost) is blamed on that request: it does not count toward MAX_WORKER_DEATHS
+for the requests that made progress beside it, up to MAX_WORKER_DEATHS such
+deaths each. Two poison requests sent at once each kill a worker, and the
+innocent requests replayed from the first onto the second die twice; the poison
+requests' second kills must not add the third death that would fail them. The
+bound still holds: a request that kills workers after making progress is failed
+after at most twice MAX_WORKER_DEATHS.
 A death while the request only waited in its worker's queue (the worker said
 `Waiting`, and no `Admitted` since) is not one without progress: nothing of it
 ran there, unless it has a grammar, which compiles while it waits. It goes back
@@ -56,6 +65,9 @@ def release(
     entries = table.take_back(link)
     if not entries:
         return 0
+    is_blamed_on_a_repeater = any(
+        entry.num_worker_deaths and not entry.made_progress for entry in entries
+    )
     num_suspects = num_failed = 0
     for entry in entries:
         # Should the worker still run it (it was only frozen), it stops.
@@ -69,8 +81,14 @@ def release(
         if not made_progress and not entry.is_idle_in_queue:
             entry.num_deaths_without_progress += 1
         if (
+            made_progress
+            and is_blamed_on_a_repeater
+            and entry.num_deaths_excused < max_worker_deaths
+        ):
+            entry.num_deaths_excused += 1
+        if (
             entry.num_deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS
-            or entry.num_worker_deaths >= max_worker_deaths
+            or entry.num_worker_deaths - entry.num_deaths_excused >= max_worker_deaths
         ):
             log.error(
                 "request %s was in flight on %d workers that died; failing it",

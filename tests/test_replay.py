@@ -52,3 +52,49 @@ def test_a_trial_is_still_a_suspect_after_its_worker_lets_it_go(is_death: bool) 
     assert table.suspects == [suspect]
     assert table.waiting == [innocent]
     assert link.trial is None and not link.held
+
+
+@pytest.mark.parametrize("beside", ["a trial", "one whose Admitted was lost", "newcomers"])
+def test_a_death_beside_a_request_that_died_before_is_blamed_on_it(beside: str) -> None:
+    """Two poison requests sent at once: the innocent request died on two workers
+    already, and the third death came beside a request that had died before and
+    made no progress here (a suspect's trial; or one taken for a request that only
+    waited, its `Admitted` lost). That death is that request's: the innocent
+    request goes on. Beside newcomers only, it counts."""
+    table, link, suspect, innocent = _on_trial_beside_an_innocent()
+    if beside != "a trial":
+        link.trial = None
+    if beside != "newcomers":
+        suspect.num_worker_deaths = 1
+    innocent.num_worker_deaths = 2
+    release(table, link, "died", is_death=True, max_worker_deaths=3)
+    assert innocent.num_worker_deaths == 3
+    if beside != "newcomers":
+        assert table.waiting == [innocent]
+        assert not innocent.events.qsize()
+    else:
+        assert innocent not in table.waiting
+        _, final = innocent.events.get_nowait()
+        assert "in flight on 3 workers that died" in str(final)
+
+
+def test_deaths_blamed_on_others_still_bound_a_request_that_made_progress() -> None:
+    """A request that kills workers after its first tokens, each time beside a
+    suspect's trial, is failed after twice MAX_WORKER_DEATHS deaths."""
+    table = InFlightTable(100)
+    (killer,) = table.add([GenerateRequest("killer", "x", 4)], 1e9)
+    link = cast(WorkerLink, _Link())
+    for death in range(1, 7):
+        assert table.waiting == [killer], f"failed after {death - 1} deaths"
+        table.waiting.clear()
+        (suspect,) = table.add([GenerateRequest(f"suspect{death}", "y", 4)], 1e9)
+        table.waiting.remove(suspect)
+        suspect.num_worker_deaths = 1
+        for entry, is_trial in ((suspect, True), (killer, False)):
+            entry.next_attempt()
+            table.hand_to(entry, link, is_trial)
+        killer.made_progress = True
+        release(table, link, "died", is_death=True, max_worker_deaths=3)
+    assert killer not in table.waiting
+    _, final = killer.events.get_nowait()
+    assert "in flight on 6 workers that died" in str(final)

@@ -153,6 +153,33 @@ def test_a_poison_request_is_failed_after_two_workers_and_the_rest_succeed(
         assert health["worker_restarts"] == 2
 
 
+def test_two_poison_requests_at_once_fail_no_innocent_request(tmp_path: Path) -> None:
+    """Each poison request kills a worker at about the same moment; the streams
+    replayed from the first onto the second die twice, and the poison requests'
+    trials must not fail them with a third death."""
+    overrides = {
+        "NUM_WORKERS": "2",
+        "MAX_BATCH_SIZE": "8",
+        "FAKE_CRASH_PROMPT": "poison",
+        "FAKE_STEP_DELAY_S": "0.02",
+    }
+    with running_stack(tmp_path, overrides) as stack:
+        stack.wait_for_health("both live", lambda h: h["workers_live"] == 2, 30)
+        prompts = [f"innocent {i}" for i in range(8)]
+        with ThreadPoolExecutor(len(prompts) + 2) as pool:
+            futures = _send_all(pool, stack.url, prompts, 500)
+            stack.wait_for_health("all running", lambda h: h["active"] == len(prompts))
+            time.sleep(1.0)  # each has streamed tokens
+            poisoned = [
+                pool.submit(_post, stack.url, {"prompt": f"poison pill {i}"}) for i in range(2)
+            ]
+            _assert_answers(prompts, futures, 500)
+            answers = [future.result(timeout=60) for future in poisoned]
+        for answer in answers:
+            assert answer.status_code == 500, answer.text
+            assert answer.json()["error"]["code"] == "workers_died"
+
+
 def test_two_frontends_over_two_workers_answer_each_request_once(tmp_path: Path) -> None:
     overrides = {
         "NUM_WORKERS": "2",
