@@ -256,6 +256,31 @@ def test_a_full_queue_answers_queue_full_and_says_so_in_the_log(
     assert "refused: the worker's queue is full" in caplog.text
 
 
+def test_requests_flooded_in_during_a_step_are_refused_at_once_not_held(
+    connect: Connect,
+) -> None:
+    """The engine thread takes the inbox only between steps: a peer that sends
+    thousands of requests during one would have the worker hold every one."""
+    with serving(FakeEngine(1, step_delay_s=1.0), max_queue_depth=4) as server:
+        frontend = connect(server)
+        frontend.send(encode(GenerateRequest("first", "x", 2)))
+        frontend.receive_until(Hello)
+        frontend.receive_until(Heartbeat)  # its step has begun
+        for i in range(500):
+            frontend.send(encode(GenerateRequest(f"r{i}", "y" * 500, 2)))
+        refused = [
+            m
+            for m in frontend.receive_until(ErrorResult, timeout_s=1.0)
+            if isinstance(m, ErrorResult)
+        ]
+        assert refused[0].code == ErrorCode.QUEUE_FULL, refused
+        assert server.scheduler.num_steps == 0  # refused during the step, not after
+        while len(refused) < 500 - 5:
+            received = frontend.receive_until(ErrorResult, timeout_s=1.0)
+            refused += [m for m in received if isinstance(m, ErrorResult)]
+        assert [m.request_id for m in refused] == [f"r{i}" for i in range(5, 500)]
+
+
 class StopsMidStep(FakeEngine):
     """Asks its server to stop during a decode step, then finishes the step after
     the I/O thread's idle poll, so that the step's outputs are sent after the stop."""

@@ -4,7 +4,8 @@ the engine thread, `engine_loop`).
 It takes any frames a peer sends, decodes and checks them (`peers`, with
 `protocol.request_checks`: a bad request is answered at once and never queued),
 greets new peers with `Hello`, puts requests and aborts in the engine thread's
-inbox, routes the engine's outputs back, sends heartbeats on a timer (a long
+inbox (refusing at once a request past what the engine's queue would take),
+routes the engine's outputs back, sends heartbeats on a timer (a long
 step cannot starve them: the engine runs on the other thread and torch releases
 the GIL), and aborts the requests of a peer whose pings stopped. When the engine
 thread is done, it hands back whatever still arrives before the socket closes.
@@ -22,10 +23,20 @@ from collections.abc import Iterator
 
 import zmq
 
-from protocol import AbortRequest, GenerateRequest, Heartbeat, Hello, ToWorker, encode
+from protocol import (
+    AbortRequest,
+    ErrorCode,
+    ErrorResult,
+    GenerateRequest,
+    Heartbeat,
+    Hello,
+    ToWorker,
+    encode,
+)
 from protocol.curve import secure_server
 from protocol.request_checks import RequestLimits
 from protocol.settings import ConfigError
+from protocol.throttled import Throttled
 from worker.engine.memory_limit import resident_bytes
 from worker.serve.config import WorkerConfig, not_this_machines
 from worker.serve.inbox import Inbox
@@ -61,7 +72,8 @@ class IoLoop:
     ) -> None:
         """Serves until ``engine_done``; puts what peers send in ``inbox``, and
         forwards what the engine thread sends to ``outputs_address``. ``stopping``
-        set, the next heartbeat says so. Its scheduler is read for heartbeats only."""
+        set, the next heartbeat says so. Its scheduler is read, never changed: for
+        heartbeats, and to refuse requests past what its queue would take."""
         self.scheduler = scheduler
         self.config = config
         self.hello = hello
@@ -71,6 +83,7 @@ class IoLoop:
         self._engine_done = engine_done
         self._context = context
         self._outputs_address = outputs_address
+        self._queue_full = Throttled(log, "refusals for a full queue")
         # Set once the endpoint is bound, or could not be (`bind_error`).
         self.bound = threading.Event()
         self.bind_error: ConfigError | None = None
@@ -130,7 +143,10 @@ class IoLoop:
             events = dict(poller.poll(int(min(timeout_ms, _MAX_POLL_S * 1000))))
             if router in events:
                 for message in _receive_turn(router, peers):
-                    self._inbox.put(message)
+                    if isinstance(message, GenerateRequest) and self._is_inbox_full():
+                        self._refuse(peers, message)
+                    else:
+                        self._inbox.put(message)
             if outputs in events:
                 forward_outputs(outputs, peers)
             if time.monotonic() >= next_heartbeat:
@@ -143,6 +159,24 @@ class IoLoop:
             for route in peers.take_orphans():
                 self._inbox.put(AbortRequest(route))
         self._close(router, outputs, peers)
+
+    def _is_inbox_full(self) -> bool:
+        """So many requests wait for the engine thread that it would refuse one
+        more for its full queue anyway. Refused here, at once, the requests a
+        peer floods in during a long step are never held: the engine thread takes
+        the inbox only between steps."""
+        num_waiting = self._inbox.num_requests + self.scheduler.num_queued
+        return num_waiting >= self.scheduler.max_queue_depth + self.hello.capacity
+
+    def _refuse(self, peers: Peers, request: GenerateRequest) -> None:
+        full = self.scheduler.queue_full()
+        self._queue_full.warn(f"request {request.request_id:.64} refused: {full}")
+        sender_id = sender_request_id(request.request_id)
+        peers.send(
+            request.request_id,
+            True,
+            encode(ErrorResult(sender_id, ErrorCode.QUEUE_FULL, str(full))),
+        )
 
     def _heartbeat(self, is_stopping: bool) -> Heartbeat:
         return Heartbeat(
