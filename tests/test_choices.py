@@ -16,12 +16,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedTokenizerFast
 
 from frontend.choices import choice_requests, choice_seed
 from protocol import GenerateRequest
 from protocol.limits import MAX_CHOICES, MAX_SEED
+from tests.metrics_scrape import scrape, total, value
 from tests.sse import sse_events
 from tests.stack import Stack, free_port, live_stack, openai_client, running_stack
 from worker.engine.fake_engine import expected_text
@@ -205,16 +205,11 @@ def test_the_choices_error_is_the_whole_requests(stack: Stack) -> None:
 
 def test_metrics_count_the_request_once_and_the_tokens_of_every_choice(stack: Stack) -> None:
     def counts() -> tuple[float, float, float]:
-        samples = {
-            (sample.name, sample.labels.get("endpoint")): sample.value
-            for family in text_string_to_metric_families(httpx.get(f"{stack.url}/metrics").text)
-            for sample in family.samples
-            if sample.labels.get("status", "200") == "200"
-        }
+        samples = scrape(stack.url)
         return (
-            samples.get(("minibatch_requests_total", "/v1/completions"), 0.0),
-            samples[("minibatch_prompt_tokens_total", None)],
-            samples[("minibatch_generation_tokens_total", None)],
+            total(samples, "minibatch_requests_total", endpoint="/v1/completions", status="200"),
+            value(samples, "minibatch_prompt_tokens_total"),
+            value(samples, "minibatch_generation_tokens_total"),
         )
 
     before = counts()

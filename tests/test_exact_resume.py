@@ -17,12 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedTokenizerFast
 
+from tests.metrics_scrape import scrape, value
 from tests.stack import Stack, openai_client, running_stack
 from worker.model.loader import gpt2_tokenizer, synthetic_config, synthetic_model
 
@@ -248,13 +247,7 @@ def _assert_resumes_exact(stack: Stack) -> None:
 
 
 def _prefix_cache_hits(stack: Stack) -> float:
-    metrics = text_string_to_metric_families(httpx.get(f"{stack.url}/metrics").text)
-    return next(
-        sample.value
-        for family in metrics
-        for sample in family.samples
-        if sample.name == "minibatch_prefix_cache_hits_total"
-    )
+    return value(scrape(stack.url), "minibatch_prefix_cache_hits_total")
 
 
 def _overrides(model_dir: Path, num_workers: int) -> dict[str, str]:

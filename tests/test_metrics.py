@@ -16,6 +16,7 @@ import frontend.openai_api
 from frontend.app import create_app
 from frontend.config import FrontendConfig
 from protocol.settings import load
+from tests.metrics_scrape import scrape, value
 from tests.sse import sse_events
 from tests.stack import Stack, free_port, live_stack, running_stack
 
@@ -30,26 +31,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield stack
 
 
-def scrape(stack: Stack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample, keyed by (name, sorted labels)."""
-    response = httpx.get(f"{stack.url}/metrics", timeout=5)
-    assert response.status_code == 200
-    assert response.headers["content-type"].startswith("text/plain")
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-    }
-
-
-def value(
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
-) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
 def test_requests_tokens_and_latencies_are_counted(stack: Stack) -> None:
-    before = scrape(stack)
+    before = scrape(stack.url)
     url = stack.url
     answer = httpx.post(f"{url}/generate", json={"prompt": "abc", "max_new_tokens": 5}, timeout=10)
     assert answer.status_code == 200
@@ -58,7 +41,7 @@ def test_requests_tokens_and_latencies_are_counted(stack: Stack) -> None:
         assert len(list(sse_events(response))) == 7
     bad = httpx.post(f"{url}/generate", json={"prompt": "abc", "top_p": 0}, timeout=10)
     assert bad.status_code == 422
-    after = scrape(stack)
+    after = scrape(stack.url)
 
     def grew(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
@@ -77,10 +60,10 @@ def test_requests_tokens_and_latencies_are_counted(stack: Stack) -> None:
 
 
 def test_a_tokenizer_call_counts_as_a_request_and_in_no_token_metric(stack: Stack) -> None:
-    before = scrape(stack)
+    before = scrape(stack.url)
     for path, body in [("/tokenize", {"prompt": "abcdef"}), ("/detokenize", {"tokens": [97]})]:
         assert httpx.post(f"{stack.url}{path}", json=body, timeout=10).status_code == 200
-    after = scrape(stack)
+    after = scrape(stack.url)
     for path in ("/tokenize", "/detokenize"):
         labels = {"endpoint": path, "status": "200", "finish_reason": "none"}
         assert value(after, "minibatch_requests_total", **labels) == (
@@ -97,11 +80,11 @@ def test_a_tokenizer_call_counts_as_a_request_and_in_no_token_metric(stack: Stac
 
 def test_model_listings_count_as_requests_like_their_refusals(stack: Stack) -> None:
     model = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]["id"]
-    before = scrape(stack)
+    before = scrape(stack.url)
     assert httpx.get(f"{stack.url}/v1/models", timeout=10).status_code == 200
     assert httpx.get(f"{stack.url}/v1/models/{model}", timeout=10).status_code == 200
     assert httpx.get(f"{stack.url}/health", timeout=10).status_code == 200
-    after = scrape(stack)
+    after = scrape(stack.url)
 
     def grew(endpoint: str) -> float:
         labels = {"endpoint": endpoint, "status": "200", "finish_reason": "none"}
@@ -116,10 +99,10 @@ def test_model_listings_count_as_requests_like_their_refusals(stack: Stack) -> N
 
 def test_errors_are_labelled_by_route_not_by_the_path_asked_for(stack: Stack) -> None:
     """Else each name asked for would be a series of its own, for ever."""
-    before = scrape(stack)
+    before = scrape(stack.url)
     for name in ("a", "b", "c" * 1000):
         assert httpx.get(f"{stack.url}/v1/models/{name}", timeout=10).status_code == 404
-    after = scrape(stack)
+    after = scrape(stack.url)
     route = "/v1/models/{model:path}"
     labels = {"endpoint": route, "status": "404", "finish_reason": "none"}
     counted = value(after, "minibatch_requests_total", **labels)
@@ -129,12 +112,12 @@ def test_errors_are_labelled_by_route_not_by_the_path_asked_for(stack: Stack) ->
 
 
 def test_unknown_paths_and_wrong_methods_count_as_refusals(stack: Stack) -> None:
-    before = scrape(stack)
+    before = scrape(stack.url)
     assert httpx.get(f"{stack.url}/nope", timeout=10).status_code == 404
     assert httpx.get(f"{stack.url}/{'x' * 500}", timeout=10).status_code == 404
     assert httpx.delete(f"{stack.url}/v1/completions", timeout=10).status_code == 405
     assert httpx.post(f"{stack.url}/health", timeout=10).status_code == 405
-    after = scrape(stack)
+    after = scrape(stack.url)
 
     def grew(endpoint: str, status: str) -> float:
         labels = {"endpoint": endpoint, "status": status, "finish_reason": "none"}
@@ -148,7 +131,7 @@ def test_unknown_paths_and_wrong_methods_count_as_refusals(stack: Stack) -> None
 
 
 def test_worker_gauges_follow_heartbeats(stack: Stack) -> None:
-    samples = scrape(stack)
+    samples = scrape(stack.url)
     assert value(samples, "minibatch_worker_up") == 1
     running = value(samples, "minibatch_num_requests_running")
     assert value(samples, "minibatch_free_slots") == CAPACITY - running
@@ -157,7 +140,7 @@ def test_worker_gauges_follow_heartbeats(stack: Stack) -> None:
         reader = sse_events(response)
         next(reader)
         stack.wait_for_health("running", lambda h: h["active"] == 1)
-        samples = scrape(stack)
+        samples = scrape(stack.url)
         assert value(samples, "minibatch_num_requests_running") == 1
         assert value(samples, "minibatch_num_requests_waiting") == 0
         assert value(samples, "minibatch_free_slots") == CAPACITY - 1
@@ -175,17 +158,17 @@ def test_a_stopping_worker_is_counted_and_its_slots_are_not_free(tmp_path: Path)
         reader = sse_events(response)  # kept: a collected reader closes the stream
         next(reader)
         stack.wait_for_health("running", lambda h: h["active"] == 1)
-        assert value(scrape(stack), "minibatch_worker_stopping") == 0
+        assert value(scrape(stack.url), "minibatch_worker_stopping") == 0
         stack.processes["worker"].send_signal(signal.SIGTERM)  # it runs on for its grace
         stack.wait_for_health("stopping", lambda h: h["workers"][0]["stopping"])
-        samples = scrape(stack)
+        samples = scrape(stack.url)
         assert value(samples, "minibatch_worker_stopping") == 1
         assert value(samples, "minibatch_worker_up") == 1
         assert value(samples, "minibatch_free_slots") == 0
 
 
 def test_each_workers_memory_is_reported(stack: Stack) -> None:
-    samples = scrape(stack)
+    samples = scrape(stack.url)
     [(worker, rss)] = [
         (dict(labels)["worker"], sample)
         for (name, labels), sample in samples.items()
@@ -198,15 +181,15 @@ def test_each_workers_memory_is_reported(stack: Stack) -> None:
 
 
 def test_worker_down_and_restart_are_reported(stack: Stack) -> None:
-    assert value(scrape(stack), "minibatch_worker_restarts_total") == 0
+    assert value(scrape(stack.url), "minibatch_worker_restarts_total") == 0
     stack.kill("worker")
     stack.wait_for_health("down", lambda h: h["worker"] == "dead")
-    samples = scrape(stack)
+    samples = scrape(stack.url)
     assert value(samples, "minibatch_worker_up") == 0
     assert ("minibatch_num_requests_running", ()) not in samples  # stale: left out
     stack.start("worker", "worker.serve.main")
     stack.wait_for_health("back", lambda h: h["status"] == "ok")
-    samples = scrape(stack)
+    samples = scrape(stack.url)
     assert value(samples, "minibatch_worker_up") == 1
     assert value(samples, "minibatch_worker_restarts_total") == 1
 
@@ -221,7 +204,7 @@ def test_requests_waiting_with_no_worker_live_are_counted(tmp_path: Path) -> Non
             waiting = pool.submit(httpx.post, f"{stack.url}/generate", json=body, timeout=30)
             health = stack.wait_for_health("a request waiting", lambda h: h["queued"] == 1)
             assert (health["status"], health["active"]) == ("unavailable", None)
-            samples = scrape(stack)
+            samples = scrape(stack.url)
             assert samples[("minibatch_num_requests_waiting", ())] == 1
             assert samples[("minibatch_free_slots", ())] == 0
             assert ("minibatch_num_requests_running", ()) not in samples

@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 
+from tests.metrics_scrape import scrape, total, value
 from tests.stack import running_stack
 from worker.model.loader import gpt2_tokenizer, synthetic_config, synthetic_model
 
@@ -57,21 +57,18 @@ def test_context_overflow_is_422_with_both_numbers_and_the_limit(
             "prompt: 5 tokens and 60 to generate, more than the context window of 64 "
         )
         # The torch worker's memory in /metrics, and in /health how it computes.
-        metrics = {
-            sample.name: sample.value
-            for family in text_string_to_metric_families(httpx.get(f"{stack.url}/metrics").text)
-            for sample in family.samples
-        }
+        samples = scrape(stack.url)
+        kv_cache_bytes = total(samples, "minibatch_worker_kv_cache_bytes")
         # 2 layers x {K, V} x 8 slots x 4 heads x 64 positions x 16 head_dim, float32
-        assert metrics["minibatch_worker_kv_cache_bytes"] == 2 * 2 * 8 * 4 * 64 * 16 * 4
-        assert metrics["minibatch_worker_rss_bytes"] > metrics["minibatch_worker_kv_cache_bytes"]
+        assert kv_cache_bytes == 2 * 2 * 8 * 4 * 64 * 16 * 4
+        assert total(samples, "minibatch_worker_rss_bytes") > kv_cache_bytes
         compute = stack.health().json()["workers"][0]["compute"]
         assert "kernels" in compute
         cores = len(os.sched_getaffinity(0))  # a lone worker's TORCH_THREADS default
         assert compute.endswith(f", {cores} thread{'s' if cores > 1 else ''}"), compute
         # oneDNN's shapes from the prefill just run; none where every product is
         # on the kernel (float32 too, on an AVX-512 build).
-        shapes = metrics["minibatch_worker_matmul_shapes"]
+        shapes = total(samples, "minibatch_worker_matmul_shapes")
         assert shapes > 0 if "on onednn" in compute else shapes == 0, compute
 
 
@@ -268,11 +265,7 @@ def test_the_prefix_cache_over_http_counts_what_it_served(
                 )
                 for prompt, salt in zip([*prompts, prompts[0]], salts, strict=True)
             ]
-            metrics = {
-                sample.name: sample.value
-                for family in text_string_to_metric_families(httpx.get(f"{stack.url}/metrics").text)
-                for sample in family.samples
-            }
+            samples = scrape(stack.url)
         answers[prefix_cache] = [c.choices[0].text for c in completions]
         cached = []
         for completion in completions:
@@ -281,6 +274,6 @@ def test_the_prefix_cache_over_http_counts_what_it_served(
         expected = [0, 0, 0, 0] if prefix_cache == "0" else [0, 16, 23, 0]  # blocks; all
         assert cached == expected
         looked_up = 0 if prefix_cache == "0" else 23 + 22 + 23 + 23
-        assert metrics["minibatch_prefix_cache_queries_total"] == looked_up
-        assert metrics["minibatch_prefix_cache_hits_total"] == sum(expected)
+        assert value(samples, "minibatch_prefix_cache_queries_total") == looked_up
+        assert value(samples, "minibatch_prefix_cache_hits_total") == sum(expected)
     assert answers["1"] == answers["0"]
