@@ -76,6 +76,10 @@ _SCHEMA_MAPS = frozenset(
 )
 
 
+# llguidance's words for a valid schema it cannot follow: 400 unsupported, not 422.
+_UNSUPPORTED = ("Unimplemented", "Unknown format", "min/maxProperties only supported")
+
+
 @dataclass(frozen=True)
 class GrammarSource:
     """What a body asks its output to follow, before it is compiled."""
@@ -109,7 +113,7 @@ async def request_grammar(
         param = source.param
         if problem.startswith("Unimplemented keys"):  # JSON Schema keywords llguidance lacks
             problem += "; this server cannot follow these keywords: leave them out"
-        if problem.startswith("Unimplemented"):
+        if problem.startswith(_UNSUPPORTED):
             raise ApiError(400, f"{param}: {problem}", "unsupported", param)
         raise ApiError(422, f"{param}: {problem}", "invalid_request", param)
     return Grammar(source.kind, grammar)
@@ -226,7 +230,8 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
     if len(text) > MAX_GRAMMAR_CHARS:
         return "", f"{len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
     if kind in JSON_KINDS:
-        problem = _numbers_problem(_as_schema(value))
+        schema = _as_schema(value)
+        problem = _numbers_problem(schema) or _repeated_keys_problem(schema)
         if problem is not None:
             return "", problem
     if kind == GrammarKind.REGEX and _ends_in_lone_backslash(text):
@@ -274,6 +279,36 @@ def _numbers_problem(schema: Any) -> str | None:
     return None
 
 
+def _repeated_keys_problem(schema: Any) -> str | None:
+    """A minProperties that an object could meet by writing one key twice:
+    llguidance keeps apart only the keys listed in properties, and the parsed
+    object has fewer properties than the text wrote."""
+    for where, subschema in _subschemas(schema, ""):
+        minimum = subschema.get("minProperties", 0)
+        if not _is_number(minimum):
+            continue
+        properties = subschema.get("properties")
+        listed = properties if isinstance(properties, dict) else {}
+        required = subschema.get("required")
+        num_required = len(
+            {name for name in required if isinstance(name, str) and name in listed}
+            if isinstance(required, list)
+            else set()
+        )
+        has_other_keys = bool(subschema.get("patternProperties")) or (
+            subschema.get("additionalProperties", True) is not False
+        )
+        # One key written is one property parsed: a repeat matters from two on.
+        if has_other_keys and minimum > max(num_required, 1):
+            return (
+                f"Unimplemented: {where.lstrip('.') or 'the schema'} asks for at least "
+                f"{_preview(minimum)} properties, with keys not listed in properties, which "
+                "the output could repeat to reach the count; list the properties, require "
+                "them, and set additionalProperties to false"
+            )
+    return None
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -289,19 +324,30 @@ def _is_past_doubles(number: int | float) -> bool:
 def _exact_keywords(schema: Any, path: str) -> Iterator[tuple[str, str, Any]]:
     """Each keyword of ``schema`` that asks for a number exactly (a bound, enum or
     const), with where it is and its value."""
+    for where, subschema in _subschemas(schema, path):
+        for key, item in subschema.items():
+            if key in _EXACT_KEYWORDS:
+                yield f"{where}.{key}", key, item
+
+
+def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each object in ``schema`` that may be a schema, with where it is: not the
+    values of enum and const, nor the maps of names to subschemas themselves (a
+    property may be named "enum"), but the subschemas they hold."""
     if isinstance(schema, list):
         for i, item in enumerate(schema):
-            yield from _exact_keywords(item, f"{path}[{i}]")
+            yield from _subschemas(item, f"{path}[{i}]")
     elif isinstance(schema, dict):
+        yield path, schema
         for key, item in schema.items():
             where = f"{path}.{key}"
             if key in _EXACT_KEYWORDS:
-                yield where, key, item
-            elif key in _SCHEMA_MAPS and isinstance(item, dict):
+                continue
+            if key in _SCHEMA_MAPS and isinstance(item, dict):
                 for name, subschema in item.items():
-                    yield from _exact_keywords(subschema, f"{where}.{name}")
+                    yield from _subschemas(subschema, f"{where}.{name}")
             else:
-                yield from _exact_keywords(item, where)
+                yield from _subschemas(item, where)
 
 
 def _numbers(value: Any, path: str) -> Iterator[tuple[str, int | float]]:

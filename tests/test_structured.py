@@ -98,6 +98,27 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
 
 
 @pytest.mark.parametrize(
+    ("schema", "repeats"),
+    [
+        ({"type": "object", "additionalProperties": {"type": "integer"}}, True),
+        ({"type": "object", "patternProperties": {"^k$": {"type": "integer"}}}, True),
+        ({"type": "object", "properties": {"k": {"type": "integer"}}}, False),
+    ],
+)
+def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
+    schema: dict[str, Any], repeats: bool
+) -> None:
+    """Why a minProperties beside keys not listed is refused: should llguidance
+    ever keep those apart too, this fails, and the refusal can go."""
+    grammar, problem = compile_grammar(GrammarKind.JSON_SCHEMA, schema)
+    assert problem is None
+    tokenizer = fake_grammar_tokenizer()
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    matcher.consume_tokens(tokenizer.tokenize_str('{"k": 1, "k": 2}'))
+    assert (matcher.is_accepting() and not matcher.is_error()) == repeats, matcher.get_error()
+
+
+@pytest.mark.parametrize(
     ("response_format", "structured_outputs", "status", "param", "message"),
     [
         ({"type": "xml"}, None, 400, "response_format.type", "must be one of"),
@@ -154,6 +175,43 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
             400,
             "structured_outputs.json",
             "exclusiveMinimum is true, draft 4's form, which is not followed here",
+        ),
+        # llguidance wrote {"k": 6, "k": 1}: parsed, one property
+        (
+            None,
+            {
+                "json": {
+                    "type": "object",
+                    "patternProperties": {"^k$": {"type": "integer"}},
+                    "additionalProperties": False,
+                    "minProperties": 2,
+                }
+            },
+            400,
+            "structured_outputs.json",
+            "the schema asks for at least 2 properties, with keys not listed in properties",
+        ),
+        (
+            None,
+            {"json": {"properties": {"a": {"type": "object", "minProperties": 3}}}},
+            400,
+            "structured_outputs.json",
+            "properties.a asks for at least 3 properties",
+        ),
+        # valid JSON Schema that llguidance cannot follow: unsupported, not invalid
+        (
+            None,
+            {"json": {"type": "string", "format": "idn-email"}},
+            400,
+            "structured_outputs.json",
+            "Unknown format: idn-email",
+        ),
+        (
+            None,
+            {"json": {"type": "object", "properties": {"a": {}}, "maxProperties": 1}},
+            400,
+            "structured_outputs.json",
+            "min/maxProperties only supported when",
         ),
         # a construct llguidance does not follow, said without the rule it wraps it in
         (
