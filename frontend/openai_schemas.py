@@ -131,6 +131,9 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema")
 
 
+_GUIDED = "vLLM's older spelling, refused (400): send structured_outputs instead"
+
+
 class OpenAIBody(RequestBody):
     """Fields both OpenAI endpoints take."""
 
@@ -178,6 +181,13 @@ class OpenAIBody(RequestBody):
         "(a list of strings) or grammar (Lark or GBNF)",
     )
 
+    # vLLM's older spellings of structured_outputs: ignored as unknown fields, they
+    # would answer free text to a client that asked for a constraint.
+    guided_json: Any = Field(None, description=_GUIDED, json_schema_extra={"type": "null"})
+    guided_regex: Any = Field(None, description=_GUIDED, json_schema_extra={"type": "null"})
+    guided_choice: Any = Field(None, description=_GUIDED, json_schema_extra={"type": "null"})
+    guided_grammar: Any = Field(None, description=_GUIDED, json_schema_extra={"type": "null"})
+
     @field_validator("stream_options")
     @classmethod
     def _needs_stream(
@@ -197,7 +207,21 @@ class OpenAIBody(RequestBody):
         return None
 
     def _checks(self) -> list[tuple[str, bool, str]]:
-        return []
+        guided = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        return [
+            (
+                f"guided_{kind}",
+                value is None,
+                f"vLLM's older field, not taken here: send structured_outputs "
+                f'{{"{kind}": ...}} instead',
+            )
+            for kind, value in guided.items()
+        ]
 
 
 class CompletionBody(OpenAIBody):

@@ -118,6 +118,10 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
             {"type": "xml"},
         ]
     ),
+    **{
+        f"guided_{kind}": st.none() | st.sampled_from([{"type": "object"}, "[0-9]", ["a", "b"]])
+        for kind in ("json", "regex", "choice", "grammar")
+    },
     "structured_outputs": st.none()
     | st.sampled_from(
         [

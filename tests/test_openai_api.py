@@ -150,6 +150,36 @@ def test_unsupported_value_is_a_400_in_openai_shape(client: openai.OpenAI) -> No
     assert reply.choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "[0-9]+"),
+        ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", 'start: "a"'),
+    ],
+)
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_vllms_older_guided_fields_are_refused_not_ignored(
+    client: openai.OpenAI, field: str, value: object, endpoint: str
+) -> None:
+    """Ignored as unknown fields, they answered free text to a client that asked
+    for a constraint; the refusal says what to send instead."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        if endpoint == "chat":
+            client.chat.completions.create(
+                model="fake",
+                messages=[{"role": "user", "content": "hi"}],
+                extra_body={field: value},
+            )
+        else:
+            client.completions.create(model="fake", prompt="hi", extra_body={field: value})
+    error = raised.value.body
+    assert isinstance(error, dict) and error["param"] == field
+    kind = field.removeprefix("guided_")
+    assert f'send structured_outputs {{"{kind}": ...}} instead' in error["message"]
+
+
 def test_invalid_value_is_a_422_naming_the_parameter(client: openai.OpenAI) -> None:
     with pytest.raises(openai.UnprocessableEntityError) as raised:
         client.completions.create(model="fake", prompt="hi", temperature=2.5)
