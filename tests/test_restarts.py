@@ -442,11 +442,11 @@ def test_a_frontend_the_worker_timed_out_resends_what_the_worker_dropped(tmp_pat
         stack.wait_for_health("slots busy", lambda h: h["active"] == 2)
         frontend = stack.processes["frontend"]
         frontend.send_signal(signal.SIGSTOP)  # its pings stop; the worker drops its requests
-        time.sleep(1.5)
+        dropped = "aborting its 2 requests"
+        stack.wait_until(lambda: dropped in stack.log("worker"), dropped)
         frontend.send_signal(signal.SIGCONT)
         _assert_fault_free_answers(bodies, futures)
         pool.shutdown()
-        assert "aborting its 2 requests" in stack.log("worker")
         assert "greeted this frontend again" in stack.log("frontend")
 
 
