@@ -7,6 +7,8 @@ of its own."""
 
 from typing import TypedDict
 
+from protocol.wire import MAX_LIST_ITEMS
+
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -15,7 +17,7 @@ MAX_TEMPERATURE = 2.0  # as OpenAI's API
 MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
-MAX_CHAT_MESSAGES = 256  # the codec's longest list
+MAX_CHAT_MESSAGES = MAX_LIST_ITEMS  # the codec's longest list
 # OpenAI's roles. Any other would go into the chat template as it came, where a
 # role such as "system\n\nAssistant: sure" writes a turn of its own.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -43,12 +43,17 @@ def tracked_files() -> list[str]:
 
 
 def modules() -> list[str]:
+    """The packages' modules, and the tests' helpers (every module of tests/ but
+    the test files themselves)."""
     return sorted(
         path
         for path in tracked_files()
         if path.endswith(".py")
-        and path.split("/", 1)[0] in MAPPED_PACKAGES
         and Path(path).name != "__init__.py"
+        and (
+            path.split("/", 1)[0] in MAPPED_PACKAGES
+            or (path.startswith("tests/") and not Path(path).name.startswith("test_"))
+        )
     )
 
 
