@@ -74,7 +74,7 @@ class Child:
         self.up_since: float | None = None  # first seen working (a worker: its hello)
         self.kill_reason: str | None = None
         self.was_frozen = False  # killed by this supervisor while stopped (SIGSTOP)
-        self.start_at = 0.0  # when a stopped child may start again
+        self.restart_at = 0.0  # when a stopped child may start again, by its clock
         self._stopped_since: float | None = None  # seen stopped (SIGSTOP) since
         self._clock = clock
 
@@ -95,6 +95,14 @@ class Child:
         self.was_frozen = False
         self._stopped_since = None
         log.info("started %s (pid %d)", self.name, self.process.pid)
+
+    def is_due_to_start(self) -> bool:
+        """Not running, and past its restart's delay (at once the first time)."""
+        return self.process is None and self._clock() >= self.restart_at
+
+    def running_for_s(self) -> float:
+        """How long since its process started."""
+        return self._clock() - self.started_at
 
     def _is_fork_server_ready(self) -> bool:
         """True once the fork server can fork this worker. One that is not up within
@@ -214,7 +222,7 @@ class Child:
             )
         delay = self.restart_delay_s()
         self.num_restarts += 1
-        self.start_at = time.monotonic() + delay
+        self.restart_at = self._clock() + delay
         log.warning(
             "%s stopped (%s); restart #%d in %.1f s", self.name, cause, self.num_restarts, delay
         )

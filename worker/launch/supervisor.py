@@ -27,7 +27,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
@@ -149,7 +148,7 @@ class Supervisor:
         if self._stopping:
             return
         if child.process is None:
-            if time.monotonic() >= child.start_at:
+            if child.is_due_to_start():
                 child.start()
             return
         cause = child.exit_cause()
@@ -191,7 +190,7 @@ class Supervisor:
                 f"{mute_s:.1f} s ago with no hello since "
                 f"(HEARTBEAT_TIMEOUT_S={watch.client.heartbeat_timeout_s:g})"
             )
-        elif time.monotonic() - worker.started_at > self._start_timeout_s(worker):
+        elif worker.running_for_s() > self._start_timeout_s(worker):
             # Still connecting: a model that never finishes loading, a deadlock at
             # start, or a worker this supervisor's keys cannot talk to.
             worker.kill(
