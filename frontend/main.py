@@ -18,6 +18,7 @@ from frontend.auth import OPEN_PATHS
 from frontend.config import FrontendConfig
 from frontend.http_protocol import edge_protocol
 from frontend.worker_client import WorkerClient
+from protocol.endpoints import probe_binds
 from protocol.exit_codes import ExitCode
 from protocol.lifeline import FRONTEND_STOP_GRACE_S, follow_supervisor
 from protocol.logs import log_as
@@ -122,29 +123,18 @@ def check_can_listen(host: str, port: int) -> None:
     is refused here, naming the setting, rather than by uvicorn's exit, which the
     supervisor would take for a crash and retry."""
     try:
-        addresses = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
+        probed = probe_binds(host or None, port, v6only=True)  # as asyncio's server binds
     except OSError as exc:
         raise ConfigError(
             f"HOST {host!r} is not an address to listen on ({exc}): set HOST to an address "
             "or a name of this machine (0.0.0.0: all of them)"
         ) from exc
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            # As asyncio's server binds: TIME_WAIT is no obstacle, and IPv6 leaves
-            # the same port's IPv4 address to its own socket.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                hint = _LISTEN_HINTS.get(exc.errno or 0, "check HOST and PORT")
-                raise ConfigError(
-                    f"cannot listen on {address[0]} port {port} (HOST, PORT): "
-                    f"{exc.strerror}; {hint}"
-                ) from exc
+    for address, failure in probed:
+        if failure is not None:
+            hint = _LISTEN_HINTS.get(failure.errno or 0, "check HOST and PORT")
+            raise ConfigError(
+                f"cannot listen on {address} port {port} (HOST, PORT): {failure.strerror}; {hint}"
+            ) from failure
 
 
 class _Server(uvicorn.Server):

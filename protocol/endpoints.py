@@ -1,7 +1,11 @@
 """What a ZMQ endpoint setting must look like: the checks every process makes of
-the worker endpoints it is given, before it binds or connects."""
+the worker endpoints it is given, before it binds or connects; and whether an
+address can be listened on, which the worker and the frontend probe before
+they bind."""
 
 from __future__ import annotations
+
+import socket
 
 from protocol.settings import ConfigError, env_name
 
@@ -58,3 +62,27 @@ def check_connect_endpoint(endpoint: str, env: str) -> None:
             f"one of them, such as tcp://127.0.0.1:{port} (a worker binds every "
             f"address with WORKER_BIND=tcp://*:{port})"
         )
+
+
+def probe_binds(
+    host: str | None, port: int, v6only: bool = False
+) -> list[tuple[str, OSError | None]]:
+    """Bind ``port`` at each address ``host`` resolves to, as a listener is about
+    to, and let go at once: each address with None where it can, else why not.
+    SO_REUSEADDR as ZMQ and asyncio bind (TIME_WAIT is no obstacle); ``v6only``
+    as asyncio binds IPv6, leaving the same port's IPv4 address to its own socket.
+    Raises OSError (or UnicodeError) for a host that does not resolve."""
+    results: list[tuple[str, OSError | None]] = []
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if v6only and family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                results.append((str(address[0]), exc))
+            else:
+                results.append((str(address[0]), None))
+    return results

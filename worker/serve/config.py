@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import errno
 import os
-import socket
 from dataclasses import dataclass
 from functools import cached_property
 from urllib.parse import urlsplit
 
 from protocol.curve import ServerKeys, read_curve_keys, read_public_keys, read_secret_key
-from protocol.endpoints import DEFAULT_WORKER_ENDPOINT, check_endpoint
+from protocol.endpoints import DEFAULT_WORKER_ENDPOINT, check_endpoint, probe_binds
 from protocol.settings import ConfigError, require_interval, require_positive, setting
 
 DEFAULT_MODEL_ID = "distilgpt2"
@@ -263,17 +262,7 @@ def bind_failures(host: str, port: int) -> list[int | None]:
     where it can, else the errno (EADDRINUSE: a listener is there; EADDRNOTAVAIL:
     no address of this machine); none at all for a name that does not resolve."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        probed = probe_binds(host, port)
     except (OSError, UnicodeError):
         return []
-    failures: list[int | None] = []
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                failures.append(exc.errno)
-            else:
-                failures.append(None)
-    return failures
+    return [None if exc is None else exc.errno for _, exc in probed]
