@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from protocol.checks import preview
 from protocol.grammar_shape import grammar_shape_problem
 from protocol.limits import (
     CHAT_ROLES,
@@ -283,7 +284,7 @@ def _grammar_problem(request: GenerateRequest) -> tuple[str, str] | None:
     if kind not in GRAMMAR_KINDS:
         return invalid, (
             f"grammar_kind: must be one of {', '.join(GRAMMAR_KINDS)}, "
-            f"got {kind[:40]!r}{'...' if len(kind) > 40 else ''}"
+            f"got {preview(kind)}"
         )
     field = GrammarKind.field(kind)
     if not grammar:
