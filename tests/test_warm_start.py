@@ -200,7 +200,7 @@ class _EndedBySupervisorStop(_DiesPreloading):
 
     def start(self) -> None:
         _DiesPreloading.starts.append(1)
-        self.server.shut_down()
+        self.server.stop_replacing()
         raise EOFError("unexpected EOF")
 
 

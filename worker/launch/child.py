@@ -107,7 +107,7 @@ class Child:
     def _is_fork_server_ready(self) -> bool:
         """True once the fork server can fork this worker. One that is not up within
         WORKER_START_TIMEOUT_S is given up on: this worker starts from scratch."""
-        if FORK_SERVER.is_up():
+        if FORK_SERVER.check_up():
             self.awaiting_fork_server_since = None
             return True
         FORK_SERVER.replace_if_stopped()  # else it would be waited for until the timeout

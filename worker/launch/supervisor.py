@@ -89,7 +89,7 @@ class Supervisor:
         meanwhile. A signal to the whole process group reaches every child at the
         same moment, so the deaths seen from now on are this shutdown's own."""
         self._stopping = True
-        FORK_SERVER.shut_down()
+        FORK_SERVER.stop_replacing()
 
     def run(self) -> None:
         self._ready = ReadyListener()
@@ -112,7 +112,7 @@ class Supervisor:
                     self._judge(child, watch)
         finally:
             log.info("stopping: the frontends, then the workers")
-            FORK_SERVER.shut_down()
+            FORK_SERVER.stop_replacing()
             stop_together(self.frontends)
             stop_together([child for child, _ in self.workers])
             for _, watch in self.workers:

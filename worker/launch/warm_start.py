@@ -79,8 +79,9 @@ class ForkServer:
     def is_ready(self) -> bool:
         return self._ready.is_set()
 
-    def is_up(self) -> bool:
-        """Ready, and its process still there. A fork server that dies with no
+    def check_up(self) -> bool:
+        """Ready, and its process still there; if it is gone, another is brought
+        up (which this returns before it is ready). A fork server that dies with no
         worker of its own to report it (a replacement that has forked none yet)
         is noticed here, before a fork, and another is brought up on its thread:
         else the next fork brought one up itself, holding the supervisor's loop
@@ -103,7 +104,7 @@ class ForkServer:
         )
         self._warming.start()
 
-    def shut_down(self) -> None:
+    def stop_replacing(self) -> None:
         """Bring up no other fork server from now on."""
         self.is_shutting_down = True
 
