@@ -80,8 +80,8 @@ class ForkServer:
         return self._ready.is_set()
 
     def check_up(self) -> bool:
-        """Ready, and its process still there; if it is gone, another is brought
-        up (which this returns before it is ready). A fork server that dies with no
+        """Ready, and its process still there. If it is gone, another is brought
+        up, and this says False until it is ready. A fork server that dies with no
         worker of its own to report it (a replacement that has forked none yet)
         is noticed here, before a fork, and another is brought up on its thread:
         else the next fork brought one up itself, holding the supervisor's loop
