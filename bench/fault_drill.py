@@ -57,7 +57,7 @@ import psutil
 from bench.load_run import LoadRun, Outcome, check_answers, health, stall_across
 from bench.poison_drill import poison_drill
 from bench.report import RESULTS, write_json
-from bench.stack import Stack, are_free, free_ports, running_stack, stack_env
+from bench.stack import Stack, are_free, first_of_free_ports, running_stack, stack_env
 from bench.workload import make_workload
 from frontend.config import FrontendConfig
 from protocol.endpoints import MAX_PORT
@@ -266,7 +266,7 @@ def _stack_ports(port: int | None, num_frontends: int, num_workers: int) -> int:
     """The first frontend's port: ``port``, if it and the ports after it that the
     stack takes are free, else the drill ends saying so; free ports if None."""
     if port is None:
-        return free_ports(10 + num_workers)
+        return first_of_free_ports(10 + num_workers)
     highest = MAX_PORT - 9 - num_workers  # its last worker's port is port + 9 + num_workers
     if not 1 <= port <= highest:
         sys.exit(f"--port must be 1 to {highest}, got {port}")

@@ -32,10 +32,10 @@ ENTRY_POINTS = {
 
 
 def free_port() -> int:
-    return free_ports(1)
+    return first_of_free_ports(1)
 
 
-def free_ports(count: int) -> int:
+def first_of_free_ports(count: int) -> int:
     """The first of ``count`` consecutive free ports (a stack of several workers or
     frontends takes the port it is given and the ones after it), below the
     kernel's ephemeral range: a client that connects to a port in that range
@@ -242,7 +242,7 @@ def stack_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     NUM_FRONTENDS and NUM_WORKERS of up to 4 each, in one run of free ports: two
     runs looked for apart could overlap, and minibatch-serve refuses ranges
     that share a port."""
-    first = free_ports(8)
+    first = first_of_free_ports(8)
     env = {
         **os.environ,
         "HOST": "127.0.0.1",

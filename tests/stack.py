@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 
 from bench import stack as local
-from bench.stack import ENTRY_POINTS, Stack, free_port, free_ports
+from bench.stack import ENTRY_POINTS, Stack, first_of_free_ports, free_port
 
 FAST_LIVENESS = {
     "HEARTBEAT_INTERVAL_S": "0.1",
@@ -20,7 +20,7 @@ FAST_LIVENESS = {
     "RESTART_BACKOFF_S": "0.2",
 }
 
-__all__ = ["ENTRY_POINTS", "Stack", "free_port", "free_ports"]
+__all__ = ["ENTRY_POINTS", "Stack", "first_of_free_ports", "free_port"]
 
 
 def stack_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
