@@ -283,8 +283,7 @@ def _grammar_problem(request: GenerateRequest) -> tuple[str, str] | None:
         return None
     if kind not in GRAMMAR_KINDS:
         return invalid, (
-            f"grammar_kind: must be one of {', '.join(GRAMMAR_KINDS)}, "
-            f"got {preview(kind)}"
+            f"grammar_kind: must be one of {', '.join(GRAMMAR_KINDS)}, got {preview(kind)}"
         )
     field = GrammarKind.field(kind)
     if not grammar:
