@@ -45,8 +45,9 @@ def _on_trial_beside_an_innocent() -> tuple[InFlightTable, WorkerLink, InFlight,
 
 @pytest.mark.parametrize("is_death", [False, True])
 def test_a_trial_is_still_a_suspect_after_its_worker_lets_it_go(is_death: bool) -> None:
-    """Greeted again (no death), its worker sent everything back to the line: the
-    trial went back with the innocent, and out beside others, no longer alone."""
+    """Whether its worker died or only greeted again (everything back to the
+    line), the trial goes back among the suspects, not into the line beside the
+    innocent request, where it would go out beside others, no longer alone."""
     table, link, suspect, innocent = _on_trial_beside_an_innocent()
     assert release(table, link, "went", is_death=is_death, max_worker_deaths=3) == 2
     assert table.suspects == [suspect]
