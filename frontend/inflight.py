@@ -55,6 +55,9 @@ class InFlight:
     # Of those, the ones blamed on a suspect's trial beside it (`frontend.replay`).
     num_deaths_excused: int = 0
     made_progress: bool = False  # it ran a step since it was sent, or since the last death
+    # Replayed at once after a death, having made progress on the worker that died:
+    # `frontend.replay` counts no second death for one of the same moment.
+    is_replay_after_progress: bool = False
     is_running: bool = False  # the current attempt has streamed a token: it holds a slot
     is_waiting: bool = False  # the current attempt waits in its worker's queue (`Waiting`)
     streamed_token_ids: list[int] = field(default_factory=list)

@@ -15,6 +15,10 @@ on MAX_WORKER_DEATHS workers that died (3 by default), is answered with an error
 and not replayed again.
 So an innocent request beside a poison one (it made progress, or it is new) is
 never failed for it: it can die without progress only once before it runs.
+A request replayed at once, which died on a worker that was not heard from
+since the death that sent it there, and made no progress there, died in the
+same incident (both killed at the same moment, found dead milliseconds apart):
+that second death is not counted, and it goes back in line as it was.
 A death beside a request that had been in flight on a worker that died before
 and made no progress on this one (a suspect's trial, or one whose `Admitted`
 was lost) is blamed on that request: it does not count toward MAX_WORKER_DEATHS
@@ -65,19 +69,27 @@ def release(
     entries = table.take_back(link)
     if not entries:
         return 0
-    is_blamed_on_a_repeater = any(
-        entry.num_worker_deaths and not entry.made_progress for entry in entries
-    )
-    num_suspects = num_failed = 0
     for entry in entries:
         # Should the worker still run it (it was only frozen), it stops.
         link.send(AbortRequest(entry.wire_id))
-        if not is_death:
+    if not is_death:
+        for entry in entries:
             table.requeue(entry, is_suspect=entry is trial)
-            num_suspects += entry is trial
-            continue
+        _log_replay(link, why, len(entries), int(trial is not None), 0)
+        return len(entries)
+    same_incident = [entry for entry in entries if _died_in_the_same_incident(entry, link)]
+    for entry in same_incident:
+        entry.is_replay_after_progress = False
+        table.requeue(entry)
+    others = [entry for entry in entries if entry not in same_incident]
+    is_blamed_on_a_repeater = any(
+        entry.num_worker_deaths and not entry.made_progress for entry in others
+    )
+    num_suspects = num_failed = 0
+    for entry in others:
         entry.num_worker_deaths += 1
         made_progress, entry.made_progress = entry.made_progress, False
+        entry.is_replay_after_progress = made_progress
         if not made_progress and not entry.is_idle_in_queue:
             entry.num_deaths_without_progress += 1
         if (
@@ -105,14 +117,38 @@ def release(
         else:
             num_suspects += 1
             table.requeue(entry, is_suspect=True)
+    _log_replay(link, why, len(entries) - num_failed, num_suspects, len(same_incident))
+    return len(entries)
+
+
+def _died_in_the_same_incident(entry: InFlight, link: WorkerLink) -> bool:
+    """``entry`` was replayed here at once when another worker died (it had made
+    progress there), made none here, and this worker died before it was heard
+    from since that death: most likely killed at the same moment, found dead a
+    few milliseconds later. One incident, one death: the replay never ran."""
+    return (
+        entry.is_replay_after_progress
+        and not entry.made_progress
+        and not link.is_heard_since_a_death
+    )
+
+
+def _log_replay(
+    link: WorkerLink, why: str, num_replayed: int, num_suspects: int, num_same_incident: int
+) -> None:
+    same = (
+        f" ({num_same_incident} sent here as another worker died, no death counted)"
+        if num_same_incident
+        else ""
+    )
     log.warning(
-        "worker at %s %s: replaying %d request(s), %d of them one at a time",
+        "worker at %s %s: replaying %d request(s), %d of them one at a time%s",
         link.endpoint,
         why,
-        len(entries) - num_failed,
+        num_replayed,
         num_suspects,
+        same,
     )
-    return len(entries)
 
 
 def _quarantined(entry: InFlight) -> ErrorResult:

@@ -21,6 +21,7 @@ class _Link:
     endpoint: str = "tcp://127.0.0.1:5555"
     held: set[InFlight] = field(default_factory=set)
     trial: InFlight | None = None
+    is_heard_since_a_death: bool = True
     sent: list[ToWorker] = field(default_factory=list)
 
     def send(self, message: ToWorker) -> bool:
@@ -99,3 +100,37 @@ def test_deaths_blamed_on_others_still_bound_a_request_that_made_progress() -> N
     assert killer not in table.waiting
     _, final = killer.events.get_nowait()
     assert "in flight on 6 workers that died" in str(final)
+
+
+def test_a_replay_onto_a_worker_killed_at_the_same_moment_counts_one_death() -> None:
+    """Both workers killed at once: the first found dead sent its streams to the
+    second, found dead milliseconds later, before it was heard from again. That
+    is one incident: a second one like it must not fail the streams."""
+    table = InFlightTable(10)
+    (stream,) = table.add([GenerateRequest("stream", "x", 40)], 1e9)
+    table.waiting.clear()
+    first, second = cast(WorkerLink, _Link()), cast(WorkerLink, _Link())
+    for incident in (1, 2):
+        stream.next_attempt()
+        table.hand_to(stream, first, is_trial=False)
+        stream.made_progress = True
+        release(table, first, "died", is_death=True, max_worker_deaths=3)
+        assert table.waiting == [stream]
+        table.waiting.clear()
+        stream.next_attempt()
+        table.hand_to(stream, second, is_trial=False)
+        second.is_heard_since_a_death = False  # pinged, not answered
+        release(table, second, "died", is_death=True, max_worker_deaths=3)
+        assert table.waiting == [stream], f"failed in incident {incident}"
+        assert table.suspects == []  # in line as it was, not one at a time
+        assert stream.num_worker_deaths == incident
+        table.waiting.clear()
+
+
+def test_a_replay_that_dies_where_it_was_heard_from_counts_a_death() -> None:
+    table, link, _, innocent = _on_trial_beside_an_innocent()
+    innocent.is_replay_after_progress = True
+    innocent.made_progress = False
+    release(table, link, "died", is_death=True, max_worker_deaths=3)
+    assert innocent.num_worker_deaths == 1
+    assert innocent in table.suspects
