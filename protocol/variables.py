@@ -78,6 +78,8 @@ ALL_VARIABLES = frozenset(
 # these, or one of several words in lower case, is told as its misspelling, if
 # long enough that the slip is no other word (HOSTS and PORTS are others').
 _MIN_MISSPELT_CHARS = 6
+# Or one without its unit: HEARTBEAT_TIMEOUT for HEARTBEAT_TIMEOUT_S.
+_UNITS = ("_S", "_BYTES")
 _told_misspelt: set[str] = set()  # once a process, whichever of its configs it loads
 
 
@@ -92,7 +94,7 @@ def warn_of_misspellings(environ: Mapping[str, str]) -> None:
     for name in sorted(environ.keys() - ALL_VARIABLES - _told_misspelt):
         if len(name) < _MIN_MISSPELT_CHARS:
             continue
-        meant = [
+        meant = [name + unit for unit in _UNITS if name + unit in ALL_VARIABLES] + [
             known
             for known in _variables_by_length().get(len(name), [])
             if _is_one_slip(name, known) or _is_lower_case_of(name, known)

@@ -159,6 +159,7 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_likely_meant_once(
         "MAX_BACTH_SIZE": "4",  # two letters swapped
         "model_id": "fake",  # lower case
         "WEIGHT": "int8",  # one letter short
+        "HEARTBEAT_TIMEOUT": "5",  # without its unit
         "WORKER_ENDPOINTS": "tcp://a:1",  # the frontend's, one letter from WORKER_ENDPOINT
         "CURVE_CLIENT_SECRET_KEY": "k",  # the frontend's, near the worker's CURVE_CLIENT_KEYS
         "MODEL_DIR": "/models",
@@ -175,6 +176,7 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_likely_meant_once(
         # A process a supervisor started: the supervisor told its environment's.
         load(WorkerConfig, [], {"MAX_QUEUE_DEPHT": "9", "MINIBATCH_SUPERVISOR_PID": "1"})
     assert [record.getMessage() for record in caplog.records] == [
+        "HEARTBEAT_TIMEOUT is no setting, and is ignored: did you mean HEARTBEAT_TIMEOUT_S?",
         "MAX_BACTH_SIZE is no setting, and is ignored: did you mean MAX_BATCH_SIZE?",
         "WEIGHT is no setting, and is ignored: did you mean WEIGHTS?",
         "model_id is no setting, and is ignored: did you mean MODEL_ID?",
