@@ -26,6 +26,7 @@ from protocol.limits import (
     MAX_TEMPERATURE,
     MAX_TOKEN_ID,
     MAX_TOP_K,
+    MIN_SEED,
 )
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -45,7 +46,7 @@ StopStrings = (
 Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
 
 CacheSalt = Annotated[
     str,

@@ -15,6 +15,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1
 MAX_TEMPERATURE = 2.0  # as OpenAI's API
 MAX_TOP_K = 2**31 - 1
+MIN_SEED = -(2**63)  # a signed 64-bit seed, as vLLM takes it: -1 is a seed too
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
 MAX_CHAT_MESSAGES = MAX_LIST_ITEMS  # the codec's longest list

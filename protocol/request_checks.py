@@ -35,6 +35,7 @@ from protocol.limits import (
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     MAX_TOP_K,
+    MIN_SEED,
 )
 from protocol.messages import (
     GRAMMAR_KINDS,
@@ -311,8 +312,8 @@ def sampling_problem(request: GenerateRequest) -> tuple[str, str] | None:
         return invalid, f"top_k: must be 0 (off) to {MAX_TOP_K}, got {request.top_k}"
     if not (math.isfinite(request.min_p) and 0 <= request.min_p <= 1):
         return invalid, f"min_p: must be 0 (off) to 1, got {request.min_p}"
-    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
-        return invalid, f"seed: must be 0 to {MAX_SEED}, got {request.seed}"
+    if request.seed is not None and not MIN_SEED <= request.seed <= MAX_SEED:
+        return invalid, f"seed: must be {MIN_SEED} to {MAX_SEED}, got {request.seed}"
     return None
 
 

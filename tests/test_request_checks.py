@@ -35,6 +35,7 @@ def check_generate(request: GenerateRequest, limits: RequestLimits) -> None:
 
 def test_a_sound_request_passes() -> None:
     check_generate(_request(temperature=1e-40, top_p=1e-300, seed=2**63 - 1), LIMITS)
+    check_generate(_request(temperature=0.5, seed=-(2**63)), LIMITS)  # vLLM's range
     check_generate(_request(temperature=2.0), LIMITS)
     check_generate(
         _request(
@@ -103,7 +104,7 @@ def test_a_sound_request_passes() -> None:
         ({"min_p": math.nan}, ErrorCode.INVALID_REQUEST, "min_p"),
         ({"top_k": -1}, ErrorCode.INVALID_REQUEST, "top_k"),
         ({"top_k": 2**40}, ErrorCode.INVALID_REQUEST, "top_k"),
-        ({"seed": -1}, ErrorCode.INVALID_REQUEST, "seed"),
+        ({"seed": -(2**63) - 1}, ErrorCode.INVALID_REQUEST, "seed"),
         ({"seed": 2**64}, ErrorCode.INVALID_REQUEST, "seed"),
         ({"stop": ["a"] * 17}, ErrorCode.INVALID_REQUEST, "stop: at most"),
         ({"stop": [""]}, ErrorCode.INVALID_REQUEST, "stop: each"),

@@ -85,6 +85,17 @@ def test_a_draw_depends_only_on_the_seed_and_the_output_position() -> None:
     assert len({first[0], first[1], first[2]}) == 3  # a new position or seed: new noise
 
 
+@pytest.mark.parametrize("seed", [-1, -(2**63)])
+def test_a_negative_seed_draws_as_any_other(seed: int) -> None:
+    """vLLM takes a signed 64-bit seed, and clients send -1: it is a seed of its
+    own, not 1's, and draws the same each time."""
+    sampler = Sampler(CPU)
+    req = request("x", [0], temperature=1.0)
+    logits = torch.zeros(3, 1000)
+    draws = sampler.sample(logits, [req] * 3, [seed, seed, 1], [4, 4, 4])
+    assert draws[0] == draws[1] != draws[2]
+
+
 def test_a_plain_sampled_row_draws_the_same_beside_a_row_that_filters() -> None:
     """top_k or top_p in one row sends the batch down the filtering path; the
     rows that filter nothing must draw there what they draw without it."""
