@@ -91,7 +91,11 @@ class WorkerClient:
         entries = self._table.all_entries()
         if entries:
             log.warning("shutting down: ending %d requests that did not finish", len(entries))
-        why = f"it did not finish within the {grace_s:g} s this frontend had to stop"
+        left_s = max(0.0, grace_s - FRONTEND_ANSWERS_LEFT_BEFORE_S)
+        why = (
+            f"it did not finish in the {left_s:g} s this frontend's stop left it (its "
+            f"{grace_s:g} s, less {FRONTEND_ANSWERS_LEFT_BEFORE_S:g} to answer)"
+        )
         for entry in entries:
             entry.post(_shutting_down(entry, why))
         self.cancel(entries)  # out of the table, and aborted in the workers that run them

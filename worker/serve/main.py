@@ -70,8 +70,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         engine = build_engine(config)
         server = WorkerServer(Scheduler(engine, config.max_queue_depth), config)
+
+        def stop_serving(signum: int, _: object) -> None:
+            log.info("worker told to stop (%s); stopping", signal.Signals(signum).name)
+            server.stop()
+
         for stop_signal in _STOP_SIGNALS:
-            signal.signal(stop_signal, lambda *_: server.stop())
+            signal.signal(stop_signal, stop_serving)
     except ConfigError as exc:  # a bad value, or a model or device that cannot be used
         exit_refusing("worker", exc, WorkerConfig, argv)
     except _StopWhileStarting as stop:
