@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-to-serve
 
 .PHONY: install serve test check bench evals clean offline-base-image offline-images
 
@@ -32,16 +33,22 @@ DOCKER_TOOLS := missing=""; \
 BUILD_DECODE_KERNELS := $(BIN)/python -m worker.model.kernels \
 	|| echo "the decode kernels were not built (see above): decode will run slower"
 
-$(STAMP): pyproject.toml $(wildcard worker/model/csrc/*)
+# Serving needs the frontend's and the worker's packages alone; everything else
+# (the tests', the checks', the benchmarks' tools) comes on top of them.
+$(SERVE_STAMP): pyproject.toml $(wildcard worker/model/csrc/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[frontend,worker]'
 	@$(BUILD_DECODE_KERNELS)
+	touch $(SERVE_STAMP)
+
+$(STAMP): $(SERVE_STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(BIN)/minibatch-serve
 
 test: $(STAMP) check
