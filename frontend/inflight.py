@@ -52,7 +52,8 @@ class InFlight:
     link: WorkerLink | None = None  # the worker holding the current attempt
     num_worker_deaths: int = 0  # workers that died while this request was in flight on them
     num_deaths_without_progress: int = 0  # of those, the ones it made no progress on
-    # Of those, the ones blamed on a suspect's trial beside it (`frontend.replay`).
+    # Of those, the ones blamed on a request beside it that had died before
+    # (`frontend.replay`): they count toward no MAX_WORKER_DEATHS.
     num_deaths_excused: int = 0
     made_progress: bool = False  # it ran a step since it was sent, or since the last death
     # Replayed at once after a death, having made progress on the worker that died:
