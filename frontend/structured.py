@@ -70,6 +70,8 @@ MAX_EXACT_INTEGER = 2**53
 _EXACT_KEYWORDS = frozenset(
     {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum", "const"}
 )
+# Keywords whose value is data, which llguidance does not follow.
+_DATA_KEYWORDS = frozenset({"default", "examples"})
 # Keywords whose value maps names to subschemas: a property may be named "enum".
 _SCHEMA_MAPS = frozenset(
     {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
@@ -332,8 +334,9 @@ def _exact_keywords(schema: Any, path: str) -> Iterator[tuple[str, str, Any]]:
 
 def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """Each object in ``schema`` that may be a schema, with where it is: not the
-    values of enum and const, nor the maps of names to subschemas themselves (a
-    property may be named "enum"), but the subschemas they hold."""
+    values of enum, const, default and examples (data, not schemas), nor the maps
+    of names to subschemas themselves (a property may be named "enum"), but the
+    subschemas they hold."""
     if isinstance(schema, list):
         for i, item in enumerate(schema):
             yield from _subschemas(item, f"{path}[{i}]")
@@ -341,7 +344,7 @@ def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
         yield path, schema
         for key, item in schema.items():
             where = f"{path}.{key}"
-            if key in _EXACT_KEYWORDS:
+            if key in _EXACT_KEYWORDS or key in _DATA_KEYWORDS:
                 continue
             if key in _SCHEMA_MAPS and isinstance(item, dict):
                 for name, subschema in item.items():

@@ -97,6 +97,17 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
     assert _grammar(structured_outputs=as_vllm) == _grammar({"type": "json_object"})
 
 
+def test_default_and_examples_are_data_not_schemas() -> None:
+    """llguidance follows neither: a number past 2^53 or an object shaped like a
+    schema there asks nothing of the output."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "default": 10**30}},
+        "examples": [{"minProperties": 5}],
+    }
+    assert compile_grammar(GrammarKind.JSON_SCHEMA, schema)[1] is None
+
+
 @pytest.mark.parametrize(
     ("schema", "repeats"),
     [
