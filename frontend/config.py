@@ -34,8 +34,8 @@ class FrontendConfig(WorkerClientConfig):
         "a request in flight on this many workers that died is answered with "
         "workers_died (500) instead of being replayed again (it may be what kills them); "
         "two that died before it made progress there are enough, whatever this says; "
-        "deaths blamed on a request beside it that had died before count only past "
-        "this many of them",
+        "deaths excused (blamed on a request beside it that had died before, or one "
+        "worker's death found just after another's) count only past this many of them",
     )
     max_request_bytes: int = setting(
         "MAX_REQUEST_BYTES", 1024 * 1024, "largest request body; 413 beyond it"

@@ -15,19 +15,20 @@ on MAX_WORKER_DEATHS workers that died (3 by default), is answered with an error
 and not replayed again.
 So an innocent request beside a poison one (it made progress, or it is new) is
 never failed for it: it can die without progress only once before it runs.
-A request replayed at once, which died on a worker that was not heard from
-since the death that sent it there, and made no progress there, died in the
-same incident (both killed at the same moment, found dead milliseconds apart):
-that second death is not counted, and it goes back in line as it was.
-A death beside a request that had been in flight on a worker that died before
-and made no progress on this one (a suspect's trial, or one whose `Admitted`
-was lost) is blamed on that request: it does not count toward MAX_WORKER_DEATHS
-for the requests that made progress beside it, up to MAX_WORKER_DEATHS such
-deaths each. Two poison requests sent at once each kill a worker, and the
-innocent requests replayed from the first onto the second die twice; the poison
-requests' second kills must not add the third death that would fail them. The
-bound still holds: a request that kills workers after making progress is failed
-after at most twice MAX_WORKER_DEATHS.
+Two kinds of death are excused, not counted toward MAX_WORKER_DEATHS, up to
+MAX_WORKER_DEATHS excused deaths a request, so that every request is still
+failed after at most twice MAX_WORKER_DEATHS deaths:
+- a replay's death in the same incident: a request replayed at once (it had
+  made progress on the worker that died) died on a worker not heard from since
+  a death, before making progress there: both were most likely killed at the
+  same moment, found dead milliseconds apart. It goes back in line as it was.
+- a death beside a request that had been in flight on a worker that died
+  before and made no progress on this one (a suspect's trial, or one whose
+  `Admitted` was lost): that request is the likely culprit, and the requests
+  that made progress beside it are excused. Two poison requests sent at once
+  each kill a worker, and the innocent requests replayed from the first onto
+  the second die twice; the poison requests' second kills must not add the
+  third death that would fail them.
 A death while the request only waited in its worker's queue (the worker said
 `Waiting`, and no `Admitted` since) is not one without progress: nothing of it
 ran there, unless it has a grammar, which compiles while it waits. It goes back
@@ -77,8 +78,14 @@ def release(
             table.requeue(entry, is_suspect=entry is trial)
         _log_replay(link, why, len(entries), int(trial is not None), 0)
         return len(entries)
-    same_incident = [entry for entry in entries if _died_in_the_same_incident(entry, link)]
+    same_incident = [
+        entry
+        for entry in entries
+        if _died_in_the_same_incident(entry, link) and entry.num_deaths_excused < max_worker_deaths
+    ]
     for entry in same_incident:
+        entry.num_worker_deaths += 1
+        entry.num_deaths_excused += 1
         entry.is_replay_after_progress = False
         table.requeue(entry)
     others = [entry for entry in entries if entry not in same_incident]
@@ -103,9 +110,10 @@ def release(
             or entry.num_worker_deaths - entry.num_deaths_excused >= max_worker_deaths
         ):
             log.error(
-                "request %s was in flight on %d workers that died; failing it",
+                "request %s was in flight on %d workers that died (%d of them excused); failing it",
                 entry.request_id,
                 entry.num_worker_deaths,
+                entry.num_deaths_excused,
             )
             num_failed += 1
             table.resolve(entry, _quarantined(entry))
@@ -124,8 +132,9 @@ def release(
 def _died_in_the_same_incident(entry: InFlight, link: WorkerLink) -> bool:
     """``entry`` was replayed here at once when another worker died (it had made
     progress there), made none here, and this worker died before it was heard
-    from since that death: most likely killed at the same moment, found dead a
-    few milliseconds later. One incident, one death: the replay never ran."""
+    from since the last death it was told of: most likely killed at the same
+    moment, found dead a few milliseconds later. One incident: the replay never
+    ran."""
     return (
         entry.is_replay_after_progress
         and not entry.made_progress

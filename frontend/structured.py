@@ -300,8 +300,9 @@ def _repeated_keys_problem(schema: Any) -> str | None:
         has_other_keys = bool(subschema.get("patternProperties")) or (
             subschema.get("additionalProperties", True) is not False
         )
-        # One key written is one property parsed: a repeat matters from two on.
-        if has_other_keys and minimum > max(num_required, 1):
+        # The required keys are written once each, and at least one other key
+        # if the count asks for more: a repeat matters from one more than that.
+        if has_other_keys and minimum > num_required + 1:
             return (
                 f"Unimplemented: {where.lstrip('.') or 'the schema'} asks for at least "
                 f"{_preview(minimum)} properties, with keys not listed in properties, which "

@@ -66,13 +66,15 @@ def test_a_death_beside_a_request_that_died_before_is_blamed_on_it(beside: str) 
     table, link, suspect, innocent = _on_trial_beside_an_innocent()
     if beside != "a trial":
         link.trial = None
+    if beside == "one whose Admitted was lost":
+        suspect.is_waiting = True  # as far as its frontend knows
     if beside != "newcomers":
         suspect.num_worker_deaths = 1
     innocent.num_worker_deaths = 2
     release(table, link, "died", is_death=True, max_worker_deaths=3)
     assert innocent.num_worker_deaths == 3
     if beside != "newcomers":
-        assert table.waiting == [innocent]
+        assert innocent in table.waiting
         assert not innocent.events.qsize()
     else:
         assert innocent not in table.waiting
@@ -123,14 +125,41 @@ def test_a_replay_onto_a_worker_killed_at_the_same_moment_counts_one_death() -> 
         release(table, second, "died", is_death=True, max_worker_deaths=3)
         assert table.waiting == [stream], f"failed in incident {incident}"
         assert table.suspects == []  # in line as it was, not one at a time
-        assert stream.num_worker_deaths == incident
+        assert (stream.num_worker_deaths, stream.num_deaths_excused) == (2 * incident, incident)
         table.waiting.clear()
 
 
-def test_a_replay_that_dies_where_it_was_heard_from_counts_a_death() -> None:
+@pytest.mark.parametrize("case", ["heard from", "made progress there"])
+def test_a_replay_that_ran_where_it_died_counts_a_death(case: str) -> None:
+    """The worker was heard from since the last death, or the replay made
+    progress on it: alive when it took the replay, it died of something else."""
     table, link, _, innocent = _on_trial_beside_an_innocent()
+    link.trial = None
     innocent.is_replay_after_progress = True
-    innocent.made_progress = False
+    innocent.made_progress = case == "made progress there"
+    link.is_heard_since_a_death = case == "heard from"
     release(table, link, "died", is_death=True, max_worker_deaths=3)
-    assert innocent.num_worker_deaths == 1
-    assert innocent in table.suspects
+    assert (innocent.num_worker_deaths, innocent.num_deaths_excused) == (1, 0)
+
+
+def test_a_request_that_kills_each_worker_it_resumes_on_is_still_failed() -> None:
+    """It streamed, then killed its worker; each replay, sent at once to a
+    worker not yet heard from, kills it as it resumes, which looks like a death
+    in the same incident. Excused deaths are capped: it is failed after at most
+    twice MAX_WORKER_DEATHS."""
+    table = InFlightTable(10)
+    (killer,) = table.add([GenerateRequest("killer", "x", 40)], 1e9)
+    for death in range(1, 7):
+        assert table.waiting == [killer] or table.suspects == [killer], death
+        table.waiting.clear()
+        table.suspects.clear()
+        link = cast(WorkerLink, _Link(is_heard_since_a_death=death == 1))
+        killer.next_attempt()
+        table.hand_to(killer, link, is_trial=False)
+        killer.made_progress = death == 1
+        release(table, link, "died", is_death=True, max_worker_deaths=3)
+        if killer.events.qsize():
+            break
+    _, final = killer.events.get_nowait()
+    assert "that died" in str(final)
+    assert killer.num_worker_deaths <= 6

@@ -97,6 +97,19 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
     assert _grammar(structured_outputs=as_vllm) == _grammar({"type": "json_object"})
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "minProperties": 1},  # one key written is one parsed
+        # "a" once, and another at least once: two distinct keys however it repeats
+        {"properties": {"a": {}}, "required": ["a"], "minProperties": 2},
+        {"properties": {"a": {}}, "required": ["a"], "additionalProperties": False},
+    ],
+)
+def test_a_count_no_repeat_can_meet_falsely_is_followed(schema: dict[str, Any]) -> None:
+    assert compile_grammar(GrammarKind.JSON_SCHEMA, schema)[1] is None
+
+
 def test_default_and_examples_are_data_not_schemas() -> None:
     """llguidance follows neither: a number past 2^53 or an object shaped like a
     schema there asks nothing of the output."""
@@ -208,6 +221,13 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             400,
             "structured_outputs.json",
             "properties.a asks for at least 3 properties",
+        ),
+        (
+            None,
+            {"json": {"properties": {"a": {}}, "required": ["a"], "minProperties": 3}},
+            400,
+            "structured_outputs.json",
+            "the schema asks for at least 3 properties",
         ),
         # valid JSON Schema that llguidance cannot follow: unsupported, not invalid
         (
