@@ -123,8 +123,8 @@ def check_can_listen(host: str, port: int) -> None:
     is refused here, naming the setting, rather than by uvicorn's exit, which the
     supervisor would take for a crash and retry."""
     try:
-        probed = probe_binds(host or None, port, v6only=True)  # as asyncio's server binds
-    except OSError as exc:
+        probed = probe_binds(host, port, v6only=True)  # as asyncio's server binds
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a name no IDNA encodes
         raise ConfigError(
             f"HOST {host!r} is not an address to listen on ({exc}): set HOST to an address "
             "or a name of this machine (0.0.0.0: all of them)"

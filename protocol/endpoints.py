@@ -71,11 +71,17 @@ def probe_binds(
     to, and let go at once: each address with None where it can, else why not.
     SO_REUSEADDR as ZMQ and asyncio bind (TIME_WAIT is no obstacle); ``v6only``
     as asyncio binds IPv6, leaving the same port's IPv4 address to its own socket.
-    Raises OSError (or UnicodeError) for a host that does not resolve."""
+    An address of a family this kernel cannot open a socket for (IPv6 turned
+    off) is left out, as asyncio's server leaves it. Raises OSError (or
+    UnicodeError) for a host that does not resolve."""
     results: list[tuple[str, OSError | None]] = []
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as probe:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:
+            continue
+        with probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if v6only and family == socket.AF_INET6:
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from frontend.config import FrontendConfig
+from frontend.main import check_can_listen
 from protocol import GenerateRequest, Hello, encode, variables
 from protocol.limits import (
     MAX_CHAT_MESSAGES,
@@ -396,3 +397,12 @@ def test_the_supervisor_refuses_timing_that_would_declare_live_workers_dead(
     else:
         with pytest.raises(ConfigError, match=problem):
             check_worker_timing(config, env)
+
+
+@pytest.mark.parametrize("host", ["a" * 64, "nowhere.invalid"])
+def test_a_host_that_names_no_address_is_refused_naming_host(host: str) -> None:
+    """A label past 63 characters failed IDNA encoding, a UnicodeError that went
+    past the check: the supervisor took the frontend's traceback for a crash."""
+    with pytest.raises(ConfigError, match="is not an address to listen on") as refused:
+        check_can_listen(host, 18999)
+    assert "set HOST to an address" in str(refused.value)
