@@ -165,11 +165,14 @@ class IoLoop:
         more for its full queue anyway. Refused here, at once, the requests a
         peer floods in during a long step are never held: the engine thread takes
         the inbox only between steps."""
-        num_waiting = self._inbox.num_requests + self.scheduler.num_queued
+        # The scheduler first: a request applied between the two reads is then
+        # missed, not counted twice; missed, the engine thread refuses it itself.
+        num_queued = self.scheduler.num_queued
+        num_waiting = num_queued + self._inbox.num_requests
         return num_waiting >= self.scheduler.max_queue_depth + self.hello.capacity
 
     def _refuse(self, peers: Peers, request: GenerateRequest) -> None:
-        full = self.scheduler.queue_full()
+        full = self.scheduler.queue_full_error()
         self._queue_full.warn(f"request {request.request_id:.64} refused: {full}")
         sender_id = sender_request_id(request.request_id)
         peers.send(

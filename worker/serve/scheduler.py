@@ -133,13 +133,13 @@ class Scheduler:
         # Requests that the next iteration admits into free slots are not waiting.
         num_free = self.engine.capacity - self.engine.num_active()
         if len(self._queue) - num_free >= self.max_queue_depth:
-            raise self.queue_full()
+            raise self.queue_full_error()
         self._queue[request.request_id] = (request, self._clock() if arrival is None else arrival)
         self._newly_queued[request.request_id] = None
         if len(self._queue) <= self._prepare_window:
             self.engine.prepare(request)  # starts now, while it waits for a slot
 
-    def queue_full(self) -> QueueFull:
+    def queue_full_error(self) -> QueueFull:
         return QueueFull(
             f"the worker's queue is full ({self.max_queue_depth} requests waiting); retry later"
         )
