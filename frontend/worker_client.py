@@ -82,16 +82,14 @@ class WorkerClient:
         self.is_shutting_down = True
         self._greeted.set()  # a request waiting for a first hello waits no more
         log.info("shutting down: %d requests in flight", self.num_inflight)
-        self._loop.call_later(
-            max(0.0, grace_s - FRONTEND_ANSWERS_LEFT_BEFORE_S), self._end_all, grace_s
-        )
+        left_s = max(0.0, grace_s - FRONTEND_ANSWERS_LEFT_BEFORE_S)
+        self._loop.call_later(left_s, self._end_all, grace_s, left_s)
         self._dispatch()
 
-    def _end_all(self, grace_s: float) -> None:
+    def _end_all(self, grace_s: float, left_s: float) -> None:
         entries = self._table.all_entries()
         if entries:
             log.warning("shutting down: ending %d requests that did not finish", len(entries))
-        left_s = max(0.0, grace_s - FRONTEND_ANSWERS_LEFT_BEFORE_S)
         why = (
             f"it did not finish in the {left_s:g} s this frontend's stop left it (its "
             f"{grace_s:g} s, less {FRONTEND_ANSWERS_LEFT_BEFORE_S:g} to answer)"

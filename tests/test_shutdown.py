@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from frontend.main import GRACEFUL_SHUTDOWN_S
+from protocol.lifeline import FRONTEND_ANSWERS_LEFT_BEFORE_S
 from tests.sse import sse_events
 from tests.stack import Stack, free_port, running_stack
 
@@ -101,6 +102,12 @@ def test_what_is_left_when_the_grace_ends_is_answered_not_cut(tmp_path: Path) ->
         refused = waiting.result()
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "shutting_down"
+        # Answered a second before the cut, and saying so: not the whole grace.
+        left_s = GRACEFUL_SHUTDOWN_S - FRONTEND_ANSWERS_LEFT_BEFORE_S
+        assert (
+            f"did not finish in the {left_s:g} s this frontend's stop left it"
+            in (refused.json()["error"]["message"])
+        )
         assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S
         stack.processes["frontend"].wait(timeout=GRACEFUL_SHUTDOWN_S)
         assert "shutting down: ending 3 requests that did not finish" in stack.log("frontend")
@@ -202,6 +209,14 @@ def test_a_worker_told_to_stop_while_its_model_loads_stops_quietly(
     assert worker.returncode == 0, output
     assert f"told to stop ({stop_signal.name}) while starting; stopped".encode() in output
     assert b"Traceback" not in output
+
+
+def test_an_idle_worker_told_to_stop_says_so_and_exits_0() -> None:
+    """A standalone worker stopped while idle exited without a word."""
+    env = {"MODEL_ID": "fake", "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}"}
+    worker, output = _stopped_once("worker.serve.main", env, b"serving fake", [signal.SIGTERM])
+    assert worker.returncode == 0, output
+    assert b"worker told to stop (SIGTERM); stopping" in output
 
 
 def _stopped_once(

@@ -91,6 +91,21 @@ def _run_and_die(
     child.schedule_restart(str(child.exit_cause()), others_serve)
 
 
+def test_a_restart_is_due_by_the_childs_own_clock(clock: FakeClock) -> None:
+    """The supervisor asks the child; it read time.monotonic against a restart
+    time, beside a start time read from the child's clock."""
+    worker = _worker(clock, crash_loop_limit=5)
+    assert worker.is_due_to_start()  # the first start: at once
+    _run_and_die(worker, clock)  # died before coming up: a backoff
+    delay = worker.restart_delay_s()
+    assert delay > 0 and not worker.is_due_to_start()
+    clock.now += delay
+    assert worker.is_due_to_start()
+    worker.start()
+    clock.now += 7
+    assert worker.running_for_s() == 7
+
+
 def test_each_of_several_workers_is_told_its_endpoint_cores_and_how_many_share_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
