@@ -14,15 +14,23 @@ def pick(links: Iterable[WorkerLink], is_trial: bool = False) -> WorkerLink | No
     side by side could be one poison request and an innocent one, and the
     innocent one would die a second time before making progress. Nor to one not
     heard from since a worker last died (`WorkerLink.is_heard_since_a_death`).
-    Other requests prefer a worker with no trial, the fewer to replay if its
-    suspect is poison."""
+    It prefers one that holds no replay of a request that was on a worker that
+    died: should that one kill this worker too, the trial would die a second
+    time without progress, and be blamed for it (`frontend.replay`). Other
+    requests prefer a worker with no trial, the fewer to replay if its suspect
+    is poison."""
     best: WorkerLink | None = None
     best_key = (False, 0)
     for link in links:
         if is_trial and (link.trial is not None or not link.is_heard_since_a_death):
             continue
         num_free = link.free_slots()
-        key = (link.trial is None, num_free)
+        preferred = not _holds_a_replay(link) if is_trial else link.trial is None
+        key = (preferred, num_free)
         if num_free > 0 and key > best_key and link.verdict().is_live:
             best, best_key = link, key
     return best
+
+
+def _holds_a_replay(link: WorkerLink) -> bool:
+    return any(entry.num_worker_deaths for entry in link.held)
