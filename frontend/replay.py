@@ -22,13 +22,14 @@ failed after at most twice MAX_WORKER_DEATHS deaths:
   made progress on the worker that died) died on a worker not heard from since
   a death, before making progress there: both were most likely killed at the
   same moment, found dead milliseconds apart. It goes back in line as it was.
-- a death beside a request that had been in flight on a worker that died
-  before and made no progress on this one (a suspect's trial, or one whose
-  `Admitted` was lost): that request is the likely culprit, and the requests
-  that made progress beside it are excused. Two poison requests sent at once
-  each kill a worker, and the innocent requests replayed from the first onto
-  the second die twice; the poison requests' second kills must not add the
-  third death that would fail them.
+- a death beside a request that ran on that worker without progress (admitted
+  and no token yet, a suspect's trial, or one taken for a request that only
+  waited though it had died before: its `Admitted` may have been lost): that
+  request is the likely culprit, and the requests that made progress beside it
+  are excused. Two poison requests sent at once each kill a worker, and the
+  innocent requests replayed from the first onto the second die twice; the
+  poison requests' further kills must not add the third death that would fail
+  them.
 A death while the request only waited in its worker's queue (the worker said
 `Waiting`, and no `Admitted` since) is not one without progress: nothing of it
 ran there, unless it has a grammar, which compiles while it waits. It goes back
@@ -89,9 +90,7 @@ def release(
         entry.is_replay_after_progress = False
         table.requeue(entry)
     others = [entry for entry in entries if entry not in same_incident]
-    is_blamed_on_a_repeater = any(
-        entry.num_worker_deaths and not entry.made_progress for entry in others
-    )
+    is_blamed_elsewhere = any(_may_have_killed(entry) for entry in others)
     num_suspects = num_failed = 0
     for entry in others:
         entry.num_worker_deaths += 1
@@ -99,11 +98,7 @@ def release(
         entry.is_replay_after_progress = made_progress
         if not made_progress and not entry.is_idle_in_queue:
             entry.num_deaths_without_progress += 1
-        if (
-            made_progress
-            and is_blamed_on_a_repeater
-            and entry.num_deaths_excused < max_worker_deaths
-        ):
+        if made_progress and is_blamed_elsewhere and entry.num_deaths_excused < max_worker_deaths:
             entry.num_deaths_excused += 1
         if (
             entry.num_deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS
@@ -127,6 +122,14 @@ def release(
             table.requeue(entry, is_suspect=True)
     _log_replay(link, why, len(entries) - num_failed, num_suspects, len(same_incident))
     return len(entries)
+
+
+def _may_have_killed(entry: InFlight) -> bool:
+    """``entry`` ran something on the worker that died and made no progress
+    there: admitted (or a trial), or taken for one that only waited though it was
+    in flight on a worker that died before (its `Admitted` may have been lost
+    with that worker too)."""
+    return not entry.made_progress and (not entry.is_idle_in_queue or entry.num_worker_deaths > 0)
 
 
 def _died_in_the_same_incident(entry: InFlight, link: WorkerLink) -> bool:

@@ -56,24 +56,38 @@ def test_a_trial_is_still_a_suspect_after_its_worker_lets_it_go(is_death: bool) 
     assert link.trial is None and not link.held
 
 
-@pytest.mark.parametrize("beside", ["a trial", "one whose Admitted was lost", "newcomers"])
-def test_a_death_beside_a_request_that_died_before_is_blamed_on_it(beside: str) -> None:
-    """Two poison requests sent at once: the innocent request died on two workers
-    already, and the third death came beside a request that had died before and
-    made no progress here (a suspect's trial; or one taken for a request that only
-    waited, its `Admitted` lost). That death is that request's: the innocent
-    request goes on. Beside newcomers only, it counts."""
-    table, link, suspect, innocent = _on_trial_beside_an_innocent()
+@pytest.mark.parametrize(
+    ("beside", "is_blamed"),
+    [
+        ("a trial", True),
+        ("a newcomer", True),
+        ("one whose Admitted was lost", True),
+        ("one that only waited", False),
+        ("nothing", False),
+    ],
+)
+def test_a_death_beside_a_request_that_made_no_progress_is_blamed_on_it(
+    beside: str, is_blamed: bool
+) -> None:
+    """Several poison requests sent at once: the innocent request died on two
+    workers already, and the third death came beside a request that ran there
+    without progress (a suspect's trial, a newcomer, or one taken for a request
+    that only waited though it had died before: its `Admitted` lost). That death
+    is likely that request's: the innocent request goes on. Beside one that only
+    waited in the queue, or alone, it counts."""
+    table, link, other, innocent = _on_trial_beside_an_innocent()
     if beside != "a trial":
         link.trial = None
-    if beside == "one whose Admitted was lost":
-        suspect.is_waiting = True  # as far as its frontend knows
-    if beside != "newcomers":
-        suspect.num_worker_deaths = 1
+    if beside in ("one whose Admitted was lost", "one that only waited"):
+        other.is_waiting = True  # as far as its frontend knows
+    if beside in ("a trial", "one whose Admitted was lost"):
+        other.num_worker_deaths = 1
+    if beside == "nothing":
+        table.forget(other)
     innocent.num_worker_deaths = 2
     release(table, link, "died", is_death=True, max_worker_deaths=3)
     assert innocent.num_worker_deaths == 3
-    if beside != "newcomers":
+    if is_blamed:
         assert innocent in table.waiting
         assert not innocent.events.qsize()
     else:
@@ -133,8 +147,8 @@ def test_a_replay_onto_a_worker_killed_at_the_same_moment_counts_one_death() -> 
 def test_a_replay_that_ran_where_it_died_counts_a_death(case: str) -> None:
     """The worker was heard from since the last death, or the replay made
     progress on it: alive when it took the replay, it died of something else."""
-    table, link, _, innocent = _on_trial_beside_an_innocent()
-    link.trial = None
+    table, link, alone, innocent = _on_trial_beside_an_innocent()
+    table.forget(alone)
     innocent.is_replay_after_progress = True
     innocent.made_progress = case == "made progress there"
     link.is_heard_since_a_death = case == "heard from"
