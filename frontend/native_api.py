@@ -13,7 +13,7 @@ from frontend.accepted import Accepted
 from frontend.errors import ApiError, error_body
 from frontend.generation import generate_request, respond
 from frontend.parse import parse_body
-from frontend.schemas import GenerateBody
+from frontend.schemas import GenerateBody, request_seed
 from frontend.streaming import sse_frame
 from frontend.worker_client import WorkerClient
 from protocol import GenerateResult, TokenDelta
@@ -43,7 +43,7 @@ async def generate(request: Request) -> Response:
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
-        seed=body.seed,
+        seed=request_seed(body.seed),
         stream=body.stream,
         cache_salt=body.cache_salt or "",
     )

@@ -19,6 +19,7 @@ from frontend.field_errors import printable, short_name
 from frontend.generation import generate_request
 from frontend.openai_schemas import OpenAIBody
 from frontend.parse import name_fields, parse_body
+from frontend.schemas import request_seed
 from frontend.structured import NO_GRAMMAR, Grammar, request_grammar
 from frontend.worker_client import WorkerClient
 from protocol import GenerateRequest, GenerateResult
@@ -174,7 +175,7 @@ def openai_request(
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(0, body.top_k or 0),
         min_p=body.min_p or 0.0,
-        seed=body.seed,
+        seed=request_seed(body.seed),
         stream=bool(body.stream),
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         presence_penalty=body.presence_penalty or 0.0,

@@ -27,6 +27,7 @@ from protocol.limits import (
     MAX_TOKEN_ID,
     MAX_TOP_K,
     MIN_SEED,
+    UNSEEDED,
 )
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -47,6 +48,13 @@ Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
+
+
+def request_seed(seed: int | None) -> int | None:
+    """The seed a body's ``seed`` asks for: none for UNSEEDED (-1), as vLLM reads
+    it, so that each choice of the request draws at random too."""
+    return None if seed == UNSEEDED else seed
+
 
 CacheSalt = Annotated[
     str,

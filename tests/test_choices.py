@@ -420,3 +420,7 @@ def test_seeded_choices_differ_and_repeat_whatever_the_batch(
         assert texts(n=1, best_of=4) == [likeliest["text"]]
         unseeded = {"seed": None, "n": 3}
         assert len(set(texts(**unseeded))) == 3  # each samples on its own
+        # -1 is no seed, as vLLM reads it: every call and choice draws anew.
+        minus_one = texts(seed=-1, n=3) + texts(seed=-1, n=3)
+        assert len(set(minus_one)) == 6
+        assert texts(seed=-2, n=2) == texts(seed=-2, n=2)  # another negative is a seed

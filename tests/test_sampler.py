@@ -85,15 +85,23 @@ def test_a_draw_depends_only_on_the_seed_and_the_output_position() -> None:
     assert len({first[0], first[1], first[2]}) == 3  # a new position or seed: new noise
 
 
-@pytest.mark.parametrize("seed", [-1, -(2**63)])
+@pytest.mark.parametrize("seed", [-2, -(2**63)])
 def test_a_negative_seed_draws_as_any_other(seed: int) -> None:
-    """vLLM takes a signed 64-bit seed, and clients send -1: it is a seed of its
-    own, not 1's, and draws the same each time."""
+    """vLLM takes a signed 64-bit seed: a negative one is a seed of its own, not
+    its absolute value's, and draws the same each time."""
     sampler = Sampler(CPU)
     req = request("x", [0], temperature=1.0)
     logits = torch.zeros(3, 1000)
-    draws = sampler.sample(logits, [req] * 3, [seed, seed, 1], [4, 4, 4])
+    draws = sampler.sample(logits, [req] * 3, [seed, seed, 2], [4, 4, 4])
     assert draws[0] == draws[1] != draws[2]
+
+
+def test_seed_minus_one_is_no_seed_as_vllm_reads_it() -> None:
+    """llama.cpp's clients, and vLLM's, send -1 for a random draw each time."""
+    sampler = Sampler(CPU)
+    seeds = {sampler.seed_for(request("x", [0], temperature=1.0, seed=-1)) for _ in range(8)}
+    assert len(seeds) == 8 and None not in seeds
+    assert sampler.seed_for(request("x", [0], temperature=1.0, seed=-2)) == -2
 
 
 def test_a_plain_sampled_row_draws_the_same_beside_a_row_that_filters() -> None:

@@ -18,6 +18,7 @@ import secrets
 import torch
 
 from protocol import GenerateRequest
+from protocol.limits import UNSEEDED
 from worker.model.host_copy import to_device
 
 # Below this a temperature is greedy: dividing logits by it overflows to NaN
@@ -65,10 +66,12 @@ class Sampler:
 
     def seed_for(self, request: GenerateRequest) -> int | None:
         """The seed a request samples with for its whole life; None if greedy. An
-        unseeded request gets a random one."""
+        unseeded request (no seed, or UNSEEDED) gets a random one."""
         if is_greedy(request):
             return None
-        return secrets.randbits(64) if request.seed is None else request.seed
+        if request.seed is None or request.seed == UNSEEDED:
+            return secrets.randbits(64)
+        return request.seed
 
     def sample(
         self,
