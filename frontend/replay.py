@@ -21,7 +21,8 @@ failed after at most twice MAX_WORKER_DEATHS deaths:
 - a replay's death in the same incident: a request replayed at once (it had
   made progress on the worker that died) died on a worker not heard from since
   a death, before making progress there: both were most likely killed at the
-  same moment, found dead milliseconds apart. It goes back in line as it was.
+  same moment, found dead milliseconds apart. It is tried alone, as a suspect
+  is, but no death without progress is counted.
 - a death beside a request that ran on that worker without progress (admitted
   and no token yet, a suspect's trial, or one taken for a request that only
   waited though it had died before: its `Admitted` may have been lost): that
@@ -85,10 +86,13 @@ def release(
         if _died_in_the_same_incident(entry, link) and entry.num_deaths_excused < max_worker_deaths
     ]
     for entry in same_incident:
+        # Excused, but tried alone: a request that kills each worker it resumes
+        # on would otherwise go at once to the next one not heard from, and take
+        # every worker down together.
         entry.num_worker_deaths += 1
         entry.num_deaths_excused += 1
         entry.is_replay_after_progress = False
-        table.requeue(entry)
+        table.requeue(entry, is_suspect=True)
     others = [entry for entry in entries if entry not in same_incident]
     is_blamed_elsewhere = any(_may_have_killed(entry) for entry in others)
     num_suspects = num_failed = 0
@@ -120,6 +124,7 @@ def release(
         else:
             num_suspects += 1
             table.requeue(entry, is_suspect=True)
+    num_suspects += len(same_incident)
     _log_replay(link, why, len(entries) - num_failed, num_suspects, len(same_incident))
     return len(entries)
 
