@@ -70,6 +70,10 @@ MAX_EXACT_INTEGER = 2**53
 _EXACT_KEYWORDS = frozenset(
     {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum", "const"}
 )
+# Keywords by which another schema may require or close what an object holds.
+_REQUIRES_ELSEWHERE = frozenset(
+    {"allOf", "anyOf", "oneOf", "$ref", "if", "dependentRequired", "dependentSchemas"}
+)
 # Keywords whose value is data, which llguidance does not follow.
 _DATA_KEYWORDS = frozenset({"default", "examples"})
 # Keywords whose value maps names to subschemas: a property may be named "enum".
@@ -231,15 +235,17 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
         return "", "a number in it is past a float's range (about 1.8e308)"
     if len(text) > MAX_GRAMMAR_CHARS:
         return "", f"{len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
-    if kind in JSON_KINDS:
-        schema = _as_schema(value)
-        problem = _numbers_problem(schema) or _repeated_keys_problem(schema)
-        if problem is not None:
-            return "", problem
+    schema = _as_schema(value) if kind in JSON_KINDS else None
+    problem = _numbers_problem(schema) if kind in JSON_KINDS else None
+    if problem is not None:
+        return "", problem
     if kind == GrammarKind.REGEX and _ends_in_lone_backslash(text):
         # llguidance drops it, and would follow another regex than the one asked for.
         return "", f"invalid regex at offset {len(text) - 1}: incomplete escape sequence"
-    return _checked_grammar(kind, text)
+    grammar, problem = _checked_grammar(kind, text)
+    if problem is None and kind in JSON_KINDS:
+        problem = _repeated_keys_problem(schema)  # of a schema llguidance takes
+    return ("", problem) if problem is not None else (grammar, None)
 
 
 def _as_schema(value: Any) -> Any:
@@ -287,13 +293,15 @@ def _repeated_keys_problem(schema: Any) -> str | None:
     object has fewer properties than the text wrote."""
     for where, subschema in _subschemas(schema, ""):
         minimum = subschema.get("minProperties", 0)
-        if not _is_number(minimum):
+        if not _is_number(minimum) or ".allOf[" in where or _REQUIRES_ELSEWHERE & subschema.keys():
+            continue  # what else it requires, or closes, comes from another schema
+        kind = subschema.get("type", "object")
+        if not (kind == "object" or (isinstance(kind, list) and "object" in kind)):
             continue
-        properties = subschema.get("properties")
-        listed = properties if isinstance(properties, dict) else {}
         required = subschema.get("required")
+        # Each required key is written once: llguidance keeps them apart.
         num_required = len(
-            {name for name in required if isinstance(name, str) and name in listed}
+            {name for name in required if isinstance(name, str)}
             if isinstance(required, list)
             else set()
         )

@@ -104,6 +104,17 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
         # "a" once, and another at least once: two distinct keys however it repeats
         {"properties": {"a": {}}, "required": ["a"], "minProperties": 2},
         {"properties": {"a": {}}, "required": ["a"], "additionalProperties": False},
+        # a required key need not be listed to be written once
+        {"properties": {"a": {}}, "required": ["a", "b"], "minProperties": 2},
+        # what closes the object, or requires its keys, is in another schema
+        {
+            "allOf": [
+                {"minProperties": 2},
+                {"properties": {"a": {}, "b": {}}, "required": ["a", "b"]},
+            ]
+        },
+        {"type": "object", "minProperties": 2, "anyOf": [{"required": ["a", "b"]}]},
+        {"type": "string", "minProperties": 2},  # no object to count
     ],
 )
 def test_a_count_no_repeat_can_meet_falsely_is_followed(schema: dict[str, Any]) -> None:
