@@ -162,9 +162,10 @@ class IoLoop:
 
     def _is_inbox_full(self) -> bool:
         """So many requests wait for the engine thread that it would refuse one
-        more for its full queue anyway. Refused here, at once, the requests a
-        peer floods in during a long step are never held: the engine thread takes
-        the inbox only between steps."""
+        more for its full queue anyway. Refused here, at once, a flood sent
+        during a long step is not held past MAX_QUEUE_DEPTH + slots (the engine
+        thread takes the inbox only between steps, and refuses what of those its
+        queue cannot take then)."""
         # The scheduler first: a request applied between the two reads is then
         # missed, not counted twice; missed, the engine thread refuses it itself.
         num_queued = self.scheduler.num_queued
