@@ -33,9 +33,10 @@ class FrontendConfig(WorkerClientConfig):
         3,
         "a request in flight on this many workers that died is answered with "
         "workers_died (500) instead of being replayed again (it may be what kills them); "
-        "two that died before it made progress there are enough, whatever this says; "
-        "deaths excused (blamed on a request beside it that had died before, or one "
-        "worker's death found just after another's) count only past this many of them",
+        "two that died before it made progress there are enough, whatever this says "
+        "(unless its Admitted notices die with the workers); deaths excused (beside a "
+        "request that ran there without progress, or a replay's death in the same "
+        "incident as another worker's), up to this many, count only past this many",
     )
     max_request_bytes: int = setting(
         "MAX_REQUEST_BYTES", 1024 * 1024, "largest request body; 413 beyond it"

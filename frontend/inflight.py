@@ -52,12 +52,12 @@ class InFlight:
     link: WorkerLink | None = None  # the worker holding the current attempt
     num_worker_deaths: int = 0  # workers that died while this request was in flight on them
     num_deaths_without_progress: int = 0  # of those, the ones it made no progress on
-    # Of those, the ones blamed on a request beside it that had died before
-    # (`frontend.replay`): they count toward no MAX_WORKER_DEATHS.
+    # Of those, the ones excused (`frontend.replay`): beside a request that ran
+    # there without progress, or in the same incident as another worker's death.
     num_deaths_excused: int = 0
     made_progress: bool = False  # it ran a step since it was sent, or since the last death
     # Replayed at once after a death, having made progress on the worker that died:
-    # `frontend.replay` counts no second death for one of the same moment.
+    # `frontend.replay` excuses a second death of the same moment.
     is_replay_after_progress: bool = False
     is_running: bool = False  # the current attempt has streamed a token: it holds a slot
     is_waiting: bool = False  # the current attempt waits in its worker's queue (`Waiting`)

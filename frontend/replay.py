@@ -109,9 +109,9 @@ def release(
             or entry.num_worker_deaths - entry.num_deaths_excused >= max_worker_deaths
         ):
             log.error(
-                "request %s was in flight on %d workers that died (%d of them excused); failing it",
+                "request %s was in flight on %s that died (%d of them excused); failing it",
                 entry.request_id,
-                entry.num_worker_deaths,
+                _workers(entry.num_worker_deaths),
                 entry.num_deaths_excused,
             )
             num_failed += 1
@@ -154,7 +154,7 @@ def _log_replay(
     link: WorkerLink, why: str, num_replayed: int, num_suspects: int, num_same_incident: int
 ) -> None:
     same = (
-        f" ({num_same_incident} sent here as another worker died, no death counted)"
+        f" ({num_same_incident} sent here as another worker died: excused, tried alone)"
         if num_same_incident
         else ""
     )

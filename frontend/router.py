@@ -33,4 +33,5 @@ def pick(links: Iterable[WorkerLink], is_trial: bool = False) -> WorkerLink | No
 
 
 def _holds_a_replay(link: WorkerLink) -> bool:
-    return any(entry.num_worker_deaths for entry in link.held)
+    """A replay that has not yet made progress here, where it may kill again."""
+    return any(entry.num_worker_deaths and not entry.made_progress for entry in link.held)

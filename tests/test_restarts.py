@@ -105,7 +105,7 @@ def test_a_worker_told_to_stop_hands_its_requests_back_uncounted_as_a_death(
         pool.shutdown()
         log = stack.log("supervisor")
         assert "handing" in log and "requests back to their frontends" in log
-        assert "workers that died (" not in log  # none was failed for deaths
+        assert "that died (" not in log  # none was failed for deaths
 
 
 def test_requests_sent_to_a_worker_as_it_stops_are_handed_back_too(tmp_path: Path) -> None:
