@@ -70,10 +70,10 @@ MAX_EXACT_INTEGER = 2**53
 _EXACT_KEYWORDS = frozenset(
     {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum", "const"}
 )
-# Keywords by which another schema may require or close what an object holds.
-_REQUIRES_ELSEWHERE = frozenset(
-    {"allOf", "anyOf", "oneOf", "$ref", "if", "dependentRequired", "dependentSchemas"}
-)
+# An object counted elsewhere: one exact value (const, enum), or one whose keys a
+# schema it refers to may require or close ($ref, which is not followed here).
+_NOT_COUNTED_HERE = frozenset({"const", "enum", "$ref"})
+_ALL_OF_BRANCH = re.compile(r"\.allOf\[\d+\]$")
 # Keywords whose value is data, which llguidance does not follow.
 _DATA_KEYWORDS = frozenset({"default", "examples"})
 # Keywords whose value maps names to subschemas: a property may be named "enum".
@@ -292,25 +292,22 @@ def _repeated_keys_problem(schema: Any) -> str | None:
     llguidance keeps apart only the keys listed in properties, and the parsed
     object has fewer properties than the text wrote."""
     for where, subschema in _subschemas(schema, ""):
-        minimum = subschema.get("minProperties", 0)
-        if not _is_number(minimum) or ".allOf[" in where or _REQUIRES_ELSEWHERE & subschema.keys():
-            continue  # what else it requires, or closes, comes from another schema
-        kind = subschema.get("type", "object")
-        if not (kind == "object" or (isinstance(kind, list) and "object" in kind)):
+        if _ALL_OF_BRANCH.search(where):
+            continue  # an allOf branch is counted with its siblings, by its parent
+        minimum = max(
+            (
+                branch.get("minProperties", 0)
+                for branch in [subschema, *_branches(subschema, "allOf")]
+                if _is_number(branch.get("minProperties", 0))
+            ),
+            default=0,
+        )
+        if _NOT_COUNTED_HERE & subschema.keys() or not _may_be_object(subschema):
             continue
-        required = subschema.get("required")
-        # Each required key is written once: llguidance keeps them apart.
-        num_required = len(
-            {name for name in required if isinstance(name, str)}
-            if isinstance(required, list)
-            else set()
-        )
-        has_other_keys = bool(subschema.get("patternProperties")) or (
-            subschema.get("additionalProperties", True) is not False
-        )
+        num_required, is_closed = _required_and_closed(subschema)
         # The required keys are written once each, and at least one other key
         # if the count asks for more: a repeat matters from one more than that.
-        if has_other_keys and minimum > num_required + 1:
+        if not is_closed and minimum > num_required + 1:
             return (
                 f"Unimplemented: {where.lstrip('.') or 'the schema'} asks for at least "
                 f"{_preview(minimum)} properties, with keys not listed in properties, which "
@@ -318,6 +315,45 @@ def _repeated_keys_problem(schema: Any) -> str | None:
                 "them, and set additionalProperties to false"
             )
     return None
+
+
+def _required_and_closed(schema: dict[str, Any]) -> tuple[int, bool]:
+    """How many keys an object of ``schema`` must hold, and whether it may hold
+    none but those listed: its own, with what its allOf branches add, and the
+    least that any of its anyOf (or oneOf) branches asks."""
+    names, is_closed = _own_required_and_closed(schema)
+    for branch in _branches(schema, "allOf"):
+        branch_names, branch_closed = _own_required_and_closed(branch)
+        names |= branch_names
+        is_closed = is_closed or branch_closed
+    num_required = len(names)
+    for key in ("anyOf", "oneOf"):
+        branches = [_own_required_and_closed(branch) for branch in _branches(schema, key)]
+        if branches:
+            num_required = min(len(names | branch_names) for branch_names, _ in branches)
+            is_closed = is_closed or all(closed for _, closed in branches)
+    return num_required, is_closed
+
+
+def _own_required_and_closed(schema: dict[str, Any]) -> tuple[set[str], bool]:
+    required = schema.get("required")
+    names = (
+        {name for name in required if isinstance(name, str)}
+        if isinstance(required, list)
+        else set()
+    )
+    is_closed = not schema.get("patternProperties") and schema.get("additionalProperties") is False
+    return names, is_closed
+
+
+def _branches(schema: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    branches = schema.get(key)
+    return [b for b in branches if isinstance(b, dict)] if isinstance(branches, list) else []
+
+
+def _may_be_object(schema: dict[str, Any]) -> bool:
+    kind = schema.get("type", "object")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind)
 
 
 def _is_number(value: Any) -> bool:

@@ -115,10 +115,31 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
         },
         {"type": "object", "minProperties": 2, "anyOf": [{"required": ["a", "b"]}]},
         {"type": "string", "minProperties": 2},  # no object to count
+        {"minProperties": 2, "const": {"a": 1, "b": 2}},  # one value, written whole
     ],
 )
 def test_a_count_no_repeat_can_meet_falsely_is_followed(schema: dict[str, Any]) -> None:
     assert compile_grammar(GrammarKind.JSON_SCHEMA, schema)[1] is None
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        (
+            {"allOf": [{"properties": {"x": {"type": "object", "minProperties": 3}}}]},
+            "allOf[0].properties.x",
+        ),
+        ({"allOf": [{"minProperties": 3}, {"type": "object"}]}, "the schema"),
+        ({"type": "object", "minProperties": 3, "anyOf": [{"type": "object"}]}, "the schema"),
+    ],
+)
+def test_a_count_a_repeat_can_meet_is_refused_through_allof_and_anyof(
+    schema: dict[str, Any], where: str
+) -> None:
+    """Nothing in these closes the object or requires its keys: llguidance takes
+    {"k": 1, "k": 2, "k": 3} for each."""
+    problem = compile_grammar(GrammarKind.JSON_SCHEMA, schema)[1]
+    assert problem is not None and problem.startswith(f"Unimplemented: {where} asks for")
 
 
 def test_default_and_examples_are_data_not_schemas() -> None:
