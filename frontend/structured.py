@@ -329,8 +329,9 @@ def _required_and_closed(schema: dict[str, Any]) -> tuple[int, bool]:
     num_required = len(names)
     for key in ("anyOf", "oneOf"):
         branches = [_own_required_and_closed(branch) for branch in _branches(schema, key)]
-        if branches:
-            num_required = min(len(names | branch_names) for branch_names, _ in branches)
+        if branches:  # one of them holds; with both keywords, one of each
+            least = min(len(names | branch_names) for branch_names, _ in branches)
+            num_required = max(num_required, least)
             is_closed = is_closed or all(closed for _, closed in branches)
     return num_required, is_closed
 

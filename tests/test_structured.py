@@ -114,6 +114,8 @@ def test_vllm_options_at_the_values_honoured_here_are_accepted() -> None:
             ]
         },
         {"type": "object", "minProperties": 2, "anyOf": [{"required": ["a", "b"]}]},
+        # anyOf requires a and b whatever oneOf adds
+        {"minProperties": 3, "anyOf": [{"required": ["a", "b"]}], "oneOf": [{"required": ["c"]}]},
         {"type": "string", "minProperties": 2},  # no object to count
         {"minProperties": 2, "const": {"a": 1, "b": 2}},  # one value, written whole
     ],
