@@ -156,24 +156,32 @@ def test_a_replay_that_ran_where_it_died_counts_a_death(case: str) -> None:
     assert (innocent.num_worker_deaths, innocent.num_deaths_excused) == (1, 0)
 
 
-def test_a_request_that_kills_each_worker_it_resumes_on_is_still_failed() -> None:
-    """It streamed, then killed its worker; each replay, sent at once to a
-    worker not yet heard from, kills it as it resumes, which looks like a death
-    in the same incident. Excused deaths are capped: it is failed after at most
-    twice MAX_WORKER_DEATHS."""
-    table = InFlightTable(10)
+def test_excused_deaths_of_both_kinds_share_one_cap() -> None:
+    """A request that streams, then kills its worker beside a newcomer (the
+    death blamed on the newcomer), then kills the next worker as it resumes
+    there before it was heard from (a death in the same incident), and so on.
+    Each death is excused by one rule or the other; with a cap for each, it
+    killed 11 workers. With one cap it is failed after twice MAX_WORKER_DEATHS."""
+    table = InFlightTable(100)
     (killer,) = table.add([GenerateRequest("killer", "x", 40)], 1e9)
-    for death in range(1, 7):
+    for death in range(1, 13):
         assert table.waiting == [killer] or table.suspects == [killer], death
         table.waiting.clear()
         table.suspects.clear()
-        link = cast(WorkerLink, _Link(is_heard_since_a_death=death == 1))
+        streams_here = death % 2 == 1
+        link = cast(WorkerLink, _Link(is_heard_since_a_death=streams_here))
         killer.next_attempt()
         table.hand_to(killer, link, is_trial=False)
-        killer.made_progress = death == 1
+        killer.made_progress = streams_here
+        if streams_here:  # a newcomer beside it, admitted, no token yet
+            (newcomer,) = table.add([GenerateRequest(f"new{death}", "y", 4)], 1e9)
+            table.waiting.remove(newcomer)
+            newcomer.next_attempt()
+            table.hand_to(newcomer, link, is_trial=False)
         release(table, link, "died", is_death=True, max_worker_deaths=3)
+        table.suspects = [entry for entry in table.suspects if entry is killer]
         if killer.events.qsize():
             break
     _, final = killer.events.get_nowait()
     assert "that died" in str(final)
-    assert killer.num_worker_deaths <= 6
+    assert death <= 6, f"failed after killing {death} workers"
