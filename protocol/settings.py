@@ -168,30 +168,45 @@ def load(
 def _refuse_unknown_flags(
     parser: argparse.ArgumentParser, cls: type[Any], argv: Sequence[str] | None
 ) -> None:
-    """Stop at the first flag ``cls`` has not (a usage error, exit 2), naming the
-    one it likely meant, or else saying it is no flag of this process: argparse's
-    bare "unrecognized arguments" left a user of a renamed flag (the worker's
-    --endpoint, now --worker-endpoint), or of another process's setting
-    (MAX_BATCH_SIZE to a frontend), guessing."""
+    """Stop at the first flag ``cls`` has not (a usage error, exit 2), saying why
+    its ``WITHOUT_FLAGS`` has none, or that it is a flag of a process that
+    inherits ``cls``'s environment (``INHERITED_BY``), or naming the flag it
+    likely meant, or the variable to set instead, or else that it is no flag of
+    this process: argparse's bare "unrecognized arguments" left a user of a
+    renamed flag (the worker's --endpoint, now --worker-endpoint), or of another
+    process's setting (MAX_BATCH_SIZE to a frontend), guessing."""
     unknown = unknown_flags(cls, argv)
     if not unknown:
         return
-    given = unknown[0].split("=", 1)[0]
-    meant = nearest_flag(cls, given)
+    flag, prog = unknown[0], parser.prog
+    given = flag.split("=", 1)[0]
+    without_flags: Mapping[str, str] = getattr(cls, "WITHOUT_FLAGS", {})
+    why_none = without_flags.get(setting_of_flag(cls, flag) or "")
+    if why_none:
+        parser.error(f"unrecognized argument {given}: {why_none}")
+    inherited_by: tuple[type[Any], ...] = getattr(cls, "INHERITED_BY", ())
+    # A child's flag, even cut short as argparse would take it there (--max-batch).
+    env = next(filter(None, (setting_of_flag(child, flag) for child in inherited_by)), None)
+    meant = None if env else nearest_flag(cls, given)
     if meant:
         parser.error(f"unrecognized argument {given}: did you mean {meant}?")
-    env = variable_of_flag(given)
-    if env is not None:
-        # Another process's (--max-batch-size to a frontend), or one without a flag.
+    env = env or variable_of_flag(given)
+    if env is None:
         parser.error(
-            f"unrecognized argument {given}: {parser.prog} has no such flag, but {env} "
-            "is read from the environment: set it there, for the process that reads it "
+            f"unrecognized argument {given}: not a flag of {prog}, whose --help "
+            "lists its own; each process takes only the settings it reads "
             "(docs/operations.md's settings say which)"
         )
+    where = (
+        f"set it in {prog}'s environment (`{env}=... {prog}`), which the processes "
+        "it starts inherit"
+        if inherited_by
+        # Another process's (--max-batch-size to a frontend), or one without a flag.
+        else "set it there, for the process that reads it (see docs/operations.md's settings)"
+    )
     parser.error(
-        f"unrecognized argument {given}: not a flag of {parser.prog}, whose --help "
-        "lists its own; each process takes only the settings it reads "
-        "(docs/operations.md's settings say which)"
+        f"unrecognized argument {given}: {prog} has no such flag, but {env} is read "
+        f"from the environment: {where}"
     )
 
 
@@ -239,16 +254,16 @@ def _parser(
     cls: type[Any], description: str | None = None, add_help: bool = True
 ) -> argparse.ArgumentParser:
     """A flag for each of ``cls``'s settings: ``--max-batch-size`` for MAX_BATCH_SIZE,
-    but those in its ``WITHOUT_FLAGS`` (settings it inherits only to refuse them);
-    its ``HELP_EPILOG``, if any, ends --help."""
+    but those in its ``WITHOUT_FLAGS`` (variable -> why it has no flag: settings it
+    inherits only to refuse them); its ``HELP_EPILOG``, if any, ends --help."""
     parser = argparse.ArgumentParser(
         description=description, epilog=getattr(cls, "HELP_EPILOG", None), add_help=add_help
     )
-    without_flags: frozenset[str] = getattr(cls, "WITHOUT_FLAGS", frozenset())
+    without_flags: Mapping[str, str] = getattr(cls, "WITHOUT_FLAGS", {})
     for f in dataclasses.fields(cls):
-        if f.name in without_flags:
-            continue
         env = f.metadata["env"]
+        if env in without_flags:
+            continue
         parser.add_argument(
             flag_of(f),
             dest=f.name,

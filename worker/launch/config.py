@@ -3,13 +3,20 @@ how it restarts one that died or hung; it judges workers as any client does."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 from protocol.client_config import WorkerClientConfig
 from protocol.endpoints import DEFAULT_WORKER_ENDPOINT, MAX_PORT
 from protocol.settings import ConfigError, env_name, require_positive, setting
-from worker.serve.config import check_torch_threads
+from worker.serve.config import WorkerConfig, check_torch_threads
+
+NO_WORKER_ENDPOINTS = (
+    "WORKER_ENDPOINTS is for a frontend run alone (minibatch-frontend): "
+    "minibatch-serve tells its frontends the endpoints of the workers it starts, "
+    "on WORKER_ENDPOINT and the ports after it (NUM_WORKERS); unset it"
+)
 
 # Workers or frontends one supervisor runs: each worker holds a copy of the model,
 # and each frontend a link to every worker.
@@ -23,7 +30,10 @@ class SupervisorConfig(WorkerClientConfig):
 
     # It tells its frontends where the workers it starts are: a list of its own
     # is refused (`check_no_worker_endpoints`), so --help offers no flag for it.
-    WITHOUT_FLAGS: ClassVar[frozenset[str]] = frozenset({"worker_endpoints"})
+    WITHOUT_FLAGS: ClassVar[Mapping[str, str]] = {"WORKER_ENDPOINTS": NO_WORKER_ENDPOINTS}
+    # A worker's flag given here is refused saying to set its variable instead,
+    # which the workers inherit.
+    INHERITED_BY: ClassVar[tuple[type, ...]] = (WorkerConfig,)
     HELP_EPILOG: ClassVar[str] = (
         "The workers and frontends it starts read their own settings (MODEL_ID, "
         "MAX_BATCH_SIZE, STOP_GRACE_S, API_KEY...) from the environment they inherit: "

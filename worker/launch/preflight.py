@@ -1,19 +1,18 @@
-"""What `minibatch-serve` refuses before it starts anything: flags that are not
-its own, ports that overlap or are taken, and worker timing its own settings
+"""What `minibatch-serve` refuses before it starts anything, beyond what loading
+its settings refuses: ports that overlap or are taken, and worker timing its own settings
 make unworkable. Each refusal says what to set instead."""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from protocol.lifeline import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
-from protocol.settings import ConfigError, load, nearest_flag, setting_of_flag, unknown_flags
-from protocol.variables import variable_of_flag
+from protocol.settings import ConfigError, load
 from worker.launch.child import KILL_AFTER_S
-from worker.launch.config import SupervisorConfig
+from worker.launch.config import NO_WORKER_ENDPOINTS, SupervisorConfig
 from worker.serve.config import WorkerConfig, is_listened_on, tcp_bind_address
 
 
@@ -134,46 +133,8 @@ def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) ->
         raise ConfigError("; ".join(problems))
 
 
-NO_WORKER_ENDPOINTS = (
-    "WORKER_ENDPOINTS is for a frontend run alone (minibatch-frontend): "
-    "minibatch-serve tells its frontends the endpoints of the workers it starts, "
-    "on WORKER_ENDPOINT and the ports after it (NUM_WORKERS); unset it"
-)
-
-
 def check_no_worker_endpoints(config: SupervisorConfig) -> None:
     """WORKER_ENDPOINTS, which --help lists among a frontend's settings, was
     silently overridden: refused, saying where the workers are."""
     if config.worker_endpoints.strip():
         raise ConfigError(NO_WORKER_ENDPOINTS)
-
-
-def check_own_flags(argv: Sequence[str]) -> None:
-    """Refuse a flag that is not minibatch-serve's (`--max-batch-size 16`, a
-    worker's; `--api-key`, a frontend's), saying where that setting goes instead,
-    or naming the flag it likely meant (`--prot`): argparse's bare "unrecognized
-    arguments" left the user guessing."""
-    for flag in unknown_flags(SupervisorConfig, argv):
-        given = flag.split("=", 1)[0]
-        if setting_of_flag(SupervisorConfig, flag) == "WORKER_ENDPOINTS":
-            raise ConfigError(NO_WORKER_ENDPOINTS)
-        worker_env = setting_of_flag(WorkerConfig, flag)
-        meant = None if worker_env else nearest_flag(SupervisorConfig, given)
-        if meant:
-            raise ConfigError(f"{given} is not a flag of minibatch-serve: did you mean {meant}?")
-        env = worker_env or variable_of_flag(given)
-        if env is not None:
-            whose = (
-                "a worker's flag, not minibatch-serve's"
-                if worker_env
-                else "no flag of minibatch-serve"
-            )
-            raise ConfigError(
-                f"{given} is {whose}: set {env} in its environment instead "
-                f"(`{env}=... minibatch-serve`), which the processes it starts inherit"
-            )
-        raise ConfigError(
-            f"{given} is not a flag of minibatch-serve (--help lists them); "
-            "the workers and frontends it starts read their own settings from its "
-            "environment (`minibatch-frontend --help` names the variable of each of its flags)"
-        )

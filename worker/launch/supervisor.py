@@ -37,7 +37,7 @@ from protocol.logs import log_as
 from protocol.settings import ConfigError, exit_refusing, flag_settings, load
 from worker.launch.child import Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
-from worker.launch.preflight import check_before_start, check_own_flags
+from worker.launch.preflight import check_before_start
 from worker.launch.warm_start import FORK_SERVER
 from worker.launch.worker_watch import WorkerWatch
 from worker.serve.readiness import READY_SOCKET_ENV, ReadyListener
@@ -263,7 +263,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     log_as("supervisor")
     name_supervisor()  # before any child starts: each inherits it
     try:
-        check_own_flags(sys.argv[1:] if argv is None else argv)
         config = load(SupervisorConfig, argv, description=__doc__.splitlines()[0])
         # The children read their settings from the environment, so a flag given
         # here is set there too: `--torch-threads 1` had reached no worker.
