@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from frontend.errors import ApiError
-from frontend.field_errors import printable, short_name
+from frontend.field_errors import short_name
 from frontend.generation import generate_request
 from frontend.openai_schemas import OpenAIBody
 from frontend.parse import name_fields, parse_body
@@ -56,17 +56,15 @@ def ignored_fields_headers(ignored: list[str]) -> dict[str, str]:
     """The response header that names the ignored fields, if any."""
     if not ignored:
         return {}
-    # A header value must be printable ASCII: escape whatever a field name holds.
-    return {IGNORED_FIELDS_HEADER: printable(name_fields(ignored))}
+    return {IGNORED_FIELDS_HEADER: name_fields(ignored)}
 
 
 def log_ignored_fields(request_id: str, ignored: list[str]) -> None:
     """A line for unknown fields ignored (the client also gets a header naming
     them): at most one a second, as a client may send them at will."""
     if ignored:
-        fields = printable(name_fields(ignored))
         _IGNORED_FIELDS.warn(
-            f"request {request_id}: ignored {len(ignored)} unknown fields: {fields}"
+            f"request {request_id}: ignored {len(ignored)} unknown fields: {name_fields(ignored)}"
         )
 
 

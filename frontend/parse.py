@@ -19,7 +19,7 @@ from starlette.requests import Request
 
 from frontend.body import json_object, read_json_body
 from frontend.errors import ApiError
-from frontend.field_errors import MAX_REPORTED_ERRORS, describe, short_name
+from frontend.field_errors import MAX_REPORTED_ERRORS, describe, printable, short_name
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -169,7 +169,13 @@ def _model_in(annotation: Any, in_list: bool = False) -> tuple[type[BaseModel], 
 
 
 def name_fields(names: list[str]) -> str:
-    """A few field names, shortened, and how many more: for messages and headers."""
-    named = ", ".join(short_name(name) for name in names[:MAX_REPORTED_ERRORS])
+    """A few field names, shortened and printable, and how many more: for a log
+    line or a header. A name that holds a comma or a double quote is quoted, as
+    in a CSV line, so that the list reads one way (`"a,b", c` is two names)."""
+    named = ", ".join(_listed(printable(short_name(name))) for name in names[:MAX_REPORTED_ERRORS])
     more = len(names) - MAX_REPORTED_ERRORS
     return named + (f" and {more:,} more" if more > 0 else "")
+
+
+def _listed(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"' if "," in name or '"' in name else name

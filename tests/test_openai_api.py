@@ -470,6 +470,20 @@ def test_an_ignored_field_name_with_spaces_at_its_ends_is_answered(
     assert response.headers[IGNORED_FIELDS_HEADER] == shown
 
 
+@pytest.mark.parametrize(
+    ("names", "shown"),
+    [(["a,b", "c"], '"a,b", c'), (['say "hi"'], '"say ""hi"""'), (["a, b"], '"a, b"')],
+)
+def test_ignored_field_names_read_one_way_in_the_header(
+    stack: Stack, names: list[str], shown: str
+) -> None:
+    """Names holding a comma are quoted: `a,b, c` read as three."""
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 1, **dict.fromkeys(names, 1)}
+    response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers[IGNORED_FIELDS_HEADER] == shown
+
+
 def test_an_ignored_field_name_is_escaped_in_the_header_and_the_log(stack: Stack) -> None:
     """A newline in a name would otherwise forge a log line; a NUL make the log binary."""
     time.sleep(1.1)  # their log lines are one a second at most
@@ -477,7 +491,7 @@ def test_an_ignored_field_name_is_escaped_in_the_header_and_the_log(stack: Stack
     body = {"model": "fake", "prompt": "hi", "max_tokens": 1, forged: 1}
     response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
     assert response.status_code == 200, response.text
-    escaped = "zz\\n2026-12-03 13:00:00,000 supervisor..."
+    escaped = '"zz\\n2026-12-03 13:00:00,000 supervisor..."'  # quoted: it holds a comma
     assert response.headers[IGNORED_FIELDS_HEADER] == escaped
     log = stack.log("frontend")
     assert f"ignored 1 unknown fields: {escaped}" in log
