@@ -10,7 +10,8 @@ can prefill their shared prompt once, and the endpoints merge their answers
 Seeds: choice 0 keeps the request's seed, so that n=1 samples as it always did;
 choice i samples with a seed derived from (seed, i), so that the choices differ
 from one another and the same request gives the same n answers whatever else is
-in the batch. Without a seed, each choice samples on its own.
+in the batch. A request without a seed gets one drawn by the frontend
+(`frontend.schemas.request_seed`), so its choices differ all the same.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ encoding. The OpenAI bodies are in `frontend.openai_schemas`.
 from __future__ import annotations
 
 import functools
+import secrets
 import typing
 from typing import Annotated, Any, TypeVar
 
@@ -50,10 +51,12 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
 
 
-def request_seed(seed: int | None) -> int | None:
-    """The seed a body's ``seed`` asks for: none for UNSEEDED (-1), as vLLM reads
-    it, so that each choice of the request draws at random too."""
-    return None if seed == UNSEEDED else seed
+def request_seed(seed: int | None) -> int:
+    """The seed a request samples with: the body's, or for none (absent, or
+    UNSEEDED as vLLM reads -1) one drawn at random here, once. A stream resumed
+    on another worker after a kill then draws what it would have drawn, as a
+    seeded one does; a seed drawn by the worker changed with every attempt."""
+    return secrets.randbits(63) if seed is None or seed == UNSEEDED else seed
 
 
 CacheSalt = Annotated[

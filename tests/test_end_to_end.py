@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from bench.stack import REPO_ROOT
-from protocol import GenerateRequest, GenerateResult, ToFrontend
+from protocol import ErrorCode, ErrorResult, GenerateRequest, GenerateResult, ToFrontend
 from tests.sse import sse_events
 from tests.stack import Stack, running_stack
 from tests.stand_in_worker import StandInWorker, stand_in_hello
@@ -184,6 +184,40 @@ def test_a_live_worker_that_does_not_say_its_limits_may_serve_anything(tmp_path:
             body = {"prompt": "x" * 65, "max_new_tokens": 2}
             response = httpx.post(f"{stack.url}/generate", json=body, timeout=10)
             assert response.status_code == 200, response.text
+
+
+def _refused_at_first(request: GenerateRequest) -> list[ToFrontend | bytes]:
+    """A worker whose queue another frontend filled: each request's first
+    attempt is refused, and sent again once there is room."""
+    if request.request_id.endswith(".1"):
+        return [ErrorResult(request.request_id, ErrorCode.QUEUE_FULL, "the queue is full")]
+    return [GenerateResult(request.request_id, "done", [1], "stop", 3, 1, 0, 1)]
+
+
+def test_a_request_without_a_seed_samples_with_one_seed_on_every_attempt(
+    tmp_path: Path,
+) -> None:
+    """The worker drew a seed for a request that came without, anew at each
+    attempt, so a sampled stream resumed elsewhere after a kill went on as
+    another would have. The frontend now draws it once, for each choice."""
+    with StandInWorker(_refused_at_first, capacity=4) as worker:
+        overrides = {"WORKER_ENDPOINT": worker.endpoint}
+        with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+            stack.wait_live()
+            for path, body in [
+                ("/generate", {"prompt": "abc", "temperature": 1.0}),
+                ("/generate", {"prompt": "abc", "temperature": 1.0, "seed": -1}),
+                ("/v1/completions", {"model": "fake", "prompt": "abc", "n": 2}),
+            ]:
+                response = httpx.post(f"{stack.url}{path}", json=body, timeout=30)
+                assert response.status_code == 200, response.text
+    seeds: dict[str, set[int | None]] = {}
+    for sent in worker.received:
+        if isinstance(sent, GenerateRequest):  # its id: <request>[-<choice>].<attempt>
+            seeds.setdefault(sent.request_id.rpartition(".")[0], set()).add(sent.seed)
+    assert len(seeds) == 4  # two requests of one choice, one of two
+    assert all(len(drawn) == 1 and None not in drawn for drawn in seeds.values()), seeds
+    assert len(set.union(*seeds.values())) == 4  # each a seed of its own
 
 
 def test_the_frontend_never_imports_torch_or_transformers() -> None:
