@@ -26,6 +26,7 @@ from frontend.body import parse_json
 from frontend.errors import ApiError
 from protocol import GrammarKind
 from protocol.grammar_shape import grammar_shape_problem
+from protocol.json_schema import EXACT_KEYWORDS, subschemas
 from protocol.limits import GRAMMAR_LIMITS, MAX_GRAMMAR_CHARS, MAX_GRAMMAR_ERROR_CHARS
 from protocol.wire import shorten
 
@@ -67,19 +68,10 @@ JSON_KINDS = (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT, GrammarKind.JSON
 # [9007199254740993] allowed ...992, maximum 10^19 refused 10^19. Such schemas
 # (floats as large too) are refused rather than followed wrongly.
 MAX_EXACT_INTEGER = 2**53
-_EXACT_KEYWORDS = frozenset(
-    {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum", "const"}
-)
 # An object counted elsewhere: one exact value (const, enum), or one whose keys a
 # schema it refers to may require or close ($ref, which is not followed here).
 _NOT_COUNTED_HERE = frozenset({"const", "enum", "$ref"})
 _ALL_OF_BRANCH = re.compile(r"\.allOf\[\d+\]$")
-# Keywords whose value is data, which llguidance does not follow.
-_DATA_KEYWORDS = frozenset({"default", "examples"})
-# Keywords whose value maps names to subschemas: a property may be named "enum".
-_SCHEMA_MAPS = frozenset(
-    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
-)
 
 
 # llguidance's words for a valid schema it cannot follow: 400 unsupported, not 422.
@@ -291,7 +283,7 @@ def _repeated_keys_problem(schema: Any) -> str | None:
     """A minProperties that an object could meet by writing one key twice:
     llguidance keeps apart only the keys listed in properties, and the parsed
     object has fewer properties than the text wrote."""
-    for where, subschema in _subschemas(schema, ""):
+    for where, subschema in subschemas(schema, ""):
         if _ALL_OF_BRANCH.search(where):
             continue  # an allOf branch is counted with its siblings, by its parent
         minimum = max(
@@ -372,31 +364,10 @@ def _is_past_doubles(number: int | float) -> bool:
 def _exact_keywords(schema: Any, path: str) -> Iterator[tuple[str, str, Any]]:
     """Each keyword of ``schema`` that asks for a number exactly (a bound, enum or
     const), with where it is and its value."""
-    for where, subschema in _subschemas(schema, path):
+    for where, subschema in subschemas(schema, path):
         for key, item in subschema.items():
-            if key in _EXACT_KEYWORDS:
+            if key in EXACT_KEYWORDS:
                 yield f"{where}.{key}", key, item
-
-
-def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Each object in ``schema`` that may be a schema, with where it is: not the
-    values of enum, const, default and examples (data, not schemas), nor the maps
-    of names to subschemas themselves (a property may be named "enum"), but the
-    subschemas they hold."""
-    if isinstance(schema, list):
-        for i, item in enumerate(schema):
-            yield from _subschemas(item, f"{path}[{i}]")
-    elif isinstance(schema, dict):
-        yield path, schema
-        for key, item in schema.items():
-            where = f"{path}.{key}"
-            if key in _EXACT_KEYWORDS or key in _DATA_KEYWORDS:
-                continue
-            if key in _SCHEMA_MAPS and isinstance(item, dict):
-                for name, subschema in item.items():
-                    yield from _subschemas(subschema, f"{where}.{name}")
-            else:
-                yield from _subschemas(item, where)
 
 
 def _numbers(value: Any, path: str) -> Iterator[tuple[str, int | float]]:

@@ -28,6 +28,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from protocol.json_schema import subschemas
 from protocol.limits import MAX_PATTERN_PROPERTIES
 
 _DECODER = json.JSONDecoder()
@@ -93,18 +94,14 @@ _BRANCHES = {"anyOf": list, "oneOf": list, "$ref": str}
 def _pattern_properties_problem(schema: Any) -> str | None:
     num_patterns = 0
     intersection: str | None = None
-    stack = [schema]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            patterns = item.get("patternProperties")
-            if isinstance(patterns, dict):
-                num_patterns += len(patterns)
-            if intersection is None:
-                intersection = _intersection(item)
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+    # The top of llguidance's JSON form is no schema, but walked as one it holds
+    # its grammars' json_schema entries, which are.
+    for _, subschema in subschemas(schema):
+        patterns = subschema.get("patternProperties")
+        if isinstance(patterns, dict):
+            num_patterns += len(patterns)
+        if intersection is None:
+            intersection = _intersection(subschema)
     if num_patterns > MAX_PATTERN_PROPERTIES:
         return (
             f"its schema has {num_patterns:,} patternProperties regexes in all; at most "

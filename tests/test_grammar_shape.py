@@ -102,6 +102,29 @@ def test_patterned_properties_under_an_intersection_are_refused(schema: dict[str
         assert problem is not None and "intersects" in problem, grammar[:80]
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        # a property named as the keyword, beside an intersection
+        {
+            "type": "object",
+            "properties": {"patternProperties": {"type": "string"}},
+            "allOf": [{"required": ["patternProperties"]}],
+        },
+        # data that looks like the keyword: llguidance follows no default or example
+        {"type": "object", "default": {"patternProperties": {f"k{i}": 1 for i in range(40)}}},
+        {"examples": [_patterned(40)], "anyOf": [{"type": "object"}], "type": "object"},
+        {"enum": [_patterned(40)]},
+    ],
+    ids=["property-named-so", "default", "examples", "enum"],
+)
+def test_what_only_looks_like_patterned_properties_passes(schema: dict[str, Any]) -> None:
+    """The shape is read where llguidance reads schemas (`protocol.json_schema`),
+    as the frontend's other checks read them: a valid schema was refused."""
+    for grammar in (_as_json_schema(schema), _as_lark(schema)):
+        assert grammar_shape_problem(grammar) is None, grammar[:80]
+
+
 def test_json_nested_past_pythons_recursion_is_refused_not_raised() -> None:
     deep = "[" * 50_000 + "]" * 50_000
     assert grammar_shape_problem(f"start: %json {deep}") == "its JSON is nested too deeply"
