@@ -169,8 +169,8 @@ class IoLoop:
         # The scheduler first: a request applied between the two reads is then
         # missed, not counted twice; missed, the engine thread refuses it itself.
         num_queued = self.scheduler.num_queued
-        num_waiting = num_queued + self._inbox.num_requests
-        return num_waiting >= self.scheduler.max_queue_depth + self.hello.capacity
+        # As if every slot were free by then: only what it would surely refuse.
+        return self.scheduler.is_full(num_queued + self._inbox.num_requests, num_active=0)
 
     def _refuse(self, peers: Peers, request: GenerateRequest) -> None:
         full = self.scheduler.queue_full_error()

@@ -130,14 +130,19 @@ class Scheduler:
         if self.is_known(request.request_id):
             log.warning("request %s is already queued or running; ignored", request.request_id)
             return
-        # Requests that the next iteration admits into free slots are not waiting.
-        num_free = self.engine.capacity - self.engine.num_active()
-        if len(self._queue) - num_free >= self.max_queue_depth:
+        if self.is_full(len(self._queue), self.engine.num_active()):
             raise self.queue_full_error()
         self._queue[request.request_id] = (request, self._clock() if arrival is None else arrival)
         self._newly_queued[request.request_id] = None
         if len(self._queue) <= self._prepare_window:
             self.engine.prepare(request)  # starts now, while it waits for a slot
+
+    def is_full(self, num_queued: int, num_active: int) -> bool:
+        """Whether a request that finds ``num_queued`` requests queued and
+        ``num_active`` slots busy is refused: those the next iteration admits
+        into free slots are not waiting."""
+        num_free = self.engine.capacity - num_active
+        return num_queued - num_free >= self.max_queue_depth
 
     def queue_full_error(self) -> QueueFull:
         return QueueFull(
