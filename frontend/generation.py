@@ -26,7 +26,7 @@ from frontend.metrics import Metrics
 from frontend.streaming import StreamFormat, stream_response
 from frontend.worker_client import WorkerClient
 from protocol import ErrorResult, GenerateRequest, GenerateResult
-from protocol.request_checks import limits_of, request_problem
+from protocol.request_checks import limits_of, min_tokens_problem, request_problem
 
 # The JSON answer of a request that does not stream, from its choices' results.
 FinalAnswer = Callable[[Accepted, list[GenerateResult]], dict[str, Any]]
@@ -55,13 +55,10 @@ def generate_request(
     are the caller's to set with `dataclasses.replace`, which mypy checks field
     by field."""
     check_max_new_tokens(max_new_tokens, config.max_new_tokens_limit, max_tokens_param)
-    if min_tokens > max_new_tokens:
-        raise ApiError(
-            422,
-            f"min_tokens: {min_tokens} is more than {max_tokens_param} ({max_new_tokens})",
-            "invalid_request",
-            "min_tokens",
-        )
+    # Here too, as the worker checks it: with no worker live, it would wait for one.
+    problem = min_tokens_problem(min_tokens, max_new_tokens, max_tokens_param)
+    if problem is not None:
+        raise ApiError(422, problem, "invalid_request", "min_tokens")
     return GenerateRequest(
         request_id=uuid.uuid4().hex,
         prompt="",

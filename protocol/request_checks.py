@@ -218,14 +218,22 @@ def _chat_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str,
     return limits.prompt_overflow("messages", contents)
 
 
+def min_tokens_problem(
+    min_tokens: int, max_new_tokens: int, max_tokens_param: str = "max_new_tokens"
+) -> str | None:
+    """Why ``min_tokens`` is out of bounds, naming max_new_tokens as the body that
+    set it does (``max_tokens_param``); None if it is in them."""
+    if 0 <= min_tokens <= max_new_tokens:
+        return None
+    return f"min_tokens: must be 0 to {max_tokens_param} ({max_new_tokens:,}), got {min_tokens:,}"
+
+
 def _scoring_problem(request: GenerateRequest) -> tuple[str, str] | None:
     """Penalties, min_tokens and logprobs: each bounded, so none makes work unbounded."""
     invalid = ErrorCode.INVALID_REQUEST
-    if not 0 <= request.min_tokens <= request.max_new_tokens:
-        return invalid, (
-            f"min_tokens: must be 0 to max_new_tokens ({request.max_new_tokens:,}), "
-            f"got {request.min_tokens:,}"
-        )
+    min_tokens = min_tokens_problem(request.min_tokens, request.max_new_tokens)
+    if min_tokens is not None:
+        return invalid, min_tokens
     repetition = request.repetition_penalty
     if not (math.isfinite(repetition) and 0 < repetition <= MAX_REPETITION_PENALTY):
         return invalid, (

@@ -663,11 +663,11 @@ def test_openapi_describes_as_valid_only_what_the_server_takes(
 @pytest.mark.parametrize(
     ("path", "fields", "problem"),
     [
-        ("/v1/completions", {"max_tokens": 2, "min_tokens": 5}, "min_tokens: 5 is more than"),
+        ("/v1/completions", {"max_tokens": 2, "min_tokens": 5}, "0 to max_tokens (2), got 5"),
         ("/v1/completions", {"max_tokens": 0}, "max_tokens: must be at least 1"),
         ("/v1/completions", {"n": 2, "best_of": 1}, "best_of: 1 is less than n (2)"),
         ("/v1/completions", {"structured_outputs": {"regex": "(a"}}, "regex"),
-        ("/v1/chat/completions", {"max_tokens": 2, "min_tokens": 5}, "min_tokens: 5 is more"),
+        ("/v1/chat/completions", {"max_tokens": 2, "min_tokens": 5}, "min_tokens: must be 0 to"),
     ],
 )
 def test_a_wrong_request_is_refused_at_once_while_no_worker_has_said_hello(
