@@ -121,7 +121,10 @@ def _is_lower_case_of(typed: str, meant: str) -> bool:
 
 def _is_one_slip(typed: str, meant: str) -> bool:
     """Whether ``typed`` is ``meant`` with one letter wrong, missing or extra, or
-    two neighbours swapped."""
+    two neighbours swapped. Stricter than the flags' difflib ratio
+    (`protocol.settings.nearest_flag`): the environment holds every other tool's
+    variables too, and a name merely near a setting (MODEL, WORKERS, DEVICE_ID) is no
+    slip, as difflib would take it."""
     if typed == meant or abs(len(typed) - len(meant)) > 1:
         return False
     start = 0  # the first difference
