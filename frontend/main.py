@@ -20,9 +20,10 @@ from frontend.http_protocol import edge_protocol
 from frontend.worker_client import WorkerClient
 from protocol.endpoints import probe_binds
 from protocol.exit_codes import ExitCode
-from protocol.lifeline import FRONTEND_STOP_GRACE_S, follow_supervisor
+from protocol.lifeline import follow_supervisor
 from protocol.logs import log_as
 from protocol.settings import ConfigError, exit_refusing, load
+from protocol.stop_timing import FRONTEND_STOP_GRACE_S
 from protocol.throttled import ThrottleWarnings
 
 log = logging.getLogger(__name__)

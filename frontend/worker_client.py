@@ -39,8 +39,8 @@ from protocol import (
     Waiting,
     encode,
 )
-from protocol.lifeline import FRONTEND_ANSWERS_LEFT_BEFORE_S
 from protocol.liveness import PauseWatch, Verdict
+from protocol.stop_timing import FRONTEND_ANSWERS_LEFT_BEFORE_S
 
 log = logging.getLogger(__name__)
 

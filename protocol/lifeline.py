@@ -27,14 +27,6 @@ import threading
 
 SUPERVISOR_PID_ENV = "MINIBATCH_SUPERVISOR_PID"
 
-# How a stopping frontend ends: it lets its requests run this long (uvicorn's
-# graceful shutdown), and this long before that it answers whatever is left
-# itself (a 503, a stream's error event), not a cut connection. The supervisor
-# bounds a worker's STOP_GRACE_S by these, so that a worker's hand-back reaches
-# the frontends stopped alongside it in time.
-FRONTEND_STOP_GRACE_S = 5
-FRONTEND_ANSWERS_LEFT_BEFORE_S = 1.0
-
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from frontend.main import GRACEFUL_SHUTDOWN_S
-from protocol.lifeline import FRONTEND_ANSWERS_LEFT_BEFORE_S
+from protocol.stop_timing import FRONTEND_ANSWERS_LEFT_BEFORE_S
 from tests.sse import sse_events
 from tests.stack import Stack, free_port, running_stack
 

@@ -9,8 +9,8 @@ import socket
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from protocol.lifeline import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
 from protocol.settings import ConfigError, load
+from protocol.stop_timing import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
 from worker.launch.child import KILL_AFTER_S
 from worker.launch.config import NO_WORKER_ENDPOINTS, SupervisorConfig
 from worker.serve.config import WorkerConfig, is_listened_on, tcp_bind_address
@@ -108,7 +108,7 @@ _FRONTENDS_ANSWER_LEFT_AT_S = FRONTEND_STOP_GRACE_S - FRONTEND_ANSWERS_LEFT_BEFO
 # The longest STOP_GRACE_S: a worker's hand-back at its end (a step may run a
 # second past it) must reach those frontends before then, and the worker must
 # not be killed (KILL_AFTER_S) before it is sent.
-MAX_STOP_GRACE_S = _FRONTENDS_ANSWER_LEFT_AT_S - 1.0
+MAX_STOP_GRACE_S = min(_FRONTENDS_ANSWER_LEFT_AT_S, KILL_AFTER_S) - 1.0
 
 
 def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
