@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.client_config import WorkerClientConfig
-from protocol.endpoints import MAX_PORT
+from protocol.endpoints import DEFAULT_HTTP_HOST, MAX_PORT
 from protocol.settings import ConfigError, require_positive, setting
 
 # A body limit this low still holds a request's fields at their limits (a grammar
@@ -19,7 +19,7 @@ MIN_REQUEST_BYTES = 64 * 1024
 class FrontendConfig(WorkerClientConfig):
     """The HTTP frontend: where it listens, request limits, and worker liveness."""
 
-    host: str = setting("HOST", "127.0.0.1", "HTTP listen address")
+    host: str = setting("HOST", DEFAULT_HTTP_HOST, "HTTP listen address")
     port: int = setting("PORT", 8000, "HTTP listen port")
     max_new_tokens_limit: int = setting(
         "MAX_NEW_TOKENS_LIMIT", 512, "largest max_new_tokens a request may ask for"

@@ -14,6 +14,8 @@ MAX_IPC_PATH_BYTES = 107
 MAX_PORT = 65535
 # Where the worker listens, and its clients connect, unless WORKER_ENDPOINT says.
 DEFAULT_WORKER_ENDPOINT = "tcp://127.0.0.1:5555"
+# Where a frontend listens unless HOST says: the supervisor checks it too.
+DEFAULT_HTTP_HOST = "127.0.0.1"
 
 
 def check_endpoint(config: object, name: str, endpoint: str | None = None) -> None:

@@ -9,6 +9,7 @@ import socket
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
+from protocol.endpoints import DEFAULT_HTTP_HOST
 from protocol.settings import ConfigError, load
 from protocol.stop_timing import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
 from worker.launch.child import KILL_AFTER_S
@@ -44,7 +45,7 @@ def check_ports_apart(config: SupervisorConfig, environ: Mapping[str, str]) -> N
     http_ports = range(config.port, config.port + config.num_frontends)
     worker_ports = range(first.port, first.port + config.num_workers)
     shared = sorted(set(http_ports) & set(worker_ports))
-    http_host = environ.get("HOST", "127.0.0.1")  # the frontends' own setting
+    http_host = environ.get("HOST", DEFAULT_HTTP_HOST)  # the frontends' own setting
     if shared and _same_address(first.hostname or "", http_host):
         raise ConfigError(
             f"the frontends' ports (PORT={config.port}, NUM_FRONTENDS={config.num_frontends}: "
