@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from frontend.config import FrontendConfig
-from protocol.client_config import WorkerClientConfig
 from worker.engine.fake_engine import FakeEngineConfig
 from worker.launch.config import SupervisorConfig
 from worker.serve.config import WorkerConfig
@@ -63,24 +62,32 @@ def _default(field: dataclasses.Field[Any]) -> str:
 
 
 def rows() -> dict[str, tuple[list[str], str, str]]:
-    """Each variable: the processes that read it, its default and its help."""
-    table: dict[str, tuple[list[str], str, str]] = {}
-    client_fields = {field.name for field in dataclasses.fields(WorkerClientConfig)}
-    for config, reader in READERS:
+    """Each variable: the processes that read it, its default and its help (each
+    process's, where they word it apart: NUM_WORKERS is how many a supervisor
+    runs, and how many share the memory to a worker)."""
+    table: dict[str, tuple[list[str], str, dict[str, list[str]]]] = {}
+    for config, process in READERS:
         for field in dataclasses.fields(config):
-            env = field.metadata["env"]
+            env, help_text = field.metadata["env"], field.metadata["help"]
+            reader = process
             if env == "WORKER_ENDPOINTS":  # the supervisor starts its own workers
-                reader_here = "frontend (`minibatch-serve` refuses it)"
-            elif config is not WorkerConfig and field.name in client_fields:
-                reader_here = "frontend, supervisor"
-            else:
-                reader_here = reader
-            readers, _, _ = table.setdefault(
-                env, ([], _default(field), field.metadata["help"].replace("|", "\\|"))
-            )
-            if reader_here not in readers:
-                readers.append(reader_here)
-    return table
+                if config is SupervisorConfig:
+                    continue
+                reader = "frontend (`minibatch-serve` refuses it)"
+            readers, _, helps = table.setdefault(env, ([], _default(field), {}))
+            for names in (readers, helps.setdefault(help_text.replace("|", "\\|"), [])):
+                if reader not in names:
+                    names.append(reader)
+    return {
+        env: (readers, default, _meaning(helps)) for env, (readers, default, helps) in table.items()
+    }
+
+
+def _meaning(helps: dict[str, list[str]]) -> str:
+    """One help, or each reader's (help -> the readers that give it)."""
+    if len(helps) == 1:
+        return next(iter(helps))
+    return "; ".join(f"{', '.join(readers)}: {help_text}" for help_text, readers in helps.items())
 
 
 def markdown(only: tuple[str, ...] | None = None) -> str:

@@ -39,12 +39,17 @@ def test_the_table_has_every_process_setting() -> None:
     listed = rows()
     for env in ("MODEL_ID", "MAX_INFLIGHT_REQUESTS", "WARM_START", "FAKE_STEP_DELAY_S"):
         assert env in listed
-    assert listed["WORKER_ENDPOINT"][0] == ["worker", "frontend, supervisor"]
+    assert listed["WORKER_ENDPOINT"][0] == ["worker", "frontend", "supervisor"]
+    # Each reader's meaning, where they differ: the supervisor's NUM_WORKERS is
+    # how many it runs, not only how many share the memory.
+    num_workers = listed["NUM_WORKERS"][2]
+    assert num_workers.startswith("worker: ") and "; supervisor: workers to run" in num_workers
 
 
-def test_a_setting_read_by_several_processes_means_the_same_to_each() -> None:
+def test_a_setting_read_by_several_processes_has_one_default_and_type() -> None:
     """WORKER_ENDPOINT, PORT, TORCH_THREADS and NUM_WORKERS are fields of two or
-    three config classes: the table shows one default, so each must have it."""
+    three config classes: the table shows one default, so each must have it
+    (and each process's own help, where they word it apart)."""
     meanings: dict[str, set[tuple[str, str]]] = {}
     for config in (*(config for config, _ in READERS), WorkerClientConfig):
         for field in dataclasses.fields(config):

@@ -47,7 +47,11 @@ class WorkerConfig:
     )
     max_batch_size: int = setting("MAX_BATCH_SIZE", 8, "sequences decoded together")
     max_queue_depth: int = setting("MAX_QUEUE_DEPTH", 1024, "requests waiting for a slot")
-    worker_endpoint: str = setting("WORKER_ENDPOINT", DEFAULT_WORKER_ENDPOINT, "ZMQ endpoint")
+    worker_endpoint: str = setting(
+        "WORKER_ENDPOINT",
+        DEFAULT_WORKER_ENDPOINT,
+        "the ZMQ endpoint it listens on, and that its clients connect to",
+    )
     worker_bind: str = setting(
         "WORKER_BIND", "", "where the worker binds, if not WORKER_ENDPOINT (tcp://*:5555)"
     )
