@@ -69,8 +69,10 @@ offline-base-image:
 offline-images: $(STAMP)
 	PYTHON=$(BIN)/python deploy/offline-images.sh
 
-# Short versions of every benchmark on the synthetic model, one after another (a
-# few minutes on 2 cores); JSON and plots land in bench/results/.
+# Short versions of the main benchmarks (the ceiling, the engine sweep, the two
+# paths' throughput and latency, HTTP and ZMQ load) on the synthetic model, one
+# after another (a few minutes on 2 cores); JSON and plots land in bench/results/.
+# The others (docs/performance.md's tools) run on their own.
 bench: $(STAMP)
 	$(BIN)/python -m bench.ceiling --steps 4 --profile-steps 3
 	$(BIN)/python -m bench.engine_sweep --short

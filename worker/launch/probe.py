@@ -4,8 +4,8 @@ A health check for containers and scripts. It connects a DEALER to the worker,
 sends a `Ping` as a new frontend would, and waits for the worker's `Hello`.
 Exit status 0 means a worker answered; 1 means none did in time, or the one
 that answered speaks another protocol version; 2, as for any argparse program,
-arguments it cannot use. Torch-free: it imports only
-`protocol` and pyzmq, so it runs in a second or less.
+arguments it cannot use. Torch-free: it imports `protocol`, pyzmq and the
+worker's settings (to find its endpoint), so it runs in a second or less.
 """
 
 from __future__ import annotations

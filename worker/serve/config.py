@@ -120,8 +120,8 @@ class WorkerConfig:
         True,
         "keep each finished prompt's keys and values in its slot until the slot is needed, "
         "and reuse them for a later prompt that begins the same way (whole blocks of 16 "
-        "tokens; off when PREFILL_CHUNK_TOKENS is 0, and for MODEL_ID=fake); 0: every prompt "
-        "computed in full",
+        "tokens, or of PREFILL_CHUNK_TOKENS if fewer; off when PREFILL_CHUNK_TOKENS is 0, "
+        "and for MODEL_ID=fake); 0: every prompt computed in full",
     )
     bfloat16_products: bool = setting(
         "BFLOAT16_PRODUCTS",
