@@ -14,6 +14,7 @@ import torch
 from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from tests.metrics_scrape import scrape, total, value
+from tests.sse import sse_events
 from tests.stack import running_stack
 from worker.model.loader import gpt2_tokenizer, synthetic_config, synthetic_model
 
@@ -123,7 +124,7 @@ def test_text_offsets_point_into_the_text_where_tokens_split_characters(
         answer = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30).json()
         streamed = httpx.post(
             f"{stack.url}/v1/completions", json={**body, "stream": True}, timeout=30
-        ).text
+        )
     (choice,) = answer["choices"]
     logprobs = choice["logprobs"]
     assert choice["text"] == prompt
@@ -132,24 +133,18 @@ def test_text_offsets_point_into_the_text_where_tokens_split_characters(
         if "\N{REPLACEMENT CHARACTER}" not in token:
             assert prompt[offset:].startswith(token), (token, offset)
     assert logprobs["text_offset"][-1] == prompt.index(" ok")
-    streamed_offsets = [
-        offset
-        for line in streamed.splitlines()
-        if line.startswith("data: {")
-        for chunk in [json.loads(line.removeprefix("data: "))]
-        for choice in chunk["choices"]
-        if choice["logprobs"]
-        for offset in choice["logprobs"]["text_offset"]
-    ]
+    streamed_offsets = [o for lp in _streamed_logprobs(streamed) for o in lp["text_offset"]]
     assert streamed_offsets == logprobs["text_offset"]
 
 
-def _streamed_logprobs(response_text: str) -> list[dict[str, Any]]:
+def _streamed_logprobs(response: httpx.Response) -> list[dict[str, Any]]:
+    """Each chunk's logprobs, in order, from a stream's every event (but [DONE])."""
+    events = [data for _, data in sse_events(response)]
+    assert events[-1] == "[DONE]", events[-1:]
     return [
         choice["logprobs"]
-        for line in response_text.splitlines()
-        if line.startswith("data: {")
-        for choice in json.loads(line.removeprefix("data: "))["choices"]
+        for data in events[:-1]
+        for choice in json.loads(data)["choices"]
         if choice["logprobs"]
     ]
 
@@ -178,7 +173,7 @@ def test_generated_characters_split_over_tokens_get_their_bytes_and_offsets(
         stack.wait_live(timeout_s=120)
         url = f"{stack.url}/v1"
         answer = httpx.post(f"{url}/completions", json=completion, timeout=30).json()
-        streamed = httpx.post(f"{url}/completions", json={**completion, "stream": True}).text
+        streamed = httpx.post(f"{url}/completions", json={**completion, "stream": True})
         chatted = httpx.post(f"{url}/chat/completions", json=chat, timeout=30).json()
     (choice,) = answer["choices"]
     assert choice["text"] == text
