@@ -31,9 +31,9 @@ from bench.engine_bench import median_of_runs, run_continuous
 from bench.report import RESULTS, write_json
 from bench.workload import make_workload
 from protocol import GenerateRequest
-from worker.engine.load import load_engine
 from worker.engine.torch_engine import TorchEngine
 from worker.serve.config import WorkerConfig
+from worker.serve.load import load_engine
 
 CAPACITY = 12
 NUM_STREAMS = 8

@@ -37,9 +37,9 @@ from bench.engine_bench import run_continuous
 from bench.load import tagged_workload
 from bench.report import RESULTS, median_summary, save_figure, summarize, table, write_json
 from bench.stack import Stack, running_stack, stack_env
-from worker.engine.load import load_engine
 from worker.engine.torch_engine import TorchEngine
 from worker.serve.config import WorkerConfig
+from worker.serve.load import load_engine
 
 PATHS = ("engine", "zmq", "http", "http-queue")
 Summary = dict[str, Any]

@@ -31,9 +31,9 @@ from bench.report import (
 from bench.static_baseline import StaticBatchRunner
 from bench.workload import make_workload
 from protocol import GenerateRequest
-from worker.engine.load import load_engine
 from worker.engine.torch_engine import TorchEngine
 from worker.serve.config import WorkerConfig
+from worker.serve.load import load_engine
 
 CAPACITY = 8
 NUM_REQUESTS = 32

@@ -6,11 +6,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from worker.engine.load import load_engine
 from worker.engine.torch_engine import TorchEngine
 from worker.model.loader import LoadedModel, TextTokenizer
 from worker.model.precision import MODES
 from worker.serve.config import WorkerConfig
+from worker.serve.load import load_engine
 
 MODEL_ID = "synthetic"
 

@@ -108,9 +108,9 @@ def engine_only(args: argparse.Namespace) -> dict[str, Any]:
     """The plain workload, 8 at a time, through one in-process engine with the
     prefix cache off and on in turns: what the cache costs when nothing is shared."""
     from bench.engine_bench import median_of_runs, run_continuous
-    from worker.engine.load import load_engine
     from worker.engine.prefix_cache import PrefixCache
     from worker.serve.config import WorkerConfig
+    from worker.serve.load import load_engine
 
     engine = load_engine(WorkerConfig(model_id="synthetic", max_batch_size=CAPACITY))
     num_runs = 0

@@ -14,8 +14,6 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from protocol.settings import ConfigError  # noqa: E402
 from tests.model_fixtures import tiny_model  # noqa: E402
-from worker.engine import load as engine_load  # noqa: E402
-from worker.engine.load import load_engine  # noqa: E402
 from worker.engine.memory_limit import memory_limit_bytes  # noqa: E402
 from worker.model.loader import (  # noqa: E402
     SYNTHETIC,
@@ -24,7 +22,9 @@ from worker.model.loader import (  # noqa: E402
     gpt2_tokenizer,
     load_model,
 )
+from worker.serve import load as engine_load  # noqa: E402
 from worker.serve.config import WorkerConfig  # noqa: E402
+from worker.serve.load import load_engine  # noqa: E402
 
 pytestmark = pytest.mark.model
 

@@ -39,7 +39,7 @@ def _preload() -> None:
         return  # the fake engine needs neither torch nor a model
     try:
         import worker.serve.main  # noqa: F401 - the modules every worker imports
-        from worker.engine import load as engine_load
+        from worker.serve import load as engine_load
 
         engine_load.preload(config)
     except ConfigError as exc:  # a model that cannot load: each worker says so, and exits

@@ -9,13 +9,33 @@ for it, all such rows at once; a batch where no row asks costs one Python scan.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Container
+from collections.abc import Container, Sequence
+from typing import Protocol
 
 import torch
 
 from protocol import GenerateRequest
-from worker.engine.sequence import Sequence
 from worker.model.host_copy import to_device
+
+
+class TokenHistory(Protocol):
+    """What the adjustments read of a sequence (the engine's
+    `worker.engine.sequence.Sequence`): its request and its tokens so far."""
+
+    @property
+    def request(self) -> GenerateRequest: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def stop_token_ids(self) -> set[int]: ...
+
+    @property
+    def is_within_min_tokens(self) -> bool: ...
 
 
 def has_penalties(request: GenerateRequest) -> bool:
@@ -26,7 +46,7 @@ def has_penalties(request: GenerateRequest) -> bool:
     )
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def apply_penalties(logits: torch.Tensor, seqs: Sequence[TokenHistory]) -> None:
     """Penalise row i of ``logits`` (N, V) for ``seqs[i]``, as vLLM does: the
     repetition penalty divides a positive logit (multiplies a negative one) of
     every token in the prompt or output; the frequency penalty subtracts
@@ -56,7 +76,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def suppress_early_stops(
-    logits: torch.Tensor, seqs: list[Sequence], exempt: Container[int] = ()
+    logits: torch.Tensor, seqs: Sequence[TokenHistory], exempt: Container[int] = ()
 ) -> None:
     """No stop token (EOS, stop_token_ids) for a row whose output is shorter than
     its min_tokens (vLLM's rule): their logits become -inf. Rows in ``exempt``

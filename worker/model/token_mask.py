@@ -11,10 +11,24 @@ logit below them, and the penalties leave none infinite (inf - inf is a NaN).
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
+import numpy as np
 import torch
 
-from worker.engine.grammar import TokenMasks
 from worker.model.host_copy import to_device
+
+
+class TokenMasks(Protocol):
+    """A batch's constrained rows and the tokens each may take next (the engine's
+    `worker.engine.grammar.TokenMasks`)."""
+
+    @property
+    def rows(self) -> list[int]: ...
+
+    def allowed(self, vocab_size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """(R, vocab_size) 1 where row ``rows[k]`` may take a token, 0 where not."""
+        ...
 
 
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> None:

@@ -33,7 +33,7 @@ def build_engine(config: WorkerConfig) -> InferenceEngine:
             # In chunks, as a real model's prompts go in by default; it has no prefix cache.
             prefill_chunk_tokens=config.prefill_chunk_tokens,
         )
-    from worker.engine.load import load_engine  # torch loads only for a real model
+    from worker.serve.load import load_engine  # torch loads only for a real model
 
     return load_engine(config)
 
