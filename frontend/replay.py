@@ -47,6 +47,7 @@ one that stops when told to (SIGTERM), which hands each back with an error
 
 from __future__ import annotations
 
+import enum
 import logging
 
 from frontend.inflight import InFlight
@@ -86,47 +87,76 @@ def release(
         if _died_in_the_same_incident(entry, link) and entry.num_deaths_excused < max_worker_deaths
     ]
     for entry in same_incident:
-        # Excused, but tried alone: a request that kills each worker it resumes
-        # on would otherwise go at once to the next one not heard from, and take
-        # every worker down together.
-        entry.num_worker_deaths += 1
-        entry.num_deaths_excused += 1
-        entry.is_replay_after_progress = False
-        table.requeue(entry, is_suspect=True)
+        _excuse_as_the_same_incident(table, entry)
     others = [entry for entry in entries if entry not in same_incident]
     is_blamed_elsewhere = any(_may_have_killed(entry) for entry in others)
-    num_suspects = num_failed = 0
-    for entry in others:
-        entry.num_worker_deaths += 1
-        made_progress, entry.made_progress = entry.made_progress, False
-        entry.is_replay_after_progress = made_progress
-        if not made_progress and not entry.is_idle_in_queue:
-            entry.num_deaths_without_progress += 1
-        if made_progress and is_blamed_elsewhere and entry.num_deaths_excused < max_worker_deaths:
-            entry.num_deaths_excused += 1
-        if (
-            entry.num_deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS
-            or entry.num_worker_deaths - entry.num_deaths_excused >= max_worker_deaths
-        ):
-            log.error(
-                "request %s was in flight on %s that died (%d of them excused); failing it",
-                entry.request_id,
-                _workers(entry.num_worker_deaths),
-                entry.num_deaths_excused,
-            )
-            num_failed += 1
-            table.resolve(entry, _quarantined(entry))
-        elif made_progress:
-            table.requeue(entry)
-        elif entry.is_idle_in_queue:
-            table.requeue(entry, is_suspect=entry is trial)
-            num_suspects += entry is trial
-        else:
-            num_suspects += 1
-            table.requeue(entry, is_suspect=True)
-    num_suspects += len(same_incident)
-    _log_replay(link, why, len(entries) - num_failed, num_suspects, len(same_incident))
+    outcomes = [
+        _count_the_death(table, entry, entry is trial, is_blamed_elsewhere, max_worker_deaths)
+        for entry in others
+    ]
+    num_suspects = outcomes.count(_Outcome.SUSPECT) + len(same_incident)
+    num_replayed = len(entries) - outcomes.count(_Outcome.FAILED)
+    _log_replay(link, why, num_replayed, num_suspects, len(same_incident))
     return len(entries)
+
+
+class _Outcome(enum.Enum):
+    """What a death made of a request it caught."""
+
+    REQUEUED = "requeued"  # in its line, as it was
+    SUSPECT = "suspect"  # tried alone
+    FAILED = "failed"
+
+
+def _excuse_as_the_same_incident(table: InFlightTable, entry: InFlight) -> None:
+    """A replay that died where it was just sent, most likely killed with the
+    worker it came from: excused, but tried alone, since a request that kills
+    each worker it resumes on would otherwise go at once to the next one not
+    heard from, and take every worker down together."""
+    entry.num_worker_deaths += 1
+    entry.num_deaths_excused += 1
+    entry.is_replay_after_progress = False
+    table.requeue(entry, is_suspect=True)
+
+
+def _count_the_death(
+    table: InFlightTable,
+    entry: InFlight,
+    was_on_trial: bool,
+    is_blamed_elsewhere: bool,
+    max_worker_deaths: int,
+) -> _Outcome:
+    """Count the death against ``entry`` (excused if it made progress beside a
+    request blamed for it), then fail it past its bounds, or send it again: at
+    once if it made progress, in its line as it was if it only waited, else as
+    a suspect."""
+    entry.num_worker_deaths += 1
+    made_progress, entry.made_progress = entry.made_progress, False
+    entry.is_replay_after_progress = made_progress
+    if not made_progress and not entry.is_idle_in_queue:
+        entry.num_deaths_without_progress += 1
+    if made_progress and is_blamed_elsewhere and entry.num_deaths_excused < max_worker_deaths:
+        entry.num_deaths_excused += 1
+    if (
+        entry.num_deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS
+        or entry.num_worker_deaths - entry.num_deaths_excused >= max_worker_deaths
+    ):
+        log.error(
+            "request %s was in flight on %s that died (%d of them excused); failing it",
+            entry.request_id,
+            _workers(entry.num_worker_deaths),
+            entry.num_deaths_excused,
+        )
+        table.resolve(entry, _quarantined(entry))
+        return _Outcome.FAILED
+    if made_progress:
+        table.requeue(entry)
+        return _Outcome.REQUEUED
+    if entry.is_idle_in_queue:
+        table.requeue(entry, is_suspect=was_on_trial)
+        return _Outcome.SUSPECT if was_on_trial else _Outcome.REQUEUED
+    table.requeue(entry, is_suspect=True)
+    return _Outcome.SUSPECT
 
 
 def _may_have_killed(entry: InFlight) -> bool:
