@@ -693,6 +693,20 @@ def test_a_child_that_refuses_its_configuration_is_given_up_on_at_its_first_exit
     assert caught.value.exit_code == ExitCode.CONFIG_ERROR  # the supervisor's own
 
 
+def test_a_child_that_had_come_up_and_then_refuses_its_configuration_is_retried(
+    clock: FakeClock,
+) -> None:
+    """Its port, held by another program for a moment when it was restarted: the
+    first exit 78 ended the whole stack, the workers that served included."""
+    child = _worker(clock, crash_loop_limit=3)
+    _run_and_die(child, clock, 0, code=-signal.SIGKILL)  # came up, killed from outside
+    _run_and_die(child, clock, code=ExitCode.CONFIG_ERROR)
+    _run_and_die(child, clock, code=ExitCode.CONFIG_ERROR)
+    assert child.num_restarts == 3 and child.restart_delay_s() > 0  # with its backoff
+    with pytest.raises(CrashLoop, match="died before coming up 3 times in a row"):
+        _run_and_die(child, clock, code=ExitCode.CONFIG_ERROR)
+
+
 def test_a_worker_without_hello_by_the_start_deadline_is_replaced_then_given_up_on(
     tmp_path: Path,
 ) -> None:
@@ -720,6 +734,39 @@ def test_a_worker_killed_by_signal_37_is_restarted_and_the_supervisor_lives_on(
         os.kill(pid, SIGRTMIN_PLUS_3)
         stack.wait_live(instance_not=str(first["instance_id"]))
         assert "worker stopped (killed by signal 37)" in stack.log("supervisor")
+
+
+def test_a_worker_whose_port_is_held_for_a_moment_at_its_restart_is_retried(
+    tmp_path: Path,
+) -> None:
+    """Its replacement refused the port (exit 78) that another program had taken
+    between the kill and the restart, and the supervisor took that for settings
+    that can never work: it gave up, stopping every process of the stack."""
+    with running_stack(tmp_path, {"RESTART_BACKOFF_S": "0.2"}) as stack:
+        first = stack.wait_live()
+        port = int(stack.env["WORKER_ENDPOINT"].rpartition(":")[2])
+        (pid,) = stack.worker_pids()
+        with socket.socket() as holder:
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while True:  # taken as soon as the dead worker lets go of it
+                try:
+                    holder.bind(("127.0.0.1", port))
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "the port never came free"
+                    time.sleep(0.001)
+            holder.listen()
+            deadline = time.monotonic() + 10
+            while "refused at a restart" not in stack.log("supervisor"):
+                assert time.monotonic() < deadline, stack.logs()
+                time.sleep(0.05)
+        stack.wait_live(instance_not=str(first["instance_id"]), timeout_s=30)
+        assert stack.processes["supervisor"].poll() is None
+        body = {"prompt": "back", "max_new_tokens": 3}
+        answer = httpx.post(f"{stack.url}/generate", json=body, timeout=30)
+        assert answer.json()["text"] == expected_text("back", 3)
 
 
 def test_the_supervisors_flags_reach_the_processes_it_starts(tmp_path: Path) -> None:

@@ -70,6 +70,7 @@ class Child:
         self.num_failed_starts = 0  # in a row, died before serving
         self.num_starts_never_up = 0  # in a row, died before coming up (its backoff grows)
         self.has_served = False
+        self.has_ever_come_up = False  # since this supervisor started: its settings work
         self.started_at = 0.0
         self.up_since: float | None = None  # first seen working (a worker: its hello)
         self.kill_reason: str | None = None
@@ -132,6 +133,7 @@ class Child:
         """The child is seen working; ``has_worked``: it has run a step or answered
         a request (a worker's heartbeat says so)."""
         now = self._clock()
+        self.has_ever_come_up = True
         if self.up_since is None:
             self.up_since = now
         if has_worked or now - self.up_since >= self.served_after_s:
@@ -184,13 +186,26 @@ class Child:
         often: its start works, and what kills it is most likely a request (its
         first, run right after its hello), which the frontends fail after
         MAX_WORKER_DEATHS. Counted as a crash loop, five such requests in a row
-        ended the whole stack. Unless it ended itself as broken (exit 4 or 5)."""
+        ended the whole stack. Unless it ended itself as broken (exit 4 or 5).
+
+        A child that refused its configuration at its first start is given up on
+        at once; one that had come up before with the same settings refused what
+        they name for now (its port, taken by another program for a moment): a
+        start that failed, retried as any other."""
         if self.process is not None and self.process.poll() == ExitCode.CONFIG_ERROR:
-            raise CrashLoop(
-                f"{self.name} refused its configuration ({cause}), which would fail the "
-                "same way at every start; its log above names the setting. Fix it and "
-                "start again",
-                ExitCode.CONFIG_ERROR,
+            if not self.has_ever_come_up:
+                raise CrashLoop(
+                    f"{self.name} refused its configuration ({cause}), which would fail "
+                    "the same way at every start; its log above names the setting. Fix it "
+                    "and start again",
+                    ExitCode.CONFIG_ERROR,
+                )
+            log.error(
+                "%s refused at a restart the settings it had come up with (%s): most likely "
+                "what they name is not to be had for now (a port another program holds); "
+                "its log above says which; retried",
+                self.name,
+                cause,
             )
         is_failed_start = not self.has_served and not self._was_stopped_from_outside()
         never_came_up = is_failed_start and (
