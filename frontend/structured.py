@@ -24,6 +24,7 @@ import llguidance
 
 from frontend.body import parse_json
 from frontend.errors import ApiError
+from frontend.pattern_escapes import escaped_pattern_problem
 from protocol import GrammarKind
 from protocol.grammar_shape import grammar_shape_problem
 from protocol.json_schema import EXACT_KEYWORDS, subschemas
@@ -235,8 +236,8 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
         # llguidance drops it, and would follow another regex than the one asked for.
         return "", f"invalid regex at offset {len(text) - 1}: incomplete escape sequence"
     grammar, problem = _checked_grammar(kind, text)
-    if problem is None and kind in JSON_KINDS:
-        problem = _repeated_keys_problem(schema)  # of a schema llguidance takes
+    if problem is None and kind in JSON_KINDS:  # a schema llguidance takes
+        problem = _repeated_keys_problem(schema) or escaped_pattern_problem(schema)
     return ("", problem) if problem is not None else (grammar, None)
 
 

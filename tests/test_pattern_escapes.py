@@ -1,0 +1,84 @@
+"""A schema pattern whose character class holds every control character but
+not both `"` and `\\` is refused (400 unsupported): llguidance lets any escape
+through such a class, and wrote the very quote the pattern forbids."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import llguidance
+import pytest
+
+from frontend.errors import ApiError
+from frontend.openai_schemas import ResponseFormat
+from frontend.pattern_escapes import character_classes
+from frontend.structured import JSON_OPTIONS, compile_grammar, request_grammar
+from protocol import GrammarKind
+from worker.engine.fake_engine import fake_grammar_tokenizer
+
+# (pattern, a JSON string it forbids, whether llguidance follows it loosely)
+CASES = [
+    ('^[^"]$', '"\\""', True),  # the quote, written as an escape
+    ("^[^\\\\]$", '"\\\\"', True),  # the backslash
+    ("^[\\x00-\\x1f]$", '"\\\\"', True),
+    ('^[^"\\\\]{1,3}$', '"\\""', True),
+    ('^[^"\\x00-\\x1f]$', '"\\""', False),  # without the control characters
+    ("^[\\x00-\\x1e]$", '"\\\\"', False),  # without one of them
+    ('^[^\\n"]$', '"\\""', True),  # newline's absence aside
+    ('^[^\\t"]$', '"\\""', False),  # without tab: followed exactly
+    ('^[^\\d"]$', '"\\""', True),
+    ("^[^a-z]$", '"a"', False),  # it holds " and \ both: no escape is wrong
+]
+
+
+def _accepts(pattern: str, json_text: str) -> bool:
+    schema = json.dumps({"type": "string", "pattern": pattern})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    tokenizer = fake_grammar_tokenizer()
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    matcher.consume_tokens(tokenizer.tokenize_str(json_text))
+    return matcher.is_accepting() and not matcher.is_error()
+
+
+@pytest.mark.parametrize(("pattern", "forbidden", "is_loose"), CASES)
+def test_llguidance_lets_any_escape_through_a_class_of_every_control_character(
+    pattern: str, forbidden: str, is_loose: bool
+) -> None:
+    """Why such patterns are refused: should llguidance ever follow them
+    exactly, this fails, and the refusal can go."""
+    assert _accepts(pattern, forbidden) == is_loose
+
+
+@pytest.mark.parametrize(("pattern", "forbidden", "is_loose"), CASES)
+def test_a_pattern_followed_loosely_is_refused_and_any_other_compiles(
+    pattern: str, forbidden: str, is_loose: bool
+) -> None:
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+    grammar, problem = compile_grammar(GrammarKind.JSON_SCHEMA, schema)
+    if not is_loose:
+        assert problem is None and grammar
+        return
+    assert problem is not None and problem.startswith("Unimplemented: properties.s.pattern")
+    assert "control characters" in problem and grammar == ""
+
+
+def test_a_property_names_pattern_is_held_to_the_same_rule() -> None:
+    schema = {"type": "object", "patternProperties": {'^[^"]+$': {"type": "integer"}}}
+    _, problem = compile_grammar(GrammarKind.JSON_SCHEMA, schema)
+    assert problem is not None and 'patternProperties has the character class [^"]' in problem
+
+
+def test_the_refusal_is_a_400_that_says_what_to_write_instead() -> None:
+    schema = {"type": "string", "pattern": '^[^"]{1,4}$'}
+    response_format = ResponseFormat.model_validate(
+        {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    )
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(request_grammar(response_format, None))
+    assert refused.value.status == 400 and refused.value.code == "unsupported"
+    assert '([^"\\x00-\\x1f])' in refused.value.message
+
+
+def test_character_classes_are_read_past_escaped_brackets() -> None:
+    assert list(character_classes(r"\[x[a\]b]c[^\\]")) == [r"[a\]b]", r"[^\\]"]
