@@ -13,6 +13,11 @@ from protocol import ErrorCode, ErrorResult, GenerateRequest, GrammarKind
 from protocol.wire import shorten
 
 RETRY_AFTER_S = 1
+# Read by the openai client (and others generated as it is) before its own
+# retries: without it, a request failed as one that kills workers (500
+# workers_died) was sent again twice, killing four more, and a 504 ran its whole
+# REQUEST_TIMEOUT_S three times.
+SHOULD_RETRY_HEADER = "x-should-retry"
 MAX_WORKER_MESSAGE_CHARS = 1024  # of a worker's error message, passed on to the client
 
 _STATUS_BY_CODE: dict[str, int] = {  # by the code as it comes off the wire
@@ -123,9 +128,13 @@ def error_body(error: ApiError) -> dict[str, object]:
 
 
 def error_response(error: ApiError) -> Response:
+    """The error as a response; a 5xx says whether sending it again may help: a
+    503 (full, stopping, no worker yet) after Retry-After, a 500 or a 504 not."""
     headers = dict(error.headers)
     if error.status == 503:
         headers["Retry-After"] = str(RETRY_AFTER_S)
+    if error.status >= 500:
+        headers[SHOULD_RETRY_HEADER] = "true" if error.status == 503 else "false"
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import openai
+import pytest
 import zmq
 
 from protocol import GenerateRequest, Ping, encode
@@ -150,6 +152,21 @@ def test_a_poison_request_is_failed_after_two_workers_and_the_rest_succeed(
         assert answer.status_code == 500, answer.text
         assert "in flight on 2 workers that died" in answer.json()["error"]["message"]
         health = stack.wait_for_health("both back", lambda h: h["workers_live"] == 2, 30)
+        assert health["worker_restarts"] == 2
+
+
+def test_the_openai_client_does_not_send_a_failed_poison_request_again(
+    tmp_path: Path,
+) -> None:
+    """Its default two retries of a 500 made each attempt a new request: one
+    call killed six workers. The answer now says not to retry (x-should-retry)."""
+    overrides = {"FAKE_CRASH_PROMPT": "poison", "FAKE_STEP_DELAY_S": "0.02"}
+    with running_stack(tmp_path, overrides) as stack:
+        stack.wait_live()
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused")  # retries on
+        with client, pytest.raises(openai.InternalServerError, match="workers that died"):
+            client.completions.create(model="fake", prompt="a poison pill", max_tokens=2)
+        health = stack.wait_live()
         assert health["worker_restarts"] == 2
 
 
