@@ -89,9 +89,9 @@ def release(
     for entry in same_incident:
         _excuse_as_the_same_incident(table, entry)
     others = [entry for entry in entries if entry not in same_incident]
-    is_blamed_elsewhere = any(_may_have_killed(entry) for entry in others)
+    num_may_have_killed = sum(_may_have_killed(entry) for entry in others)
     outcomes = [
-        _count_the_death(table, entry, entry is trial, is_blamed_elsewhere, max_worker_deaths)
+        _count_the_death(table, entry, entry is trial, num_may_have_killed, max_worker_deaths)
         for entry in others
     ]
     num_suspects = outcomes.count(_Outcome.SUSPECT) + len(same_incident)
@@ -123,19 +123,20 @@ def _count_the_death(
     table: InFlightTable,
     entry: InFlight,
     was_on_trial: bool,
-    is_blamed_elsewhere: bool,
+    num_may_have_killed: int,
     max_worker_deaths: int,
 ) -> _Outcome:
-    """Count the death against ``entry`` (excused if it made progress beside a
-    request blamed for it), then fail it past its bounds, or send it again: at
-    once if it made progress, in its line as it was if it only waited, else as
-    a suspect."""
+    """Count the death against ``entry`` (excused if it made progress beside
+    ``num_may_have_killed`` requests that may have caused it; one without
+    progress when it alone may have), then fail it past its bounds, or send it
+    again: at once if it made progress, in its line as it was if it only waited,
+    else as a suspect."""
     entry.num_worker_deaths += 1
     made_progress, entry.made_progress = entry.made_progress, False
     entry.is_replay_after_progress = made_progress
-    if not made_progress and not entry.is_idle_in_queue:
+    if not made_progress and not entry.is_idle_in_queue and num_may_have_killed == 1:
         entry.num_deaths_without_progress += 1
-    if made_progress and is_blamed_elsewhere and entry.num_deaths_excused < max_worker_deaths:
+    if made_progress and num_may_have_killed and entry.num_deaths_excused < max_worker_deaths:
         entry.num_deaths_excused += 1
     if (
         entry.num_deaths_without_progress >= MAX_DEATHS_WITHOUT_PROGRESS

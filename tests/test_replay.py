@@ -185,3 +185,31 @@ def test_excused_deaths_of_both_kinds_share_one_cap() -> None:
     _, final = killer.events.get_nowait()
     assert "that died" in str(final)
     assert death <= 6, f"failed after killing {death} workers"
+
+
+def test_a_death_without_progress_counts_only_where_the_request_alone_may_have_caused_it() -> None:
+    """Two workers killed from outside seconds apart: the first caught a burst of
+    newcomers before their first token, and the second the trial of one of them.
+    Each death without progress counted, and the innocent newcomer was failed
+    after two. A death with several requests there without progress says
+    nothing of which, if any, caused it: it counts toward MAX_WORKER_DEATHS
+    alone; a death with one such request counts against it."""
+    table = InFlightTable(10)
+    burst = table.add([GenerateRequest(f"new{i}", "x", 4) for i in range(3)], 1e9)
+    table.waiting.clear()
+    first = cast(WorkerLink, _Link())
+    for entry in burst:
+        entry.next_attempt()
+        table.hand_to(entry, first, is_trial=False)
+    release(table, first, "died", is_death=True, max_worker_deaths=3)
+    assert table.suspects == burst
+    assert [entry.num_deaths_without_progress for entry in burst] == [0, 0, 0]
+    trial = table.suspects.pop(0)
+    for death in (2, 3):
+        link = cast(WorkerLink, _Link())
+        trial.next_attempt()
+        table.hand_to(trial, link, is_trial=True)
+        release(table, link, "died", is_death=True, max_worker_deaths=4)
+        assert trial.num_deaths_without_progress == death - 1
+        assert (trial in table.suspects) == (death == 2)  # failed after two alone
+        table.suspects = [entry for entry in table.suspects if entry is not trial]
