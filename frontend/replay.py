@@ -10,11 +10,15 @@ another worker is live), the requests it held are replayed on the others:
   killed with it, not yet found dead, would count a second death against the
   suspect), and never on every live worker at once when two or more are live.
   A poison request kills one worker at a time and no innocent suspect with it.
-A request in flight on two workers that died before it made progress there, or
-on MAX_WORKER_DEATHS workers that died (3 by default), is answered with an error
-and not replayed again.
+A request that was the only one without progress on two workers that died, or
+that was in flight on MAX_WORKER_DEATHS workers that died (3 by default), is
+answered with an error and not replayed again. A death beside several requests
+without progress (a burst of newcomers, killed from outside before their first
+token) says nothing of which caused it: it counts toward MAX_WORKER_DEATHS
+only, and each is tried alone.
 So an innocent request beside a poison one (it made progress, or it is new) is
-never failed for it: it can die without progress only once before it runs.
+never failed for it: it can die alone without progress only once before it
+runs.
 Two kinds of death are excused, not counted toward MAX_WORKER_DEATHS, up to
 MAX_WORKER_DEATHS excused deaths a request, so that every request is still
 failed after at most twice MAX_WORKER_DEATHS deaths:
