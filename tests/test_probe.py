@@ -33,10 +33,12 @@ def stand_in(request: pytest.FixtureRequest) -> Iterator[StandInWorker]:
 
 
 @pytest.mark.parametrize("stand_in", [[encode(HELLO)]], indirect=True)
+@pytest.mark.parametrize("flag", ["--worker-endpoint", "--endpoint"])
 def test_hello_from_worker_exits_0(
-    stand_in: StandInWorker, capsys: pytest.CaptureFixture[str]
+    stand_in: StandInWorker, flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["--endpoint", stand_in.endpoint, "--timeout-s", "5"]) == 0
+    """--worker-endpoint as every other process names it; --endpoint as before."""
+    assert main([flag, stand_in.endpoint, "--timeout-s", "5"]) == 0
     assert len(stand_in.pings) == 1
     assert stand_in.pings[0].frontend_id.startswith("probe-")
     out = capsys.readouterr().out
@@ -91,13 +93,13 @@ def test_no_worker_exits_1_quickly() -> None:
 @pytest.mark.parametrize(
     ("endpoint", "expected"),
     [
-        ("tcp://no-port-here", "--endpoint must end in a port from 1 to 65535"),
-        ("localhost:5555", "--endpoint must be a ZMQ endpoint such as tcp://127.0.0.1:5555"),
+        ("tcp://no-port-here", "--worker-endpoint must end in a port from 1 to 65535"),
+        ("localhost:5555", "--worker-endpoint must be a ZMQ endpoint such as tcp://127.0.0.1:5555"),
         (
             "tcp://*:5555",
             "where a worker binds, on every address; connect to one of them, such as tcp://127.0.0.1:5555",
         ),
-        ("ipc://", "--endpoint names no socket path"),
+        ("ipc://", "--worker-endpoint names no socket path"),
     ],
 )
 def test_a_malformed_endpoint_exits_2_saying_what_an_endpoint_is(

@@ -97,7 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(2 for arguments it cannot use)."
     )
     parser.add_argument(
+        # --worker-endpoint as every other process spells it; --endpoint, as
+        # healthchecks written for it do.
+        "--worker-endpoint",
         "--endpoint",
+        dest="endpoint",
         help="the worker's ZMQ endpoint (default: the worker's own WORKER_BIND or "
         "WORKER_ENDPOINT from the environment, with a wildcard host read as 127.0.0.1)",
     )
@@ -112,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s:g}")
     if args.endpoint is not None:
         try:
-            check_connect_endpoint(args.endpoint, "--endpoint")
+            check_connect_endpoint(args.endpoint, "--worker-endpoint")
         except ConfigError as exc:
             parser.error(str(exc))
     try:
