@@ -147,9 +147,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     path = request.url.path
     message = f"{request.method} {path}: {exc.detail}; see GET /openapi.json"
-    meant = path.rstrip("/")
-    if exc.status_code == 404 and meant != path and _is_route(request, meant):
-        message = f"{request.method} {path}: {exc.detail}; did you mean {meant}?"
+    # A slash too many, or /v1 left out of a client's base URL (/completions).
+    for meant in (path.rstrip("/"), "/v1" + path.rstrip("/")):
+        if exc.status_code == 404 and meant != path and _is_route(request, meant):
+            message = f"{request.method} {path}: {exc.detail}; did you mean {meant}?"
+            break
     # A 405's Allow header names the methods the path takes.
     headers = dict(exc.headers or {})
     code = _CODE_BY_HTTP_STATUS.get(exc.status_code)

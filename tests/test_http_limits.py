@@ -693,6 +693,17 @@ def test_a_trailing_slash_gets_a_404_naming_the_route_not_a_redirect(stack: Stac
     )
 
 
+@pytest.mark.parametrize(
+    ("path", "meant"),
+    [("/completions", "/v1/completions"), ("/chat/completions/", "/v1/chat/completions")],
+)
+def test_a_path_without_v1_gets_a_404_naming_the_route(stack: Stack, path: str, meant: str) -> None:
+    """An openai client's base_url without /v1 was told only to see /openapi.json."""
+    response = httpx.post(f"{stack.url}{path}", json={})
+    assert response.status_code == 404
+    assert response.json()["error"]["message"] == f"POST {path}: Not Found; did you mean {meant}?"
+
+
 def test_a_body_after_a_utf8_byte_order_mark_is_read(stack: Stack) -> None:
     content = b'\xef\xbb\xbf{"prompt": "hi", "max_new_tokens": 2}'
     headers = {"Content-Type": JSON}
