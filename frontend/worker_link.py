@@ -42,6 +42,7 @@ from protocol import (
     decode_to_frontend,
     encode,
 )
+from protocol.lifeline import is_supervised
 from protocol.liveness import Liveness, Verdict
 from protocol.peer import HANDSHAKE_FAILED, handshake_advice, worker_socket
 from protocol.throttled import Throttled
@@ -166,10 +167,12 @@ class WorkerLink:
 
     def log_silence(self) -> None:
         """Say once, in the log, that no worker greeted from this address for
-        SILENT_WORKER_HINT_S, as its verdict then does."""
+        SILENT_WORKER_HINT_S, as its verdict then does: a warning for a frontend
+        run alone, only a note under `minibatch-serve`, whose worker is there,
+        loading (the supervisor bounds that by WORKER_START_TIMEOUT_S)."""
         hint = None if self._is_silence_logged else self._silence_hint()
         if hint is not None:
-            log.warning("%s", hint)
+            log.log(logging.INFO if is_supervised() else logging.WARNING, "%s", hint)
             self._is_silence_logged = True
 
     def send(self, message: ToWorker) -> bool:

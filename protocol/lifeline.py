@@ -37,6 +37,11 @@ def name_supervisor() -> None:
     os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
 
 
+def is_supervised() -> bool:
+    """Whether `minibatch-serve` started this process."""
+    return os.environ.get(SUPERVISOR_PID_ENV, "").isdigit()
+
+
 def follow_supervisor(process: str) -> None:
     """In a child: stop ``process`` (SIGTERM to itself) once the supervisor named
     in the environment is gone; nothing when none is named."""
