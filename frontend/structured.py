@@ -13,6 +13,7 @@ torch (``llguidance.torch`` is never imported).
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 import json
 import re
@@ -163,10 +164,15 @@ def _structured_outputs(value: dict[str, Any]) -> GrammarSource:
     _check_vllm_options(value)
     unknown = [key for key in value if key not in STRUCTURED_OUTPUTS and key not in VLLM_OPTIONS]
     if unknown:
+        names = ", ".join(_preview(key) for key in unknown[:5])
+        known = [*STRUCTURED_OUTPUTS, *VLLM_OPTIONS]
+        meant = difflib.get_close_matches(unknown[0], known, n=1) if len(unknown) == 1 else []
+        advice = (
+            f"did you mean {meant[0]}?" if meant else f"send one of {', '.join(STRUCTURED_OUTPUTS)}"
+        )
         raise ApiError(
             400,
-            f"structured_outputs: {', '.join(_preview(key) for key in unknown[:5])} "
-            f"not supported; send one of {', '.join(STRUCTURED_OUTPUTS)}",
+            f"structured_outputs: {names} not supported; {advice}",
             "unsupported",
             "structured_outputs",
         )

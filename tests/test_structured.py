@@ -218,6 +218,9 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             "structured_outputs.regex: invalid regex at offset 1: incomplete escape sequence",
         ),
         (None, {"regex": "\\"}, 422, "structured_outputs.regex", "incomplete escape sequence"),
+        # a key misspelt is named with the one it likely meant
+        (None, {"regexp": "a"}, 400, "structured_outputs", "not supported; did you mean regex?"),
+        (None, {"lark": "a"}, 400, "structured_outputs", "send one of json, regex, choice"),
         # llguidance followed -3 as 3; JSON Schema requires more than 0
         (
             None,
