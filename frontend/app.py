@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -17,13 +18,14 @@ from starlette.routing import Route
 from frontend.auth import ApiKeyMiddleware
 from frontend.chat_api import chat_completions
 from frontend.config import FrontendConfig
-from frontend.errors import ApiError, error_response, handle_api_error
+from frontend.errors import SHOULD_RETRY_HEADER, ApiError, error_response, handle_api_error
 from frontend.framing import AmbiguousFramingMiddleware
 from frontend.health import health, ready
 from frontend.json_response import JSONResponse
 from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, UNROUTED, Metrics
 from frontend.native_api import generate
 from frontend.openai_api import completions, models, retrieve_model
+from frontend.openai_common import IGNORED_FIELDS_HEADER
 from frontend.openapi import openapi_schema
 from frontend.refusal import log_refusal
 from frontend.tokenize_api import detokenize, tokenize, version
@@ -86,8 +88,19 @@ def routes() -> list[Route]:
 
 
 def _middleware(config: FrontendConfig) -> list[Middleware]:
-    """Framing first: a request it refuses reaches nothing else."""
+    """Framing first: a request it refuses reaches nothing else. CORS outside the
+    API key: a browser's preflight carries no key, and a 401 must reach the page."""
     middleware = [Middleware(AmbiguousFramingMiddleware)]
+    if config.allowed_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=config.allowed_origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+                expose_headers=[IGNORED_FIELDS_HEADER, "Retry-After", SHOULD_RETRY_HEADER],
+            )
+        )
     if config.api_key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
     return middleware

@@ -4,6 +4,7 @@ what every client of workers takes (`protocol.client_config`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from protocol.client_config import WorkerClientConfig
 from protocol.endpoints import DEFAULT_HTTP_HOST, MAX_PORT
@@ -69,6 +70,12 @@ class FrontendConfig(WorkerClientConfig):
         "'Authorization: Bearer <key>'",
         is_secret=True,
     )
+    cors_allow_origins: str = setting(
+        "CORS_ALLOW_ORIGINS",
+        "",
+        "comma-separated origins whose web pages may call the API from a browser "
+        "(https://app.example.com), or * for any; unset: none (no CORS headers)",
+    )
     strict_request_fields: bool = setting(
         "STRICT_REQUEST_FIELDS",
         False,
@@ -97,6 +104,8 @@ class FrontendConfig(WorkerClientConfig):
         require_positive(self, "header_timeout_s", "keep_alive_timeout_s", "max_connections")
         if self.port > MAX_PORT:
             raise ConfigError(f"PORT must be at most {MAX_PORT}, got {self.port}")
+        for origin in self.allowed_origins:
+            check_origin(origin)
         if self.api_key and not _is_sendable(self.api_key):
             # Not quoted: it is a secret.
             raise ConfigError(
@@ -104,6 +113,27 @@ class FrontendConfig(WorkerClientConfig):
                 "space at either end: clients send it in the header 'Authorization: Bearer "
                 "<key>', where such a key cannot arrive as it is set"
             )
+
+    @property
+    def allowed_origins(self) -> list[str]:
+        """CORS_ALLOW_ORIGINS as a list (empty: CORS off)."""
+        return [origin.strip() for origin in self.cors_allow_origins.split(",") if origin.strip()]
+
+
+def check_origin(origin: str) -> None:
+    """Raises ConfigError unless ``origin`` is *, or one a browser sends: a scheme
+    and a host (and a port), without a path or a slash at its end, which no
+    browser's Origin header would ever match."""
+    parts = urlsplit(origin)
+    if origin == "*" or (
+        parts.scheme and parts.netloc and origin == f"{parts.scheme}://{parts.netloc}"
+    ):
+        return
+    raise ConfigError(
+        f"CORS_ALLOW_ORIGINS: {origin!r} is no origin a browser sends: write it as "
+        "scheme://host[:port] (https://app.example.com), without a path or a trailing "
+        "slash, or * for any"
+    )
 
 
 def _is_sendable(key: str) -> bool:

@@ -21,6 +21,7 @@ ALL_VARIABLES = frozenset(
         "BFLOAT16_PRODUCTS",
         "BODY_TIMEOUT_S",
         "CHAT_TEMPLATE",
+        "CORS_ALLOW_ORIGINS",
         "CRASH_LOOP_LIMIT",
         "CUDA_GRAPHS",
         "CURVE_CLIENT_KEYS",
