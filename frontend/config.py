@@ -34,7 +34,8 @@ class FrontendConfig(WorkerClientConfig):
         3,
         "a request in flight on this many workers that died is answered with "
         "workers_died (500) instead of being replayed again (it may be what kills them); "
-        "two that died while it alone ran there without progress are enough, whatever this says "
+        "two that died while it ran there without progress, alone or on trial, are enough, "
+        "whatever this says "
         "(unless its Admitted notices die with the workers); deaths excused (beside a "
         "request that ran there without progress, or a replay's death in the same "
         "incident as another worker's), up to this many, count only past this many",

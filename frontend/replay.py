@@ -10,12 +10,12 @@ another worker is live), the requests it held are replayed on the others:
   killed with it, not yet found dead, would count a second death against the
   suspect), and never on every live worker at once when two or more are live.
   A poison request kills one worker at a time and no innocent suspect with it.
-A request that was the only one without progress on two workers that died, or
-that was in flight on MAX_WORKER_DEATHS workers that died (3 by default), is
-answered with an error and not replayed again. A death beside several requests
-without progress (a burst of newcomers, killed from outside before their first
-token) says nothing of which caused it: it counts toward MAX_WORKER_DEATHS
-only, and each is tried alone.
+A request that died without progress on two workers, each time the only such
+request there or on trial, or that was in flight on MAX_WORKER_DEATHS workers
+that died (3 by default), is answered with an error and not replayed again. A
+death beside several requests without progress (a burst of newcomers, killed
+from outside before their first token) says nothing of which caused it: it
+counts toward MAX_WORKER_DEATHS only, and each is tried alone.
 So an innocent request beside a poison one (it made progress, or it is new) is
 never failed for it: it can die alone without progress only once before it
 runs.
@@ -132,13 +132,19 @@ def _count_the_death(
 ) -> _Outcome:
     """Count the death against ``entry`` (excused if it made progress beside
     ``num_may_have_killed`` requests that may have caused it; one without
-    progress when it alone may have), then fail it past its bounds, or send it
-    again: at once if it made progress, in its line as it was if it only waited,
-    else as a suspect."""
+    progress when it alone may have, or it was on trial there), then fail it past
+    its bounds, or send it again: at once if it made progress, in its line as it
+    was if it only waited, else as a suspect."""
     entry.num_worker_deaths += 1
     made_progress, entry.made_progress = entry.made_progress, False
     entry.is_replay_after_progress = made_progress
-    if not made_progress and not entry.is_idle_in_queue and num_may_have_killed == 1:
+    # A trial is the request on trial, whatever newcomers came beside it (it may
+    # have to share a worker, while the other restarts).
+    if (
+        not made_progress
+        and not entry.is_idle_in_queue
+        and (num_may_have_killed == 1 or was_on_trial)
+    ):
         entry.num_deaths_without_progress += 1
     if made_progress and num_may_have_killed and entry.num_deaths_excused < max_worker_deaths:
         entry.num_deaths_excused += 1

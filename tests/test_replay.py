@@ -213,3 +213,17 @@ def test_a_death_without_progress_counts_only_where_the_request_alone_may_have_c
         assert trial.num_deaths_without_progress == death - 1
         assert (trial in table.suspects) == (death == 2)  # failed after two alone
         table.suspects = [entry for entry in table.suspects if entry is not trial]
+
+
+def test_a_trials_death_counts_against_it_beside_newcomers() -> None:
+    """While the other worker restarts, a suspect's trial shares its worker with
+    newcomers: its deaths counted against none, and a poison request killed
+    MAX_WORKER_DEATHS workers, however many that was."""
+    table, link, trial, newcomer = _on_trial_beside_an_innocent()
+    newcomer.made_progress = False  # admitted beside the trial, no token yet
+    trial.num_worker_deaths = trial.num_deaths_without_progress = 1
+    release(table, link, "died", is_death=True, max_worker_deaths=8)
+    assert trial.num_deaths_without_progress == 2 and trial not in table.suspects
+    _, final = trial.events.get_nowait()
+    assert "in flight on 2 workers that died" in str(final)
+    assert newcomer in table.suspects and newcomer.num_deaths_without_progress == 0

@@ -70,7 +70,9 @@ class Child:
         self.num_failed_starts = 0  # in a row, died before serving
         self.num_starts_never_up = 0  # in a row, died before coming up (its backoff grows)
         self.has_served = False
-        self.has_ever_come_up = False  # since this supervisor started: its settings work
+        # Since this supervisor started, seen working (a worker: its hello; a
+        # frontend: serving): its settings work.
+        self.has_ever_come_up = False
         self.started_at = 0.0
         self.up_since: float | None = None  # first seen working (a worker: its hello)
         self.kill_reason: str | None = None
@@ -133,11 +135,13 @@ class Child:
         """The child is seen working; ``has_worked``: it has run a step or answered
         a request (a worker's heartbeat says so)."""
         now = self._clock()
-        self.has_ever_come_up = True
         if self.up_since is None:
             self.up_since = now
         if has_worked or now - self.up_since >= self.served_after_s:
             self.has_served = True
+        # A frontend is taken for up as soon as it runs: only serving shows that
+        # it took its settings (its port among them).
+        self.has_ever_come_up |= self.is_worker or self.has_served
 
     def exit_cause(self) -> str | None:
         """Why the process ended, or None while it runs."""
