@@ -93,7 +93,8 @@ def release(
     for entry in same_incident:
         _excuse_as_the_same_incident(table, entry)
     others = [entry for entry in entries if entry not in same_incident]
-    num_may_have_killed = sum(_may_have_killed(entry) for entry in others)
+    # Client requests: the n choices of one, sent together, are one suspect.
+    num_may_have_killed = len({id(entry.events) for entry in others if _may_have_killed(entry)})
     outcomes = [
         _count_the_death(table, entry, entry is trial, num_may_have_killed, max_worker_deaths)
         for entry in others

@@ -32,9 +32,8 @@ class _Link:
 def _on_trial_beside_an_innocent() -> tuple[InFlightTable, WorkerLink, InFlight, InFlight]:
     """A suspect on trial on a worker, and a request beside it that made progress."""
     table = InFlightTable(10)
-    suspect, innocent = table.add(
-        [GenerateRequest("suspect", "x", 4), GenerateRequest("innocent", "y", 4)], 1e9
-    )
+    (suspect,) = table.add([GenerateRequest("suspect", "x", 4)], 1e9)
+    (innocent,) = table.add([GenerateRequest("innocent", "y", 4)], 1e9)
     table.waiting.clear()
     link = cast(WorkerLink, _Link())
     for entry, is_trial in ((suspect, True), (innocent, False)):
@@ -195,7 +194,7 @@ def test_a_death_without_progress_counts_only_where_the_request_alone_may_have_c
     nothing of which, if any, caused it: it counts toward MAX_WORKER_DEATHS
     alone; a death with one such request counts against it."""
     table = InFlightTable(10)
-    burst = table.add([GenerateRequest(f"new{i}", "x", 4) for i in range(3)], 1e9)
+    burst = [table.add([GenerateRequest(f"new{i}", "x", 4)], 1e9)[0] for i in range(3)]
     table.waiting.clear()
     first = cast(WorkerLink, _Link())
     for entry in burst:
@@ -227,3 +226,19 @@ def test_a_trials_death_counts_against_it_beside_newcomers() -> None:
     _, final = trial.events.get_nowait()
     assert "in flight on 2 workers that died" in str(final)
     assert newcomer in table.suspects and newcomer.num_deaths_without_progress == 0
+
+
+def test_the_choices_of_one_request_are_one_that_may_have_killed_the_worker() -> None:
+    """A request of two choices, sent to one worker together, killed it before
+    its first token: counted as two requests that might have, the death counted
+    against neither, and a poison request of n choices cost MAX_WORKER_DEATHS
+    workers instead of two."""
+    table = InFlightTable(10)
+    choices = table.add([GenerateRequest(f"poison-{i}", "x", 4) for i in range(2)], 1e9)
+    table.waiting.clear()
+    link = cast(WorkerLink, _Link())
+    for entry in choices:
+        entry.next_attempt()
+        table.hand_to(entry, link, is_trial=False)
+    release(table, link, "died", is_death=True, max_worker_deaths=8)
+    assert [entry.num_deaths_without_progress for entry in choices] == [1, 1]
