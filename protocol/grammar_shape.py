@@ -83,10 +83,11 @@ def _strings(value: Any) -> Iterator[str]:
             stack.extend(item)
 
 
-# Keywords beside `anyOf`, `oneOf` or `$ref` that intersect nothing.
+# Keywords beside `anyOf`, `oneOf` or `$ref` that intersect nothing (x-guidance:
+# llguidance's options, which the frontend adds to every schema's top).
 _ANNOTATIONS = frozenset(
     {"title", "description", "$comment", "default", "examples", "$id", "$schema", "$defs"}
-    | {"definitions", "deprecated", "readOnly", "writeOnly"}
+    | {"definitions", "deprecated", "readOnly", "writeOnly", "x-guidance"}
 )
 _BRANCHES = {"anyOf": list, "oneOf": list, "$ref": str}
 

@@ -47,6 +47,9 @@ def test_at_most_the_limit_of_patterned_properties_passes(wrap: Any) -> None:
         },
     }
     assert grammar_shape_problem(wrap(reused)) is None
+    # A top that is an anyOf, beside the options the frontend adds to every schema.
+    top_any_of = {"anyOf": [_patterned(2), {"type": "null"}]}
+    assert grammar_shape_problem(wrap(top_any_of)) is None
     # Intersections without patternProperties are not this check's concern.
     assert grammar_shape_problem(wrap({"allOf": [{"type": "object"}, {"required": []}]})) is None
 
