@@ -3,80 +3,147 @@ followed wrongly.
 
 A schema's `pattern` (and a `patternProperties` key) is a regex over a string's
 characters, which llguidance turns into one over the string as JSON writes it,
-escapes included. Where a character class holds every control character
-(U+0000 to U+001F, which JSON must escape), newline aside, it lets any escape
-through, `\\"` and `\\\\` too, even where the class leaves out `"` or `\\`: with
-llguidance 1.9.1, `^[^"]{1,4}$` wrote `"<\\"al"`, a string holding the quote it
-forbids (`[^\\n"]` too). Classes without another control character
-(`[^"\\x00-\\x1f]`, `[^\\t"]`) are followed exactly, as are classes that hold
-`"` and `\\` both (`[^a-z]`): `tests/test_pattern_escapes.py` asks llguidance.
+escapes included. Where a character class holds the control characters (which
+JSON must escape; newline aside) it lets any escape through, `\\"` and `\\\\`
+too, even where the class leaves out `"` or `\\`: with llguidance 1.9.1,
+`^[^"]{1,4}$` wrote `"<\\"al"`, a string holding the quote it forbids; so did
+`[^]"]`, `[[^"]]` and `\\p{Cc}`. Each class of a pattern is put to llguidance
+itself, in its own syntax: loose when, as a JSON string's pattern, it takes the
+escaped `"` or `\\` that, as a regex, it does not take.
 """
 
 from __future__ import annotations
 
-import re
+import functools
+import json
 from collections.abc import Iterator
 from typing import Any
 
+import llguidance
+
 from protocol.json_schema import subschemas
 
-# The control characters whose presence in a class makes it loose (newline's
-# does not count: `[^\\n"]` is as loose as `[^"]`).
-_CONTROLS = [chr(code) for code in range(0x20) if chr(code) != "\n"]
+# Distinct classes asked about a schema: each costs llguidance a few
+# milliseconds, and a schema may hold thousands.
+MAX_CHARACTER_CLASSES = 64
+_QUOTE_AND_BACKSLASH = ('"', "\\")
 
 
 def escaped_pattern_problem(schema: Any) -> str | None:
     """Why a pattern in ``schema`` would be followed loosely, if one would."""
-    for where, subschema in subschemas(schema):
-        patterns = [("pattern", subschema.get("pattern"))]
-        keys = subschema.get("patternProperties")
-        if isinstance(keys, dict):
-            patterns += [("patternProperties", key) for key in keys]
-        for keyword, pattern in patterns:
-            if not isinstance(pattern, str):
-                continue
-            loose = next((c for c in character_classes(pattern) if _is_loose(c)), None)
-            if loose is not None:
+    asked: set[str] = set()
+    for where, keyword, pattern in _patterns(schema):
+        for character_class in character_classes(pattern):
+            asked.add(character_class)
+            if len(asked) > MAX_CHARACTER_CLASSES:
+                return (
+                    f"Unimplemented: its patterns hold more than {MAX_CHARACTER_CLASSES} "
+                    "distinct character classes, which this server checks one by one; "
+                    "write fewer"
+                )
+            if _is_loose(character_class):
                 at = f"{where}.{keyword}".lstrip(".")
                 return (
-                    f"Unimplemented: {at} has the character class {loose}, which holds the "
-                    'control characters but not both " and \\, and which the grammar engine '
-                    "follows loosely (it lets any escape through); leave the control "
-                    f"characters out of it{_as_without_controls(loose)}, or let it hold "
-                    '" and \\ too'
+                    f"Unimplemented: {at} has the character class {character_class}, which "
+                    'leaves out " or \\ but holds the control characters, and which the '
+                    "grammar engine follows loosely (it lets any escape through); leave "
+                    'the control characters out of it (as [^"\\x00-\\x1f] does), or let '
+                    'it hold " and \\ too'
                 )
     return None
 
 
+def _patterns(schema: Any) -> Iterator[tuple[str, str, str]]:
+    """Each regex in ``schema``: where, under which keyword, and the regex."""
+    for where, subschema in subschemas(schema):
+        pattern = subschema.get("pattern")
+        if isinstance(pattern, str):
+            yield where, "pattern", pattern
+        keys = subschema.get("patternProperties")
+        if isinstance(keys, dict):
+            yield from ((where, "patternProperties", key) for key in keys)
+
+
 def character_classes(pattern: str) -> Iterator[str]:
-    """Each bracket expression in ``pattern`` (``[^"]``), as written."""
+    """Each character class in ``pattern``, as written: a bracket expression,
+    nested classes and all (Rust's syntax, which llguidance reads: a `]` first
+    in it is one of its characters), and a Unicode class (`\\p{Cc}`, `\\PL`)."""
     i = 0
     while i < len(pattern):
-        if pattern[i] == "\\":
+        if pattern.startswith(("\\p", "\\P"), i):
+            end = pattern.find("}", i) + 1 if pattern.startswith("{", i + 2) else i + 3
+            end = end or len(pattern)
+            yield pattern[i:end]
+            i = end
+        elif pattern[i] == "\\":
             i += 2
         elif pattern[i] == "[":
-            j = i + 1
-            while j < len(pattern) and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            yield pattern[i : j + 1]
-            i = j + 1
+            end = _class_end(pattern, i)
+            yield pattern[i:end]
+            i = end
         else:
             i += 1
 
 
+def _class_end(pattern: str, start: int) -> int:
+    """Where the bracket expression that opens at ``start`` ends (past its `]`)."""
+    i, depth = _past_opening(pattern, start), 1
+    while i < len(pattern) and depth:
+        if pattern[i] == "\\":
+            i += 2
+        elif pattern.startswith("[:", i) and ":]" in pattern[i + 2 :]:
+            i = pattern.index(":]", i + 2) + 2  # [:cntrl:], a POSIX class
+        elif pattern[i] == "[":
+            i, depth = _past_opening(pattern, i), depth + 1
+        else:
+            depth -= pattern[i] == "]"
+            i += 1
+    return min(i, len(pattern))
+
+
+def _past_opening(pattern: str, start: int) -> int:
+    """Past ``[``, a ``^`` after it, and a ``]`` first in the class (a literal)."""
+    i = start + 1
+    i += pattern.startswith("^", i)
+    return i + pattern.startswith("]", i)
+
+
+@functools.lru_cache(maxsize=4096)
 def _is_loose(character_class: str) -> bool:
-    try:
-        compiled = re.compile(character_class)
-    except re.error:
-        return False  # not Python's syntax: left to the grammar engine
-    if not all(compiled.fullmatch(c) for c in _CONTROLS):
-        return False
-    return not (compiled.fullmatch('"') and compiled.fullmatch("\\"))
+    """Whether, as a JSON string's pattern, ``character_class`` takes the escaped
+    quote or backslash that it does not take as a regex."""
+    string = llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps({"type": "string", "pattern": f"^{character_class}$"})
+    )
+    regex = llguidance.LLMatcher.grammar_from_regex(character_class)
+    return any(
+        _accepts(string, json.dumps(char)) and not _accepts(regex, char)
+        for char in _QUOTE_AND_BACKSLASH
+    )
 
 
-def _as_without_controls(character_class: str) -> str:
-    """A negated class as it would be followed exactly, less the control
-    characters, to show in parentheses; nothing for another class."""
-    if character_class.startswith("[^"):
-        return f" ({character_class[:-1]}\\x00-\\x1f])"
-    return ""
+def _accepts(grammar: str, text: str) -> bool:
+    tokenizer = _ascii_tokenizer()
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    matcher.consume_tokens(tokenizer.tokenize_str(text))
+    return matcher.is_accepting() and not matcher.is_error()
+
+
+class _AsciiVocabulary:
+    """A token per ASCII character (1 to 127), and 0 for the end, as llguidance's
+    `TokenizerWrapper` reads a vocabulary: enough to spell the texts asked about."""
+
+    def __init__(self) -> None:
+        self.eos_token_id = 0
+        self.bos_token_id = None
+        self.special_token_ids = [0]
+        self.tokens = [b"\xff[EOS]", *(bytes([code]) for code in range(1, 128))]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        text = text.decode(errors="replace") if isinstance(text, bytes) else text
+        return [ord(c) for c in text if 0 < ord(c) < 128]
+
+
+@functools.cache
+def _ascii_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_AsciiVocabulary()))

@@ -27,7 +27,7 @@ from frontend.body import parse_json
 from frontend.errors import ApiError
 from frontend.pattern_escapes import escaped_pattern_problem
 from protocol import GrammarKind
-from protocol.grammar_shape import grammar_shape_problem
+from protocol.grammar_shape import grammar_schemas, grammar_shape_problem
 from protocol.json_schema import EXACT_KEYWORDS, subschemas
 from protocol.limits import GRAMMAR_LIMITS, MAX_GRAMMAR_CHARS, MAX_GRAMMAR_ERROR_CHARS
 from protocol.wire import shorten
@@ -244,6 +244,8 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
     grammar, problem = _checked_grammar(kind, text)
     if problem is None and kind in JSON_KINDS:  # a schema llguidance takes
         problem = _repeated_keys_problem(schema) or escaped_pattern_problem(schema)
+    if problem is None and kind == GrammarKind.GRAMMAR:  # its %json blocks
+        problem = next(filter(None, map(escaped_pattern_problem, grammar_schemas(text))), None)
     return ("", problem) if problem is not None else (grammar, None)
 
 

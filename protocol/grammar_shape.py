@@ -40,7 +40,7 @@ def grammar_shape_problem(grammar: str) -> str | None:
     too much to compile, if it would; None otherwise. Cheap: one parse of at most
     MAX_GRAMMAR_CHARS characters."""
     try:
-        for schema in _schemas(grammar):
+        for schema in grammar_schemas(grammar):
             problem = _pattern_properties_problem(schema)
             if problem is not None:
                 return problem
@@ -49,8 +49,9 @@ def grammar_shape_problem(grammar: str) -> str | None:
     return None
 
 
-def _schemas(grammar: str) -> Iterator[Any]:
-    """Each JSON value in ``grammar`` that llguidance may read as a schema."""
+def grammar_schemas(grammar: str) -> Iterator[Any]:
+    """Each JSON value in ``grammar`` (llguidance's JSON form, or a Lark grammar
+    with `%json` blocks) that llguidance may read as a schema."""
     if grammar.lstrip().startswith("{"):  # llguidance's JSON form
         try:
             top = json.loads(grammar)

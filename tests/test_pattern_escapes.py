@@ -12,7 +12,11 @@ import pytest
 
 from frontend.errors import ApiError
 from frontend.openai_schemas import ResponseFormat
-from frontend.pattern_escapes import character_classes
+from frontend.pattern_escapes import (
+    MAX_CHARACTER_CLASSES,
+    character_classes,
+    escaped_pattern_problem,
+)
 from frontend.structured import JSON_OPTIONS, compile_grammar, request_grammar
 from protocol import GrammarKind
 from worker.engine.fake_engine import fake_grammar_tokenizer
@@ -29,6 +33,16 @@ CASES = [
     ('^[^\\t"]$', '"\\""', False),  # without tab: followed exactly
     ('^[^\\d"]$', '"\\""', True),
     ("^[^a-z]$", '"a"', False),  # it holds " and \ both: no escape is wrong
+    # Rust's syntax, as llguidance reads it: a ] first is a literal; nested classes;
+    # set operations; POSIX and Unicode classes.
+    ('^[^]"]$', '"\\""', True),
+    ('^[[^"]]$', '"\\""', True),
+    ('^[^"\\p{Lu}]$', '"\\""', True),
+    ('^[\\W--"]$', '"\\""', True),
+    ("^\\p{Cc}$", '"\\""', True),
+    ("^[[:cntrl:]]$", '"\\""', True),
+    ('^[^"[:cntrl:]]$', '"\\""', False),
+    ("^[\\x00-\\x1f~~\\t]$", '"\\""', False),  # less tab: followed exactly
 ]
 
 
@@ -77,8 +91,28 @@ def test_the_refusal_is_a_400_that_says_what_to_write_instead() -> None:
     with pytest.raises(ApiError) as refused:
         asyncio.run(request_grammar(response_format, None))
     assert refused.value.status == 400 and refused.value.code == "unsupported"
-    assert '([^"\\x00-\\x1f])' in refused.value.message
+    assert '[^"\\x00-\\x1f]' in refused.value.message
 
 
-def test_character_classes_are_read_past_escaped_brackets() -> None:
+def test_character_classes_are_read_as_llguidance_reads_them() -> None:
     assert list(character_classes(r"\[x[a\]b]c[^\\]")) == [r"[a\]b]", r"[^\\]"]
+    assert list(character_classes(r"[^]a]b[[^c]d]")) == [r"[^]a]", r"[[^c]d]"]
+    assert list(character_classes(r"[^[:alpha:]x]\p{Lu}\pLz")) == [
+        r"[^[:alpha:]x]",
+        r"\p{Lu}",
+        r"\pL",
+    ]
+
+
+def test_more_distinct_classes_than_the_limit_are_refused() -> None:
+    patterns = {f"^[a-{chr(0x4E00 + i)}]$": {} for i in range(MAX_CHARACTER_CLASSES + 1)}
+    schema = {"type": "object", "patternProperties": patterns}
+    assert escaped_pattern_problem(schema) is not None
+
+
+def test_a_lark_grammars_json_block_is_held_to_the_same_rule() -> None:
+    grammar = 'start: %json {"type": "string", "pattern": "^[^\\"]{1,4}$"}'
+    _, problem = compile_grammar(GrammarKind.GRAMMAR, grammar)
+    assert problem is not None and 'the character class [^"]' in problem
+    fine = 'start: %json {"type": "string", "pattern": "^[^\\"\\\\x00-\\\\x1f]{1,4}$"}'
+    assert compile_grammar(GrammarKind.GRAMMAR, fine)[1] is None
