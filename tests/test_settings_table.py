@@ -49,7 +49,7 @@ def test_the_table_has_every_process_setting() -> None:
 def test_a_setting_read_by_several_processes_has_one_default_and_type() -> None:
     """WORKER_ENDPOINT, PORT, TORCH_THREADS and NUM_WORKERS are fields of two or
     three config classes: the table shows one default, so each must have it
-    (and each process's own help, where they word it apart)."""
+    (their helps may differ: the table shows each process's)."""
     meanings: dict[str, set[tuple[str, str]]] = {}
     for config in (*(config for config, _ in READERS), WorkerClientConfig):
         for field in dataclasses.fields(config):

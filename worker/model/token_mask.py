@@ -19,7 +19,7 @@ import torch
 from worker.model.host_copy import to_device
 
 
-class TokenMasks(Protocol):
+class AllowedTokens(Protocol):
     """A batch's constrained rows and the tokens each may take next (the engine's
     `worker.engine.grammar.TokenMasks`)."""
 
@@ -31,7 +31,7 @@ class TokenMasks(Protocol):
         ...
 
 
-def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> None:
+def apply_token_masks(logits: torch.Tensor, masks: AllowedTokens) -> None:
     """Ban, in place, each constrained row's disallowed tokens in ``logits`` (N, V)."""
     vocab_size = logits.shape[-1]
     allowed = torch.from_numpy(masks.allowed(vocab_size))  # (R, V) uint8, 1 where allowed
