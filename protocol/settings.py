@@ -181,9 +181,11 @@ def _refuse_unknown_flags(
     flag, prog = unknown[0], parser.prog
     given = flag.split("=", 1)[0]
     without_flags: Mapping[str, str] = getattr(cls, "WITHOUT_FLAGS", {})
-    why_none = without_flags.get(setting_of_flag(cls, flag) or "")
-    if why_none:
-        parser.error(f"unrecognized argument {given}: {why_none}")
+    own = setting_of_flag(cls, flag)
+    if own is not None and own in without_flags:
+        parser.error(f"unrecognized argument {given}: {without_flags[own]}")
+    if own is not None:  # its own flag, after the "--" that ends them
+        parser.error(f"unrecognized argument {given}: after --, which ends the flags")
     inherited_by: tuple[type[Any], ...] = getattr(cls, "INHERITED_BY", ())
     # A child's flag, even cut short as argparse would take it there (--max-batch).
     env = next(filter(None, (setting_of_flag(child, flag) for child in inherited_by)), None)

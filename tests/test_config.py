@@ -74,6 +74,7 @@ def test_a_bad_value_given_by_a_flag_names_the_flag(argv: list[str], message: st
         (["--port", "8001"], "has no such flag, but PORT is read from the environment"),
         (["--fake-step-delay-s", "1"], "but FAKE_STEP_DELAY_S is read from the environment"),
         (["--colour", "red"], "unrecognized argument --colour: not a flag of"),
+        (["--", "--torch-threads", "1"], "--torch-threads: after --, which ends the flags"),
     ],
 )
 def test_an_unknown_flag_is_refused_naming_the_flag_likely_meant(
