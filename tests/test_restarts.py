@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -471,9 +472,12 @@ def test_a_worker_that_was_only_late_keeps_its_requests(tmp_path: Path) -> None:
         assert "replaying" not in stack.log("frontend")
 
 
-def test_a_request_that_kills_every_worker_is_failed_after_two_and_the_rest_succeed(
+def test_a_request_that_kills_every_worker_is_failed_after_two_or_three_and_the_rest_succeed(
     tmp_path: Path,
 ) -> None:
+    """Sent in a burst: where it was admitted beside newcomers, its first death
+    says nothing of which killed the worker, and its two trials' deaths fail it
+    (tests/test_scale.py sends one alone, failed after two)."""
     overrides = {"FAKE_CRASH_PROMPT": "poison", "FAKE_STEP_DELAY_S": "0.02"}
     with running_stack(tmp_path, overrides) as stack:
         first = stack.wait_live()
@@ -485,12 +489,13 @@ def test_a_request_that_kills_every_worker_is_failed_after_two_and_the_rest_succ
         poisoned = answers.pop(3)
         assert poisoned.status_code == 500
         assert poisoned.json()["error"]["code"] == "workers_died"
-        assert "in flight on 2 workers that died" in poisoned.json()["error"]["message"]
+        killed = re.search(r"in flight on (\d) workers", poisoned.json()["error"]["message"])
+        assert killed is not None and int(killed.group(1)) in (2, 3), poisoned.text
         for body, answer in zip(innocents, answers, strict=True):
             assert answer.status_code == 200, answer.text
             assert answer.json()["text"] == expected_text(str(body["prompt"]), 30)
         health = stack.wait_live(instance_not=str(first["instance_id"]))
-        assert health["worker_restarts"] == 2
+        assert health["worker_restarts"] == int(killed.group(1))
         assert health["inflight"] == 0
 
 
