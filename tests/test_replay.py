@@ -29,6 +29,15 @@ class _Link:
         return True
 
 
+def _holding(table: InFlightTable, entries: list[InFlight]) -> WorkerLink:
+    """A worker link that holds ``entries``' next attempts, none a trial."""
+    link = cast(WorkerLink, _Link())
+    for entry in entries:
+        entry.next_attempt()
+        table.hand_to(entry, link, is_trial=False)
+    return link
+
+
 def _on_trial_beside_an_innocent() -> tuple[InFlightTable, WorkerLink, InFlight, InFlight]:
     """A suspect on trial on a worker, and a request beside it that made progress."""
     table = InFlightTable(10)
@@ -196,11 +205,7 @@ def test_a_death_without_progress_counts_only_where_the_request_alone_may_have_c
     table = InFlightTable(10)
     burst = [table.add([GenerateRequest(f"new{i}", "x", 4)], 1e9)[0] for i in range(3)]
     table.waiting.clear()
-    first = cast(WorkerLink, _Link())
-    for entry in burst:
-        entry.next_attempt()
-        table.hand_to(entry, first, is_trial=False)
-    release(table, first, "died", is_death=True, max_worker_deaths=3)
+    release(table, _holding(table, burst), "died", is_death=True, max_worker_deaths=3)
     assert table.suspects == burst
     assert [entry.num_deaths_without_progress for entry in burst] == [0, 0, 0]
     trial = table.suspects.pop(0)
@@ -236,9 +241,5 @@ def test_the_choices_of_one_request_are_one_that_may_have_killed_the_worker() ->
     table = InFlightTable(10)
     choices = table.add([GenerateRequest(f"poison-{i}", "x", 4) for i in range(2)], 1e9)
     table.waiting.clear()
-    link = cast(WorkerLink, _Link())
-    for entry in choices:
-        entry.next_attempt()
-        table.hand_to(entry, link, is_trial=False)
-    release(table, link, "died", is_death=True, max_worker_deaths=8)
+    release(table, _holding(table, choices), "died", is_death=True, max_worker_deaths=8)
     assert [entry.num_deaths_without_progress for entry in choices] == [1, 1]
