@@ -49,7 +49,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import httpx
 import psutil
@@ -60,7 +59,7 @@ from bench.report import RESULTS, write_json
 from bench.stack import Stack, are_free, first_of_free_ports, running_stack, stack_env
 from bench.workload import make_workload
 from frontend.config import FrontendConfig
-from protocol.endpoints import MAX_PORT
+from protocol.endpoints import MAX_PORT, TcpEndpoint
 
 WORKER_MODULES = ("worker.serve.main", "minibatch-worker")
 
@@ -144,12 +143,12 @@ def _addresses(endpoints: Iterable[str]) -> set[tuple[str, int]]:
     """(IP, port) of each tcp:// endpoint, its host looked up."""
     addresses = set()
     for endpoint in endpoints:
-        parts = urlsplit(endpoint)
-        if parts.scheme != "tcp" or parts.hostname is None or parts.port is None:
+        tcp = TcpEndpoint.parse(endpoint)
+        if tcp is None or not tcp.host:
             continue
         with contextlib.suppress(OSError):
-            for *_, sockaddr in socket.getaddrinfo(parts.hostname, parts.port):
-                addresses.add((str(sockaddr[0]), parts.port))
+            for *_, sockaddr in socket.getaddrinfo(tcp.host, tcp.port):
+                addresses.add((str(sockaddr[0]), tcp.port))
     return addresses
 
 

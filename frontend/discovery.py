@@ -10,7 +10,8 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from urllib.parse import urlsplit
+
+from protocol.endpoints import TcpEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 class Discovery:
     def __init__(self, endpoints: list[str]) -> None:
         self.endpoints = endpoints
-        self._names = {e: name for e in endpoints if (name := _host_name(e)) is not None}
+        self._names = {e: tcp for e in endpoints if (tcp := _named(e)) is not None}
         self._failed: set[str] = set()  # names whose last look-up failed, logged once
 
     @property
@@ -30,31 +31,28 @@ class Discovery:
         not, the endpoints it had are missing from the set, not gone)."""
         found = {e for e in self.endpoints if e not in self._names}
         is_complete = True
-        for endpoint, name in self._names.items():
-            addresses = await _look_up(name)
+        for tcp in self._names.values():
+            addresses = await _look_up(tcp.host)
             if not addresses:
                 is_complete = False
-                if name not in self._failed:
-                    log.warning("cannot resolve %s; retrying, and keeping its workers", name)
-                    self._failed.add(name)
+                if tcp.host not in self._failed:
+                    log.warning("cannot resolve %s; retrying, and keeping its workers", tcp.host)
+                    self._failed.add(tcp.host)
                 continue
-            self._failed.discard(name)
-            port = urlsplit(endpoint).port
-            found.update(_endpoint(address, port) for address in addresses)
+            self._failed.discard(tcp.host)
+            found.update(tcp.at(host=address) for address in addresses)
         return found, is_complete
 
 
-def _host_name(endpoint: str) -> str | None:
-    """The host name in a tcp:// endpoint; None for an address or another transport."""
-    if not endpoint.startswith("tcp://"):
-        return None
-    host = urlsplit(endpoint).hostname
-    if host is None:
+def _named(endpoint: str) -> TcpEndpoint | None:
+    """A tcp:// endpoint that names its host; None for an address or another transport."""
+    tcp = TcpEndpoint.parse(endpoint)
+    if tcp is None or not tcp.host or tcp.host == "*":
         return None
     try:
-        ipaddress.ip_address(host)
+        ipaddress.ip_address(tcp.host)
     except ValueError:
-        return host
+        return tcp
     return None
 
 
@@ -69,8 +67,3 @@ async def _look_up(name: str) -> list[str]:
         if infos:
             return sorted({str(info[4][0]) for info in infos})
     return []
-
-
-def _endpoint(address: str, port: int | None) -> str:
-    host = f"[{address}]" if ":" in address else address
-    return f"tcp://{host}:{port}"

@@ -1,11 +1,12 @@
 """What a ZMQ endpoint setting must look like: the checks every process makes of
-the worker endpoints it is given, before it binds or connects; and whether an
-address can be listened on, which the worker and the frontend probe before
-they bind."""
+the worker endpoints it is given, before it binds or connects; the one reading
+of a tcp:// endpoint's host and port; and whether an address can be listened
+on, which the worker and the frontend probe before they bind."""
 
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 
 from protocol.settings import ConfigError, env_name
 
@@ -16,6 +17,42 @@ MAX_PORT = 65535
 DEFAULT_WORKER_ENDPOINT = "tcp://127.0.0.1:5555"
 # Where a frontend listens unless HOST says: the supervisor checks it too.
 DEFAULT_HTTP_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class TcpEndpoint:
+    """A tcp:// endpoint's host and port, read one way by every process."""
+
+    # As written, less an IPv6 address's brackets: a name, an address, or ZMQ's
+    # "*" for every address of this machine ("" where the endpoint names none).
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, endpoint: str) -> TcpEndpoint | None:
+        """``endpoint``'s host and port; None unless it is a tcp:// endpoint that
+        ends in a port from 1 to MAX_PORT."""
+        if not endpoint.startswith("tcp://"):
+            return None
+        # libzmq takes a port past 65535 modulo 65536 (99999 listens on 34463), and
+        # 0 or * for a port the system picks: either way, not where clients look.
+        host, colon, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if not (colon and port.isascii() and port.isdigit() and 1 <= int(port) <= MAX_PORT):
+            return None
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        return cls(host, int(port))
+
+    @property
+    def is_every_address(self) -> bool:
+        """Whether it binds every IPv4 address: ZMQ's ``*``, or 0.0.0.0."""
+        return self.host in ("*", "0.0.0.0")
+
+    def at(self, host: str | None = None, port: int | None = None) -> str:
+        """The endpoint string, with ``host`` or ``port`` in place of its own."""
+        host = self.host if host is None else host
+        written = f"[{host}]" if ":" in host else host
+        return f"tcp://{written}:{self.port if port is None else port}"
 
 
 def check_endpoint(config: object, name: str, endpoint: str | None = None) -> None:
@@ -40,12 +77,7 @@ def check_endpoint_value(endpoint: str, env: str) -> None:
             f"{env} names a socket path of {len(path.encode())} bytes; the system allows "
             f"{MAX_IPC_PATH_BYTES}: choose a shorter path, got {endpoint!r}"
         )
-    if not endpoint.startswith("tcp://"):
-        return
-    # libzmq takes a port past 65535 modulo 65536 (99999 listens on 34463), and
-    # 0 or * for a port the system picks: either way, not where clients look.
-    _, colon, port = endpoint.removeprefix("tcp://").rpartition(":")
-    if not (colon and port.isascii() and port.isdigit() and 1 <= int(port) <= MAX_PORT):
+    if endpoint.startswith("tcp://") and TcpEndpoint.parse(endpoint) is None:
         raise ConfigError(
             f"{env} must end in a port from 1 to {MAX_PORT}, as tcp://127.0.0.1:5555 does, "
             f"got {endpoint!r}"
@@ -57,12 +89,12 @@ def check_connect_endpoint(endpoint: str, env: str) -> None:
     where a worker binds, every address, and is none to connect to (libzmq
     refuses the connect with "Invalid argument")."""
     check_endpoint_value(endpoint, env)
-    if endpoint.startswith("tcp://*:"):
-        port = endpoint.removeprefix("tcp://*:")
+    tcp = TcpEndpoint.parse(endpoint)
+    if tcp is not None and tcp.host == "*":
         raise ConfigError(
             f"{env}={endpoint} is where a worker binds, on every address; connect to "
-            f"one of them, such as tcp://127.0.0.1:{port} (a worker binds every "
-            f"address with WORKER_BIND=tcp://*:{port})"
+            f"one of them, such as {tcp.at(host='127.0.0.1')} (a worker binds every "
+            f"address with WORKER_BIND={endpoint})"
         )
 
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Mapping
-from urllib.parse import urlsplit
 
-from protocol.endpoints import DEFAULT_HTTP_HOST
+from protocol.endpoints import DEFAULT_HTTP_HOST, TcpEndpoint
 from protocol.settings import ConfigError, load
 from protocol.stop_timing import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
 from worker.launch.child import KILL_AFTER_S
@@ -39,14 +38,14 @@ def check_ports_apart(config: SupervisorConfig, environ: Mapping[str, str]) -> N
     taken for the other kind, made the frontends give CURVE advice and a worker
     blame "another program". Hosts are looked up only for ports in common."""
     name, endpoint = _workers_bind(config, environ)
-    first = urlsplit(endpoint)
-    if first.scheme != "tcp" or first.port is None:
+    first = TcpEndpoint.parse(endpoint)
+    if first is None:
         return
     http_ports = range(config.port, config.port + config.num_frontends)
     worker_ports = range(first.port, first.port + config.num_workers)
     shared = sorted(set(http_ports) & set(worker_ports))
     http_host = environ.get("HOST", DEFAULT_HTTP_HOST)  # the frontends' own setting
-    if shared and _same_address(first.hostname or "", http_host):
+    if shared and _same_address(first.host, http_host):
         raise ConfigError(
             f"the frontends' ports (PORT={config.port}, NUM_FRONTENDS={config.num_frontends}: "
             f"{http_ports.start}-{http_ports.stop - 1}) and the workers' "

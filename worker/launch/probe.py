@@ -19,16 +19,12 @@ import zmq
 from protocol import Hello, ProtocolError
 from protocol.client_config import WorkerClientConfig
 from protocol.curve import ClientKeys
-from protocol.endpoints import check_connect_endpoint
+from protocol.endpoints import TcpEndpoint, check_connect_endpoint
 from protocol.peer import HANDSHAKE_FAILED, HandshakeRefused, ping, wait_for_hello, worker_socket
 from protocol.settings import ConfigError, load
 from worker.serve.config import WorkerConfig
 
 DEFAULT_TIMEOUT_S = 5.0
-
-# A worker binds to every interface with these; from inside its own container
-# (or host) the probe reaches it on loopback.
-_WILDCARD_HOSTS = ("tcp://*:", "tcp://0.0.0.0:")
 
 
 class ProbeFailed(RuntimeError):
@@ -38,10 +34,10 @@ class ProbeFailed(RuntimeError):
 def local_endpoint(config: WorkerConfig) -> str:
     """Where a probe beside the worker connects: its bind address, on loopback."""
     endpoint = config.listen_endpoint
-    for wildcard in _WILDCARD_HOSTS:
-        if endpoint.startswith(wildcard):
-            return "tcp://127.0.0.1:" + endpoint[len(wildcard) :]
-    return endpoint
+    tcp = TcpEndpoint.parse(endpoint)
+    # Bound to every address, from inside its own container (or host) the
+    # worker is reached on loopback.
+    return tcp.at(host="127.0.0.1") if tcp is not None and tcp.is_every_address else endpoint
 
 
 def probe(

@@ -28,9 +28,8 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
-from protocol.endpoints import MAX_IPC_PATH_BYTES, MAX_PORT
+from protocol.endpoints import MAX_IPC_PATH_BYTES, MAX_PORT, TcpEndpoint
 from protocol.lifeline import name_supervisor
 from protocol.liveness import PauseWatch, WorkerState
 from protocol.logs import log_as
@@ -234,19 +233,18 @@ def worker_endpoints(first: str, num_workers: int) -> list[str]:
                 "bytes: choose a shorter path"
             )
         return endpoints
-    parts = urlsplit(first)
-    if parts.scheme != "tcp" or parts.port is None:
+    tcp = TcpEndpoint.parse(first)
+    if tcp is None:
         raise ConfigError(
             f"NUM_WORKERS={num_workers} needs WORKER_ENDPOINT as tcp://host:port (the workers "
             f"take that port and the ones after it) or ipc://path, got {first!r}"
         )
-    if parts.port + num_workers - 1 > MAX_PORT:
+    if tcp.port + num_workers - 1 > MAX_PORT:
         raise ConfigError(
             f"WORKER_ENDPOINT={first} with NUM_WORKERS={num_workers} takes ports up to "
-            f"{parts.port + num_workers - 1}, past {MAX_PORT}: give it a lower port"
+            f"{tcp.port + num_workers - 1}, past {MAX_PORT}: give it a lower port"
         )
-    host = parts.netloc.rsplit(":", 1)[0]
-    return [f"tcp://{host}:{parts.port + i}" for i in range(num_workers)]
+    return [tcp.at(port=tcp.port + i) for i in range(num_workers)]
 
 
 def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:

@@ -7,10 +7,14 @@ import errno
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from urllib.parse import urlsplit
 
 from protocol.curve import ServerKeys, read_curve_keys, read_public_keys, read_secret_key
-from protocol.endpoints import DEFAULT_WORKER_ENDPOINT, check_endpoint, probe_binds
+from protocol.endpoints import (
+    DEFAULT_WORKER_ENDPOINT,
+    TcpEndpoint,
+    check_endpoint,
+    probe_binds,
+)
 from protocol.settings import ConfigError, require_interval, require_positive, setting
 
 DEFAULT_MODEL_ID = "distilgpt2"
@@ -249,10 +253,10 @@ def not_this_machines(config: WorkerConfig) -> str:
 def tcp_bind_address(endpoint: str) -> tuple[str, int] | None:
     """The host and port a bind of ``endpoint`` takes (ZMQ's ``*``: IPv4's
     wildcard); None unless it is a TCP endpoint with a port."""
-    parts = urlsplit(endpoint)
-    if parts.scheme != "tcp" or parts.port is None:
+    tcp = TcpEndpoint.parse(endpoint)
+    if tcp is None:
         return None
-    return "0.0.0.0" if parts.hostname in (None, "", "*") else parts.hostname, parts.port
+    return "0.0.0.0" if tcp.host in ("", "*") else tcp.host, tcp.port
 
 
 def is_listened_on(host: str, port: int) -> bool:
