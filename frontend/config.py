@@ -4,6 +4,7 @@ what every client of workers takes (`protocol.client_config`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 from urllib.parse import urlsplit
 
 from protocol.client_config import WorkerClientConfig
@@ -19,6 +20,8 @@ MIN_REQUEST_BYTES = 64 * 1024
 @dataclass(frozen=True)
 class FrontendConfig(WorkerClientConfig):
     """The HTTP frontend: where it listens, request limits, and worker liveness."""
+
+    COMMAND: ClassVar[str] = "minibatch-frontend"
 
     host: str = setting("HOST", DEFAULT_HTTP_HOST, "HTTP listen address")
     port: int = setting("PORT", 8000, "HTTP listen port")

@@ -205,8 +205,9 @@ def read_curve_keys(
 def main(argv: Sequence[str] | None = None) -> int:
     """`minibatch-keys DIR`: write a worker and a client certificate pair."""
     parser = argparse.ArgumentParser(
+        prog="minibatch-keys",
         description="Write CURVE certificates for the worker socket: worker.key and "
-        "worker.key_secret, client.key and client.key_secret, in DIR."
+        "worker.key_secret, client.key and client.key_secret, in DIR.",
     )
     parser.add_argument("directory", metavar="DIR")
     directory = Path(parser.parse_args(argv).directory)

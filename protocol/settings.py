@@ -257,9 +257,14 @@ def _parser(
 ) -> argparse.ArgumentParser:
     """A flag for each of ``cls``'s settings: ``--max-batch-size`` for MAX_BATCH_SIZE,
     but those in its ``WITHOUT_FLAGS`` (variable -> why it has no flag: settings it
-    inherits only to refuse them); its ``HELP_EPILOG``, if any, ends --help."""
+    inherits only to refuse them); its ``HELP_EPILOG``, if any, ends --help. Its
+    usage and errors name the process by its ``COMMAND``, also when it runs as
+    ``python -m``, where argparse would name the file (``main.py``)."""
     parser = argparse.ArgumentParser(
-        description=description, epilog=getattr(cls, "HELP_EPILOG", None), add_help=add_help
+        prog=getattr(cls, "COMMAND", None),
+        description=description,
+        epilog=getattr(cls, "HELP_EPILOG", None),
+        add_help=add_help,
     )
     without_flags: Mapping[str, str] = getattr(cls, "WITHOUT_FLAGS", {})
     for f in dataclasses.fields(cls):

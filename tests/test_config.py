@@ -153,6 +153,30 @@ def _minibatch_serve(argv: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.parametrize(
+    ("module", "command"),
+    [
+        ("worker.launch.supervisor", "minibatch-serve"),
+        ("worker.serve.main", "minibatch-worker"),
+        ("frontend.main", "minibatch-frontend"),
+        ("worker.launch.probe", "minibatch-probe"),
+        ("protocol.curve", "minibatch-keys"),
+    ],
+)
+def test_a_process_run_as_python_m_names_itself_by_its_command(module: str, command: str) -> None:
+    """argparse named the file: "main.py has no such flag... set it in main.py's
+    environment" said neither which process nor what to run."""
+    refused = subprocess.run(
+        [sys.executable, "-m", module, "--colour", "red"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.startswith(f"usage: {command} "), refused.stderr
+    assert ".py" not in refused.stderr
+
+
 def test_a_misspelt_variable_is_named_with_the_setting_it_likely_meant_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -28,6 +28,7 @@ class SupervisorConfig(WorkerClientConfig):
     """The local launcher: how many processes it runs, and how it restarts a worker
     that died or hung."""
 
+    COMMAND: ClassVar[str] = "minibatch-serve"
     # It tells its frontends where the workers it starts are: a list of its own
     # is refused (`check_no_worker_endpoints`), so --help offers no flag for it.
     WITHOUT_FLAGS: ClassVar[Mapping[str, str]] = {"WORKER_ENDPOINTS": NO_WORKER_ENDPOINTS}

@@ -89,8 +89,9 @@ def probe(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        prog="minibatch-probe",
         description="Exit 0 if a MiniBatch-LLM worker answers a Ping with Hello, else 1 "
-        "(2 for arguments it cannot use)."
+        "(2 for arguments it cannot use).",
     )
     parser.add_argument(
         # --worker-endpoint as every other process spells it; --endpoint, as

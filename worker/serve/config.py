@@ -7,6 +7,7 @@ import errno
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar
 
 from protocol.curve import ServerKeys, read_curve_keys, read_public_keys, read_secret_key
 from protocol.endpoints import (
@@ -42,6 +43,8 @@ def check_torch_threads(num_threads: int) -> None:
 @dataclass(frozen=True)
 class WorkerConfig:
     """The engine worker: model, batch slots, queue, and its ZMQ endpoint."""
+
+    COMMAND: ClassVar[str] = "minibatch-worker"
 
     model_id: str = setting(
         "MODEL_ID",
