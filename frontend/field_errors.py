@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,11 @@ MAX_NAME_CHARS = 40  # of a field name quoted back: an unknown one may be any le
 _UNION_ARM = re.compile(r"(constrained-)?(str|int|float|bool|(list|dict)\[.*\])$")
 
 
+# The field names of the object at a path of a body (its field names, list
+# indexes and union arms left out; () for the body itself), to suggest from.
+FieldsAt = Callable[[Sequence[str]], Sequence[str]]
+
+
 @dataclass(frozen=True)
 class _Fault:
     """One of pydantic's errors, placed."""
@@ -35,14 +40,15 @@ class _Fault:
     item: dict[str, Any]
 
 
-def describe(error: ValidationError, fields: Sequence[str] = ()) -> tuple[str, str | None]:
+def describe(error: ValidationError, fields_at: FieldsAt | None = None) -> tuple[str, str | None]:
     """One readable sentence per field at fault, in JSON's words
     ('max_new_tokens: must be an integer, got a string'), the first
     MAX_REPORTED_ERRORS of them, and the first such field. For a union, a value
     of no arm's type is one sentence naming the accepted types, and one of an
     arm's type is told that arm's complaint alone (an array's bad item, say). An
-    unknown top-level field is told the nearest of ``fields`` (the body's), or
-    all of them."""
+    unknown field is told the nearest of the fields ``fields_at`` gives for its
+    object, or all of them."""
+    fields_at = fields_at or (lambda path: ())
     by_field: dict[str, list[_Fault]] = {}
     for item in error.errors(include_url=False):
         loc = item["loc"]
@@ -61,7 +67,7 @@ def describe(error: ValidationError, fields: Sequence[str] = ()) -> tuple[str, s
         specific = [fault for fault in faults if not fault.refuses_type]
         if specific:
             specific = _furthest_arm(specific)
-            sentences += [f"{f.where}: {_complaint(f.item, fields)}" for f in specific]
+            sentences += [f"{f.where}: {_complaint(f.item, fields_at)}" for f in specific]
             params.append(specific[0].where)
         else:
             kinds = [_json_kind(arm or "?") for arm in dict.fromkeys(f.arm for f in faults)]
@@ -75,7 +81,7 @@ def describe(error: ValidationError, fields: Sequence[str] = ()) -> tuple[str, s
         sentences = [*sentences[:MAX_REPORTED_ERRORS], f"and {num_unreported} more"]
     if any(sentence.endswith(_NOT_A_FIELD) for sentence in sentences):
         # Once, however many unknown fields there are.
-        sentences.append(f"this body's fields are {', '.join(fields)}")
+        sentences.append(f"this body's fields are {', '.join(fields_at(()))}")
     return "; ".join(sentences), param
 
 
@@ -128,15 +134,9 @@ _BOUND_BY_ERROR_TYPE = {
 _NOT_A_FIELD = "not a field of this body"
 
 
-def _complaint(item: Any, fields: Sequence[str]) -> str:
-    if item["type"] == "extra_forbidden" and len(item["loc"]) == 1 and fields:
-        nearest = difflib.get_close_matches(str(item["loc"][0]), fields, n=1)
-        if nearest:
-            return f"not a field of this body; did you mean {nearest[0]}?"
-        return _NOT_A_FIELD  # `describe` names the fields once
-    if item["type"] == "extra_forbidden":  # inside an object of the body
-        parent = ".".join(short_name(part) for part in item["loc"][:-1] if not _is_arm(part))
-        return f"not a field of {parent or 'this body'}; leave it out"
+def _complaint(item: Any, fields_at: FieldsAt) -> str:
+    if item["type"] == "extra_forbidden":
+        return _not_a_field(item["loc"], fields_at)
     if item["type"] in _BOUND_BY_ERROR_TYPE:
         return _out_of_bounds(item)
     if item["type"] == "missing":
@@ -154,6 +154,22 @@ def _complaint(item: Any, fields: Sequence[str]) -> str:
         shown = "a number past a float's range" if math.isinf(value) else f"{value:g}"
         return f"must be an integer within this field's bounds, got {shown}"
     return f"must be {kind}, got {json_kind_of(value)}"
+
+
+def _not_a_field(loc: Sequence[int | str], fields_at: FieldsAt) -> str:
+    """An unknown field, told the nearest field of its object, or, inside the
+    body, all of them (the body's are named once, by `describe`)."""
+    parent = [part for part in loc[:-1] if not _is_arm(part)]
+    fields = fields_at([part for part in parent if isinstance(part, str)])
+    where = ".".join(short_name(part) for part in parent)
+    nearest = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+    if nearest:
+        return f"not a field of {where or 'this body'}; did you mean {nearest[0]}?"
+    if not parent and fields:
+        return _NOT_A_FIELD
+    if fields:
+        return f"not a field of {where}, whose fields are {', '.join(fields)}"
+    return f"not a field of {where or 'this body'}; leave it out"
 
 
 def _is_huge_integral(value: Any) -> bool:

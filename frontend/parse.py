@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -61,7 +62,7 @@ def decode_body(
     try:
         return schema.model_validate(value), ignored
     except ValidationError as exc:
-        message, param = describe(exc, list(schema.model_fields))
+        message, param = describe(exc, functools.partial(fields_in, schema))
         raise ApiError(422, message, "invalid_request", param) from None
 
 
@@ -114,6 +115,18 @@ def check_num_fields(value: dict[str, Any], schema: type[BaseModel], where: str 
             check_num_fields(value[name], nested.model, path)
         for i, item in nested.listed(value[name]):
             check_num_fields(item, nested.model, f"{path}.{i}")
+
+
+def fields_in(schema: type[BaseModel], path: Sequence[str]) -> list[str]:
+    """The fields of the object at ``path`` (its fields' names, list indexes left
+    out) in a body of ``schema``; none where no model holds that object."""
+    model = schema
+    for name in path:
+        nested = wire_fields(model).get(name)
+        if nested is None:
+            return []
+        model = nested.model
+    return list(wire_fields(model))
 
 
 @dataclass(frozen=True)

@@ -570,7 +570,8 @@ def test_strict_request_fields_restores_the_422(tmp_path: Path) -> None:
     assert "best_of_luck" in response.json()["error"]["message"]
     assert inside.status_code == 422
     assert inside.json()["error"]["message"] == (
-        "stream_options.nonsense: not a field of stream_options; leave it out"
+        "stream_options.nonsense: not a field of stream_options, whose fields are "
+        "include_usage, continuous_usage_stats"
     )
 
 

@@ -4,6 +4,7 @@ and large bodies hold up nothing else for long."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 from types import SimpleNamespace
@@ -16,13 +17,14 @@ from frontend import body as body_module
 from frontend.body import MAX_JSON_CONTAINERS
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError
-from frontend.field_errors import MAX_REPORTED_ERRORS, describe
+from frontend.field_errors import MAX_REPORTED_ERRORS, FieldsAt, describe
 from frontend.openai_schemas import ChatBody, CompletionBody
 from frontend.parse import (
     LARGE_BODY_BYTES,
     check_num_fields,
     decode_body,
     drop_unknown,
+    fields_in,
     parse_body,
 )
 from frontend.schemas import GenerateBody
@@ -199,16 +201,56 @@ def test_an_unknown_field_is_told_the_nearest_field_or_all_of_them() -> None:
     fields = list(GenerateBody.model_fields)
     with pytest.raises(ValidationError) as caught:
         GenerateBody.model_validate({"prompt": "hi", "max_tokens": 4})
-    assert describe(caught.value, fields) == (
+    assert describe(caught.value, _fields_in(GenerateBody)) == (
         "max_tokens: not a field of this body; did you mean max_new_tokens?",
         "max_tokens",
     )
     with pytest.raises(ValidationError) as caught:
         GenerateBody.model_validate({"prompt": "hi", "colour": "blue"})
-    message, _ = describe(caught.value, fields)
+    message, _ = describe(caught.value, _fields_in(GenerateBody))
     assert (
         message == f"colour: not a field of this body; this body's fields are {', '.join(fields)}"
     )
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            {"stream_options": {"include_usge": True}},
+            "stream_options.include_usge: not a field of stream_options; "
+            "did you mean include_usage?",
+        ),
+        (
+            {"stream_options": {"colour": 1}},
+            "stream_options.colour: not a field of stream_options, whose fields are "
+            "include_usage, continuous_usage_stats",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi", "nme": "x"}]},
+            "messages.0.nme: not a field of messages.0; did you mean name?",
+        ),
+        (  # inside a union's arm (list[ContentPart]) of a list's item
+            {"messages": [{"role": "user", "content": [{"type": "text", "txt": "a"}]}]},
+            "messages.0.content.0.txt: not a field of messages.0.content.0; did you mean text?",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schem": {}}}},
+            "response_format.json_schema.schem: not a field of response_format.json_schema; "
+            "did you mean schema?",
+        ),
+    ],
+)
+def test_an_unknown_field_inside_an_object_is_told_that_objects_fields(
+    body: dict[str, object], expected: str
+) -> None:
+    """STRICT_REQUEST_FIELDS' answer to a typo inside an object was "leave it
+    out", with no word of the field meant."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+    with pytest.raises(ValidationError) as caught:
+        ChatBody.model_validate(chat)
+    message, _ = describe(caught.value, _fields_in(ChatBody))
+    assert expected in message
 
 
 def test_several_unknown_fields_name_the_bodys_fields_once() -> None:
@@ -216,7 +258,7 @@ def test_several_unknown_fields_name_the_bodys_fields_once() -> None:
     unknown = {name: 1 for name in "abcdefg"}
     with pytest.raises(ValidationError) as caught:
         GenerateBody.model_validate({"prompt": "hi", **unknown})
-    message, _ = describe(caught.value, fields)
+    message, _ = describe(caught.value, _fields_in(GenerateBody))
     assert message.count(", ".join(fields)) == 1
     assert message.startswith("a: not a field of this body; b: not a field of this body; ")
     assert "; and 2 more; this body's fields are " in message
@@ -403,3 +445,7 @@ def test_large_bodies_are_validated_one_per_turn_of_the_event_loop() -> None:
     large_done, small_done = asyncio.run(burst())
     assert all(later > earlier for earlier, later in itertools.pairwise(large_done))
     assert len(set(small_done)) == 1
+
+
+def _fields_in(schema: type[BaseModel]) -> FieldsAt:
+    return functools.partial(fields_in, schema)
