@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 from protocol import AbortRequest, GenerateRequest, ToWorker
 from worker.serve.inbox import Inbox
 
@@ -25,3 +29,19 @@ def test_only_requests_count_and_each_until_it_is_applied() -> None:
     assert inbox.num_requests == 0
     inbox.drain(apply, timeout_s=0.01)  # nothing waits: returns after the timeout
     assert inbox.num_requests == 0
+
+
+def test_a_wait_that_a_slow_signal_handler_outlives_still_ends() -> None:
+    """A handler (the worker's stop signal's logs a line) that ran past the wait's
+    timeout left SimpleQueue's wait waiting forever: an idle worker told to stop
+    never looked at its stop flag again, and hung until SIGKILL."""
+    code = textwrap.dedent(
+        """
+        import signal, time
+        from worker.serve.inbox import Inbox
+        signal.signal(signal.SIGALRM, lambda *_: time.sleep(0.3))
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        Inbox().drain(lambda *_: None, timeout_s=0.1)
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], timeout=10, check=True)

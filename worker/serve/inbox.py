@@ -16,7 +16,11 @@ from protocol import GenerateRequest, ToWorker
 
 class Inbox:
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[ToWorker, float]] = queue.SimpleQueue()
+        # Not SimpleQueue: on CPython 3.11 its get(timeout=...) waits forever once a
+        # signal handler runs past the timeout (it waits again for what is left,
+        # below zero), and the engine thread, which runs the handlers, waits here:
+        # an idle worker told to stop hung until SIGKILL.
+        self._queue: queue.Queue[tuple[ToWorker, float]] = queue.Queue()
         self._lock = threading.Lock()  # put and drain run on different threads
         self._num_requests = 0
 
