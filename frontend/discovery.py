@@ -47,7 +47,7 @@ class Discovery:
 def _named(endpoint: str) -> TcpEndpoint | None:
     """A tcp:// endpoint that names its host; None for an address or another transport."""
     tcp = TcpEndpoint.parse(endpoint)
-    if tcp is None or not tcp.host or tcp.host == "*":
+    if tcp is None or tcp.host == "*":
         return None
     try:
         ipaddress.ip_address(tcp.host)

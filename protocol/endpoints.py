@@ -24,7 +24,7 @@ class TcpEndpoint:
     """A tcp:// endpoint's host and port, read one way by every process."""
 
     # As written, less an IPv6 address's brackets: a name, an address, or ZMQ's
-    # "*" for every address of this machine ("" where the endpoint names none).
+    # "*" for every address of this machine.
     host: str
     port: int
 
@@ -65,7 +65,13 @@ def check_endpoint(config: object, name: str, endpoint: str | None = None) -> No
 
 def check_endpoint_value(endpoint: str, env: str) -> None:
     """`check_endpoint` for a value that ``env`` (a setting, or a flag) gave."""
-    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+    if endpoint.startswith("inproc://"):
+        # A worker's clients are other processes, which never reach it there.
+        raise ConfigError(
+            f"{env}={endpoint}: inproc:// reaches only threads of one process; use "
+            f"tcp:// (such as {DEFAULT_WORKER_ENDPOINT}) or ipc://"
+        )
+    if not endpoint.startswith(("tcp://", "ipc://")):
         raise ConfigError(
             f"{env} must be a ZMQ endpoint such as {DEFAULT_WORKER_ENDPOINT}, got {endpoint!r}"
         )
@@ -82,6 +88,24 @@ def check_endpoint_value(endpoint: str, env: str) -> None:
             f"{env} must end in a port from 1 to {MAX_PORT}, as tcp://127.0.0.1:5555 does, "
             f"got {endpoint!r}"
         )
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    if endpoint.startswith("tcp://") and (problem := _host_problem(host)):
+        raise ConfigError(f"{env}={endpoint} {problem}")
+
+
+def _host_problem(host: str) -> str | None:
+    """What is wrong with a tcp:// endpoint's host as written, if anything: none,
+    or an IPv6 address that the port cannot be told from."""
+    if not host:
+        return "names no host: tcp://127.0.0.1:5555 is one (tcp://*:5555 binds every address)"
+    is_bracketed = host.startswith("[") and host.endswith("]")
+    if ("[" in host or "]" in host) and not (is_bracketed and host.count("[") == 1):
+        return "has unmatched brackets: write an IPv6 address as tcp://[::1]:5555 does"
+    if ":" in host and not is_bracketed:
+        return (
+            "has a colon in its host: write an IPv6 address in brackets, as tcp://[::1]:5555 does"
+        )
+    return None
 
 
 def check_connect_endpoint(endpoint: str, env: str) -> None:

@@ -294,7 +294,7 @@ def test_a_bad_frontend_value_names_its_variable(env: dict[str, str], message: s
 
 @pytest.mark.parametrize(
     "endpoint",
-    ["tcp://*:5555", "tcp://0.0.0.0:1", "tcp://[::1]:65535", "ipc:///tmp/worker", "inproc://w"],
+    ["tcp://*:5555", "tcp://0.0.0.0:1", "tcp://[::1]:65535", "ipc:///tmp/worker"],
 )
 def test_every_endpoint_form_in_use_is_taken(endpoint: str) -> None:
     worker = load(WorkerConfig, [], {"WORKER_BIND": endpoint})

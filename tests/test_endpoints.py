@@ -3,6 +3,8 @@ every process makes of an endpoint setting."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from protocol.endpoints import TcpEndpoint, check_connect_endpoint, check_endpoint_value
@@ -60,6 +62,32 @@ def test_only_a_wildcard_is_every_address() -> None:
 def test_a_setting_with_no_usable_port_is_refused_naming_it(endpoint: str) -> None:
     with pytest.raises(ConfigError, match=r"WORKER_ENDPOINT must end in a port from 1 to 65535"):
         check_endpoint_value(endpoint, "WORKER_ENDPOINT")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "message"),
+    [
+        # Each passed the check, then failed a reading of it with a traceback (exit
+        # 1), or was bound or connected to where nothing could ever be reached.
+        ("tcp://::1:5555", r"has a colon in its host: write an IPv6 address in brackets"),
+        ("tcp://a:b:5555", r"has a colon in its host"),
+        ("tcp://[::1:5555", r"has unmatched brackets"),
+        ("tcp://::1]:5555", r"has unmatched brackets"),
+        ("tcp://[[::1]]:5555", r"has unmatched brackets"),
+        ("tcp://:5555", r"names no host: tcp://127\.0\.0\.1:5555 is one"),
+        ("inproc://worker", r"inproc:// reaches only threads of one process"),
+    ],
+)
+def test_an_endpoint_no_process_can_use_is_refused_saying_how_to_write_one(
+    endpoint: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"^WORKER_ENDPOINT={re.escape(endpoint)}:? {message}"):
+        check_endpoint_value(endpoint, "WORKER_ENDPOINT")
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://[::1]:5555", "tcp://*:1", "tcp://worker:65535"])
+def test_a_usable_endpoint_passes(endpoint: str) -> None:
+    check_endpoint_value(endpoint, "WORKER_ENDPOINT")
 
 
 def test_connecting_to_a_wildcard_is_refused_with_a_loopback_to_try() -> None:
