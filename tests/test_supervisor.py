@@ -113,7 +113,7 @@ def test_each_of_several_workers_is_told_its_endpoint_cores_and_how_many_share_m
     check must still count the others."""
     monkeypatch.delenv("NUM_WORKERS", raising=False)
     config = load(SupervisorConfig, ["--num-workers", "3"], {})
-    env = _worker_env("tcp://127.0.0.1:5557", config)
+    env = _worker_env("tcp://127.0.0.1:5557", "", config)
     worker = load(WorkerConfig, [], env)
     assert (worker.num_workers, worker.worker_endpoint, worker.worker_bind) == (
         3,
@@ -121,6 +121,36 @@ def test_each_of_several_workers_is_told_its_endpoint_cores_and_how_many_share_m
         "",
     )
     assert worker.torch_threads == max(1, len(os.sched_getaffinity(0)) // 3)
+
+
+def test_several_workers_bind_worker_bind_numbered_as_their_endpoints(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WORKER_BIND was dropped, without a word, once NUM_WORKERS was past 1: the
+    workers bound their endpoints' address, loopback, not every address."""
+    monkeypatch.setenv("WORKER_BIND", "tcp://*:19041")
+    config = SupervisorConfig(
+        worker_endpoint="tcp://127.0.0.1:29041", num_workers=2, warm_start=False
+    )
+    supervisor = Supervisor(config)
+    try:
+        envs = [child.env or {} for child, _ in supervisor.workers]
+        assert [(e["WORKER_ENDPOINT"], e["WORKER_BIND"]) for e in envs] == [
+            ("tcp://127.0.0.1:29041", "tcp://*:19041"),
+            ("tcp://127.0.0.1:29042", "tcp://*:19042"),
+        ]
+    finally:
+        for _, watch in supervisor.workers:
+            watch.close()
+
+
+def test_a_worker_bind_with_no_room_for_several_workers_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WORKER_BIND", "tcp://*:65535")
+    config = SupervisorConfig(num_workers=2, warm_start=False)
+    with pytest.raises(ConfigError, match=r"WORKER_BIND=tcp://\*:65535 with NUM_WORKERS=2 takes"):
+        Supervisor(config)
 
 
 @pytest.mark.parametrize(
@@ -140,6 +170,17 @@ def test_each_of_several_workers_is_told_its_endpoint_cores_and_how_many_share_m
         ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "127.1", 8000),
         ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "0", 8000),
         ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://[::1]:8000"}, "::0", 8000),
+        # Workers bind WORKER_BIND, where it is set, and the ports after it.
+        (
+            {
+                "PORT": "8001",
+                "NUM_WORKERS": "2",
+                "WORKER_ENDPOINT": "tcp://192.0.2.2:9000",
+                "WORKER_BIND": "tcp://*:8000",
+            },
+            "127.0.0.1",
+            8001,
+        ),
         # A lone worker binds WORKER_BIND, where it is set.
         (
             {
@@ -161,6 +202,8 @@ def test_each_of_several_workers_is_told_its_endpoint_cores_and_how_many_share_m
             None,
         ),
         ({"PORT": "5555", "WORKER_ENDPOINT": "tcp://10.0.0.2:5555"}, "10.0.0.3", None),
+        # HOST="", refused by the frontend naming it, is not an overlap.
+        ({"PORT": "8000", "WORKER_ENDPOINT": "tcp://127.0.0.1:8000"}, "", None),
         (
             {"PORT": "5555", "NUM_WORKERS": "2", "WORKER_ENDPOINT": "ipc:///tmp/w"},
             "127.0.0.1",

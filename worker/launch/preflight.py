@@ -25,15 +25,15 @@ def check_before_start(config: SupervisorConfig, environ: Mapping[str, str]) -> 
 
 
 def _workers_bind(config: SupervisorConfig, environ: Mapping[str, str]) -> tuple[str, str]:
-    """The setting and endpoint the first worker binds: several workers each bind
-    their own endpoint; a lone one, WORKER_BIND if set."""
-    bind = environ.get("WORKER_BIND", "") if config.num_workers == 1 else ""
+    """The setting and endpoint the first worker binds: WORKER_BIND if set (the
+    others bind the next ports), else WORKER_ENDPOINT."""
+    bind = environ.get("WORKER_BIND", "")
     return ("WORKER_BIND", bind) if bind else ("WORKER_ENDPOINT", config.worker_endpoint)
 
 
 def check_ports_apart(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
     """Refuse frontend ports (PORT and the next NUM_FRONTENDS - 1) that overlap the
-    workers' (WORKER_ENDPOINT's, or a lone worker's WORKER_BIND, and the next
+    workers' (WORKER_BIND's if set, else WORKER_ENDPOINT's, and the next
     NUM_WORKERS - 1) on one address: whichever binds second fails, and the first,
     taken for the other kind, made the frontends give CURVE advice and a worker
     blame "another program". Hosts are looked up only for ports in common."""
@@ -78,7 +78,7 @@ def _same_address(worker_host: str, http_host: str) -> bool:
     common, or a wildcard of the other's family. Each is read as binding reads it
     (``127.1``, ``0``, ``::0``; a ZMQ ``*`` is IPv4's wildcard); a host that does
     not resolve is left for binding to refuse."""
-    worker = _bind_addresses("0.0.0.0" if worker_host in ("", "*") else worker_host)
+    worker = _bind_addresses("0.0.0.0" if worker_host == "*" else worker_host)
     http = _bind_addresses(http_host)
     return any(
         a.version == b.version and (a == b or a.is_unspecified or b.is_unspecified)
@@ -88,9 +88,10 @@ def _same_address(worker_host: str, http_host: str) -> bool:
 
 
 def _bind_addresses(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    name = host.strip("[]")
+    if not name:
+        return []  # HOST="", which the frontend refuses, naming it
     try:
-        # No host (HOST=""): every interface, as a listener reads it.
-        name = host.strip("[]") or None
         infos = socket.getaddrinfo(name, 0, flags=socket.AI_PASSIVE, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         return []

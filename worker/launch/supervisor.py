@@ -58,10 +58,17 @@ class Supervisor:
     def __init__(self, config: SupervisorConfig) -> None:
         self.config = config
         endpoints = worker_endpoints(config.worker_endpoint, config.num_workers)
+        # WORKER_BIND, a worker's setting they inherit, is numbered as the endpoints.
+        bind = os.environ.get("WORKER_BIND", "")
+        binds = worker_endpoints(bind, config.num_workers, "WORKER_BIND") if bind else None
         self.workers: list[tuple[Child, WorkerWatch]] = []
         for i, endpoint in enumerate(endpoints):
             name = "worker" if len(endpoints) == 1 else f"worker-{i}"
-            env = _worker_env(endpoint, config) if len(endpoints) > 1 else dict(os.environ)
+            env = (
+                _worker_env(endpoint, binds[i] if binds else "", config)
+                if len(endpoints) > 1
+                else dict(os.environ)
+            )
             child = Child(
                 name,
                 "worker.serve.main",
@@ -220,15 +227,16 @@ class Supervisor:
         return self.config.worker_start_timeout_s
 
 
-def worker_endpoints(first: str, num_workers: int) -> list[str]:
-    """``first`` and the endpoints after it: the next ports, or numbered ipc paths."""
+def worker_endpoints(first: str, num_workers: int, setting: str = "WORKER_ENDPOINT") -> list[str]:
+    """``first`` (``setting``'s value) and the endpoints after it: the next ports,
+    or numbered ipc paths."""
     if num_workers == 1:
         return [first]
     if first.startswith("ipc://"):
         endpoints = [first] + [f"{first}-{i}" for i in range(1, num_workers)]
         if len(endpoints[-1].removeprefix("ipc://").encode()) > MAX_IPC_PATH_BYTES:
             raise ConfigError(
-                f"WORKER_ENDPOINT={first} with NUM_WORKERS={num_workers} makes socket paths "
+                f"{setting}={first} with NUM_WORKERS={num_workers} makes socket paths "
                 f"such as {endpoints[-1]}, longer than the system's {MAX_IPC_PATH_BYTES} "
                 "bytes: choose a shorter path"
             )
@@ -236,24 +244,25 @@ def worker_endpoints(first: str, num_workers: int) -> list[str]:
     tcp = TcpEndpoint.parse(first)
     if tcp is None:
         raise ConfigError(
-            f"NUM_WORKERS={num_workers} needs WORKER_ENDPOINT as tcp://host:port (the workers "
+            f"NUM_WORKERS={num_workers} needs {setting} as tcp://host:port (the workers "
             f"take that port and the ones after it) or ipc://path, got {first!r}"
         )
     if tcp.port + num_workers - 1 > MAX_PORT:
         raise ConfigError(
-            f"WORKER_ENDPOINT={first} with NUM_WORKERS={num_workers} takes ports up to "
+            f"{setting}={first} with NUM_WORKERS={num_workers} takes ports up to "
             f"{tcp.port + num_workers - 1}, past {MAX_PORT}: give it a lower port"
         )
     return [tcp.at(port=tcp.port + i) for i in range(num_workers)]
 
 
-def _worker_env(endpoint: str, config: SupervisorConfig) -> dict[str, str]:
-    """One of several workers: its own endpoint, its share of the cores, and how
-    many share the memory (each checks that all their KV caches fit)."""
+def _worker_env(endpoint: str, bind: str, config: SupervisorConfig) -> dict[str, str]:
+    """One of several workers: its own endpoint (and where it binds, if that is
+    not its endpoint), its share of the cores, and how many share the memory
+    (each checks that all their KV caches fit)."""
     threads = config.torch_threads or max(1, len(os.sched_getaffinity(0)) // config.num_workers)
     env = {**os.environ, "WORKER_ENDPOINT": endpoint, "TORCH_THREADS": str(threads)}
     env["NUM_WORKERS"] = str(config.num_workers)
-    env["WORKER_BIND"] = ""  # each binds its own endpoint
+    env["WORKER_BIND"] = bind
     return env
 
 

@@ -60,7 +60,10 @@ class WorkerConfig:
         "the ZMQ endpoint it listens on, and that its clients connect to",
     )
     worker_bind: str = setting(
-        "WORKER_BIND", "", "where the worker binds, if not WORKER_ENDPOINT (tcp://*:5555)"
+        "WORKER_BIND",
+        "",
+        "where the worker binds, if not WORKER_ENDPOINT (tcp://*:5555); with NUM_WORKERS "
+        "under minibatch-serve, the first worker's, and the next ports the others'",
     )
     heartbeat_interval_s: float = setting("HEARTBEAT_INTERVAL_S", 0.5, "seconds between heartbeats")
     max_message_bytes: int = setting(
@@ -259,7 +262,7 @@ def tcp_bind_address(endpoint: str) -> tuple[str, int] | None:
     tcp = TcpEndpoint.parse(endpoint)
     if tcp is None:
         return None
-    return "0.0.0.0" if tcp.host in ("", "*") else tcp.host, tcp.port
+    return "0.0.0.0" if tcp.host == "*" else tcp.host, tcp.port
 
 
 def is_listened_on(host: str, port: int) -> bool:
