@@ -8,7 +8,7 @@ from typing import ClassVar
 from urllib.parse import urlsplit
 
 from protocol.client_config import WorkerClientConfig
-from protocol.endpoints import DEFAULT_HTTP_HOST, MAX_PORT
+from protocol.endpoints import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, MAX_PORT
 from protocol.settings import ConfigError, require_positive, setting
 
 # A body limit this low still holds a request's fields at their limits (a grammar
@@ -24,7 +24,7 @@ class FrontendConfig(WorkerClientConfig):
     COMMAND: ClassVar[str] = "minibatch-frontend"
 
     host: str = setting("HOST", DEFAULT_HTTP_HOST, "HTTP listen address")
-    port: int = setting("PORT", 8000, "HTTP listen port")
+    port: int = setting("PORT", DEFAULT_HTTP_PORT, "HTTP listen port")
     max_new_tokens_limit: int = setting(
         "MAX_NEW_TOKENS_LIMIT", 512, "largest max_new_tokens a request may ask for"
     )

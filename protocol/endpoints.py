@@ -15,8 +15,9 @@ MAX_IPC_PATH_BYTES = 107
 MAX_PORT = 65535
 # Where the worker listens, and its clients connect, unless WORKER_ENDPOINT says.
 DEFAULT_WORKER_ENDPOINT = "tcp://127.0.0.1:5555"
-# Where a frontend listens unless HOST says: the supervisor checks it too.
+# Where a frontend listens unless HOST and PORT say: the supervisor checks them too.
 DEFAULT_HTTP_HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT = 8000
 
 
 @dataclass(frozen=True)

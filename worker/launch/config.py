@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from protocol.client_config import WorkerClientConfig
-from protocol.endpoints import DEFAULT_WORKER_ENDPOINT, MAX_PORT
+from protocol.endpoints import DEFAULT_HTTP_PORT, DEFAULT_WORKER_ENDPOINT, MAX_PORT
 from protocol.settings import ConfigError, env_name, require_positive, setting
 from worker.serve.config import WorkerConfig, check_torch_threads
 
@@ -95,7 +95,9 @@ class SupervisorConfig(WorkerClientConfig):
     )
 
     port: int = setting(
-        "PORT", 8000, "the first frontend's HTTP port; NUM_FRONTENDS take it and the ports after it"
+        "PORT",
+        DEFAULT_HTTP_PORT,
+        "the first frontend's HTTP port; NUM_FRONTENDS take it and the ports after it",
     )
 
     def __post_init__(self) -> None:
