@@ -35,13 +35,11 @@ class FrontendConfig(WorkerClientConfig):
     max_worker_deaths: int = setting(
         "MAX_WORKER_DEATHS",
         3,
-        "a request in flight on this many workers that died is answered with "
-        "workers_died (500) instead of being replayed again (it may be what kills them); "
-        "two that died while it ran there without progress, alone or on trial, are enough, "
-        "whatever this says "
-        "(unless its Admitted notices die with the workers); deaths excused (beside a "
-        "request that ran there without progress, or a replay's death in the same "
-        "incident as another worker's), up to this many, count only past this many",
+        "worker deaths a request may be in flight for before it is answered workers_died "
+        "(500) instead of replayed (it may be what kills them); one that made no progress "
+        "on two workers that died while it ran there alone or on trial is failed after "
+        "those two; excused deaths count only past this many (docs/operations.md, "
+        "When a worker dies)",
     )
     max_request_bytes: int = setting(
         "MAX_REQUEST_BYTES", 1024 * 1024, "largest request body; 413 beyond it"
