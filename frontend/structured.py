@@ -113,7 +113,7 @@ async def request_grammar(
         param = source.param
         if problem.startswith("Unimplemented keys"):  # JSON Schema keywords llguidance lacks
             problem += "; this server cannot follow these keywords: leave them out"
-        if problem.startswith(_UNSUPPORTED):
+        if problem.startswith(_UNSUPPORTED) or _CANNOT_FOLLOW in problem:
             raise ApiError(400, f"{param}: {problem}", "unsupported", param)
         raise ApiError(422, f"{param}: {problem}", "invalid_request", param)
     return Grammar(source.kind, grammar)
@@ -414,8 +414,9 @@ def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
     )
     if not is_error:
         return grammar, None
-    if kind == GrammarKind.REGEX:
-        return "", _regex_problem(messages[0])
+    if (regex := _regex_problem(messages[0])) is not None:
+        pattern, problem = regex
+        return "", problem if kind == GrammarKind.REGEX else f"pattern {pattern}: {problem}"
     if (digits := _MULTIPLE_OF_DIGITS.search(messages[0])) is not None:
         return "", (
             "multipleOf: llguidance follows a multipleOf as an integer of at most 10 digits "
@@ -429,26 +430,33 @@ def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
 _MULTIPLE_OF_DIGITS = re.compile(r"Value for 'multipleOf' has too many digits: (\d+)")
 
 
-# llguidance's complaint about a regex quotes the regex with carets under the
-# fault, then the Lark rule it wrapped it in ("start: /(/"), which the client
-# never wrote.
-_REGEX_ERROR = re.compile(r"regex parse error:\n    .*\n    ( *)\^+\nerror: (.+?)\n")
+# llguidance's complaint about a regex (a pattern of a schema's too) quotes the
+# regex with carets under the fault; for a regex of its own, then the Lark rule
+# it wrapped it in ("start: /(/"), which the client never wrote.
+_REGEX_ERROR = re.compile(r"regex parse error:\n    (.*)\n    ( *)\^+\nerror: ([^\n]+)")
 
 
-# Its complaint about a construct it does not follow: "(in regex): lookarounds not
-# supported yet; WordUnicode in regex /\\bfoo\\b/", then the Lark rule again.
-_REGEX_UNSUPPORTED = re.compile(r"\(in regex\): ([^;\n]+); (\w+) in regex /")
+# Its complaint about a construct it does not follow: "lookarounds not supported
+# yet; WordUnicode in regex /\\bfoo\\b/" (then, for a regex, the Lark rule again).
+_REGEX_UNSUPPORTED = re.compile(r"(\w[^;:\n]*not supported yet); (\w+) in regex /(.*)/")
 _ASSERTIONS = {"WordUnicode": "\\b, a word boundary", "WordUnicodeNegate": "\\B"}
+# A valid regex with a construct llguidance does not follow (look-around, a
+# backreference, a word boundary) is the server's limit: 400 unsupported.
+_CANNOT_FOLLOW = "valid, but this server cannot follow it: "
 
 
-def _regex_problem(message: str) -> str:
-    """What is wrong with a regex, and where, in the regex's own terms."""
+def _regex_problem(message: str) -> tuple[str, str] | None:
+    """The regex llguidance complains of, and what is wrong with it in its own
+    terms; None for a complaint about no regex."""
     if (found := _REGEX_ERROR.search(message)) is not None:
-        return f"invalid regex at offset {len(found.group(1))}: {found.group(2)}"
+        regex, carets, error = found.groups()
+        if "not supported" in error:  # regex-syntax's words for what it parses and refuses
+            return regex, f"{_CANNOT_FOLLOW}{error} (at offset {len(carets)})"
+        return regex, f"invalid regex at offset {len(carets)}: {error}"
     if (unsupported := _REGEX_UNSUPPORTED.search(message)) is not None:
-        reason, construct = unsupported.groups()
-        return f"invalid regex: {reason} ({_ASSERTIONS.get(construct, construct)})"
-    return _short(message)
+        reason, construct, regex = unsupported.groups()
+        return regex, f"{_CANNOT_FOLLOW}{reason} ({_ASSERTIONS.get(construct, construct)})"
+    return None
 
 
 # What llguidance's regex syntax (Rust's) gives a meaning; escaped, each stands for itself.

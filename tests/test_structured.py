@@ -281,14 +281,37 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             "structured_outputs.json",
             "min/maxProperties only supported when",
         ),
-        # a construct llguidance does not follow, said without the rule it wraps it in
+        # a valid construct llguidance does not follow: unsupported, said without
+        # the rule it wraps a regex in; in a schema's pattern, naming the pattern
         (
             None,
             {"regex": r"\bfoo\b"},
-            422,
+            400,
             "structured_outputs.regex",
-            "structured_outputs.regex: invalid regex: lookarounds not supported yet "
-            "(\\b, a word boundary)",
+            "structured_outputs.regex: valid, but this server cannot follow it: lookarounds "
+            "not supported yet (\\b, a word boundary)",
+        ),
+        (
+            None,
+            {"regex": r"(a)\1"},
+            400,
+            "structured_outputs.regex",
+            "cannot follow it: backreferences are not supported (at offset 3)",
+        ),
+        (
+            None,
+            {"json": {"type": "string", "pattern": "^(?!x)a$"}},
+            400,
+            "structured_outputs.json",
+            "structured_outputs.json: pattern ^(?!x)a$: valid, but this server cannot follow "
+            "it: look-around, including look-ahead and look-behind, is not supported",
+        ),
+        (
+            None,
+            {"json": {"type": "object", "patternProperties": {"(": {}}}},
+            422,
+            "structured_outputs.json",
+            "structured_outputs.json: pattern (: invalid regex at offset 0: unclosed group",
         ),
         (
             None,
@@ -403,7 +426,11 @@ def test_a_regex_fault_is_told_in_the_regex_terms_not_the_rule_it_was_wrapped_in
     """llguidance wraps a regex in a Lark rule (`start: /.../`) and quotes that
     rule, with a caret line, which the client never wrote."""
     for regex, expected in [
-        (r"\bfoo\b", "invalid regex: lookarounds not supported yet (\\b, a word boundary)"),
+        (
+            r"\bfoo\b",
+            "valid, but this server cannot follow it: lookarounds not supported yet "
+            "(\\b, a word boundary)",
+        ),
         (
             "ab[z-a]",
             "invalid regex at offset 3: invalid character class range, "
