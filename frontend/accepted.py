@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request
 
 from frontend.choices import choice_requests
-from frontend.errors import ApiError
+from frontend.errors import NEVER_RAN, ApiError
 from frontend.inflight import Event, InFlight
 from frontend.inflight_table import Overloaded
 from frontend.metrics import Metrics
@@ -182,11 +182,13 @@ async def next_event(
     verdict = client.verdict()
     # Fewer tokens help only where a worker is there to make them.
     advice = "retry later, or ask for fewer tokens" if verdict.is_live else "retry later"
+    never_ran = all(entry.has_never_run for entry in accepted.entries)
     raise ApiError(
         504,
         f"no answer within REQUEST_TIMEOUT_S={client.config.request_timeout_s:g} s "
         f"(worker: {verdict.reason}); {advice}",
         "timeout",
+        headers=NEVER_RAN if never_ran else None,
     )
 
 

@@ -100,7 +100,7 @@ class ApiError(Exception):
         self.message = message
         self.code = code
         self.param = param  # the request field at fault, when one is
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
 
     @classmethod
     def from_worker(cls, error: ErrorResult, field_names: Mapping[str, str]) -> ApiError:
@@ -127,14 +127,20 @@ def error_body(error: ApiError) -> dict[str, object]:
     }
 
 
+# For an error whose request never reached a worker, whatever its status: sending
+# it again runs it once, not twice.
+NEVER_RAN = {SHOULD_RETRY_HEADER: "true"}
+
+
 def error_response(error: ApiError) -> Response:
     """The error as a response; a 5xx says whether sending it again may help: a
-    503 (full, stopping, no worker yet) after Retry-After, a 500 or a 504 not."""
+    503 (full, stopping, no worker yet) after Retry-After, a 500 or a 504 not,
+    unless its headers say the request never ran (`NEVER_RAN`)."""
     headers = dict(error.headers)
     if error.status == 503:
         headers["Retry-After"] = str(RETRY_AFTER_S)
     if error.status >= 500:
-        headers[SHOULD_RETRY_HEADER] = "true" if error.status == 503 else "false"
+        headers.setdefault(SHOULD_RETRY_HEADER, "true" if error.status == 503 else "false")
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 

@@ -102,6 +102,12 @@ class InFlight:
         )
 
     @property
+    def has_never_run(self) -> bool:
+        """No worker holds it, none died with it, and it streamed nothing: the
+        client may send it again without its running twice (or killing again)."""
+        return self.link is None and not self.num_worker_deaths and not self.streamed_token_ids
+
+    @property
     def is_idle_in_queue(self) -> bool:
         """Its worker holds it in the queue, where nothing of it runs: nothing but
         a grammar, which compiles while it waits."""

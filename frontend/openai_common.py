@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from frontend.errors import ApiError
+from frontend.errors import NEVER_RAN, ApiError
 from frontend.field_errors import short_name
 from frontend.generation import generate_request
 from frontend.openai_schemas import OpenAIBody
@@ -133,6 +133,7 @@ async def check_requested_model(request: Request, client: WorkerClient, name: st
             f"no worker named its model within REQUEST_TIMEOUT_S={timeout_s:g} s "
             f"({client.verdict().reason}); retry once a worker is live",
             "timeout",
+            headers=NEVER_RAN,
         )
     check_model(client, name)
     return hello.model

@@ -243,15 +243,22 @@ def test_a_request_before_any_worker_is_checked_against_the_model_it_names(
 
 
 def test_a_request_is_a_504_when_no_worker_names_its_model_in_time(tmp_path: Path) -> None:
+    """It never reached a worker: sending it again runs it once, so the openai
+    client (which reads x-should-retry) may; it was told not to."""
     overrides = {"REQUEST_TIMEOUT_S": "0.5"}
     with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
         stack.wait_answering()
         body = {"model": "bogus", "prompt": "alone", "max_tokens": 3}
         response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
+        native = {"prompt": "alone", "max_new_tokens": 3}
+        waited = httpx.post(f"{stack.url}/generate", json=native, timeout=30)
     assert response.status_code == 504
     assert response.json()["error"]["message"].startswith(
         "no worker named its model within REQUEST_TIMEOUT_S=0.5 s"
     )
+    assert response.headers["x-should-retry"] == "true"
+    assert waited.status_code == 504, waited.text
+    assert waited.headers["x-should-retry"] == "true"
 
 
 def test_the_wait_for_a_first_worker_counts_toward_the_request_timeout(tmp_path: Path) -> None:
@@ -268,6 +275,7 @@ def test_the_wait_for_a_first_worker_counts_toward_the_request_timeout(tmp_path:
         elapsed_s = time.monotonic() - started
     assert response.status_code == 504, response.text
     assert elapsed_s < 5.5, f"504 after {elapsed_s:.1f} s; REQUEST_TIMEOUT_S=4"
+    assert response.headers["x-should-retry"] == "false"  # it ran: not twice more
 
 
 def test_batch_of_prompts_is_refused_with_a_reason(client: openai.OpenAI) -> None:
