@@ -25,7 +25,7 @@ from frontend.json_response import JSONResponse
 from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, UNROUTED, Metrics
 from frontend.native_api import generate
 from frontend.openai_api import completions, models, retrieve_model
-from frontend.openai_common import IGNORED_FIELDS_HEADER
+from frontend.openai_common import IGNORED_FIELDS_HEADER, with_ignored_fields
 from frontend.openapi import openapi_schema
 from frontend.refusal import log_refusal
 from frontend.tokenize_api import detokenize, tokenize, version
@@ -117,7 +117,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     request_metrics: Metrics = request.app.state.metrics
     request_metrics.count_request(_route_path(request), exc.status, NO_FINISH_REASON)
     log_refusal(request.method, request.url.path, exc)
-    return await handle_api_error(request, exc)
+    return await handle_api_error(request, with_ignored_fields(request, exc))
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:

@@ -18,7 +18,7 @@ from frontend.errors import NEVER_RAN, ApiError
 from frontend.field_errors import short_name
 from frontend.generation import generate_request
 from frontend.openai_schemas import OpenAIBody
-from frontend.parse import name_fields, parse_body
+from frontend.parse import ignored_note, name_fields, parse_body
 from frontend.schemas import request_seed
 from frontend.structured import NO_GRAMMAR, Grammar, request_grammar
 from frontend.worker_client import WorkerClient
@@ -92,7 +92,7 @@ async def read_lenient_body(
     STRICT_REQUEST_FIELDS."""
     strict = client.config.strict_request_fields
     try:
-        return await parse_body(request, schema, ignore_unknown=not strict)
+        body, ignored = await parse_body(request, schema, ignore_unknown=not strict)
     except ApiError as exc:
         model = served_model(client)
         if exc.param != "model" or _MODEL_MISSING not in exc.message or model is None:
@@ -101,6 +101,23 @@ async def read_lenient_body(
         raise ApiError(
             exc.status, exc.message.replace(_MODEL_MISSING, named), exc.code, exc.param
         ) from None
+    # For `with_ignored_fields`, should a later check refuse the request.
+    request.state.ignored_fields = ignored, schema
+    return body, ignored
+
+
+def with_ignored_fields(request: Request, error: ApiError) -> ApiError:
+    """``error`` (a refusal, 4xx) of a request whose body had unknown fields
+    ignored, naming them, as a typo there may be its cause: in its message, each
+    with the field it likely meant, and in X-Ignored-Fields."""
+    ignored_fields: tuple[list[str], type[BaseModel]] | None
+    ignored_fields = getattr(request.state, "ignored_fields", None)
+    if ignored_fields is None or not ignored_fields[0] or error.status >= 500:
+        return error
+    ignored, schema = ignored_fields
+    headers = {**error.headers, **ignored_fields_headers(ignored)}
+    message = error.message + ignored_note(ignored, schema)
+    return ApiError(error.status, message, error.code, error.param, headers)
 
 
 _MODEL_MISSING = "model: required; send it"

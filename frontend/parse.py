@@ -8,6 +8,7 @@ loop. The bodies themselves are in `frontend.schemas` and
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 import typing
 from collections.abc import Sequence
@@ -63,6 +64,7 @@ def decode_body(
         return schema.model_validate(value), ignored
     except ValidationError as exc:
         message, param = describe(exc, functools.partial(fields_in, schema))
+        message += ignored_note(ignored, schema)
         raise ApiError(422, message, "invalid_request", param) from None
 
 
@@ -188,6 +190,24 @@ def name_fields(names: list[str]) -> str:
     named = ", ".join(_listed(printable(short_name(name))) for name in names[:MAX_REPORTED_ERRORS])
     more = len(names) - MAX_REPORTED_ERRORS
     return named + (f" and {more:,} more" if more > 0 else "")
+
+
+def ignored_note(ignored: list[str], schema: type[BaseModel]) -> str:
+    """For an error answered to a body whose unknown fields were ignored: those
+    fields (a few), each with the field it likely meant, as a typo there may be
+    the cause ('messages.0.contnet', and then no content); "" for none."""
+    if not ignored:
+        return ""
+    named = []
+    for name in ignored[:MAX_REPORTED_ERRORS]:
+        *parent, last = name.split(".")
+        fields = fields_in(schema, [part for part in parent if not part.isdigit()])
+        nearest = difflib.get_close_matches(last, fields, n=1)
+        shown = _listed(printable(short_name(name)))
+        named.append(f"{shown} (did you mean {nearest[0]}?)" if nearest else shown)
+    more = len(ignored) - MAX_REPORTED_ERRORS
+    named += [f"and {more:,} more"] if more > 0 else []
+    return f"; unknown fields ignored: {', '.join(named)}"
 
 
 def _listed(name: str) -> str:

@@ -260,6 +260,29 @@ def test_a_messages_unknown_fields_are_ignored_and_named(stack: Stack) -> None:
     assert response.json()["choices"] == answered.json()["choices"]
 
 
+def test_a_refusal_names_the_unknown_fields_it_ignored_and_what_each_likely_meant(
+    stack: Stack,
+) -> None:
+    """A typo'd "contnet" was dropped, then the message refused for its missing
+    content: the 422 named neither the typo nor the field meant."""
+    typo = {"model": "fake", "messages": [{"role": "user", "contnet": "Hi"}], "max_tokens": 2}
+    refused = httpx.post(f"{stack.url}/v1/chat/completions", json=typo, timeout=10)
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["error"]["message"] == (
+        "messages.0.content: a user message needs content (text, or a list of text parts); "
+        "only an assistant's may be left out; unknown fields ignored: messages.0.contnet "
+        "(did you mean content?)"
+    )
+    assert refused.headers["X-Ignored-Fields"] == "messages.0.contnet"
+    # Refused while the body is read, too: a required field misspelt.
+    body = {"model": "fake", "mesages": MESSAGES, "colour": 1}
+    unread = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=10)
+    assert unread.status_code == 422, unread.text
+    assert unread.json()["error"]["message"].endswith(
+        "; unknown fields ignored: mesages (did you mean messages?), colour"
+    )
+
+
 def test_a_role_outside_openais_is_refused_by_name(stack: Stack) -> None:
     # Roles go into the chat template as sent: this one would write a turn.
     injected = [
