@@ -97,7 +97,7 @@ def completion_logprobs(scores: list[TokenScore], offsets: list[int]) -> dict[st
     (`TextOffsets`). As OpenAI's, each top_logprobs entry also holds the token
     itself."""
     return {
-        "tokens": [score.text for score in scores],
+        "tokens": [_completion_name(score.text, score.bytes) for score in scores],
         "token_logprobs": [score.logprob for score in scores],
         "top_logprobs": [_top_map(score) for score in scores],
         "text_offset": offsets,
@@ -119,9 +119,23 @@ def chat_logprobs(scores: list[TokenScore]) -> dict[str, Any]:
 def _top_map(score: TokenScore) -> dict[str, float] | None:
     if score.logprob is None:
         return None
-    top = {candidate.text: candidate.logprob for candidate in score.top}
-    top.setdefault(score.text, score.logprob)
+    top = {_completion_name(c.text, c.bytes): c.logprob for c in score.top}
+    top.setdefault(_completion_name(score.text, score.bytes), score.logprob)
     return top
+
+
+def _completion_name(text: str, piece: bytes) -> str:
+    """A token's name in completions' logprobs, whose top_logprobs are keyed by
+    it: its text, or for one that holds only part of a character, whose text is
+    U+FFFD as any other such token's (so that they overwrote one another's entry,
+    the chosen token's own among them), its bytes: ``bytes:\\xe6\\x9d``."""
+    if _REPLACED not in text:
+        return text
+    try:
+        piece.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in piece)
+    return text  # a U+FFFD the model wrote: a character of its own
 
 
 def _chat_token(text: str, logprob: float, piece: bytes) -> dict[str, Any]:

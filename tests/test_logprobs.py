@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from frontend.logprobs import TextOffsets, TokenScore, chat_logprobs, unpack_logprobs
+from frontend.logprobs import (
+    TextOffsets,
+    TokenScore,
+    chat_logprobs,
+    completion_logprobs,
+    unpack_logprobs,
+)
 from worker.engine.logprobs import TokenLogprob, pack_logprobs
 
 
@@ -88,6 +94,28 @@ def test_chat_bytes_are_the_tokens_own_and_those_of_its_alternatives() -> None:
         [4], [scores[1]], 0, lambda t: "<|endoftext|>", own.__getitem__, [False]
     )
     assert unpack_logprobs(left_out)[0].bytes == b""
+
+
+def test_completions_name_a_token_that_splits_a_character_by_its_bytes() -> None:
+    """Keyed by text, every such token was U+FFFD: they overwrote one another in
+    top_logprobs, the chosen token's own logprob among them, and entries went
+    missing."""
+    own = {1: b"\xe6\x9d", 2: b"\xe6\xbc", 3: b"\xf0\x9f", 4: "\ufffd".encode(), 5: b"a"}
+    scores = [TokenLogprob(-2.0, [2, 3, 1, 4, 5], [-0.5, -1.0, -2.0, -3.0, -4.0])]
+    packed = pack_logprobs(
+        [1], scores, 5, lambda t: own[t].decode(errors="replace"), own.__getitem__
+    )
+    logprobs = completion_logprobs(unpack_logprobs(packed), [0])
+    assert logprobs["tokens"] == ["bytes:\\xe6\\x9d"]
+    assert logprobs["top_logprobs"] == [
+        {
+            "bytes:\\xe6\\xbc": -0.5,
+            "bytes:\\xf0\\x9f": -1.0,
+            "bytes:\\xe6\\x9d": -2.0,  # the chosen token's own
+            "\ufffd": -3.0,  # a U+FFFD the model writes: a whole character
+            "a": -4.0,
+        }
+    ]
 
 
 def test_logprobs_whose_lists_do_not_agree_or_score_above_0_are_refused() -> None:
