@@ -8,6 +8,7 @@ why otherwise: 400); a field no body defines is ignored and named
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any
 
@@ -132,6 +133,23 @@ class ResponseFormat(BaseModel):
 
 
 _GUIDED = "vLLM's older spelling, refused (400): send structured_outputs instead"
+_NOT_FOLLOWED = "vLLM's; refused (400) unless it asks for what this server does anyway"
+
+# vLLM's fields that change what is generated, which this server does not follow:
+# each with the values that ask for what it does anyway, and what to do instead.
+# Ignored as unknown fields, they answered with what the client had ruled out (a
+# banned word, a token outside the allowed ones) or left out what it asked for.
+_VLLM_NOT_FOLLOWED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "allowed_token_ids": ((None, []), "constrain the text with structured_outputs instead"),
+    "bad_words": ((None, []), "ban tokens with a logit_bias of -100 instead"),
+    "include_stop_str_in_output": (
+        (None, False),
+        "the text ends before a stop string; add it back yourself",
+    ),
+    "use_beam_search": ((None, False), "sampling and best_of are what is offered"),
+    "truncate_prompt_tokens": ((None,), "send a prompt that fits the context window"),
+    "prompt_logprobs": ((None,), "ask for echo with logprobs to score the prompt"),
+}
 
 
 class OpenAIBody(RequestBody):
@@ -188,6 +206,23 @@ class OpenAIBody(RequestBody):
     guided_choice: Any = Field(None, description=_GUIDED, json_schema_extra={"type": "null"})
     guided_grammar: Any = Field(None, description=_GUIDED, json_schema_extra={"type": "null"})
 
+    allowed_token_ids: Any = Field(
+        None, description=_NOT_FOLLOWED, json_schema_extra={"maxItems": 0}
+    )
+    bad_words: Any = Field(None, description=_NOT_FOLLOWED, json_schema_extra={"maxItems": 0})
+    include_stop_str_in_output: Any = Field(
+        None, description=_NOT_FOLLOWED, json_schema_extra={"enum": [None, False]}
+    )
+    use_beam_search: Any = Field(
+        None, description=_NOT_FOLLOWED, json_schema_extra={"enum": [None, False]}
+    )
+    truncate_prompt_tokens: Any = Field(
+        None, description=_NOT_FOLLOWED, json_schema_extra={"type": "null"}
+    )
+    prompt_logprobs: Any = Field(
+        None, description=_NOT_FOLLOWED, json_schema_extra={"type": "null"}
+    )
+
     @field_validator("stream_options")
     @classmethod
     def _needs_stream(
@@ -213,7 +248,7 @@ class OpenAIBody(RequestBody):
             "choice": self.guided_choice,
             "grammar": self.guided_grammar,
         }
-        return [
+        guided_checks = [
             (
                 f"guided_{kind}",
                 value is None,
@@ -222,6 +257,24 @@ class OpenAIBody(RequestBody):
             )
             for kind, value in guided.items()
         ]
+        return guided_checks + [
+            (
+                name,
+                _is_one_of(getattr(self, name), followed),
+                f"vLLM's, not followed here (only {' or '.join(map(_as_json, followed))}): "
+                f"{instead}",
+            )
+            for name, (followed, instead) in _VLLM_NOT_FOLLOWED.items()
+        ]
+
+
+def _is_one_of(value: Any, values: tuple[Any, ...]) -> bool:
+    """``value`` is one of ``values`` as JSON compares them (false is not 0)."""
+    return any(type(value) is type(each) and value == each for each in values)
+
+
+def _as_json(value: Any) -> str:
+    return json.dumps(value)
 
 
 class CompletionBody(OpenAIBody):

@@ -180,6 +180,56 @@ def test_vllms_older_guided_fields_are_refused_not_ignored(
     assert f'send structured_outputs {{"{kind}": ...}} instead' in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "instead"),
+    [
+        ("allowed_token_ids", [1000, 2000], "constrain the text with structured_outputs"),
+        ("bad_words", ["Snow"], "logit_bias of -100"),
+        ("include_stop_str_in_output", True, "add it back yourself"),
+        ("use_beam_search", True, "sampling and best_of"),
+        ("truncate_prompt_tokens", 5, "fits the context window"),
+        ("prompt_logprobs", 1, "echo with logprobs"),
+    ],
+)
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_vllms_fields_that_change_the_output_are_refused_not_ignored(
+    client: openai.OpenAI, field: str, value: object, instead: str, endpoint: str
+) -> None:
+    """Ignored as unknown fields, they answered with a banned word, tokens outside
+    the allowed ones, or without the stop string asked for."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        if endpoint == "chat":
+            client.chat.completions.create(
+                model="fake",
+                messages=[{"role": "user", "content": "hi"}],
+                extra_body={field: value},
+            )
+        else:
+            client.completions.create(model="fake", prompt="hi", extra_body={field: value})
+    error = raised.value.body
+    assert isinstance(error, dict) and error["param"] == field
+    assert (
+        error["message"].startswith(f"{field}: vLLM's, not followed here")
+        and instead in (error["message"])
+    )
+
+
+def test_vllms_fields_asking_for_what_is_done_anyway_are_taken(client: openai.OpenAI) -> None:
+    """As a client that sends vLLM's defaults does."""
+    defaults = {
+        "allowed_token_ids": None,
+        "bad_words": [],
+        "include_stop_str_in_output": False,
+        "use_beam_search": False,
+        "truncate_prompt_tokens": None,
+        "prompt_logprobs": None,
+    }
+    completion = client.completions.create(
+        model="fake", prompt="hi", max_tokens=2, extra_body=defaults
+    )
+    assert completion.choices[0].finish_reason == "length"
+
+
 def test_invalid_value_is_a_422_naming_the_parameter(client: openai.OpenAI) -> None:
     with pytest.raises(openai.UnprocessableEntityError) as raised:
         client.completions.create(model="fake", prompt="hi", temperature=2.5)
