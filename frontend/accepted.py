@@ -173,6 +173,8 @@ async def next_event(
     # Let the cancelled get finish; asyncio.wait does not raise its CancelledError,
     # while this coroutine's own cancellation still propagates.
     await asyncio.wait({event_task})
+    # Before the cancel, which lets go of where each choice was.
+    never_ran = all(entry.has_never_run for entry in accepted.entries)
     accepted.cancel(client)
     if accepted.disconnect in done:
         accepted.on_client_gone()
@@ -182,7 +184,6 @@ async def next_event(
     verdict = client.verdict()
     # Fewer tokens help only where a worker is there to make them.
     advice = "retry later, or ask for fewer tokens" if verdict.is_live else "retry later"
-    never_ran = all(entry.has_never_run for entry in accepted.entries)
     raise ApiError(
         504,
         f"no answer within REQUEST_TIMEOUT_S={client.config.request_timeout_s:g} s "
