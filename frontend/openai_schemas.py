@@ -140,7 +140,8 @@ _NOT_FOLLOWED = "vLLM's; refused (400) unless it asks for what this server does 
 # Ignored as unknown fields, they answered with what the client had ruled out (a
 # banned word, a token outside the allowed ones) or left out what it asked for.
 _VLLM_NOT_FOLLOWED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "allowed_token_ids": ((None, []), "constrain the text with structured_outputs instead"),
+    # An empty list allows no token (vLLM refuses it): not "no restriction".
+    "allowed_token_ids": ((None,), "constrain the text with structured_outputs instead"),
     "bad_words": ((None, []), "ban tokens with a logit_bias of -100 instead"),
     "include_stop_str_in_output": (
         (None, False),
@@ -207,7 +208,7 @@ class OpenAIBody(RequestBody):
     guided_grammar: Any = Field(None, description=_GUIDED, json_schema_extra={"type": "null"})
 
     allowed_token_ids: Any = Field(
-        None, description=_NOT_FOLLOWED, json_schema_extra={"maxItems": 0}
+        None, description=_NOT_FOLLOWED, json_schema_extra={"type": "null"}
     )
     bad_words: Any = Field(None, description=_NOT_FOLLOWED, json_schema_extra={"maxItems": 0})
     include_stop_str_in_output: Any = Field(

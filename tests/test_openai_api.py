@@ -184,6 +184,7 @@ def test_vllms_older_guided_fields_are_refused_not_ignored(
     ("field", "value", "instead"),
     [
         ("allowed_token_ids", [1000, 2000], "constrain the text with structured_outputs"),
+        ("allowed_token_ids", [], "(only null)"),
         ("bad_words", ["Snow"], "logit_bias of -100"),
         ("include_stop_str_in_output", True, "add it back yourself"),
         ("use_beam_search", True, "sampling and best_of"),
@@ -217,7 +218,7 @@ def test_vllms_fields_that_change_the_output_are_refused_not_ignored(
 def test_vllms_fields_asking_for_what_is_done_anyway_are_taken(client: openai.OpenAI) -> None:
     """As a client that sends vLLM's defaults does."""
     defaults = {
-        "allowed_token_ids": None,
+        "allowed_token_ids": None,  # [] allows no token: refused
         "bad_words": [],
         "include_stop_str_in_output": False,
         "use_beam_search": False,
