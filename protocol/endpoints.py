@@ -45,6 +45,12 @@ class TcpEndpoint:
         return cls(host, int(port))
 
     @property
+    def is_ipv6(self) -> bool:
+        """Whether it names an IPv6 address, which a ZMQ socket binds or reaches
+        only with its IPV6 option set."""
+        return ":" in self.host
+
+    @property
     def is_every_address(self) -> bool:
         """Whether it binds every IPv4 address: ZMQ's ``*``, or 0.0.0.0."""
         return self.host in ("*", "0.0.0.0")
@@ -89,18 +95,23 @@ def check_endpoint_value(endpoint: str, env: str) -> None:
             f"{env} must end in a port from 1 to {MAX_PORT}, as tcp://127.0.0.1:5555 does, "
             f"got {endpoint!r}"
         )
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
-    if endpoint.startswith("tcp://") and (problem := _host_problem(host)):
+    if endpoint.startswith("tcp://") and (problem := _host_problem(endpoint)):
         raise ConfigError(f"{env}={endpoint} {problem}")
 
 
-def _host_problem(host: str) -> str | None:
+def _host_problem(endpoint: str) -> str | None:
     """What is wrong with a tcp:// endpoint's host as written, if anything: none,
-    or an IPv6 address that the port cannot be told from."""
+    a source address (which no process here takes), or an IPv6 address that the
+    port cannot be told from."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
     if not host:
         return "names no host: tcp://127.0.0.1:5555 is one (tcp://*:5555 binds every address)"
+    if ";" in host:
+        return "names a source address (SOURCE;HOST:PORT), not taken here: name the host alone"
     is_bracketed = host.startswith("[") and host.endswith("]")
-    if ("[" in host or "]" in host) and not (is_bracketed and host.count("[") == 1):
+    if ("[" in host or "]" in host) and not (
+        is_bracketed and host.count("[") == host.count("]") == 1
+    ):
         return "has unmatched brackets: write an IPv6 address as tcp://[::1]:5555 does"
     if ":" in host and not is_bracketed:
         return (
