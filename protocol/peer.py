@@ -19,6 +19,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from protocol.codec import decode_to_frontend, encode
 from protocol.curve import ClientKeys, secure_client
+from protocol.endpoints import TcpEndpoint
 from protocol.messages import Hello, Ping
 from protocol.wire import MAX_WORKER_MESSAGE_BYTES
 
@@ -69,7 +70,7 @@ def worker_socket(
     socket.setsockopt(zmq.MAXMSGSIZE, MAX_WORKER_MESSAGE_BYTES)
     if is_immediate:
         socket.setsockopt(zmq.IMMEDIATE, 1)
-    if endpoint.startswith("tcp://["):
+    if (tcp := TcpEndpoint.parse(endpoint)) is not None and tcp.is_ipv6:
         socket.setsockopt(zmq.IPV6, 1)
     secure_client(socket, curve)
     return socket

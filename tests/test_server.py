@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ from protocol import (
     decode_to_frontend,
     encode,
 )
+from protocol.peer import ping, wait_for_hello, worker_socket
 from protocol.settings import ConfigError
 from tests.stack import free_port
 from worker.engine.fake_engine import (
@@ -480,6 +482,31 @@ def test_an_endpoint_of_another_machine_is_refused_before_the_model_loads(
     server = WorkerServer(Scheduler(FakeEngine(1), 8), config)  # the bind says the same
     with pytest.raises(ConfigError, match=re.escape(f"no address of this machine{advice}")):
         server.serve_forever()
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_a_worker_serves_on_an_ipv6_address() -> None:
+    """Its socket lacked ZMQ's IPV6 option: binding tcp://[::1]:PORT failed as "no
+    address of this machine (No such device)", exit 78."""
+    endpoint = f"tcp://[::1]:{free_port()}"
+    with serving(FakeEngine(1), worker_endpoint=endpoint), zmq.Context() as context:
+        client = worker_socket(context, endpoint)
+        try:
+            client.connect(endpoint)
+            client.send(ping("test"))
+            hello = wait_for_hello(client, 5.0)
+        finally:
+            client.close(linger=0)
+    assert hello is not None and hello.model == "fake"
 
 
 def test_a_taken_port_is_refused_naming_the_setting_that_gave_it() -> None:

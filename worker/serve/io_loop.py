@@ -34,6 +34,7 @@ from protocol import (
     encode,
 )
 from protocol.curve import secure_server
+from protocol.endpoints import TcpEndpoint
 from protocol.request_checks import RequestLimits
 from protocol.settings import ConfigError
 from protocol.throttled import Throttled
@@ -102,6 +103,10 @@ class IoLoop:
         # A send to a peer that is gone or not reading fails rather than vanishing, so
         # that its requests are aborted instead of silently losing their tokens.
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Without it, binding an IPv6 address fails as "No such device".
+        listen = TcpEndpoint.parse(self.config.listen_endpoint)
+        if listen is not None and listen.is_ipv6:
+            router.setsockopt(zmq.IPV6, 1)
         stop_authenticator = secure_server(router, self.config.curve)
         outputs = self._context.socket(zmq.PULL)
         try:
