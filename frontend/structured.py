@@ -449,14 +449,22 @@ def _regex_problem(message: str) -> tuple[str, str] | None:
     """The regex llguidance complains of, and what is wrong with it in its own
     terms; None for a complaint about no regex."""
     if (found := _REGEX_ERROR.search(message)) is not None:
-        regex, carets, error = found.groups()
+        quoted, carets, error = found.groups()
+        # Offsets in the regex as written, not as quoted (a / as \/, see below).
+        offset = len(carets) - quoted[: len(carets)].count(_QUOTED_SLASH)
+        regex = quoted.replace(_QUOTED_SLASH, "/")
         if "not supported" in error:  # regex-syntax's words for what it parses and refuses
-            return regex, f"{_CANNOT_FOLLOW}{error} (at offset {len(carets)})"
-        return regex, f"invalid regex at offset {len(carets)}: {error}"
+            return regex, f"{_CANNOT_FOLLOW}{error} (at offset {offset})"
+        return regex, f"invalid regex at offset {offset}: {error}"
     if (unsupported := _REGEX_UNSUPPORTED.search(message)) is not None:
-        reason, construct, regex = unsupported.groups()
+        reason, construct, quoted = unsupported.groups()
+        regex = quoted.replace(_QUOTED_SLASH, "/")
         return regex, f"{_CANNOT_FOLLOW}{reason} ({_ASSERTIONS.get(construct, construct)})"
     return None
+
+
+# llguidance writes a regex in a Lark rule, /.../, with each / in it as \/.
+_QUOTED_SLASH = "\\/"
 
 
 # What llguidance's regex syntax (Rust's) gives a meaning; escaped, each stands for itself.

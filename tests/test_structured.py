@@ -306,6 +306,22 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             "structured_outputs.json: pattern ^(?!x)a$: valid, but this server cannot follow "
             "it: look-around, including look-ahead and look-behind, is not supported",
         ),
+        (  # offsets and the pattern as written, though llguidance quotes a / as \/
+            None,
+            {"json": {"type": "string", "pattern": "a/b/c(?!x)"}},
+            400,
+            "structured_outputs.json",
+            "structured_outputs.json: pattern a/b/c(?!x): valid, but this server cannot "
+            "follow it: look-around, including look-ahead and look-behind, is not supported "
+            "(at offset 5)",
+        ),
+        (
+            None,
+            {"regex": "a/b/c["},
+            422,
+            "structured_outputs.regex",
+            "structured_outputs.regex: invalid regex at offset 5: unclosed character class",
+        ),
         (
             None,
             {"json": {"type": "object", "patternProperties": {"(": {}}}},
