@@ -25,8 +25,9 @@ from frontend.json_response import JSONResponse
 from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, UNROUTED, Metrics
 from frontend.native_api import generate
 from frontend.openai_api import completions, models, retrieve_model
-from frontend.openai_common import IGNORED_FIELDS_HEADER, with_ignored_fields
+from frontend.openai_common import with_ignored_fields
 from frontend.openapi import openapi_schema
+from frontend.parse import IGNORED_FIELDS_HEADER
 from frontend.refusal import log_refusal
 from frontend.tokenize_api import detokenize, tokenize, version
 from frontend.worker_client import WorkerClient

@@ -162,14 +162,19 @@ def _not_a_field(loc: Sequence[int | str], fields_at: FieldsAt) -> str:
     parent = [part for part in loc[:-1] if not _is_arm(part)]
     fields = fields_at([part for part in parent if isinstance(part, str)])
     where = ".".join(short_name(part) for part in parent)
-    nearest = difflib.get_close_matches(str(loc[-1]), fields, n=1)
-    if nearest:
-        return f"not a field of {where or 'this body'}; did you mean {nearest[0]}?"
+    if nearest := nearest_name(str(loc[-1]), fields):
+        return f"not a field of {where or 'this body'}; did you mean {nearest}?"
     if not parent and fields:
         return _NOT_A_FIELD
     if fields:
         return f"not a field of {where}, whose fields are {', '.join(fields)}"
     return f"not a field of {where or 'this body'}; leave it out"
+
+
+def nearest_name(name: str, names: Sequence[str]) -> str | None:
+    """The one of ``names`` that ``name`` likely meant, if one is close."""
+    nearest = difflib.get_close_matches(name, names, n=1)
+    return nearest[0] if nearest else None
 
 
 def _is_huge_integral(value: Any) -> bool:

@@ -18,7 +18,7 @@ from frontend.errors import NEVER_RAN, ApiError
 from frontend.field_errors import short_name
 from frontend.generation import generate_request
 from frontend.openai_schemas import OpenAIBody
-from frontend.parse import ignored_note, name_fields, parse_body
+from frontend.parse import ignored_fields_headers, ignored_note, name_fields, parse_body
 from frontend.schemas import request_seed
 from frontend.structured import NO_GRAMMAR, Grammar, request_grammar
 from frontend.worker_client import WorkerClient
@@ -29,9 +29,6 @@ log = logging.getLogger(__name__)
 _IGNORED_FIELDS = Throttled(log, "requests with ignored fields")
 
 MAX_MODEL_NAME_CHARS = 200  # of a model name quoted back: a hub id may be long
-
-# Names the request fields that were ignored, so that a client can see a typo.
-IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
 
 Body = TypeVar("Body", bound=OpenAIBody)
 Model = TypeVar("Model", bound=BaseModel)
@@ -50,13 +47,6 @@ class OpenAIRequest(Generic[Body]):
 
     def log_ignored(self, request_id: str) -> None:
         log_ignored_fields(request_id, self.ignored)
-
-
-def ignored_fields_headers(ignored: list[str]) -> dict[str, str]:
-    """The response header that names the ignored fields, if any."""
-    if not ignored:
-        return {}
-    return {IGNORED_FIELDS_HEADER: name_fields(ignored)}
 
 
 def log_ignored_fields(request_id: str, ignored: list[str]) -> None:

@@ -8,10 +8,9 @@ loop. The bodies themselves are in `frontend.schemas` and
 from __future__ import annotations
 
 import asyncio
-import difflib
 import functools
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,7 +20,13 @@ from starlette.requests import Request
 
 from frontend.body import json_object, read_json_body
 from frontend.errors import ApiError
-from frontend.field_errors import MAX_REPORTED_ERRORS, describe, printable, short_name
+from frontend.field_errors import (
+    MAX_REPORTED_ERRORS,
+    describe,
+    nearest_name,
+    printable,
+    short_name,
+)
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -31,6 +36,9 @@ Body = TypeVar("Body", bound=BaseModel)
 # would hold up /health, every other request and the workers' heartbeats for
 # seconds. A thread would not help: pydantic keeps the GIL, and the loop would
 # then wait for it after every system call.
+# Names the request fields that were ignored, so that a client can see a typo.
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+
 LARGE_BODY_BYTES = 64 * 1024
 
 
@@ -65,7 +73,8 @@ def decode_body(
     except ValidationError as exc:
         message, param = describe(exc, functools.partial(fields_in, schema))
         message += ignored_note(ignored, schema)
-        raise ApiError(422, message, "invalid_request", param) from None
+        headers = ignored_fields_headers(ignored)
+        raise ApiError(422, message, "invalid_request", param, headers) from None
 
 
 def drop_unknown(
@@ -183,31 +192,38 @@ def _model_in(annotation: Any, in_list: bool = False) -> tuple[type[BaseModel], 
     return None
 
 
-def name_fields(names: list[str]) -> str:
+def name_fields(names: list[str], meant: Callable[[str], str | None] | None = None) -> str:
     """A few field names, shortened and printable, and how many more: for a log
-    line or a header. A name that holds a comma or a double quote is quoted, as
-    in a CSV line, so that the list reads one way (`"a,b", c` is two names)."""
-    named = ", ".join(_listed(printable(short_name(name))) for name in names[:MAX_REPORTED_ERRORS])
+    line, a header or a message, which gives each the field ``meant`` says it
+    likely meant, if any. A name that holds a comma or a double quote is quoted,
+    as in a CSV line, so that the list reads one way (`"a,b", c` is two names)."""
+    named = []
+    for name in names[:MAX_REPORTED_ERRORS]:
+        shown = _listed(printable(short_name(name)))
+        likely = meant(name) if meant else None
+        named.append(f"{shown} (did you mean {likely}?)" if likely else shown)
     more = len(names) - MAX_REPORTED_ERRORS
-    return named + (f" and {more:,} more" if more > 0 else "")
+    return ", ".join(named) + (f" and {more:,} more" if more > 0 else "")
+
+
+def ignored_fields_headers(ignored: list[str]) -> dict[str, str]:
+    """The response header that names the ignored fields, if any."""
+    if not ignored:
+        return {}
+    return {IGNORED_FIELDS_HEADER: name_fields(ignored)}
 
 
 def ignored_note(ignored: list[str], schema: type[BaseModel]) -> str:
     """For an error answered to a body whose unknown fields were ignored: those
     fields (a few), each with the field it likely meant, as a typo there may be
     the cause ('messages.0.contnet', and then no content); "" for none."""
-    if not ignored:
-        return ""
-    named = []
-    for name in ignored[:MAX_REPORTED_ERRORS]:
+
+    def meant(name: str) -> str | None:
         *parent, last = name.split(".")
         fields = fields_in(schema, [part for part in parent if not part.isdigit()])
-        nearest = difflib.get_close_matches(last, fields, n=1)
-        shown = _listed(printable(short_name(name)))
-        named.append(f"{shown} (did you mean {nearest[0]}?)" if nearest else shown)
-    more = len(ignored) - MAX_REPORTED_ERRORS
-    named += [f"and {more:,} more"] if more > 0 else []
-    return f"; unknown fields ignored: {', '.join(named)}"
+        return nearest_name(last, fields)
+
+    return f"; unknown fields ignored: {name_fields(ignored, meant)}" if ignored else ""
 
 
 def _listed(name: str) -> str:

@@ -22,13 +22,9 @@ from frontend.errors import ApiError
 from frontend.generation import FinalAnswer, generate_request, respond
 from frontend.json_response import JSONResponse
 from frontend.metrics import TOKENIZER_ENDPOINTS
-from frontend.openai_common import (
-    check_requested_model,
-    ignored_fields_headers,
-    log_ignored_fields,
-    read_lenient_body,
-)
+from frontend.openai_common import check_requested_model, log_ignored_fields, read_lenient_body
 from frontend.openai_schemas import ChatMessage
+from frontend.parse import ignored_fields_headers
 from frontend.schemas import STRICT, RequestBody, TokenIds
 from frontend.worker_client import WorkerClient
 from protocol import GenerateRequest, GenerateResult

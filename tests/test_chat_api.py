@@ -281,6 +281,7 @@ def test_a_refusal_names_the_unknown_fields_it_ignored_and_what_each_likely_mean
     assert unread.json()["error"]["message"].endswith(
         "; unknown fields ignored: mesages (did you mean messages?), colour"
     )
+    assert unread.headers["X-Ignored-Fields"] == "mesages, colour"
 
 
 def test_a_role_outside_openais_is_refused_by_name(stack: Stack) -> None:

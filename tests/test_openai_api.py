@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 
 from frontend.app import create_app
 from frontend.config import FrontendConfig
-from frontend.openai_common import IGNORED_FIELDS_HEADER
+from frontend.parse import IGNORED_FIELDS_HEADER
 from protocol.settings import load
 from tests.sse import sse_events
 from tests.stack import Stack, free_port, live_stack, openai_client, running_stack

@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from frontend.errors import ApiError
-from frontend.openai_common import IGNORED_FIELDS_HEADER
 from frontend.openai_schemas import ResponseFormat
+from frontend.parse import IGNORED_FIELDS_HEADER
 from frontend.structured import NO_GRAMMAR, Grammar, compile_grammar, request_grammar
 from protocol import GrammarKind
 from protocol.limits import MAX_GRAMMAR_CHARS
