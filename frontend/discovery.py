@@ -19,19 +19,20 @@ log = logging.getLogger(__name__)
 class Discovery:
     def __init__(self, endpoints: list[str]) -> None:
         self.endpoints = endpoints
-        self._names = {e: tcp for e in endpoints if (tcp := _named(e)) is not None}
+        # The endpoints that name a host, to look up again and again.
+        self._named_endpoints = {e: tcp for e in endpoints if (tcp := _named(e)) is not None}
         self._failed: set[str] = set()  # names whose last look-up failed, logged once
 
     @property
     def is_static(self) -> bool:
-        return not self._names
+        return not self._named_endpoints
 
     async def resolve(self) -> tuple[set[str], bool]:
         """Every worker endpoint now, and whether every name resolved (if one did
         not, the endpoints it had are missing from the set, not gone)."""
-        found = {e for e in self.endpoints if e not in self._names}
+        found = {e for e in self.endpoints if e not in self._named_endpoints}
         is_complete = True
-        for tcp in self._names.values():
+        for tcp in self._named_endpoints.values():
             addresses = await _look_up(tcp.host)
             if not addresses:
                 is_complete = False

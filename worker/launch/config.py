@@ -45,13 +45,14 @@ class SupervisorConfig(WorkerClientConfig):
     worker_endpoint: str = setting(
         "WORKER_ENDPOINT",
         DEFAULT_WORKER_ENDPOINT,
-        "the first worker's ZMQ endpoint: NUM_WORKERS bind it and the ports after it, "
-        "and the frontends connect to each",
+        "the first worker's ZMQ endpoint: NUM_WORKERS bind it and the ports after it "
+        "(WORKER_BIND's, if set), and the frontends connect to each",
     )
     num_workers: int = setting(
         "NUM_WORKERS",
         1,
-        "workers to run, on WORKER_ENDPOINT's port and the ones after it; each gets "
+        "workers to run, on WORKER_ENDPOINT's port and the ones after it (or numbered "
+        "ipc paths); each gets "
         "an even share of the cores unless TORCH_THREADS is set",
     )
     torch_threads: int = setting(

@@ -25,8 +25,8 @@ def check_before_start(config: SupervisorConfig, environ: Mapping[str, str]) -> 
 
 
 def _workers_bind(config: SupervisorConfig, environ: Mapping[str, str]) -> tuple[str, str]:
-    """The setting and endpoint the first worker binds: WORKER_BIND if set (the
-    others bind the next ports), else WORKER_ENDPOINT."""
+    """The setting and endpoint the first worker binds: WORKER_BIND if set, else
+    WORKER_ENDPOINT (the others bind the next ports, or numbered ipc paths)."""
     bind = environ.get("WORKER_BIND", "")
     return ("WORKER_BIND", bind) if bind else ("WORKER_ENDPOINT", config.worker_endpoint)
 

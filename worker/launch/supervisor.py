@@ -60,15 +60,16 @@ class Supervisor:
         endpoints = worker_endpoints(config.worker_endpoint, config.num_workers)
         # WORKER_BIND, a worker's setting they inherit, is numbered as the endpoints.
         bind = os.environ.get("WORKER_BIND", "")
-        binds = worker_endpoints(bind, config.num_workers, "WORKER_BIND") if bind else None
+        binds = (
+            worker_endpoints(bind, config.num_workers, "WORKER_BIND")
+            if bind
+            else [""] * config.num_workers
+        )
         self.workers: list[tuple[Child, WorkerWatch]] = []
         for i, endpoint in enumerate(endpoints):
             name = "worker" if len(endpoints) == 1 else f"worker-{i}"
-            env = (
-                _worker_env(endpoint, binds[i] if binds else "", config)
-                if len(endpoints) > 1
-                else dict(os.environ)
-            )
+            is_one_of_several = len(endpoints) > 1
+            env = _worker_env(endpoint, binds[i], config) if is_one_of_several else dict(os.environ)
             child = Child(
                 name,
                 "worker.serve.main",
