@@ -214,8 +214,9 @@ def _quarantined(entry: InFlight) -> ErrorResult:
     return ErrorResult(
         entry.wire_id,
         ErrorCode.WORKERS_DIED,
-        f"the request was in flight on {_workers(entry.num_worker_deaths)} that died; it is "
-        "not replayed again, since it may be what kills workers (the worker logs say why)",
+        f"the request was in flight on {_workers(entry.num_worker_deaths)} that died or "
+        "stopped answering (each taken for dead); it is not replayed again, since it may "
+        "be what kills workers (the worker logs say why)",
     )
 
 
