@@ -30,15 +30,14 @@ from frontend.field_errors import (
 
 Body = TypeVar("Body", bound=BaseModel)
 
+# Names the request fields that were ignored, so that a client can see a typo.
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
 
 # Bodies this large are parsed and validated one per turn of the event loop: a
 # megabyte of token ids takes ~40 ms, and a burst of them woken in the same turn
 # would hold up /health, every other request and the workers' heartbeats for
 # seconds. A thread would not help: pydantic keeps the GIL, and the loop would
 # then wait for it after every system call.
-# Names the request fields that were ignored, so that a client can see a typo.
-IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
-
 LARGE_BODY_BYTES = 64 * 1024
 
 
