@@ -122,6 +122,13 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
         f"guided_{kind}": st.none() | st.sampled_from([{"type": "object"}, "[0-9]", ["a", "b"]])
         for kind in ("json", "regex", "choice", "grammar")
     },
+    # vLLM's fields that change the output: taken only at their defaults.
+    "allowed_token_ids": st.none() | st.sampled_from([[], [1, 2]]),
+    "bad_words": st.none() | st.sampled_from([[], ["a"]]),
+    "include_stop_str_in_output": st.none() | st.booleans(),
+    "use_beam_search": st.none() | st.booleans(),
+    "truncate_prompt_tokens": st.none() | st.integers(-1, 4),
+    "prompt_logprobs": st.none() | st.integers(0, 2),
     "structured_outputs": st.none()
     | st.sampled_from(
         [
