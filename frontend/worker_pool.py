@@ -72,8 +72,10 @@ class WorkerPool:
             endpoints = ", ".join(self._config.endpoints)
             return Verdict(WorkerState.CONNECTING, f"no worker found at {endpoints} yet")
         state = min((verdict.state for verdict in verdicts), key=_STATE_ORDER.index)
-        reasons = "; ".join(verdict.reason for verdict in verdicts[:3])
-        more = f"; and {len(verdicts) - 3} more" if len(verdicts) > 3 else ""
+        # Each reason once: "no worker has said hello yet" twice said nothing more.
+        distinct = list(dict.fromkeys(verdict.reason for verdict in verdicts))
+        reasons = "; ".join(distinct[:3])
+        more = f"; and {len(distinct) - 3} more" if len(distinct) > 3 else ""
         return Verdict(state, f"no worker is live: {reasons}{more}")
 
     @property

@@ -13,7 +13,7 @@ import pytest
 from bench.stack import REPO_ROOT
 from protocol import ErrorCode, ErrorResult, GenerateRequest, GenerateResult, ToFrontend
 from tests.sse import sse_events
-from tests.stack import Stack, running_stack
+from tests.stack import Stack, free_port, running_stack
 from tests.stand_in_worker import StandInWorker, stand_in_hello
 from worker.engine.fake_engine import expected_text
 
@@ -82,6 +82,18 @@ def test_health_names_the_model_counts_the_work_and_is_503_without_a_worker(tmp_
                 and h["workers"][0]["steps"] > before["steps"]
             ),
         )
+
+
+def test_workers_not_yet_live_give_each_reason_once(tmp_path: Path) -> None:
+    """Two workers that had not said hello read "no worker has said hello yet;
+    no worker has said hello yet"."""
+    endpoints = f"tcp://127.0.0.1:{free_port()},tcp://127.0.0.1:{free_port()}"
+    overrides = {"WORKER_ENDPOINTS": endpoints}
+    with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+        stack.wait_answering()
+        ready = httpx.get(f"{stack.url}/ready", timeout=5)
+    assert ready.status_code == 503
+    assert ready.json()["reason"] == "no worker is live: no worker has said hello yet"
 
 
 def test_ready_is_503_full_while_max_inflight_requests_are_unanswered(tmp_path: Path) -> None:
