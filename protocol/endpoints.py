@@ -117,6 +117,8 @@ def _host_problem(endpoint: str) -> str | None:
         return (
             "has a colon in its host: write an IPv6 address in brackets, as tcp://[::1]:5555 does"
         )
+    if is_bracketed and ":" not in host:  # [] or [name]: brackets hold an IPv6 address
+        return "has brackets around no IPv6 address: write tcp://[::1]:5555 or tcp://HOST:5555"
     return None
 
 

@@ -76,6 +76,8 @@ def test_a_setting_with_no_usable_port_is_refused_naming_it(endpoint: str) -> No
         ("tcp://[[::1]]:5555", r"has unmatched brackets"),
         ("tcp://[::1]]:5555", r"has unmatched brackets"),
         ("tcp://[::1]x]:5555", r"has unmatched brackets"),
+        ("tcp://[]:5555", r"has brackets around no IPv6 address"),
+        ("tcp://[worker]:5555", r"has brackets around no IPv6 address"),
         ("tcp://10.0.0.1:5556;10.0.0.2:5555", r"names a source address"),
         ("tcp://:5555", r"names no host: tcp://127\.0\.0\.1:5555 is one"),
         ("inproc://worker", r"inproc:// reaches only threads of one process"),
