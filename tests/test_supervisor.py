@@ -34,6 +34,7 @@ from worker.launch.config import SupervisorConfig
 from worker.launch.preflight import (
     check_no_worker_endpoints,
     check_ports_apart,
+    check_worker_bind_reachable,
     check_worker_ports_free,
 )
 from worker.launch.supervisor import Supervisor, _worker_env
@@ -130,18 +131,52 @@ def test_several_workers_bind_worker_bind_numbered_as_their_endpoints(
     workers bound their endpoints' address, loopback, not every address."""
     monkeypatch.setenv("WORKER_BIND", "tcp://*:19041")
     config = SupervisorConfig(
-        worker_endpoint="tcp://127.0.0.1:29041", num_workers=2, warm_start=False
+        worker_endpoint="tcp://127.0.0.1:19041", num_workers=2, warm_start=False
     )
     supervisor = Supervisor(config)
     try:
         envs = [child.env or {} for child, _ in supervisor.workers]
         assert [(e["WORKER_ENDPOINT"], e["WORKER_BIND"]) for e in envs] == [
-            ("tcp://127.0.0.1:29041", "tcp://*:19041"),
-            ("tcp://127.0.0.1:29042", "tcp://*:19042"),
+            ("tcp://127.0.0.1:19041", "tcp://*:19041"),
+            ("tcp://127.0.0.1:19042", "tcp://*:19042"),
         ]
     finally:
         for _, watch in supervisor.workers:
             watch.close()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "bind", "fix"),
+    [
+        ("tcp://127.0.0.1:19410", "tcp://*:19420", r"tcp://\*:19410 binds it on every address"),
+        ("tcp://127.0.0.1:19410", "ipc:///tmp/w", r"tcp://\*:19410 binds it"),
+        ("ipc:///tmp/w", "ipc:///tmp/v", r"set it to ipc:///tmp/w, or unset it"),
+        ("ipc:///tmp/w", "tcp://*:19410", r"set it to ipc:///tmp/w"),
+    ],
+)
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_worker_bind_the_stacks_frontends_cannot_reach_is_refused(
+    endpoint: str, bind: str, fix: str, num_workers: int
+) -> None:
+    """Workers bound there, frontends connected to WORKER_ENDPOINT: the stack
+    never became ready, and said nothing."""
+    config = SupervisorConfig(worker_endpoint=endpoint, num_workers=num_workers)
+    with pytest.raises(ConfigError, match=rf"WORKER_BIND={re.escape(bind)} is not where .*\({fix}"):
+        check_worker_bind_reachable(config, {"WORKER_BIND": bind})
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "bind"),
+    [
+        ("tcp://127.0.0.1:19410", "tcp://*:19410"),
+        ("tcp://10.0.0.5:19410", "tcp://0.0.0.0:19410"),
+        ("ipc:///tmp/w", "ipc:///tmp/w"),
+        ("tcp://127.0.0.1:19410", ""),
+    ],
+)
+def test_a_worker_bind_on_the_endpoints_port_or_path_is_taken(endpoint: str, bind: str) -> None:
+    config = SupervisorConfig(worker_endpoint=endpoint, num_workers=2)
+    check_worker_bind_reachable(config, {"WORKER_BIND": bind})
 
 
 def test_a_worker_bind_with_no_room_for_several_workers_is_refused_naming_it(
@@ -175,7 +210,7 @@ def test_a_worker_bind_with_no_room_for_several_workers_is_refused_naming_it(
             {
                 "PORT": "8001",
                 "NUM_WORKERS": "2",
-                "WORKER_ENDPOINT": "tcp://192.0.2.2:9000",
+                "WORKER_ENDPOINT": "tcp://192.0.2.2:8000",
                 "WORKER_BIND": "tcp://*:8000",
             },
             "127.0.0.1",

@@ -52,8 +52,7 @@ class SupervisorConfig(WorkerClientConfig):
         "NUM_WORKERS",
         1,
         "workers to run, on WORKER_ENDPOINT's port and the ones after it (or numbered "
-        "ipc paths); each gets "
-        "an even share of the cores unless TORCH_THREADS is set",
+        "ipc paths); each gets an even share of the cores unless TORCH_THREADS is set",
     )
     torch_threads: int = setting(
         "TORCH_THREADS",

@@ -19,6 +19,7 @@ from worker.serve.config import WorkerConfig, is_listened_on, tcp_bind_address
 def check_before_start(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
     """Every check of the settings as loaded, in the order a user fixes them."""
     check_worker_timing(config, environ)
+    check_worker_bind_reachable(config, environ)
     check_ports_apart(config, environ)
     check_no_worker_endpoints(config)
     check_worker_ports_free(config, environ)
@@ -29,6 +30,30 @@ def _workers_bind(config: SupervisorConfig, environ: Mapping[str, str]) -> tuple
     WORKER_ENDPOINT (the others bind the next ports, or numbered ipc paths)."""
     bind = environ.get("WORKER_BIND", "")
     return ("WORKER_BIND", bind) if bind else ("WORKER_ENDPOINT", config.worker_endpoint)
+
+
+def check_worker_bind_reachable(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
+    """Refuse a WORKER_BIND that this stack's frontends, which connect to
+    WORKER_ENDPOINT, cannot reach: another port or socket path. The stack came
+    up and never became ready, without a word. (Only its host may differ: ``*``
+    binds every address.)"""
+    bind = environ.get("WORKER_BIND", "")
+    if not bind:
+        return
+    tcp_bind, tcp_endpoint = TcpEndpoint.parse(bind), TcpEndpoint.parse(config.worker_endpoint)
+    if tcp_bind is not None and tcp_endpoint is not None and tcp_bind.port == tcp_endpoint.port:
+        return
+    if tcp_bind is None and tcp_endpoint is None and bind == config.worker_endpoint:
+        return
+    fix = (
+        f"tcp://*:{tcp_endpoint.port} binds it on every address"
+        if tcp_endpoint is not None
+        else f"set it to {config.worker_endpoint}, or unset it"
+    )
+    raise ConfigError(
+        f"WORKER_BIND={bind} is not where this stack's frontends connect "
+        f"(WORKER_ENDPOINT={config.worker_endpoint}): bind the same port or path ({fix})"
+    )
 
 
 def check_ports_apart(config: SupervisorConfig, environ: Mapping[str, str]) -> None:

@@ -62,8 +62,9 @@ class WorkerConfig:
     worker_bind: str = setting(
         "WORKER_BIND",
         "",
-        "where the worker binds, if not WORKER_ENDPOINT (tcp://*:5555); with NUM_WORKERS "
-        "under minibatch-serve, the first worker's, and the next ports the others'",
+        "where the worker binds, if not WORKER_ENDPOINT (tcp://*:5555); under "
+        "minibatch-serve, on WORKER_ENDPOINT's port (only its host may differ), the first "
+        "worker's, and the next ports the others'",
     )
     heartbeat_interval_s: float = setting("HEARTBEAT_INTERVAL_S", 0.5, "seconds between heartbeats")
     max_message_bytes: int = setting(
