@@ -172,8 +172,10 @@ def _not_a_field(loc: Sequence[int | str], fields_at: FieldsAt) -> str:
 
 
 def nearest_name(name: str, names: Sequence[str]) -> str | None:
-    """The one of ``names`` that ``name`` likely meant, if one is close."""
-    nearest = difflib.get_close_matches(name, names, n=1)
+    """The one of ``names`` that ``name`` likely meant, if one is close: closer
+    than difflib's default, which offered presence_penalty for vLLM's
+    length_penalty, another field, not a typo."""
+    nearest = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
     return nearest[0] if nearest else None
 
 

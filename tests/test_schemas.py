@@ -253,6 +253,15 @@ def test_an_unknown_field_inside_an_object_is_told_that_objects_fields(
     assert expected in message
 
 
+def test_another_servers_field_is_not_taken_for_a_typo_of_one_of_ours() -> None:
+    """vLLM's length_penalty was answered "did you mean presence_penalty?"."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "length_penalty": 1}
+    with pytest.raises(ValidationError) as caught:
+        ChatBody.model_validate(chat)
+    message, _ = describe(caught.value, _fields_in(ChatBody))
+    assert message.startswith("length_penalty: not a field of this body; this body's fields")
+
+
 def test_several_unknown_fields_name_the_bodys_fields_once() -> None:
     fields = list(GenerateBody.model_fields)
     unknown = {name: 1 for name in "abcdefg"}
