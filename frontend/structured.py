@@ -438,8 +438,20 @@ _REGEX_ERROR = re.compile(r"regex parse error:\n    (.*)\n    ( *)\^+\nerror: ([
 
 # Its complaint about a construct it does not follow: "lookarounds not supported
 # yet; WordUnicode in regex /\\bfoo\\b/" (then, for a regex, the Lark rule again).
-_REGEX_UNSUPPORTED = re.compile(r"(\w[^;:\n]*not supported yet); (\w+) in regex /(.*)/")
-_ASSERTIONS = {"WordUnicode": "\\b, a word boundary", "WordUnicodeNegate": "\\B"}
+_REGEX_UNSUPPORTED = re.compile(r"\w[^;:\n]*not supported yet; (\w+) in regex /(.*)/")
+# Its names for them (regex-syntax's `Look`), in the regex's own terms.
+_ASSERTIONS = {
+    "WordUnicode": "\\b, a word boundary",
+    "WordUnicodeNegate": "\\B",
+    "WordAscii": "\\b, a word boundary",
+    "WordAsciiNegate": "\\B",
+    "Start": "^ where it does not begin the regex",
+    "End": "$ where it does not end the regex",
+    "StartLF": "^ in multi-line mode, (?m)",
+    "EndLF": "$ in multi-line mode, (?m)",
+    "StartCRLF": "^ in multi-line mode, (?mR)",
+    "EndCRLF": "$ in multi-line mode, (?mR)",
+}
 # A valid regex with a construct llguidance does not follow (look-around, a
 # backreference, a word boundary) is the server's limit: 400 unsupported.
 _CANNOT_FOLLOW = "valid, but this server cannot follow it: "
@@ -455,11 +467,14 @@ def _regex_problem(message: str) -> tuple[str, str] | None:
         regex = quoted.replace(_QUOTED_SLASH, "/")
         if "not supported" in error:  # regex-syntax's words for what it parses and refuses
             return regex, f"{_CANNOT_FOLLOW}{error} (at offset {offset})"
+        if regex[offset:].startswith("\\k<"):  # ECMAScript's, which regex-syntax does not know
+            return regex, f"{_CANNOT_FOLLOW}backreferences are not supported (at offset {offset})"
         return regex, f"invalid regex at offset {offset}: {error}"
     if (unsupported := _REGEX_UNSUPPORTED.search(message)) is not None:
-        reason, construct, quoted = unsupported.groups()
+        construct, quoted = unsupported.groups()
         regex = quoted.replace(_QUOTED_SLASH, "/")
-        return regex, f"{_CANNOT_FOLLOW}{reason} ({_ASSERTIONS.get(construct, construct)})"
+        what = _ASSERTIONS.get(construct, f"an assertion ({construct})")
+        return regex, f"{_CANNOT_FOLLOW}{what}: no look-around or anchor inside it is followed"
     return None
 
 

@@ -288,8 +288,30 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             {"regex": r"\bfoo\b"},
             400,
             "structured_outputs.regex",
-            "structured_outputs.regex: valid, but this server cannot follow it: lookarounds "
-            "not supported yet (\\b, a word boundary)",
+            "structured_outputs.regex: valid, but this server cannot follow it: \\b, a word "
+            "boundary: no look-around or anchor inside it is followed",
+        ),
+        (  # ECMAScript's named backreference, which regex-syntax takes for a bad escape
+            None,
+            {"json": {"type": "string", "pattern": "(?<n>a)\\k<n>"}},
+            400,
+            "structured_outputs.json",
+            "pattern (?<n>a)\\k<n>: valid, but this server cannot follow it: backreferences "
+            "are not supported (at offset 7)",
+        ),
+        (  # an anchor, named as written
+            None,
+            {"regex": "a^b"},
+            400,
+            "structured_outputs.regex",
+            "cannot follow it: ^ where it does not begin the regex",
+        ),
+        (
+            None,
+            {"regex": "a(?m)$"},
+            400,
+            "structured_outputs.regex",
+            "cannot follow it: $ in multi-line mode, (?m)",
         ),
         (
             None,
@@ -444,8 +466,8 @@ def test_a_regex_fault_is_told_in_the_regex_terms_not_the_rule_it_was_wrapped_in
     for regex, expected in [
         (
             r"\bfoo\b",
-            "valid, but this server cannot follow it: lookarounds not supported yet "
-            "(\\b, a word boundary)",
+            "valid, but this server cannot follow it: \\b, a word boundary: no look-around "
+            "or anchor inside it is followed",
         ),
         (
             "ab[z-a]",
