@@ -226,4 +226,7 @@ def ignored_note(ignored: list[str], schema: type[BaseModel]) -> str:
 
 
 def _listed(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"' if "," in name or '"' in name else name
+    # An empty name is "" too: bare, a list ending in it ends in a space, which
+    # no header value may (h11 dropped the connection instead of answering).
+    is_quoted = "," in name or '"' in name or not name
+    return '"' + name.replace('"', '""') + '"' if is_quoted else name

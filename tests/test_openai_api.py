@@ -547,7 +547,12 @@ def test_an_ignored_field_name_with_spaces_at_its_ends_is_answered(
 
 @pytest.mark.parametrize(
     ("names", "shown"),
-    [(["a,b", "c"], '"a,b", c'), (['say "hi"'], '"say ""hi"""'), (["a, b"], '"a, b"')],
+    [
+        (["a,b", "c"], '"a,b", c'),
+        (['say "hi"'], '"say ""hi"""'),
+        (["a, b"], '"a, b"'),
+        (["0", ""], '0, ""'),
+    ],
 )
 def test_ignored_field_names_read_one_way_in_the_header(
     stack: Stack, names: list[str], shown: str
