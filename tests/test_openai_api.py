@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -165,17 +166,7 @@ def test_vllms_older_guided_fields_are_refused_not_ignored(
 ) -> None:
     """Ignored as unknown fields, they answered free text to a client that asked
     for a constraint; the refusal says what to send instead."""
-    with pytest.raises(openai.BadRequestError) as raised:
-        if endpoint == "chat":
-            client.chat.completions.create(
-                model="fake",
-                messages=[{"role": "user", "content": "hi"}],
-                extra_body={field: value},
-            )
-        else:
-            client.completions.create(model="fake", prompt="hi", extra_body={field: value})
-    error = raised.value.body
-    assert isinstance(error, dict) and error["param"] == field
+    error = _refusal(client, endpoint, field, value)
     kind = field.removeprefix("guided_")
     assert f'send structured_outputs {{"{kind}": ...}} instead' in error["message"]
 
@@ -198,21 +189,9 @@ def test_vllms_fields_that_change_the_output_are_refused_not_ignored(
 ) -> None:
     """Ignored as unknown fields, they answered with a banned word, tokens outside
     the allowed ones, or without the stop string asked for."""
-    with pytest.raises(openai.BadRequestError) as raised:
-        if endpoint == "chat":
-            client.chat.completions.create(
-                model="fake",
-                messages=[{"role": "user", "content": "hi"}],
-                extra_body={field: value},
-            )
-        else:
-            client.completions.create(model="fake", prompt="hi", extra_body={field: value})
-    error = raised.value.body
-    assert isinstance(error, dict) and error["param"] == field
-    assert (
-        error["message"].startswith(f"{field}: vLLM's, not followed here")
-        and instead in (error["message"])
-    )
+    error = _refusal(client, endpoint, field, value)
+    assert error["message"].startswith(f"{field}: vLLM's, not followed here")
+    assert instead in error["message"]
 
 
 def test_vllms_fields_asking_for_what_is_done_anyway_are_taken(client: openai.OpenAI) -> None:
@@ -229,6 +208,23 @@ def test_vllms_fields_asking_for_what_is_done_anyway_are_taken(client: openai.Op
         model="fake", prompt="hi", max_tokens=2, extra_body=defaults
     )
     assert completion.choices[0].finish_reason == "length"
+
+
+def _refusal(client: openai.OpenAI, endpoint: str, field: str, value: object) -> dict[str, Any]:
+    """The 400 that ``endpoint`` answers a body with ``field`` set to ``value``,
+    which it names as the param at fault."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        if endpoint == "chat":
+            client.chat.completions.create(
+                model="fake",
+                messages=[{"role": "user", "content": "hi"}],
+                extra_body={field: value},
+            )
+        else:
+            client.completions.create(model="fake", prompt="hi", extra_body={field: value})
+    error = raised.value.body
+    assert isinstance(error, dict) and error["param"] == field
+    return error
 
 
 def test_invalid_value_is_a_422_naming_the_parameter(client: openai.OpenAI) -> None:
