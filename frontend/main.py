@@ -26,7 +26,8 @@ from protocol.settings import ConfigError, exit_refusing, load
 from protocol.stop_timing import FRONTEND_STOP_GRACE_S
 from protocol.throttled import ThrottleWarnings
 
-log = logging.getLogger(__name__)
+# Named, not __name__: run as python -m, this module is __main__ to the log.
+log = logging.getLogger("frontend.main")
 
 # What a stopping frontend gives its requests under way to finish.
 GRACEFUL_SHUTDOWN_S = FRONTEND_STOP_GRACE_S

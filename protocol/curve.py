@@ -32,7 +32,8 @@ from zmq.utils import z85
 from protocol.settings import ConfigError, env_name
 from protocol.throttled import Throttled
 
-log = logging.getLogger(__name__)
+# Named, not __name__: run as python -m, this module is __main__ to the log.
+log = logging.getLogger("protocol.curve")
 
 _Z85_KEY_LENGTH = 40
 

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from protocol.limits import (
 )
 from protocol.settings import ConfigError, flag_settings, load
 from protocol.wire import MAX_REQUEST_ID_CHARS
+from tests.stack import free_port
 from worker.launch.config import SupervisorConfig
 from worker.launch.preflight import check_worker_timing
 from worker.launch.supervisor import Supervisor
@@ -175,6 +179,27 @@ def test_a_process_run_as_python_m_names_itself_by_its_command(module: str, comm
     assert refused.returncode == 2
     assert refused.stderr.startswith(f"usage: {command} "), refused.stderr
     assert ".py" not in refused.stderr
+
+
+def test_a_worker_run_as_python_m_logs_under_its_modules_name(tmp_path: Path) -> None:
+    """Its lines read "INFO __main__: worker told to stop", a name found nowhere
+    in the code, where the installed command's read "worker.serve.main"."""
+    env = {**os.environ, "MODEL_ID": "fake", "WORKER_ENDPOINT": f"tcp://127.0.0.1:{free_port()}"}
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "worker.serve.main"], env=env, stdout=out, stderr=out
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while "serving" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            worker.send_signal(signal.SIGINT)
+            worker.wait(timeout=30)
+    text = log.read_text()
+    assert "INFO worker.serve.main: worker told to stop (SIGINT)" in text, text
+    assert "__main__" not in text
 
 
 def test_a_misspelt_variable_is_named_with_the_setting_it_likely_meant_once(

@@ -44,7 +44,8 @@ import torch
 
 from protocol.settings import ConfigError
 
-logger = logging.getLogger(__name__)
+# Named, not __name__: run as python -m, this module is __main__ to the log.
+logger = logging.getLogger("worker.model.kernels")
 
 SOURCE_DIRECTORY = Path(__file__).with_name("csrc")
 SOURCES = ("skinny_linear.cpp", "decode_attention.cpp")

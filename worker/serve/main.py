@@ -19,7 +19,8 @@ from worker.serve.config import WorkerConfig, check_endpoint_free
 from worker.serve.scheduler import Scheduler
 from worker.serve.server import WorkerServer
 
-log = logging.getLogger(__name__)
+# Named, not __name__: run as python -m, this module is __main__ to the log.
+log = logging.getLogger("worker.serve.main")
 
 
 def build_engine(config: WorkerConfig) -> InferenceEngine:
