@@ -152,6 +152,10 @@ def test_several_workers_bind_worker_bind_numbered_as_their_endpoints(
         ("tcp://127.0.0.1:19410", "ipc:///tmp/w", r"tcp://\*:19410 binds it"),
         ("ipc:///tmp/w", "ipc:///tmp/v", r"set it to ipc:///tmp/w, or unset it"),
         ("ipc:///tmp/w", "tcp://*:19410", r"set it to ipc:///tmp/w"),
+        # the same port, but not reached there: another address, another family
+        ("tcp://127.0.0.1:19410", "tcp://127.0.0.2:19410", r"tcp://\*:19410 binds it"),
+        ("tcp://[::1]:19410", "tcp://*:19410", r"tcp://\[::\]:19410 binds it"),
+        ("tcp://127.0.0.1:19410", "tcp://[::1]:19410", r"tcp://\*:19410 binds it"),
     ],
 )
 @pytest.mark.parametrize("num_workers", [1, 2])
@@ -166,12 +170,30 @@ def test_a_worker_bind_the_stacks_frontends_cannot_reach_is_refused(
 
 
 @pytest.mark.parametrize(
+    ("bind", "message"),
+    [
+        ("tcp://*:99999", "WORKER_BIND must end in a port from 1 to 65535"),
+        ("inproc://x", "inproc:// reaches only threads of one process"),
+        ("tcp://[]:19410", "has brackets around no IPv6 address"),
+    ],
+)
+def test_a_worker_bind_that_is_no_endpoint_is_refused_as_such(bind: str, message: str) -> None:
+    """Not as one the frontends cannot reach, nor only by the worker once started."""
+    config = SupervisorConfig(worker_endpoint="tcp://127.0.0.1:19410")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_worker_bind_reachable(config, {"WORKER_BIND": bind})
+
+
+@pytest.mark.parametrize(
     ("endpoint", "bind"),
     [
         ("tcp://127.0.0.1:19410", "tcp://*:19410"),
         ("tcp://10.0.0.5:19410", "tcp://0.0.0.0:19410"),
         ("ipc:///tmp/w", "ipc:///tmp/w"),
         ("tcp://127.0.0.1:19410", ""),
+        ("tcp://[::1]:19410", "tcp://[::]:19410"),
+        ("tcp://localhost:19410", "tcp://*:19410"),
+        ("tcp://127.0.0.1:19410", "tcp://127.0.0.1:19410"),
     ],
 )
 def test_a_worker_bind_on_the_endpoints_port_or_path_is_taken(endpoint: str, bind: str) -> None:

@@ -8,7 +8,7 @@ import ipaddress
 import socket
 from collections.abc import Mapping
 
-from protocol.endpoints import DEFAULT_HTTP_HOST, TcpEndpoint
+from protocol.endpoints import DEFAULT_HTTP_HOST, TcpEndpoint, check_endpoint_value
 from protocol.settings import ConfigError, load
 from protocol.stop_timing import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
 from worker.launch.child import KILL_AFTER_S
@@ -34,25 +34,42 @@ def _workers_bind(config: SupervisorConfig, environ: Mapping[str, str]) -> tuple
 
 def check_worker_bind_reachable(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
     """Refuse a WORKER_BIND that this stack's frontends, which connect to
-    WORKER_ENDPOINT, cannot reach: another port or socket path. The stack came
-    up and never became ready, without a word. (Only its host may differ: ``*``
-    binds every address.)"""
+    WORKER_ENDPOINT, cannot reach: another port or socket path, or an address
+    that is not WORKER_ENDPOINT's host's, nor a wildcard of its family (``*`` and
+    0.0.0.0 bind IPv4's addresses alone, ``[::]`` IPv6's). The stack came up and
+    never became ready, without a word. A WORKER_BIND that is no endpoint at all
+    is refused as the worker would refuse it."""
     bind = environ.get("WORKER_BIND", "")
     if not bind:
         return
+    check_endpoint_value(bind, "WORKER_BIND")
     tcp_bind, tcp_endpoint = TcpEndpoint.parse(bind), TcpEndpoint.parse(config.worker_endpoint)
-    if tcp_bind is not None and tcp_endpoint is not None and tcp_bind.port == tcp_endpoint.port:
+    if tcp_bind is not None and tcp_endpoint is not None:
+        if tcp_bind.port == tcp_endpoint.port and _binds_for(tcp_bind.host, tcp_endpoint.host):
+            return
+    elif bind == config.worker_endpoint:
         return
-    if tcp_bind is None and tcp_endpoint is None and bind == config.worker_endpoint:
-        return
-    fix = (
-        f"tcp://*:{tcp_endpoint.port} binds it on every address"
-        if tcp_endpoint is not None
-        else f"set it to {config.worker_endpoint}, or unset it"
-    )
+    if tcp_endpoint is not None:
+        wildcard = "[::]" if tcp_endpoint.is_ipv6 else "*"
+        fix = f"tcp://{wildcard}:{tcp_endpoint.port} binds it on every address"
+    else:
+        fix = f"set it to {config.worker_endpoint}, or unset it"
     raise ConfigError(
         f"WORKER_BIND={bind} is not where this stack's frontends connect "
         f"(WORKER_ENDPOINT={config.worker_endpoint}): bind the same port or path ({fix})"
+    )
+
+
+def _binds_for(bind_host: str, endpoint_host: str) -> bool:
+    """Whether a listener on ``bind_host`` is reached at ``endpoint_host``: an
+    address in common, or a wildcard of its family. A host that does not resolve
+    is left for the bind or the connect to refuse."""
+    bound = _bind_addresses("0.0.0.0" if bind_host == "*" else bind_host)
+    reached = _bind_addresses(endpoint_host)
+    if not bound or not reached:
+        return True
+    return any(
+        a.version == b.version and (a == b or a.is_unspecified) for a in bound for b in reached
     )
 
 

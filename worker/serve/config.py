@@ -63,8 +63,8 @@ class WorkerConfig:
         "WORKER_BIND",
         "",
         "where the worker binds, if not WORKER_ENDPOINT (tcp://*:5555); under "
-        "minibatch-serve, on WORKER_ENDPOINT's port (only its host may differ), the first "
-        "worker's, and the next ports the others'",
+        "minibatch-serve, on WORKER_ENDPOINT's port and host or a wildcard of its family "
+        "(* for IPv4, [::] for IPv6), the first worker's, and the next ports the others'",
     )
     heartbeat_interval_s: float = setting("HEARTBEAT_INTERVAL_S", 0.5, "seconds between heartbeats")
     max_message_bytes: int = setting(
