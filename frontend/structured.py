@@ -414,7 +414,14 @@ def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
     )
     if not is_error:
         return grammar, None
-    if (regex := _regex_problem(messages[0])) is not None:
+    written = (
+        [text]
+        if kind == GrammarKind.REGEX
+        else _patterns(json.loads(text))
+        if kind in JSON_KINDS
+        else []  # a grammar's regexes are quoted as llguidance reads them
+    )
+    if (regex := _regex_problem(messages[0], written)) is not None:
         pattern, problem = regex
         return "", problem if kind == GrammarKind.REGEX else f"pattern {pattern}: {problem}"
     if (digits := _MULTIPLE_OF_DIGITS.search(messages[0])) is not None:
@@ -457,29 +464,81 @@ _ASSERTIONS = {
 _CANNOT_FOLLOW = "valid, but this server cannot follow it: "
 
 
-def _regex_problem(message: str) -> tuple[str, str] | None:
+def _regex_problem(message: str, written: list[str]) -> tuple[str, str] | None:
     """The regex llguidance complains of, and what is wrong with it in its own
-    terms; None for a complaint about no regex."""
+    terms, at offsets in the one of ``written`` (the client's regexes) it quotes;
+    None for a complaint about no regex."""
     if (found := _REGEX_ERROR.search(message)) is not None:
         quoted, carets, error = found.groups()
-        # Offsets in the regex as written, not as quoted (a / as \/, see below).
-        offset = len(carets) - quoted[: len(carets)].count(_QUOTED_SLASH)
-        regex = quoted.replace(_QUOTED_SLASH, "/")
+        regex = next((r for r in written if _as_quoted(r) == quoted), _unquoted(quoted))
+        offset = _offset_in(regex, len(carets))
+        shown = _shown(regex)
         if "not supported" in error:  # regex-syntax's words for what it parses and refuses
-            return regex, f"{_CANNOT_FOLLOW}{error} (at offset {offset})"
+            return shown, f"{_CANNOT_FOLLOW}{error} (at offset {offset})"
         if regex[offset:].startswith("\\k<"):  # ECMAScript's, which regex-syntax does not know
-            return regex, f"{_CANNOT_FOLLOW}backreferences are not supported (at offset {offset})"
-        return regex, f"invalid regex at offset {offset}: {error}"
+            return shown, f"{_CANNOT_FOLLOW}backreferences are not supported (at offset {offset})"
+        return shown, f"invalid regex at offset {offset}: {error}"
     if (unsupported := _REGEX_UNSUPPORTED.search(message)) is not None:
         construct, quoted = unsupported.groups()
-        regex = quoted.replace(_QUOTED_SLASH, "/")
+        regex = next((r for r in written if _as_quoted(r) == quoted), _unquoted(quoted))
         what = _ASSERTIONS.get(construct, f"an assertion ({construct})")
-        return regex, f"{_CANNOT_FOLLOW}{what}: no look-around or anchor inside it is followed"
+        return _shown(
+            regex
+        ), f"{_CANNOT_FOLLOW}{what}: no look-around or anchor inside it is followed"
     return None
 
 
-# llguidance writes a regex in a Lark rule, /.../, with each / in it as \/.
+# llguidance writes a regex in a Lark rule, /.../, with each / in it as \/, and
+# quotes it with a newline, a tab or a carriage return as \n, \t or \r.
 _QUOTED_SLASH = "\\/"
+_QUOTED_CHARS = {"/": _QUOTED_SLASH, "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _quoted_char(regex: str, i: int) -> str:
+    if regex[i] == "/" and i > 0 and regex[i - 1] == "\\":
+        return "/"  # escaped already
+    return _QUOTED_CHARS.get(regex[i], regex[i])
+
+
+def _unquoted(quoted: str) -> str:
+    """A quoted regex none of the client's matches, as near as can be told: its
+    slashes as written (a \\n stays two characters: it may be the regex's own)."""
+    return quoted.replace(_QUOTED_SLASH, "/")
+
+
+def _shown(regex: str) -> str:
+    """The client's regex for a message: its newlines, tabs and returns escaped."""
+    return "".join(_QUOTED_CHARS[c] if c in "\n\t\r" else c for c in regex)
+
+
+def _as_quoted(regex: str) -> str:
+    return "".join(_quoted_char(regex, i) for i in range(len(regex)))
+
+
+def _offset_in(regex: str, quoted_offset: int) -> int:
+    """Where in ``regex`` the character at ``quoted_offset`` of its quote is."""
+    position = 0
+    for i in range(len(regex)):
+        position += len(_quoted_char(regex, i))
+        if position > quoted_offset:
+            return i
+    return len(regex)
+
+
+def _patterns(schema: Any) -> list[str]:
+    """Every regex a JSON Schema holds: its patterns and patternProperties' keys."""
+    found: list[str] = []
+    if isinstance(schema, dict):
+        if isinstance(schema.get("pattern"), str):
+            found.append(schema["pattern"])
+        if isinstance(schema.get("patternProperties"), dict):
+            found += list(schema["patternProperties"])
+        for value in schema.values():
+            found += _patterns(value)
+    elif isinstance(schema, list):
+        for item in schema:
+            found += _patterns(item)
+    return found
 
 
 # What llguidance's regex syntax (Rust's) gives a meaning; escaped, each stands for itself.

@@ -344,6 +344,21 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             "structured_outputs.regex",
             "structured_outputs.regex: invalid regex at offset 5: unclosed character class",
         ),
+        (  # a newline or tab llguidance quotes as two characters: one here
+            None,
+            {"regex": "\n\n\n("},
+            422,
+            "structured_outputs.regex",
+            "structured_outputs.regex: invalid regex at offset 3: unclosed group",
+        ),
+        (
+            None,
+            {"json": {"type": "string", "pattern": "\t(?=a)"}},
+            400,
+            "structured_outputs.json",
+            "pattern \\t(?=a): valid, but this server cannot follow it: look-around, "
+            "including look-ahead and look-behind, is not supported (at offset 1)",
+        ),
         (
             None,
             {"json": {"type": "object", "patternProperties": {"(": {}}}},
