@@ -482,9 +482,8 @@ def _regex_problem(message: str, written: list[str]) -> tuple[str, str] | None:
         construct, quoted = unsupported.groups()
         regex = next((r for r in written if _as_quoted(r) == quoted), _unquoted(quoted))
         what = _ASSERTIONS.get(construct, f"an assertion ({construct})")
-        return _shown(
-            regex
-        ), f"{_CANNOT_FOLLOW}{what}: no look-around or anchor inside it is followed"
+        problem = f"{_CANNOT_FOLLOW}{what}: no look-around or anchor inside it is followed"
+        return _shown(regex), problem
     return None
 
 
