@@ -32,7 +32,7 @@ _QUOTE_AND_BACKSLASH = ('"', "\\")
 def escaped_pattern_problem(schema: Any) -> str | None:
     """Why a pattern in ``schema`` would be followed loosely, if one would."""
     asked: set[str] = set()
-    for where, keyword, pattern in _patterns(schema):
+    for where, keyword, pattern in schema_patterns(schema):
         for character_class in character_classes(pattern):
             asked.add(character_class)
             if len(asked) > MAX_CHARACTER_CLASSES:
@@ -53,7 +53,7 @@ def escaped_pattern_problem(schema: Any) -> str | None:
     return None
 
 
-def _patterns(schema: Any) -> Iterator[tuple[str, str, str]]:
+def schema_patterns(schema: Any) -> Iterator[tuple[str, str, str]]:
     """Each regex in ``schema``: where, under which keyword, and the regex."""
     for where, subschema in subschemas(schema):
         pattern = subschema.get("pattern")

@@ -25,7 +25,7 @@ import llguidance
 
 from frontend.body import parse_json
 from frontend.errors import ApiError
-from frontend.pattern_escapes import escaped_pattern_problem
+from frontend.pattern_escapes import escaped_pattern_problem, schema_patterns
 from protocol import GrammarKind
 from protocol.grammar_shape import grammar_schemas, grammar_shape_problem
 from protocol.json_schema import EXACT_KEYWORDS, subschemas
@@ -414,13 +414,13 @@ def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
     )
     if not is_error:
         return grammar, None
-    written = (
-        [text]
-        if kind == GrammarKind.REGEX
-        else _patterns(json.loads(text))
-        if kind in JSON_KINDS
-        else []  # a grammar's regexes are quoted as llguidance reads them
-    )
+    # The client's regexes, to place a fault in as written (a grammar's own
+    # /.../ terminals are quoted as llguidance reads them).
+    if kind == GrammarKind.REGEX:
+        written = [text]
+    else:
+        schemas = [json.loads(text)] if kind in JSON_KINDS else grammar_schemas(text)
+        written = [pattern for schema in schemas for *_, pattern in schema_patterns(schema)]
     if (regex := _regex_problem(messages[0], written)) is not None:
         pattern, problem = regex
         return "", problem if kind == GrammarKind.REGEX else f"pattern {pattern}: {problem}"
@@ -522,22 +522,6 @@ def _offset_in(regex: str, quoted_offset: int) -> int:
         if position > quoted_offset:
             return i
     return len(regex)
-
-
-def _patterns(schema: Any) -> list[str]:
-    """Every regex a JSON Schema holds: its patterns and patternProperties' keys."""
-    found: list[str] = []
-    if isinstance(schema, dict):
-        if isinstance(schema.get("pattern"), str):
-            found.append(schema["pattern"])
-        if isinstance(schema.get("patternProperties"), dict):
-            found += list(schema["patternProperties"])
-        for value in schema.values():
-            found += _patterns(value)
-    elif isinstance(schema, list):
-        for item in schema:
-            found += _patterns(item)
-    return found
 
 
 # What llguidance's regex syntax (Rust's) gives a meaning; escaped, each stands for itself.

@@ -359,6 +359,14 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             "pattern \\t(?=a): valid, but this server cannot follow it: look-around, "
             "including look-ahead and look-behind, is not supported (at offset 1)",
         ),
+        (  # a Lark grammar's %json block, too
+            None,
+            {"grammar": 'start: %json {"type": "string", "pattern": "\\t(?=a)"}'},
+            400,
+            "structured_outputs.grammar",
+            "pattern \\t(?=a): valid, but this server cannot follow it: look-around, "
+            "including look-ahead and look-behind, is not supported (at offset 1)",
+        ),
         (
             None,
             {"json": {"type": "object", "patternProperties": {"(": {}}}},
