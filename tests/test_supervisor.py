@@ -29,6 +29,7 @@ from tests.stack import Stack, free_port, running_stack
 from tests.stand_in_worker import stand_in_hello
 from worker.engine.fake_engine import expected_text
 from worker.launch import child as child_module
+from worker.launch import supervisor as supervisor_module
 from worker.launch.child import Child, CrashLoop
 from worker.launch.config import SupervisorConfig
 from worker.launch.preflight import (
@@ -639,6 +640,36 @@ def test_a_supervisor_that_was_paused_reads_the_heartbeats_before_judging(
         time.sleep(0.1)
         supervisor._judge(worker, watch)
     assert worker.kill_reason is None
+
+
+@pytest.mark.parametrize("is_stopping", [True, False])
+def test_a_worker_stuck_in_its_stop_is_killed_and_one_serving_is_not(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch, is_stopping: bool
+) -> None:
+    """A worker told to stop that heartbeats on, live, past the time a stop takes
+    (an engine thread stuck while idle) took nothing for ever and was never
+    replaced; one that does not say it stops is left alone however long."""
+    monkeypatch.setattr(supervisor_module, "_STOPPING_KILL_AFTER_S", 0.5)
+    with _watching_a_stand_in() as (supervisor, worker, watch, worker_socket):
+        worker.start()
+        while not worker_socket.poll(100):
+            watch.poll(0.01)  # pings until one reaches the stand-in
+        peer, _ = worker_socket.recv_multipart()
+        worker_socket.send_multipart([peer, encode(stand_in_hello(instance_id="w"))])
+        heartbeat = Heartbeat("w", num_steps=1, num_queued=0, num_active=0)
+        heartbeat = dataclasses.replace(heartbeat, is_stopping=is_stopping)
+        started = time.monotonic()
+        while worker.kill_reason is None and time.monotonic() - started < 1.5:
+            worker_socket.send_multipart([peer, encode(heartbeat)])
+            watch.poll(0.05)
+            supervisor._judge(worker, watch)
+    if is_stopping:
+        assert worker.kill_reason is not None
+        assert "it said it is stopping" in worker.kill_reason
+        assert "has not exited" in worker.kill_reason
+        assert 0.5 <= time.monotonic() - started < 1.5
+    else:
+        assert worker.kill_reason is None
 
 
 def test_a_supervisor_paused_past_the_workers_frontend_timeout_asks_before_judging(

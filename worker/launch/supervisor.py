@@ -34,7 +34,7 @@ from protocol.lifeline import name_supervisor
 from protocol.liveness import PauseWatch, WorkerState
 from protocol.logs import log_as
 from protocol.settings import ConfigError, exit_refusing, flag_settings, load
-from worker.launch.child import Child, CrashLoop, stop_together
+from worker.launch.child import KILL_AFTER_S, Child, CrashLoop, stop_together
 from worker.launch.config import SupervisorConfig
 from worker.launch.preflight import check_before_start
 from worker.launch.warm_start import FORK_SERVER
@@ -52,6 +52,11 @@ _WORKER_SERVED_AFTER_S = 10.0
 # A worker forked warm has its model loaded: only a fault keeps it from saying
 # hello this long after its start (a deadlock, a freeze), however large the model.
 _FORKED_START_TIMEOUT_S = 60.0
+# A worker told to stop (by anyone) hands back what it runs within STOP_GRACE_S and
+# exits; one still there this long after it said it stops is stuck in its stop,
+# heartbeating as live while it takes nothing: killed, as when this supervisor stops
+# it (preflight keeps STOP_GRACE_S below this), and so replaced.
+_STOPPING_KILL_AFTER_S = KILL_AFTER_S
 
 
 class Supervisor:
@@ -180,7 +185,13 @@ class Supervisor:
             # would take this process's own deafness for the worker's silence.
             watch.poll(0)
             verdict = liveness.verdict()
-        if verdict.is_live:
+        if verdict.is_live and (stopping_s := watch.stopping_for_s()) > _STOPPING_KILL_AFTER_S:
+            worker.kill(
+                f"it said it is stopping {stopping_s:.1f} s ago and has not exited: a worker "
+                "hands back what it runs within STOP_GRACE_S and exits, and minibatch-serve "
+                f"gives one that stops {_STOPPING_KILL_AFTER_S:g} s"
+            )
+        elif verdict.is_live:
             heartbeat = liveness.last_heartbeat
             worker.on_up(
                 heartbeat is not None and (heartbeat.num_finished > 0 or heartbeat.num_steps > 0)
