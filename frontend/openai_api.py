@@ -48,10 +48,11 @@ async def completions(request: Request) -> Response:
     read = await read_openai_request(request, CompletionBody)
     body, client = read.body, read.client
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    if max_tokens == 0 and not body.echo:
+    if max_tokens < (0 if body.echo else 1):
         raise ApiError(
             422,
-            "max_tokens: must be at least 1; 0 is for echo, to score the prompt alone",
+            f"max_tokens: must be at least 1 (0 with echo, to score the prompt alone), "
+            f"got {max_tokens:,}",
             "invalid_request",
             "max_tokens",
         )

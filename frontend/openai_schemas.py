@@ -296,8 +296,12 @@ class CompletionBody(OpenAIBody):
             Field(fail_fast=True, json_schema_extra=ONE_ITEM),
         ]
     ) = Field(description="text, or token ids; one prompt per request")
+    # Its least value depends on echo: `openai_api.completions` refuses what is below
+    # it in one message (pydantic's own, "at least 0", misled without echo).
     max_tokens: int | None = Field(
-        16, ge=0, description="0 to MAX_NEW_TOKENS_LIMIT; 0 only with echo"
+        16,
+        description="0 to MAX_NEW_TOKENS_LIMIT; 0 only with echo",
+        json_schema_extra={"minimum": 0},
     )
     echo: bool | None = Field(False, description="the prompt before the completion")
     logprobs: int | None = Field(
