@@ -46,6 +46,9 @@ JSON_OPTIONS: JsonCompileOptions = {
     "key_separator": ": ",
 }
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# vLLM's one other type: a valid request this server cannot follow (400, where a
+# type no server defines is an invalid one, 422).
+UNSUPPORTED_RESPONSE_FORMATS = ("structural_tag",)
 # vLLM's other structured_outputs fields, and the values this server honours as
 # asked: with one grammar engine there is no fallback to disable, and JSON comes
 # without free whitespace whichever disable_any_whitespace says (see JSON_OPTIONS).
@@ -134,13 +137,18 @@ def grammar_source(
 
 
 def _response_format(value: ResponseFormat) -> GrammarSource | None:
-    if value.type not in RESPONSE_FORMATS:
+    if value.type in UNSUPPORTED_RESPONSE_FORMATS:
         raise ApiError(
             400,
-            f"response_format.type: must be one of {', '.join(RESPONSE_FORMATS)}, got "
-            f"{_preview(value.type)}",
+            f"response_format.type: {value.type} is not supported; send one of "
+            f"{', '.join(RESPONSE_FORMATS)}, or structured_outputs",
             "unsupported",
             "response_format.type",
+        )
+    if value.type not in RESPONSE_FORMATS:
+        raise _invalid(
+            "response_format.type",
+            f"must be one of {', '.join(RESPONSE_FORMATS)}, got {_preview(value.type)}",
         )
     if value.type != "json_schema" and value.json_schema is not None:
         raise _invalid(

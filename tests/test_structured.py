@@ -179,7 +179,8 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
 @pytest.mark.parametrize(
     ("response_format", "structured_outputs", "status", "param", "message"),
     [
-        ({"type": "xml"}, None, 400, "response_format.type", "must be one of"),
+        ({"type": "json"}, None, 422, "response_format.type", "must be one of"),
+        ({"type": "structural_tag"}, None, 400, "response_format.type", "is not supported"),
         (
             {"type": "text", "json_schema": {"schema": PERSON}},
             None,
