@@ -449,6 +449,7 @@ _MULTIPLE_OF_DIGITS = re.compile(r"Value for 'multipleOf' has too many digits: (
 # regex with carets under the fault; for a regex of its own, then the Lark rule
 # it wrapped it in ("start: /(/"), which the client never wrote.
 _REGEX_ERROR = re.compile(r"regex parse error:\n    (.*)\n    ( *)\^+\nerror: ([^\n]+)")
+_ECMA_NAMED_BACKREFERENCE = re.compile(r"\\k<[^>]+>")
 
 
 # Its complaint about a construct it does not follow: "lookarounds not supported
@@ -483,8 +484,14 @@ def _regex_problem(message: str, written: list[str]) -> tuple[str, str] | None:
         shown = _shown(regex)
         if "not supported" in error:  # regex-syntax's words for what it parses and refuses
             return shown, f"{_CANNOT_FOLLOW}{error} (at offset {offset})"
-        if regex[offset:].startswith("\\k<"):  # ECMAScript's, which regex-syntax does not know
+        # ECMAScript's, which regex-syntax does not know: a schema's patterns are its.
+        if _ECMA_NAMED_BACKREFERENCE.match(regex, offset):
             return shown, f"{_CANNOT_FOLLOW}backreferences are not supported (at offset {offset})"
+        if regex.startswith("\\b", offset) and "character class" in error:
+            return shown, (
+                f"{_CANNOT_FOLLOW}\\b in a character class, ECMAScript's backspace (at offset "
+                f"{offset}): write \\x08"
+            )
         return shown, f"invalid regex at offset {offset}: {error}"
     if (unsupported := _REGEX_UNSUPPORTED.search(message)) is not None:
         construct, quoted = unsupported.groups()

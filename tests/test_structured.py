@@ -300,6 +300,21 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             "pattern (?<n>a)\\k<n>: valid, but this server cannot follow it: backreferences "
             "are not supported (at offset 7)",
         ),
+        (  # not one unclosed: an invalid regex
+            None,
+            {"json": {"type": "string", "pattern": "(?<n>a)\\k<n"}},
+            422,
+            "structured_outputs.json",
+            "pattern (?<n>a)\\k<n: invalid regex at offset 7: unrecognized escape sequence",
+        ),
+        (  # ECMAScript's backspace, [\b], which regex-syntax takes for a bad escape
+            None,
+            {"json": {"type": "string", "pattern": "^[\\b]$"}},
+            400,
+            "structured_outputs.json",
+            "pattern ^[\\b]$: valid, but this server cannot follow it: \\b in a character "
+            "class, ECMAScript's backspace (at offset 2): write \\x08",
+        ),
         (  # an anchor, named as written
             None,
             {"regex": "a^b"},
