@@ -105,7 +105,12 @@ def parse_json(text: bytes | str) -> Any:
             message = "invalid JSON: NaN and Infinity are not JSON numbers; send finite numbers"
         else:
             message = f"invalid JSON ({exc})"
-            if "surrogate" in str(exc) or "hex escape" in str(exc):
+            if "number out of range" in str(exc):  # a float that large reads as infinity
+                message += (
+                    ": an integer of more than 4,300 digits, more than the parser reads "
+                    "and than any field takes"
+                )
+            elif "surrogate" in str(exc) or "hex escape" in str(exc):
                 message += (
                     ": an escape \\ud800 to \\udfff is half of a character, sent with "
                     "its other half or not at all"
