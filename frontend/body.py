@@ -28,6 +28,9 @@ from frontend.errors import ApiError
 JSON_MEDIA_TYPE = "application/json"
 SEND_JSON = f"send a JSON object with the header 'Content-Type: {JSON_MEDIA_TYPE}'"
 CLOSE = {"Connection": "close"}
+# A refused request's connection lingers this long, dropping up to this many times
+# MAX_REQUEST_BYTES unread, for its client to read the answer (here, and in
+# `frontend.http_protocol` for a request refused before its body).
 DRAIN_FACTOR = 4
 DRAIN_TIMEOUT_S = 1.0
 UTF8_BOM = b"\xef\xbb\xbf"

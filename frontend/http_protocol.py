@@ -54,6 +54,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from frontend.auth import OPEN_PATHS
+from frontend.body import DRAIN_FACTOR, DRAIN_TIMEOUT_S
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError, error_body
 
@@ -72,9 +73,6 @@ _INVALID_HTTP = ApiError(
 
 
 _REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
-
-# How long a connection answered 400 stays open to let its client read the answer.
-DRAIN_S = 1.0
 
 # The chunks a request body may come in: FREE_CHUNKS, and one more for every
 # MIN_MEAN_CHUNK_BYTES of it. Clients that stream a body send kilobytes a chunk.
@@ -171,7 +169,7 @@ def edge_protocol(config: FrontendConfig) -> type[EdgeProtocol]:
     settings = {
         "header_timeout_s": config.header_timeout_s,
         "reader_timeout_s": config.body_timeout_s,
-        "drain_bytes": config.max_request_bytes,
+        "drain_bytes": DRAIN_FACTOR * config.max_request_bytes,
     }
     return type(EdgeProtocol.__name__, (EdgeProtocol,), settings)
 
@@ -273,7 +271,8 @@ class EdgeProtocol(H11Protocol):
         Closed at once, with the rest of a body unread in its buffer, the kernel
         resets the connection, and the reset can reach the client before the
         answer does: it saw no answer at all. What still comes is dropped unread,
-        for at most DRAIN_S and MAX_REQUEST_BYTES."""
+        for at most `DRAIN_TIMEOUT_S` and `DRAIN_FACTOR` times MAX_REQUEST_BYTES, as
+        `frontend.body` drains a body it refuses."""
         self.is_draining = True
         # The request under way, if any, is over: its app's reads end, and what it
         # would still answer (a 408 as the body stalls) goes nowhere.
@@ -289,7 +288,7 @@ class EdgeProtocol(H11Protocol):
             except OSError:
                 self.transport.abort()
                 return
-        self.loop.call_later(DRAIN_S, self.transport.close)
+        self.loop.call_later(DRAIN_TIMEOUT_S, self.transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
