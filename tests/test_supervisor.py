@@ -152,6 +152,7 @@ def test_several_workers_bind_worker_bind_numbered_as_their_endpoints(
         ("tcp://127.0.0.1:19410", "tcp://*:19420", r"tcp://\*:19410 binds it on every address"),
         ("tcp://127.0.0.1:19410", "ipc:///tmp/w", r"tcp://\*:19410 binds it"),
         ("ipc:///tmp/w", "ipc:///tmp/v", r"set it to ipc:///tmp/w, or unset it"),
+        ("ipc://@w", "ipc://@v", r"set it to ipc://@w, or unset it"),
         ("ipc:///tmp/w", "tcp://*:19410", r"set it to ipc:///tmp/w"),
         # the same port, but not reached there: another address, another family
         ("tcp://127.0.0.1:19410", "tcp://127.0.0.2:19410", r"tcp://\*:19410 binds it"),
@@ -191,6 +192,8 @@ def test_a_worker_bind_that_is_no_endpoint_is_refused_as_such(bind: str, message
         ("tcp://127.0.0.1:19410", "tcp://*:19410"),
         ("tcp://10.0.0.5:19410", "tcp://0.0.0.0:19410"),
         ("ipc:///tmp/w", "ipc:///tmp/w"),
+        ("ipc:///tmp/w", "ipc:///tmp/./w"),
+        ("ipc://@w", "ipc://@w"),
         ("tcp://127.0.0.1:19410", ""),
         ("tcp://[::1]:19410", "tcp://[::]:19410"),
         ("tcp://localhost:19410", "tcp://*:19410"),

@@ -5,6 +5,7 @@ make unworkable. Each refusal says what to set instead."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 from collections.abc import Mapping
 
@@ -47,7 +48,7 @@ def check_worker_bind_reachable(config: SupervisorConfig, environ: Mapping[str, 
     if tcp_bind is not None and tcp_endpoint is not None:
         if tcp_bind.port == tcp_endpoint.port and _binds_for(tcp_bind.host, tcp_endpoint.host):
             return
-    elif bind == config.worker_endpoint:
+    elif _same_socket_file(bind, config.worker_endpoint):
         return
     if tcp_endpoint is not None:
         wildcard = "[::]" if tcp_endpoint.is_ipv6 else "*"
@@ -58,6 +59,18 @@ def check_worker_bind_reachable(config: SupervisorConfig, environ: Mapping[str, 
         f"WORKER_BIND={bind} is not where this stack's frontends connect "
         f"(WORKER_ENDPOINT={config.worker_endpoint}): bind the same port or path ({fix})"
     )
+
+
+def _same_socket_file(bind: str, endpoint: str) -> bool:
+    """Two ipc endpoints naming one socket file, however its path is written
+    (``/run/./w.sock``, a link to its directory); else the same text."""
+    ipc = "ipc://"
+    if not (bind.startswith(ipc) and endpoint.startswith(ipc)):
+        return bind == endpoint
+    paths = [bind.removeprefix(ipc), endpoint.removeprefix(ipc)]
+    if any(path.startswith("@") for path in paths):  # Linux's abstract names: no file
+        return paths[0] == paths[1]
+    return os.path.realpath(paths[0]) == os.path.realpath(paths[1])
 
 
 def _binds_for(bind_host: str, endpoint_host: str) -> bool:
