@@ -148,6 +148,39 @@ def test_a_grammar_sent_again_compiles_once_and_the_kept_ones_are_bounded() -> N
     assert len(engine.grammars._compiled) == MAX_COMPILED
 
 
+def test_grammars_prepared_ahead_are_kept_until_admitted_however_many_are_queued() -> None:
+    """More distinct grammars queued than MAX_COMPILED, behind full slots: each
+    compile for the back of the queue dropped one done for its front, which was
+    compiled again, on the engine thread at its admission while the batch waited."""
+    engine = FakeEngine(8)
+    assert engine.grammars is not None
+    compiles: list[str] = []
+    compile_ = engine.grammars._compile
+
+    def counting(grammar: str) -> llguidance.LLMatcher:
+        compiles.append(grammar)
+        return compile_(grammar)
+
+    engine.grammars._compile = counting  # type: ignore[method-assign]
+    scheduler = Scheduler(engine, 1000)
+    for i in range(8):
+        scheduler.submit(GenerateRequest(f"busy{i}", "x", max_new_tokens=20))
+    scheduler.run_once()
+    num_grammars = MAX_COMPILED + 24
+    grammars = [
+        llguidance.LLMatcher.grammar_from_regex(f"g{i}[a-z]{{3}}") for i in range(num_grammars)
+    ]
+    for i, grammar in enumerate(grammars):
+        scheduler.submit(constrained(f"r{i}", grammar, "regex", max_new_tokens=4))
+        compiling = engine.grammars._compiled.get(grammar)
+        if compiling is not None:  # prepared ahead: arrivals a while apart
+            compiling.result(timeout=10)
+    results = run(scheduler)
+    assert all(isinstance(results[f"r{i}"], GenerateResult) for i in range(num_grammars))
+    assert sorted(compiles) == sorted(grammars)  # each once
+    assert len(engine.grammars._compiled) == MAX_COMPILED  # none waits now: the latest kept
+
+
 def test_an_aborted_requests_compile_that_has_not_started_is_dropped() -> None:
     """Queued compiles of requests that left would otherwise all run, one after
     another, while a newcomer's grammar waited behind them."""

@@ -420,7 +420,7 @@ class CountingEngine(RecordingEngine):
 
 def test_only_the_head_of_the_queue_is_prepared_and_an_aborted_request_is_dropped() -> None:
     """A peer that queued 120 distinct grammars made the worker compile and hold
-    all of them (3.7 GB); only the free slots and PREPARED_AHEAD more go ahead."""
+    all of them (3.7 GB); only as many as the slots and PREPARED_AHEAD more go ahead."""
     engine = CountingEngine(2)
     scheduler = Scheduler(engine, max_queue_depth=1000)
     window = 2 + PREPARED_AHEAD

@@ -170,12 +170,15 @@ class SlotEngine(InferenceEngine):
         has_prompt = self.prompts.prepare(request)
         if not request.grammar or self.grammars is None:
             return has_prompt
-        return self.grammars.prepare(request.grammar) and has_prompt
+        return self.grammars.prepare(request) and has_prompt
 
     def unprepare(self, request: GenerateRequest) -> None:
+        self._forget_prepared(request)
+
+    def _forget_prepared(self, request: GenerateRequest) -> None:
         self.prompts.forget(request)
         if request.grammar and self.grammars is not None:
-            self.grammars.cancel(request.grammar)
+            self.grammars.forget(request)
 
     def admit(self, requests: Seq[GenerateRequest]) -> list[str]:
         free = [i for i, seq in enumerate(self._slots) if seq is None]
@@ -207,7 +210,7 @@ class SlotEngine(InferenceEngine):
             for seq, token_id in zip(to_prefill, first_tokens, strict=True):
                 self._take_first_token(seq, token_id)
         for request in requests:
-            self.prompts.forget(request)
+            self._forget_prepared(request)
         return [seq.request_id for seq in newcomers]
 
     def num_extra_prefill_passes(self) -> int:

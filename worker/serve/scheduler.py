@@ -6,7 +6,7 @@ every free slot, advance every active sequence one token, and report each
 finished sequence at once, so its slot is refilled before the next step. A
 queued request that the engine is still preparing (compiling its grammar, off
 this thread) waits in its place while those behind it may go first; only the
-first `PREPARED_AHEAD` past the free slots are prepared at once, so that a
+first `PREPARED_AHEAD` past as many as the slots are prepared at once, so that a
 queue of costly grammars holds a bounded number compiled. A request
 that waits past an iteration is reported `Waiting`, and `Admitted` when a slot
 takes it, before its prefill runs: the frontend knows what a worker that dies was
@@ -246,8 +246,8 @@ class Scheduler:
             self.num_busy = self.engine.num_active()
 
     def _next_in_line(self) -> Iterator[GenerateRequest]:
-        """The queued requests that may be prepared now: those the slots could take
-        and `PREPARED_AHEAD` more, first come first."""
+        """The queued requests that may be prepared now: as many as the slots and
+        `PREPARED_AHEAD` more, first come first."""
         return (request for request, _ in islice(self._queue.values(), self._prepare_window))
 
     @property
