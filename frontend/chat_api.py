@@ -46,8 +46,10 @@ async def chat_completions(request: Request) -> Response:
     roles, contents = conversation(body.messages)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    # Unasked, the budget is the server's: a min_tokens over it is told so.
+    budget = param if asked else "the server's MAX_NEW_TOKENS_LIMIT"
     work = dataclasses.replace(
-        openai_request(read, asked or client.config.max_new_tokens_limit, param),
+        openai_request(read, asked or client.config.max_new_tokens_limit, budget),
         chat_roles=roles,
         chat_contents=contents,
         add_generation_prompt=body.add_generation_prompt is not False,

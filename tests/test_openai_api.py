@@ -747,6 +747,11 @@ def test_openapi_describes_as_valid_only_what_the_server_takes(
         ("/v1/completions", {"n": 2, "best_of": 1}, "best_of: 1 is less than n (2)"),
         ("/v1/completions", {"structured_outputs": {"regex": "(a"}}, "regex"),
         ("/v1/chat/completions", {"max_tokens": 2, "min_tokens": 5}, "min_tokens: must be 0 to"),
+        (  # no max_tokens sent: the budget is the server's, not max_tokens'
+            "/v1/chat/completions",
+            {"min_tokens": 100_000},
+            "min_tokens: must be 0 to the server's MAX_NEW_TOKENS_LIMIT (",
+        ),
     ],
 )
 def test_a_wrong_request_is_refused_at_once_while_no_worker_has_said_hello(
