@@ -21,7 +21,7 @@ from frontend.chat_api import conversation
 from frontend.errors import ApiError
 from frontend.generation import FinalAnswer, generate_request, respond
 from frontend.json_response import JSONResponse
-from frontend.metrics import TOKENIZER_ENDPOINTS
+from frontend.metrics import NO_FINISH_REASON, TOKENIZER_ENDPOINTS, Metrics
 from frontend.openai_common import check_requested_model, log_ignored_fields, read_lenient_body
 from frontend.openai_schemas import ChatMessage
 from frontend.parse import ignored_fields_headers
@@ -111,7 +111,11 @@ async def detokenize(request: Request) -> Response:
     """``{prompt}``: the text of ``tokens``."""
     client: WorkerClient = request.app.state.client
     body, ignored = await _read(request, client, DetokenizeBody)
-    if not body.tokens:
+    work = dataclasses.replace(_no_tokens(client), prompt_token_ids=body.tokens)
+    if not body.tokens:  # answered here, counted and logged as a worker's answer is
+        log_ignored_fields(work.request_id, ignored)
+        metrics: Metrics = request.app.state.metrics
+        metrics.count_request(DETOKENIZE, 200, NO_FINISH_REASON)
         return JSONResponse({"prompt": ""}, headers=ignored_fields_headers(ignored))
 
     def final(accepted: Accepted, results: list[GenerateResult]) -> dict[str, Any]:
@@ -119,7 +123,6 @@ async def detokenize(request: Request) -> Response:
 
     # The worker checks ``tokens`` as a prompt's ids: only it knows the vocabulary.
     renamed = {"prompt_token_ids": "tokens", "prompt": "tokens"}
-    work = dataclasses.replace(_no_tokens(client), prompt_token_ids=body.tokens)
     return await _ask(request, work, DETOKENIZE, ignored, final, renamed)
 
 

@@ -61,13 +61,18 @@ def test_requests_tokens_and_latencies_are_counted(stack: Stack) -> None:
 
 def test_a_tokenizer_call_counts_as_a_request_and_in_no_token_metric(stack: Stack) -> None:
     before = scrape(stack.url)
-    for path, body in [("/tokenize", {"prompt": "abcdef"}), ("/detokenize", {"tokens": [97]})]:
+    calls = [
+        ("/tokenize", {"prompt": "abcdef"}),
+        ("/detokenize", {"tokens": [97]}),
+        ("/detokenize", {"tokens": []}),  # answered by the frontend alone
+    ]
+    for path, body in calls:
         assert httpx.post(f"{stack.url}{path}", json=body, timeout=10).status_code == 200
     after = scrape(stack.url)
-    for path in ("/tokenize", "/detokenize"):
+    for path, num_calls in (("/tokenize", 1), ("/detokenize", 2)):
         labels = {"endpoint": path, "status": "200", "finish_reason": "none"}
         assert value(after, "minibatch_requests_total", **labels) == (
-            value(before, "minibatch_requests_total", **labels) + 1
+            value(before, "minibatch_requests_total", **labels) + num_calls
         )
     for name in (
         "minibatch_prompt_tokens_total",
