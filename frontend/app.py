@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from frontend import chat_api, native_api, openai_api
 from frontend.auth import ApiKeyMiddleware
 from frontend.chat_api import chat_completions
 from frontend.config import FrontendConfig
@@ -22,7 +23,13 @@ from frontend.errors import SHOULD_RETRY_HEADER, ApiError, error_response, handl
 from frontend.framing import AmbiguousFramingMiddleware
 from frontend.health import health, ready
 from frontend.json_response import JSONResponse
-from frontend.metrics import CONTENT_TYPE, NO_FINISH_REASON, UNROUTED, Metrics
+from frontend.metrics import (
+    CONTENT_TYPE,
+    NO_FINISH_REASON,
+    TOKENIZER_ENDPOINTS,
+    UNROUTED,
+    Metrics,
+)
 from frontend.native_api import generate
 from frontend.openai_api import completions, models, retrieve_model
 from frontend.openai_common import with_ignored_fields
@@ -70,16 +77,19 @@ def create_app(config: FrontendConfig) -> Starlette:
 
 
 def routes() -> list[Route]:
-    """Every endpoint this frontend serves."""
+    """Every endpoint this frontend serves. Those that generate are at the paths
+    their modules count their answers under in /metrics (refusals count under
+    the route's path)."""
+    tokenize_path, detokenize_path = TOKENIZER_ENDPOINTS
     return [
-        Route("/generate", generate, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route(native_api.ENDPOINT, generate, methods=["POST"]),
+        Route(openai_api.ENDPOINT, completions, methods=["POST"]),
+        Route(chat_api.ENDPOINT, chat_completions, methods=["POST"]),
         Route("/v1/models", _counted(models), methods=["GET"]),
         # A hub id holds a slash: "openai-community/gpt2".
         Route("/v1/models/{model:path}", _counted(retrieve_model), methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
+        Route(tokenize_path, tokenize, methods=["POST"]),
+        Route(detokenize_path, detokenize, methods=["POST"]),
         Route("/version", version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
