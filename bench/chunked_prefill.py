@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import functools
 import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.engine_bench import median_of_runs, run_continuous
-from bench.report import RESULTS, write_json
+from bench.report import RESULTS, latency_stats, write_json
 from bench.workload import make_workload
 from protocol import GenerateRequest
 from worker.engine.torch_engine import TorchEngine
@@ -94,18 +93,11 @@ def run_streams(
     return {"itl_s": itl, "ttft_s": ttft}
 
 
-def _percentile(values: list[float], q: int) -> float:
-    return (
-        statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-        if len(values) > 1
-        else values[0]
-    )
-
-
 def _latency(values: list[float]) -> dict[str, float]:
+    stats = latency_stats(values)
     return {
-        "p50_ms": _percentile(values, 50) * 1000,
-        "p99_ms": _percentile(values, 99) * 1000,
+        "p50_ms": stats["p50"],
+        "p99_ms": stats["p99"],
         "max_ms": max(values) * 1000,
         "count": len(values),
     }
