@@ -148,6 +148,13 @@ class _Server(uvicorn.Server):
         self._client = client
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            # A second ^C: uvicorn's "force quit" stopped waiting, and the exit
+            # then cut every answer under way (streams with no end, a plain-text
+            # 500). Each is answered now instead, as the grace's end would, and
+            # the connections close as those answers end.
+            self._client.end_all_soon("a second ^C ended it at once")
+            return
         self._client.shut_down_soon(self.config.timeout_graceful_shutdown or 0.0)
         super().handle_exit(sig, frame)
 

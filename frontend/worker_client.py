@@ -83,17 +83,23 @@ class WorkerClient:
         self._greeted.set()  # a request waiting for a first hello waits no more
         log.info("shutting down: %d requests in flight", self.num_inflight)
         left_s = max(0.0, grace_s - FRONTEND_ANSWERS_LEFT_BEFORE_S)
-        self._loop.call_later(left_s, self._end_all, grace_s, left_s)
-        self._dispatch()
-
-    def _end_all(self, grace_s: float, left_s: float) -> None:
-        entries = self._table.all_entries()
-        if entries:
-            log.warning("shutting down: ending %d requests that did not finish", len(entries))
         why = (
             f"it did not finish in the {left_s:g} s this frontend's stop left it (its "
             f"{grace_s:g} s, less {FRONTEND_ANSWERS_LEFT_BEFORE_S:g} to answer)"
         )
+        self._loop.call_later(left_s, self._end_all, why)
+        self._dispatch()
+
+    def end_all_soon(self, why: str) -> None:
+        """From a signal handler, once `shut_down` began: answer every request at
+        the event loop's next turn, as its grace's end would, saying ``why``."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._end_all, why)
+
+    def _end_all(self, why: str) -> None:
+        entries = self._table.all_entries()
+        if entries:
+            log.warning("shutting down: ending %d requests that did not finish", len(entries))
         for entry in entries:
             entry.post(_shutting_down(entry, why))
         self.cancel(entries)  # out of the table, and aborted in the workers that run them

@@ -113,6 +113,30 @@ def test_what_is_left_when_the_grace_ends_is_answered_not_cut(tmp_path: Path) ->
         assert "shutting down: ending 3 requests that did not finish" in stack.log("frontend")
 
 
+def test_a_second_ctrl_c_answers_every_request_at_once_and_cuts_none(tmp_path: Path) -> None:
+    """uvicorn's "force quit" on a second ^C cut every answer under way: streams
+    with no end, a plain-text 500, tracebacks. Each is answered now instead."""
+    with running_stack(tmp_path, OVERRIDES, supervised=False) as stack:
+        stack.wait_live()
+        streams = [Background(lambda: _stream(stack, LONG)) for _ in range(CAPACITY)]
+        stack.wait_for_health("running", lambda h: h["active"] == CAPACITY)
+        waiting = Background(lambda: _plain(stack, LONG))
+        stack.wait_for_health("waiting", lambda h: h["queued"] == 1)
+        frontend = stack.processes["frontend"]
+        frontend.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        stopped_at = time.monotonic()
+        frontend.send_signal(signal.SIGINT)
+        for stream in streams:
+            assert _error_code(stream.result()) == "shutting_down"
+        refused = waiting.result()
+        assert refused.status_code == 503, refused.text
+        assert "a second ^C ended it at once" in refused.json()["error"]["message"]
+        assert frontend.wait(timeout=GRACEFUL_SHUTDOWN_S) == 130
+        assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S - FRONTEND_ANSWERS_LEFT_BEFORE_S
+        assert "Traceback" not in stack.log("frontend")
+
+
 def test_stopped_with_its_frontend_a_worker_finishes_what_it_can_within_its_grace(
     tmp_path: Path,
 ) -> None:
