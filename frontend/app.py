@@ -20,6 +20,7 @@ from frontend.auth import ApiKeyMiddleware
 from frontend.chat_api import chat_completions
 from frontend.config import FrontendConfig
 from frontend.errors import SHOULD_RETRY_HEADER, ApiError, error_response, handle_api_error
+from frontend.field_errors import nearest_name
 from frontend.framing import AmbiguousFramingMiddleware
 from frontend.health import health, ready
 from frontend.json_response import JSONResponse
@@ -171,15 +172,29 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     path = request.url.path
     message = f"{request.method} {path}: {exc.detail}; see GET /openapi.json"
-    # A slash too many, or /v1 left out of a client's base URL (/completions).
-    for meant in (path.rstrip("/"), "/v1" + path.rstrip("/")):
-        if exc.status_code == 404 and meant != path and _is_route(request, meant):
+    # A slash too many, or /v1 left out of a client's base URL (/completions); or
+    # a typo of a route's path (/v1/chat/completion).
+    if exc.status_code == 404:
+        meant = next(
+            (
+                meant
+                for meant in (path.rstrip("/"), "/v1" + path.rstrip("/"))
+                if meant != path and _is_route(request, meant)
+            ),
+            None,
+        ) or nearest_name(path.rstrip("/"), _literal_paths(request))
+        if meant is not None:
             message = f"{request.method} {path}: {exc.detail}; did you mean {meant}?"
-            break
     # A 405's Allow header names the methods the path takes.
     headers = dict(exc.headers or {})
     code = _CODE_BY_HTTP_STATUS.get(exc.status_code)
     return await _api_error(request, ApiError(exc.status_code, message, code, headers=headers))
+
+
+def _literal_paths(request: Request) -> list[str]:
+    """The paths of the routes with no parameter in them."""
+    routes = request.app.router.routes
+    return [route.path for route in routes if isinstance(route, Route) and "{" not in route.path]
 
 
 def _is_route(request: Request, path: str) -> bool:

@@ -641,12 +641,13 @@ def _length(data: bytes) -> int:
 
 
 def test_an_unknown_path_or_method_gets_the_usual_error_shape(stack: Stack) -> None:
-    missing = httpx.get(f"{stack.url}/v2/completions", timeout=10)
+    missing = httpx.get(f"{stack.url}/nowhere", timeout=10)
     assert missing.status_code == 404
-    assert missing.json()["error"]["message"] == (
-        "GET /v2/completions: Not Found; see GET /openapi.json"
-    )
+    assert missing.json()["error"]["message"] == "GET /nowhere: Not Found; see GET /openapi.json"
     assert missing.json()["error"]["code"] == "not_found"
+    for typo, meant in (("/v1/chat/completion", "/v1/chat/completions"), ("/helth", "/health")):
+        message = httpx.post(f"{stack.url}{typo}", timeout=10).json()["error"]["message"]
+        assert message == f"POST {typo}: Not Found; did you mean {meant}?"
     wrong_method = httpx.get(f"{stack.url}/v1/completions", timeout=10)
     assert wrong_method.status_code == 405
     assert wrong_method.headers["allow"] == "POST"  # as RFC 9110 asks of a 405
