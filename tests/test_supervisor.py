@@ -645,30 +645,41 @@ def test_a_supervisor_that_was_paused_reads_the_heartbeats_before_judging(
     assert worker.kill_reason is None
 
 
-@pytest.mark.parametrize("is_stopping", [True, False])
-def test_a_worker_stuck_in_its_stop_is_killed_and_one_serving_is_not(
-    clock: FakeClock, monkeypatch: pytest.MonkeyPatch, is_stopping: bool
+@pytest.mark.parametrize(
+    ("is_stopping", "num_active", "is_killed"),
+    [(True, 0, True), (True, 2, False), (False, 0, False)],
+    ids=["stopping-idle", "stopping-running-requests", "serving"],
+)
+def test_a_worker_stuck_in_its_stop_is_killed_and_one_stopping_or_serving_is_not(
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+    is_stopping: bool,
+    num_active: int,
+    is_killed: bool,
 ) -> None:
-    """A worker told to stop that heartbeats on, live, past the time a stop takes
-    (an engine thread stuck while idle) took nothing for ever and was never
-    replaced; one that does not say it stops is left alone however long."""
-    monkeypatch.setattr(supervisor_module, "_STOPPING_KILL_AFTER_S", 0.5)
+    """A worker told to stop with nothing to run that heartbeats on, live (an
+    engine thread stuck while idle), took nothing for ever and was never
+    replaced. One that lets its requests run out their STOP_GRACE_S (its steps
+    judge it, as ever), or that does not say it stops, is left alone."""
+    monkeypatch.setattr(supervisor_module, "_IDLE_STOPPING_KILL_AFTER_S", 0.5)
     with _watching_a_stand_in() as (supervisor, worker, watch, worker_socket):
         worker.start()
         while not worker_socket.poll(100):
             watch.poll(0.01)  # pings until one reaches the stand-in
         peer, _ = worker_socket.recv_multipart()
         worker_socket.send_multipart([peer, encode(stand_in_hello(instance_id="w"))])
-        heartbeat = Heartbeat("w", num_steps=1, num_queued=0, num_active=0)
-        heartbeat = dataclasses.replace(heartbeat, is_stopping=is_stopping)
         started = time.monotonic()
+        num_steps = 0
         while worker.kill_reason is None and time.monotonic() - started < 1.5:
+            num_steps += 1  # progress: its steps do not judge it hung
+            heartbeat = Heartbeat("w", num_steps, num_queued=0, num_active=num_active)
+            heartbeat = dataclasses.replace(heartbeat, is_stopping=is_stopping)
             worker_socket.send_multipart([peer, encode(heartbeat)])
             watch.poll(0.05)
             supervisor._judge(worker, watch)
-    if is_stopping:
+    if is_killed:
         assert worker.kill_reason is not None
-        assert "it said it is stopping" in worker.kill_reason
+        assert "that it is stopping with nothing left to run" in worker.kill_reason
         assert "has not exited" in worker.kill_reason
         assert 0.5 <= time.monotonic() - started < 1.5
     else:

@@ -52,11 +52,11 @@ _WORKER_SERVED_AFTER_S = 10.0
 # A worker forked warm has its model loaded: only a fault keeps it from saying
 # hello this long after its start (a deadlock, a freeze), however large the model.
 _FORKED_START_TIMEOUT_S = 60.0
-# A worker told to stop (by anyone) hands back what it runs within STOP_GRACE_S and
-# exits; one still there this long after it said it stops is stuck in its stop,
-# heartbeating as live while it takes nothing: killed, as when this supervisor stops
-# it (preflight keeps STOP_GRACE_S below this), and so replaced.
-_STOPPING_KILL_AFTER_S = KILL_AFTER_S
+# A worker told to stop (by anyone) that has nothing left to run exits within a
+# second; one whose heartbeats still say so this long after is stuck in its stop,
+# live to every judge while it takes nothing: killed, and so replaced. (One that
+# runs requests lets them go on for STOP_GRACE_S, judged by its steps as ever.)
+_IDLE_STOPPING_KILL_AFTER_S = KILL_AFTER_S
 
 
 class Supervisor:
@@ -185,11 +185,11 @@ class Supervisor:
             # would take this process's own deafness for the worker's silence.
             watch.poll(0)
             verdict = liveness.verdict()
-        if verdict.is_live and (stopping_s := watch.stopping_for_s()) > _STOPPING_KILL_AFTER_S:
+        stuck_s = watch.idle_stopping_for_s()
+        if verdict.is_live and stuck_s > _IDLE_STOPPING_KILL_AFTER_S:
             worker.kill(
-                f"it said it is stopping {stopping_s:.1f} s ago and has not exited: a worker "
-                "hands back what it runs within STOP_GRACE_S and exits, and minibatch-serve "
-                f"gives one that stops {_STOPPING_KILL_AFTER_S:g} s"
+                f"its heartbeats have said for {stuck_s:.1f} s that it is stopping with "
+                "nothing left to run, and it has not exited (one exits within a second)"
             )
         elif verdict.is_live:
             heartbeat = liveness.last_heartbeat

@@ -28,7 +28,8 @@ class WorkerWatch:
         self.endpoint = endpoint
         self.liveness = self._new_liveness()
         self.connected_at: float | None = None  # the worker's socket took this connection
-        self._stopping_since: float | None = None  # its first heartbeat saying it stops
+        # Its first heartbeat of those in a row that say it stops with nothing to run.
+        self._idle_stopping_since: float | None = None
         self._context = zmq.Context()
         self._socket, self._monitor = self._connect()
         self._ping = ping("supervisor")
@@ -57,7 +58,7 @@ class WorkerWatch:
         self._socket, self._monitor = self._connect()
         self.liveness = self._new_liveness()
         self.connected_at = None
-        self._stopping_since = None
+        self._idle_stopping_since = None
 
     def mute_s(self) -> float:
         """How long the worker's socket has held this connection with no hello
@@ -66,11 +67,12 @@ class WorkerWatch:
             return 0.0
         return time.monotonic() - self.connected_at
 
-    def stopping_for_s(self) -> float:
-        """How long ago the worker said it is stopping (0 if it has not)."""
-        if self._stopping_since is None:
+    def idle_stopping_for_s(self) -> float:
+        """How long the worker's heartbeats have said it is stopping with nothing
+        left to run (0 if its latest does not)."""
+        if self._idle_stopping_since is None:
             return 0.0
-        return time.monotonic() - self._stopping_since
+        return time.monotonic() - self._idle_stopping_since
 
     def poll(self, timeout_s: float) -> None:
         while self._monitor.poll(0):
@@ -102,16 +104,22 @@ class WorkerWatch:
                 continue
             if isinstance(message, Hello):
                 if self.liveness.on_hello(message):
-                    self._stopping_since = None
+                    self._idle_stopping_since = None
                     for problem in self.client.timing_problems(
                         message.heartbeat_interval_s, message.frontend_timeout_s
                     ):
                         log.error("worker at %s: %s", self.endpoint, problem)
             elif isinstance(message, Heartbeat):
                 self.liveness.on_heartbeat(message)
-                is_its_own = self.liveness.last_heartbeat is message
-                if is_its_own and message.is_stopping and self._stopping_since is None:
-                    self._stopping_since = time.monotonic()
+                if self.liveness.last_heartbeat is message:  # its own, not a stale one's
+                    self._on_own_heartbeat(message)
+
+    def _on_own_heartbeat(self, heartbeat: Heartbeat) -> None:
+        is_idle = heartbeat.num_active == 0 and heartbeat.num_queued == 0
+        if not (heartbeat.is_stopping and is_idle):
+            self._idle_stopping_since = None
+        elif self._idle_stopping_since is None:
+            self._idle_stopping_since = time.monotonic()
 
     def close(self) -> None:
         self._close_sockets()
