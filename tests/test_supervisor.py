@@ -205,6 +205,20 @@ def test_a_worker_bind_on_the_endpoints_port_or_path_is_taken(endpoint: str, bin
     check_worker_bind_reachable(config, {"WORKER_BIND": bind})
 
 
+def test_a_worker_bind_through_a_linked_directory_is_taken_but_a_linked_socket_is_not(
+    tmp_path: Path,
+) -> None:
+    """ZMQ binds an ipc path by replacing its last part: a link to the endpoint's
+    socket file became a socket of its own, and the stack was never ready."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "linked-run").symlink_to(tmp_path / "run")
+    (tmp_path / "run" / "alias.sock").symlink_to(tmp_path / "run" / "w.sock")
+    config = SupervisorConfig(worker_endpoint=f"ipc://{tmp_path}/run/w.sock")
+    check_worker_bind_reachable(config, {"WORKER_BIND": f"ipc://{tmp_path}/linked-run/w.sock"})
+    with pytest.raises(ConfigError, match="is not where this stack's frontends connect"):
+        check_worker_bind_reachable(config, {"WORKER_BIND": f"ipc://{tmp_path}/run/alias.sock"})
+
+
 def test_a_worker_bind_with_no_room_for_several_workers_is_refused_naming_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
