@@ -110,8 +110,8 @@ def parse_json(text: bytes | str) -> Any:
             message = f"invalid JSON ({exc})"
             if "number out of range" in str(exc):  # a float that large reads as infinity
                 message += (
-                    ": an integer of more than 4,300 digits, more than the parser reads "
-                    "and than any field takes"
+                    ": a number of more than 4,300 digits before any decimal point, more "
+                    "than the parser reads and than any field takes"
                 )
             elif "surrogate" in str(exc) or "hex escape" in str(exc):
                 message += (

@@ -69,8 +69,10 @@ async def completions(request: Request) -> Response:
         n, body.best_of, bool(body.stream), client.config.max_inflight_requests
     )
     is_ranked = num_choices > n  # best_of: the n likeliest of num_choices
+    is_asked = "max_tokens" in body.model_fields_set and body.max_tokens is not None
+    budget = "max_tokens" if is_asked else "max_tokens' default"
     work = dataclasses.replace(
-        openai_request(read, max_tokens, "max_tokens"),
+        openai_request(read, max_tokens, budget),
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
         # best_of ranks the choices by their tokens' logprobs: ask for those at least.

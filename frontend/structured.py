@@ -487,7 +487,8 @@ def _regex_problem(message: str, written: list[str]) -> tuple[str, str] | None:
         # ECMAScript's, which regex-syntax does not know: a schema's patterns are its.
         if _ECMA_NAMED_BACKREFERENCE.match(regex, offset):
             return shown, f"{_CANNOT_FOLLOW}backreferences are not supported (at offset {offset})"
-        if regex.startswith("\\b", offset) and "character class" in error:
+        # In a class, or as a range's boundary there: regex-syntax's two errors for it.
+        if regex.startswith("\\b", offset) and ("character class" in error or "range" in error):
             return shown, (
                 f"{_CANNOT_FOLLOW}\\b in a character class, ECMAScript's backspace (at offset "
                 f"{offset}): write \\x08"

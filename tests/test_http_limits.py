@@ -487,8 +487,9 @@ def test_a_long_list_of_bad_token_ids_gets_one_error(stack: Stack) -> None:
         ),
         (
             b'{"prompt": "hi", "max_new_tokens": 1' + b"0" * 4_300 + b"}",
-            "body: invalid JSON (number out of range at line 1 column 4337): an integer of "
-            "more than 4,300 digits, more than the parser reads and than any field takes",
+            "body: invalid JSON (number out of range at line 1 column 4337): a number of more "
+            "than 4,300 digits before any decimal point, more than the parser reads and than "
+            "any field takes",
         ),
         # The hint about lone surrogates only where one is the fault.
         (

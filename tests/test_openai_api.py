@@ -744,6 +744,7 @@ def test_openapi_describes_as_valid_only_what_the_server_takes(
         ("/v1/completions", {"max_tokens": 0}, "max_tokens: must be at least 1"),
         ("/v1/completions", {"max_tokens": -1}, "max_tokens: must be at least 1 (0 with echo"),
         ("/v1/completions", {"max_tokens": -1, "echo": True}, "got -1"),
+        ("/v1/completions", {"min_tokens": 20}, "must be 0 to max_tokens' default (16), got 20"),
         ("/v1/completions", {"n": 2, "best_of": 1}, "best_of: 1 is less than n (2)"),
         ("/v1/completions", {"structured_outputs": {"regex": "(a"}}, "regex"),
         ("/v1/chat/completions", {"max_tokens": 2, "min_tokens": 5}, "min_tokens: must be 0 to"),

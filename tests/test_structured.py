@@ -315,6 +315,13 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             "pattern ^[\\b]$: valid, but this server cannot follow it: \\b in a character "
             "class, ECMAScript's backspace (at offset 2): write \\x08",
         ),
+        (  # and as a range's boundary
+            None,
+            {"json": {"type": "string", "pattern": "^[\\b-\\x10]$"}},
+            400,
+            "structured_outputs.json",
+            "ECMAScript's backspace (at offset 2): write \\x08",
+        ),
         (  # an anchor, named as written
             None,
             {"regex": "a^b"},
