@@ -132,7 +132,12 @@ def _model_card(request: Request) -> dict[str, Any]:
     client: WorkerClient = request.app.state.client
     name = served_model(client)
     if name is None:
-        raise ApiError(503, f"no model is loaded yet: {client.verdict().reason}", "no_worker")
+        raise ApiError(
+            503,
+            f"no model is loaded yet: {client.verdict().reason}; retry once a worker is up "
+            "(GET /ready says when)",
+            "no_worker",
+        )
     created: int = request.app.state.started_at
     return {"id": name, "object": "model", "created": created, "owned_by": OWNER}
 

@@ -408,8 +408,12 @@ class ChatBody(OpenAIBody):
     def _checks(self) -> list[tuple[str, bool, str]]:
         return [
             *super()._checks(),
-            ("tools", not self.tools, "tool calling is not supported"),
-            ("tool_choice", self.tool_choice in (None, "none"), "tool calling is not supported"),
+            ("tools", not self.tools, "tool calling is not supported; leave tools out"),
+            (
+                "tool_choice",
+                self.tool_choice in (None, "none"),
+                'tool calling is not supported; leave tool_choice out, or send "none"',
+            ),
         ]
 
     @field_validator("continue_final_message")

@@ -387,3 +387,19 @@ def test_tokenize_and_detokenize_as_vllm_shapes_them(stack: Stack) -> None:
     ), error
     version = httpx.get(f"{stack.url}/version", timeout=10).json()
     assert set(version) == {"version"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "advice"),
+    [("tools", [{"type": "function"}], "leave tools out"), ("tool_choice", "auto", 'send "none"')],
+)
+def test_tool_calling_is_refused_saying_what_to_send(
+    stack: Stack, field: str, value: object, advice: str
+) -> None:
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], field: value}
+    response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"].startswith(f"{field}: tool calling is not supported; ")
+    assert advice in error["message"]
+    assert error["param"] == field
