@@ -159,6 +159,11 @@ class WorkerLink:
         silent_s = time.monotonic() - self._started_at
         if self.hello is not None or self._refusal or silent_s < SILENT_WORKER_HINT_S:
             return None
+        if is_supervised():  # its worker is there, or about to be: the model loads first
+            return (
+                f"no hello from {self.endpoint} in {silent_s:.0f} s: minibatch-serve's worker "
+                "says hello once its model is loaded (WORKER_START_TIMEOUT_S bounds that)"
+            )
         return (
             f"no hello from {self.endpoint} in {silent_s:.0f} s: is a worker running "
             "there? (one says hello once its model is loaded; WORKER_ENDPOINT, or "
