@@ -79,6 +79,8 @@ _NOT_COUNTED_HERE = frozenset({"const", "enum", "$ref"})
 _ALL_OF_BRANCH = re.compile(r"\.allOf\[\d+\]$")
 
 
+_JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
+
 # llguidance's words for a valid schema it cannot follow: 400 unsupported, not 422.
 _UNSUPPORTED = ("Unimplemented", "Unknown format", "min/maxProperties only supported")
 
@@ -116,6 +118,8 @@ async def request_grammar(
         param = source.param
         if problem.startswith("Unimplemented keys"):  # JSON Schema keywords llguidance lacks
             problem += "; this server cannot follow these keywords: leave them out"
+        elif problem.startswith("Invalid type"):
+            problem += f"; a type is one of {', '.join(_JSON_TYPES)}"
         if problem.startswith(_UNSUPPORTED) or _CANNOT_FOLLOW in problem:
             raise ApiError(400, f"{param}: {problem}", "unsupported", param)
         raise ApiError(422, f"{param}: {problem}", "invalid_request", param)

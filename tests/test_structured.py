@@ -194,7 +194,8 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             None,
             422,
             "response_format.json_schema.schema",
-            "response_format.json_schema.schema: Invalid type: strin",
+            "response_format.json_schema.schema: Invalid type: strin; a type is one of string, "
+            "number, integer, boolean, object, array, null",
         ),
         (
             {"type": "json_schema", "json_schema": {"schema": {"not": {"type": "null"}}}},
