@@ -172,29 +172,24 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     path = request.url.path
     message = f"{request.method} {path}: {exc.detail}; see GET /openapi.json"
-    # A slash too many, or /v1 left out of a client's base URL (/completions); or
-    # a typo of a route's path (/v1/chat/completion).
-    if exc.status_code == 404:
-        meant = next(
-            (
-                meant
-                for meant in (path.rstrip("/"), "/v1" + path.rstrip("/"))
-                if meant != path and _is_route(request, meant)
-            ),
-            None,
-        ) or nearest_name(path.rstrip("/"), _literal_paths(request))
-        if meant is not None:
-            message = f"{request.method} {path}: {exc.detail}; did you mean {meant}?"
+    if exc.status_code == 404 and (meant := _meant_path(request, path)) is not None:
+        message = f"{request.method} {path}: {exc.detail}; did you mean {meant}?"
     # A 405's Allow header names the methods the path takes.
     headers = dict(exc.headers or {})
     code = _CODE_BY_HTTP_STATUS.get(exc.status_code)
     return await _api_error(request, ApiError(exc.status_code, message, code, headers=headers))
 
 
-def _literal_paths(request: Request) -> list[str]:
-    """The paths of the routes with no parameter in them."""
+def _meant_path(request: Request, path: str) -> str | None:
+    """The route an unknown ``path`` likely meant: itself without a slash too many,
+    or with the /v1 a client's base URL left out (/completions); else a route's
+    path it is a typo of (/v1/chat/completion)."""
+    for meant in (path.rstrip("/"), "/v1" + path.rstrip("/")):
+        if meant != path and _is_route(request, meant):
+            return meant
     routes = request.app.router.routes
-    return [route.path for route in routes if isinstance(route, Route) and "{" not in route.path]
+    literal = [route.path for route in routes if isinstance(route, Route) and "{" not in route.path]
+    return nearest_name(path.rstrip("/"), literal)
 
 
 def _is_route(request: Request, path: str) -> bool:
