@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import llguidance
 
 from frontend.body import parse_json
+from frontend.ecma_patterns import with_rust_patterns
 from frontend.errors import ApiError
 from frontend.pattern_escapes import escaped_pattern_problem, schema_patterns
 from protocol import GrammarKind
@@ -253,12 +254,25 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
     if kind == GrammarKind.REGEX and _ends_in_lone_backslash(text):
         # llguidance drops it, and would follow another regex than the one asked for.
         return "", f"invalid regex at offset {len(text) - 1}: incomplete escape sequence"
-    grammar, problem = _checked_grammar(kind, text)
+    grammar, problem = _checked_grammar(kind, _with_ecma_patterns(kind, schema, text))
+    if problem is not None and kind in JSON_KINDS:
+        # Said of the client's own patterns, as written, where the fault is theirs.
+        problem = _checked_grammar(kind, text)[1] or problem
     if problem is None and kind in JSON_KINDS:  # a schema llguidance takes
         problem = _repeated_keys_problem(schema) or escaped_pattern_problem(schema)
     if problem is None and kind == GrammarKind.GRAMMAR:  # its %json blocks
         problem = next(filter(None, map(escaped_pattern_problem, grammar_schemas(text))), None)
     return ("", problem) if problem is not None else (grammar, None)
+
+
+def _with_ecma_patterns(kind: str, schema: Any, text: str) -> str:
+    """A schema's text with its patterns as ECMAScript means them
+    (`frontend.ecma_patterns`); ``text`` itself for any other grammar, or where
+    no pattern changes."""
+    if kind not in JSON_KINDS or schema is None:
+        return text
+    rewritten = with_rust_patterns(schema)
+    return text if rewritten is schema else json.dumps(rewritten, ensure_ascii=False)
 
 
 def _as_schema(value: Any) -> Any:
