@@ -17,15 +17,13 @@ from typing import Any
 from frontend.pattern_escapes import schema_patterns
 from protocol.json_schema import subschemas
 
-# ECMAScript's WhiteSpace and LineTerminator, in a class's Rust syntax.
-_ECMA_SPACE = (
-    "\\t\\n\\x0B\\x0C\\r \\xA0\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}"
-    "\\x{202F}\\x{205F}\\x{3000}\\x{FEFF}"
-)
+# ECMAScript's WhiteSpace and LineTerminator: Unicode's White_Space with U+FEFF
+# and without U+0085, in Rust's class syntax (its -- takes a set away), short, as
+# a grammar's size is bounded. Each is a class of its own, nested where it stands
+# in one (as one end of a range it is left as sent, for Rust to refuse as
+# ECMAScript does).
+_ESCAPES = {"\\s": "[\\s\\x{FEFF}--\\x{85}]", "\\S": "[^\\s\\x{FEFF}--\\x{85}]"}
 _ECMA_DOT = "[^\\n\\r\\x{2028}\\x{2029}]"
-_OUTSIDE = {".": _ECMA_DOT, "\\s": f"[{_ECMA_SPACE}]", "\\S": f"[^{_ECMA_SPACE}]"}
-# In a class: \S as a class nested in it, which Rust's syntax allows.
-_INSIDE = {"\\s": _ECMA_SPACE, "\\S": f"[^{_ECMA_SPACE}]"}
 
 
 def as_rust(pattern: str) -> str:
@@ -39,7 +37,8 @@ def as_rust(pattern: str) -> str:
     while i < len(pattern):
         if pattern[i] == "\\" and i + 1 < len(pattern):
             token = pattern[i : i + 2]
-            out.append((_INSIDE if depth else _OUTSIDE).get(token, token))
+            is_kept = depth and _is_range_end(pattern, i, i + 2)
+            out.append(token if is_kept else _ESCAPES.get(token, token))
             i += 2
             continue
         char = pattern[i]
@@ -60,6 +59,14 @@ def as_rust(pattern: str) -> str:
         out.append(char)
         i += 1
     return "".join(out)
+
+
+def _is_range_end(pattern: str, start: int, end: int) -> bool:
+    """Whether the class item at ``pattern[start:end]`` is one end of a range: a
+    ``-`` before it (not the class's first item) or after it (not its last)."""
+    is_after_dash = start >= 2 and pattern[start - 1] == "-" and pattern[start - 2] not in "[^\\"
+    is_before_dash = pattern.startswith("-", end) and pattern[end + 1 : end + 2] not in ("]", "")
+    return is_after_dash or is_before_dash
 
 
 def with_rust_patterns(schema: Any) -> Any:

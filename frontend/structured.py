@@ -254,8 +254,9 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
     if kind == GrammarKind.REGEX and _ends_in_lone_backslash(text):
         # llguidance drops it, and would follow another regex than the one asked for.
         return "", f"invalid regex at offset {len(text) - 1}: incomplete escape sequence"
-    grammar, problem = _checked_grammar(kind, _with_ecma_patterns(kind, schema, text))
-    if problem is not None and kind in JSON_KINDS:
+    compiled = _with_ecma_patterns(kind, schema, text)
+    grammar, problem = _checked_grammar(kind, compiled)
+    if problem is not None and compiled != text:
         # Said of the client's own patterns, as written, where the fault is theirs.
         problem = _checked_grammar(kind, text)[1] or problem
     if problem is None and kind in JSON_KINDS:  # a schema llguidance takes

@@ -87,3 +87,20 @@ def test_a_fault_is_placed_in_the_clients_own_pattern() -> None:
     _, problem = compile_grammar(GrammarKind.JSON_SCHEMA, {"type": "string", "pattern": ".\\s(a"})
     assert problem is not None
     assert problem.startswith("pattern .\\s(a: invalid regex at offset 3"), problem
+
+
+@pytest.mark.parametrize("pattern", ["^[\\x00-\\s]$", "^[\\s-\\uFFFF]$"])
+def test_a_range_with_a_class_escape_for_an_end_is_refused_as_sent(pattern: str) -> None:
+    """Spliced into the class, the escape's first or last character became the
+    range's end, and the pattern was followed with a meaning ECMAScript refuses."""
+    _, problem = compile_grammar(GrammarKind.JSON_SCHEMA, {"type": "string", "pattern": pattern})
+    assert problem is not None and "invalid range boundary" in problem, problem
+
+
+def test_a_schema_of_many_patterns_that_fit_before_the_rewrite_still_fits() -> None:
+    """Each \\s written out in full made a 7 KB schema's grammar 45 KB, over the
+    bound on grammars: refused for a size its client never sent."""
+    pattern = "^\\S+(\\s\\S+)*$"
+    properties = {f"p{i}": {"type": "string", "pattern": pattern} for i in range(120)}
+    _, problem = compile_grammar(GrammarKind.JSON_SCHEMA, {"properties": properties})
+    assert problem is None, problem
