@@ -383,6 +383,23 @@ def test_a_slot_freed_while_requests_wait_is_reported_busy_until_refilled() -> N
     assert scheduler.num_busy == 0
 
 
+def test_requests_under_admission_are_reported_busy() -> None:
+    """A whole prompt's prefill runs in the admission: heartbeats sent meanwhile
+    said the worker had nothing to run, and a stopping one was killed as stuck."""
+    busy_while_admitting: list[int] = []
+
+    class WatchedEngine(FakeEngine):
+        def admit(self, requests: Sequence[GenerateRequest]) -> list[str]:
+            busy_while_admitting.append(scheduler.num_busy)
+            return super().admit(requests)
+
+    scheduler = Scheduler(WatchedEngine(4), max_queue_depth=100)
+    for i in range(3):
+        scheduler.submit(_request(i, max_new_tokens=4))
+    scheduler.run_once()
+    assert busy_while_admitting == [3]
+
+
 class PreparingEngine(RecordingEngine):
     """Its request "r9" is still being prepared (its grammar compiling)."""
 

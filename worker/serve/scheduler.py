@@ -203,6 +203,10 @@ class Scheduler:
             send(notices)  # before the step: should it kill the worker, they are known
         else:
             outputs.extend(notices)
+        # Busy while admitted too: a whole prompt's prefill runs in the admission,
+        # and heartbeats then said the worker had nothing to run (a stopping one
+        # was taken for stuck in its stop, and killed mid-prefill).
+        self.num_busy = self.engine.num_active() + len(newcomers)
         # Queue time ends when admission starts; the prefill counts as generation.
         self._admit(newcomers, self._clock(), outputs)
         self.num_busy = self.engine.num_active()
