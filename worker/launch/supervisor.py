@@ -52,10 +52,11 @@ _WORKER_SERVED_AFTER_S = 10.0
 # A worker forked warm has its model loaded: only a fault keeps it from saying
 # hello this long after its start (a deadlock, a freeze), however large the model.
 _FORKED_START_TIMEOUT_S = 60.0
-# A worker told to stop (by anyone) that has nothing left to run exits within a
-# second; one whose heartbeats still say so this long after is stuck in its stop,
-# live to every judge while it takes nothing: killed, and so replaced. (One that
-# runs requests lets them go on for STOP_GRACE_S, judged by its steps as ever.)
+# A worker told to stop (by anyone) that has nothing left to run stops sending
+# heartbeats at once, and exits; one whose heartbeats go on saying so this long is
+# stuck in its stop, live to every judge while it takes nothing: killed, and so
+# replaced. (One that runs requests lets them go on for STOP_GRACE_S, judged by
+# its steps as ever.)
 _IDLE_STOPPING_KILL_AFTER_S = KILL_AFTER_S
 
 
@@ -189,7 +190,7 @@ class Supervisor:
         if verdict.is_live and stuck_s > _IDLE_STOPPING_KILL_AFTER_S:
             worker.kill(
                 f"its heartbeats have said for {stuck_s:.1f} s that it is stopping with "
-                "nothing left to run, and it has not exited (one exits within a second)"
+                "nothing left to run, and it has not exited (one stops sending them at once)"
             )
         elif verdict.is_live:
             heartbeat = liveness.last_heartbeat

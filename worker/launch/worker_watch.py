@@ -28,8 +28,10 @@ class WorkerWatch:
         self.endpoint = endpoint
         self.liveness = self._new_liveness()
         self.connected_at: float | None = None  # the worker's socket took this connection
-        # Its first heartbeat of those in a row that say it stops with nothing to run.
+        # When the heartbeats in a row that say it stops with nothing to run began,
+        # and the latest of them.
         self._idle_stopping_since: float | None = None
+        self._idle_stopping_last = 0.0
         self._context = zmq.Context()
         self._socket, self._monitor = self._connect()
         self._ping = ping("supervisor")
@@ -68,11 +70,12 @@ class WorkerWatch:
         return time.monotonic() - self.connected_at
 
     def idle_stopping_for_s(self) -> float:
-        """How long the worker's heartbeats have said it is stopping with nothing
-        left to run (0 if its latest does not)."""
+        """For how long the worker's heartbeats went on saying it is stopping with
+        nothing left to run (0 if its latest does not): from the first of them to
+        the latest, so that a worker exiting, which sends none, is not counted."""
         if self._idle_stopping_since is None:
             return 0.0
-        return time.monotonic() - self._idle_stopping_since
+        return self._idle_stopping_last - self._idle_stopping_since
 
     def poll(self, timeout_s: float) -> None:
         while self._monitor.poll(0):
@@ -118,8 +121,10 @@ class WorkerWatch:
         is_idle = heartbeat.num_active == 0 and heartbeat.num_queued == 0
         if not (heartbeat.is_stopping and is_idle):
             self._idle_stopping_since = None
-        elif self._idle_stopping_since is None:
-            self._idle_stopping_since = time.monotonic()
+            return
+        self._idle_stopping_last = time.monotonic()
+        if self._idle_stopping_since is None:
+            self._idle_stopping_since = self._idle_stopping_last
 
     def close(self) -> None:
         self._close_sockets()
