@@ -63,19 +63,18 @@ def check_worker_bind_reachable(config: SupervisorConfig, environ: Mapping[str, 
 
 def _same_socket_file(bind: str, endpoint: str) -> bool:
     """Two ipc endpoints naming one socket file, however its directory is written
-    (``/run/./w.sock``, a link to the directory); else the same text. A link to
-    the socket file itself is no alias: binding replaces the link with a socket."""
+    (``/run/./w.sock``, a link to the directory); else the same text. The bind's
+    own last part is taken as written (binding replaces a link there with a
+    socket of its own), the endpoint's followed (connecting follows a link)."""
     ipc = "ipc://"
     if not (bind.startswith(ipc) and endpoint.startswith(ipc)):
         return bind == endpoint
     paths = [bind.removeprefix(ipc), endpoint.removeprefix(ipc)]
     if any(path.startswith("@") for path in paths):  # Linux's abstract names: no file
         return paths[0] == paths[1]
-    bind_path, endpoint_path = (
-        os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-        for path in paths
-    )
-    return bind_path == endpoint_path
+    bind, endpoint = paths
+    bind_file = os.path.join(os.path.realpath(os.path.dirname(bind)), os.path.basename(bind))
+    return bind_file == os.path.realpath(endpoint)
 
 
 def _binds_for(bind_host: str, endpoint_host: str) -> bool:
