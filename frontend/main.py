@@ -146,13 +146,15 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, client: WorkerClient) -> None:
         super().__init__(config)
         self._client = client
+        self._has_ended_all = False  # a second ^C answered every request at once
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit and sig == signal.SIGINT:
+        if self.should_exit and sig == signal.SIGINT and not self._has_ended_all:
             # A second ^C: uvicorn's "force quit" stopped waiting, and the exit
             # then cut every answer under way (streams with no end, a plain-text
             # 500). Each is answered now instead, as the grace's end would, and
-            # the connections close as those answers end.
+            # the connections close as those answers end. A third forces it.
+            self._has_ended_all = True
             self._client.end_all_soon("a second ^C ended it at once")
             return
         self._client.shut_down_soon(self.config.timeout_graceful_shutdown or 0.0)
