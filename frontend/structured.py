@@ -79,9 +79,7 @@ MAX_EXACT_INTEGER = 2**53
 _NOT_COUNTED_HERE = frozenset({"const", "enum", "$ref"})
 _ALL_OF_BRANCH = re.compile(r"\.allOf\[\d+\]$")
 
-
 _JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
-
 # llguidance's words for a valid schema it cannot follow: 400 unsupported, not 422.
 _UNSUPPORTED = ("Unimplemented", "Unknown format", "min/maxProperties only supported")
 

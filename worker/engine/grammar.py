@@ -6,10 +6,11 @@ from response_format or structured_outputs) can take a tenth of a second to
 compile when its schema is large. So it compiles on a thread of its own while
 its request waits in the queue (`Grammars.prepare`): the running batch and the
 heartbeats never wait for it (llguidance lets go of the GIL while it compiles).
-The latest compiled grammars are kept, so that a schema sent again compiles
-once; each sequence advances a copy of its own, one token at a time, from its
-first output token (resumed ones included). Torch-free: the fake engine uses it
-too, and `worker.model.token_mask` applies the masks to a batch's logits.
+Each is kept until its request is admitted, and the latest others too, so that
+a schema sent again compiles once; each sequence advances a copy of its own, one
+token at a time, from its first output token (resumed ones included).
+Torch-free: the fake engine uses it too, and `worker.model.token_mask` applies
+the masks to a batch's logits.
 """
 
 from __future__ import annotations

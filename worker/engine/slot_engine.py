@@ -173,9 +173,6 @@ class SlotEngine(InferenceEngine):
         return self.grammars.prepare(request) and has_prompt
 
     def unprepare(self, request: GenerateRequest) -> None:
-        self._forget_prepared(request)
-
-    def _forget_prepared(self, request: GenerateRequest) -> None:
         self.prompts.forget(request)
         if request.grammar and self.grammars is not None:
             self.grammars.forget(request)
@@ -210,7 +207,7 @@ class SlotEngine(InferenceEngine):
             for seq, token_id in zip(to_prefill, first_tokens, strict=True):
                 self._take_first_token(seq, token_id)
         for request in requests:
-            self._forget_prepared(request)
+            self.unprepare(request)  # admitted: what was prepared for it is used
         return [seq.request_id for seq in newcomers]
 
     def num_extra_prefill_passes(self) -> int:
