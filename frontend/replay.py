@@ -58,8 +58,12 @@ from frontend.inflight import InFlight
 from frontend.inflight_table import InFlightTable
 from frontend.worker_link import WorkerLink
 from protocol import AbortRequest, ErrorCode, ErrorResult
+from protocol.throttled import Throttled
 
 log = logging.getLogger(__name__)
+# A line a second per worker's endpoint (they are few) for replays that no death
+# caused: a peer that greeted this frontend again and again wrote 15,000 in 40 s.
+_regreeted_lines: dict[str, Throttled] = {}
 
 # Workers that died before a request made progress there, after which it is failed
 # rather than replayed again (deaths in all: the frontend's MAX_WORKER_DEATHS).
@@ -83,7 +87,10 @@ def release(
     if not is_death:
         for entry in entries:
             table.requeue(entry, is_suspect=entry is trial)
-        _log_replay(link, why, len(entries), int(trial is not None), 0)
+        message = _replay_line(link, why, len(entries), int(trial is not None), 0)
+        endpoint = link.endpoint
+        lines = _regreeted_lines.setdefault(endpoint, Throttled(log, f"replays from {endpoint}"))
+        lines.warn(message)
         return len(entries)
     same_incident = [
         entry
@@ -101,7 +108,7 @@ def release(
     ]
     num_suspects = outcomes.count(_Outcome.SUSPECT) + len(same_incident)
     num_replayed = len(entries) - outcomes.count(_Outcome.FAILED)
-    _log_replay(link, why, num_replayed, num_suspects, len(same_incident))
+    log.warning("%s", _replay_line(link, why, num_replayed, num_suspects, len(same_incident)))
     return len(entries)
 
 
@@ -192,21 +199,17 @@ def _died_in_the_same_incident(entry: InFlight, link: WorkerLink) -> bool:
     )
 
 
-def _log_replay(
+def _replay_line(
     link: WorkerLink, why: str, num_replayed: int, num_suspects: int, num_same_incident: int
-) -> None:
+) -> str:
     same = (
         f" ({num_same_incident} sent here as another worker died: excused, tried alone)"
         if num_same_incident
         else ""
     )
-    log.warning(
-        "worker at %s %s: replaying %d request(s), %d of them one at a time%s",
-        link.endpoint,
-        why,
-        num_replayed,
-        num_suspects,
-        same,
+    return (
+        f"worker at {link.endpoint} {why}: replaying {num_replayed} request(s), "
+        f"{num_suspects} of them one at a time{same}"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -243,3 +244,29 @@ def test_the_choices_of_one_request_are_one_that_may_have_killed_the_worker() ->
     table.waiting.clear()
     release(table, _holding(table, choices), "died", is_death=True, max_worker_deaths=8)
     assert [entry.num_deaths_without_progress for entry in choices] == [1, 1]
+
+
+def test_a_worker_that_greets_again_and_again_is_logged_once_a_second(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer that re-sent its hello in a loop wrote 15,000 replay lines in 40 s;
+    a death's replay is logged every time."""
+    table = InFlightTable(10)
+    (entry,) = table.add([GenerateRequest("r", "x", 4)], 1e9)
+    table.waiting.clear()
+    link = cast(WorkerLink, _Link(endpoint="tcp://127.0.0.1:5999"))
+    with caplog.at_level(logging.WARNING, logger="frontend.replay"):
+        for _ in range(50):
+            entry.next_attempt()
+            table.hand_to(entry, link, is_trial=False)
+            table.waiting.clear()
+            release(table, link, "greeted this frontend again", is_death=False, max_worker_deaths=3)
+    assert sum("greeted this frontend again" in r.getMessage() for r in caplog.records) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="frontend.replay"):
+        for _ in range(2):
+            entry.next_attempt()
+            table.hand_to(entry, link, is_trial=False)
+            table.waiting.clear()
+            release(table, link, "died", is_death=True, max_worker_deaths=100)
+    assert sum("died: replaying" in r.getMessage() for r in caplog.records) == 2
