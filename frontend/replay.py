@@ -219,7 +219,8 @@ def _quarantined(entry: InFlight) -> ErrorResult:
         ErrorCode.WORKERS_DIED,
         f"the request was in flight on {_workers(entry.num_worker_deaths)} that died or "
         "stopped answering (each taken for dead); it is not replayed again, since it may "
-        "be what kills workers (the worker logs say why)",
+        "be what kills workers (the worker logs say why a worker failed; the supervisor's "
+        "log names a worker killed from outside, which the request did not cause)",
     )
 
 
