@@ -41,6 +41,14 @@ MAX_PATTERN_PROPERTIES = 32
 # Of llguidance's complaint about a grammar, quoted back to the client by either side.
 MAX_GRAMMAR_ERROR_CHARS = 300
 
+# The smallest MAX_MESSAGE_BYTES a worker takes, and says in its hello. A
+# request's fields besides its prompt (and the token ids a context window bounds)
+# take up to ~140 KiB at the protocol's limits: a grammar of MAX_GRAMMAR_CHARS
+# 4-byte characters, 4 stop strings, 300 logit biases, 256 chat roles. This
+# leaves 100 KiB and more for the prompt, so that a request too large is so for
+# its prompt, as the frontend's 422 says.
+MIN_MESSAGE_BYTES = 256 * 1024
+
 
 # llguidance's parser limits (`LLParserLimits`), the same on both sides: what
 # building a grammar's lexer and parser, and each step's mask, may cost before

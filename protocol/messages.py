@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
+from protocol.limits import MIN_MESSAGE_BYTES
+
 PROTOCOL_VERSION = 8
 
 
@@ -249,6 +251,17 @@ class Hello:
     # without a message from it.
     heartbeat_interval_s: float = 0.0
     frontend_timeout_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Limits no worker has: taken, they made each request a client's fault
+        # ("more than the context window of 0 tokens holds", a 422).
+        if self.context_window < 1:
+            raise ValueError(f"context_window must be at least 1, got {self.context_window}")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ValueError(
+                f"max_message_bytes must be at least {MIN_MESSAGE_BYTES:,} (as a worker's "
+                f"MAX_MESSAGE_BYTES), got {self.max_message_bytes:,}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,9 @@ from protocol import (
     encode,
 )
 from protocol.checks import Schema
+from protocol.limits import MIN_MESSAGE_BYTES
 from protocol.messages import ERROR_CODES, FINISH_REASONS, TO_FRONTEND, TO_WORKER
+from tests.stand_in_worker import stand_in_hello
 
 texts = st.text(max_size=40)
 ids = st.lists(st.integers(min_value=0, max_value=2**31), max_size=20)
@@ -133,9 +135,9 @@ to_frontend = st.one_of(
         model=texts,
         is_random_weights=st.booleans(),
         capacity=counts,
-        context_window=counts,
+        context_window=st.integers(min_value=1, max_value=2**31),
         max_queue_depth=counts,
-        max_message_bytes=counts,
+        max_message_bytes=st.integers(min_value=MIN_MESSAGE_BYTES, max_value=2**31),
     ),
     st.builds(
         Heartbeat,
@@ -479,6 +481,23 @@ def test_a_result_that_disagrees_with_itself_fails_its_request(
     with pytest.raises(ProtocolError, match=problem) as refused:
         decode_to_frontend(_result_frame(**fields))
     assert refused.value.request_id == "r1"  # that request fails, not the connection
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"context_window": 0}, "context_window must be at least 1, got 0"),
+        ({"max_message_bytes": 1}, "max_message_bytes must be at least 262,144"),
+    ],
+)
+def test_a_hello_with_limits_no_worker_has_is_refused(
+    fields: dict[str, object], problem: str
+) -> None:
+    """Taken, they made every request the client's fault: 'the request is 553
+    bytes on the wire, more than the worker accepts', a 422."""
+    payload = msgpack.unpackb(encode(stand_in_hello()))
+    with pytest.raises(ProtocolError, match=problem):
+        decode_to_frontend(msgpack.packb({**payload, **fields}))
 
 
 @pytest.mark.parametrize(

@@ -16,16 +16,10 @@ from protocol.endpoints import (
     check_endpoint,
     probe_binds,
 )
+from protocol.limits import MIN_MESSAGE_BYTES
 from protocol.settings import ConfigError, require_interval, require_positive, setting
 
 DEFAULT_MODEL_ID = "distilgpt2"
-
-# The smallest MAX_MESSAGE_BYTES. A request's fields besides its prompt (and the
-# token ids a context window bounds) take up to ~140 KiB at the protocol's limits:
-# a grammar of MAX_GRAMMAR_CHARS 4-byte characters, 4 stop strings, 300 logit
-# biases, 256 chat roles. This leaves 100 KiB and more for the prompt, so that a
-# request too large is so for its prompt, as the frontend's 422 says.
-MIN_MESSAGE_BYTES = 256 * 1024
 
 
 def check_torch_threads(num_threads: int) -> None:
