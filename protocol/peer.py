@@ -42,13 +42,15 @@ def handshake_advice(event: int) -> str:
             "CURVE_SERVER_PUBLIC_KEY"
         )
     # Also what anything that is no worker makes of a handshake, once it hangs up
-    # (an HTTP server, after its header timeout), and what a worker does with a
-    # CURVE hello sealed for another key: it cannot open it, and says nothing.
+    # (an HTTP server, after its header timeout), what a worker does with a CURVE
+    # hello sealed for another key (it cannot open it, and says nothing), and what
+    # a worker killed half way through one leaves.
     return (
         "either nothing at that address is a worker (check WORKER_ENDPOINT), or CURVE "
         "is on at one end only (set CURVE keys on both the worker and this client, or "
         "on neither), or CURVE_SERVER_PUBLIC_KEY is not that worker's public key (the "
-        "pair of its CURVE_SERVER_SECRET_KEY)"
+        "pair of its CURVE_SERVER_SECRET_KEY); once, it may only be a worker that died "
+        "during the handshake, to be retried as it restarts"
     )
 
 
