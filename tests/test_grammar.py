@@ -124,10 +124,10 @@ def test_with_only_a_compile_pending_the_loop_may_wait_for_input() -> None:
     assert isinstance(run(scheduler)["slow"], GenerateResult)
 
 
-def test_a_grammar_sent_again_compiles_once_and_the_kept_ones_are_bounded() -> None:
-    engine = FakeEngine(1)
+def _counting_compiles(engine: FakeEngine) -> list[str]:
+    """The grammars ``engine`` compiles from now on, in order."""
     assert engine.grammars is not None
-    compiles = []
+    compiles: list[str] = []
     compile_ = engine.grammars._compile
 
     def counting(grammar: str) -> llguidance.LLMatcher:
@@ -135,6 +135,13 @@ def test_a_grammar_sent_again_compiles_once_and_the_kept_ones_are_bounded() -> N
         return compile_(grammar)
 
     engine.grammars._compile = counting  # type: ignore[method-assign]
+    return compiles
+
+
+def test_a_grammar_sent_again_compiles_once_and_the_kept_ones_are_bounded() -> None:
+    engine = FakeEngine(1)
+    assert engine.grammars is not None
+    compiles = _counting_compiles(engine)
     scheduler = Scheduler(engine, 8)
     grammar = llguidance.LLMatcher.grammar_from_regex("[a-z]{3}")
     for i in range(3):
@@ -154,14 +161,7 @@ def test_grammars_prepared_ahead_are_kept_until_admitted_however_many_are_queued
     compiled again, on the engine thread at its admission while the batch waited."""
     engine = FakeEngine(8)
     assert engine.grammars is not None
-    compiles: list[str] = []
-    compile_ = engine.grammars._compile
-
-    def counting(grammar: str) -> llguidance.LLMatcher:
-        compiles.append(grammar)
-        return compile_(grammar)
-
-    engine.grammars._compile = counting  # type: ignore[method-assign]
+    compiles = _counting_compiles(engine)
     scheduler = Scheduler(engine, 1000)
     for i in range(8):
         scheduler.submit(GenerateRequest(f"busy{i}", "x", max_new_tokens=20))

@@ -255,18 +255,17 @@ def test_a_worker_that_greets_again_and_again_is_logged_once_a_second(
     (entry,) = table.add([GenerateRequest("r", "x", 4)], 1e9)
     table.waiting.clear()
     link = cast(WorkerLink, _Link(endpoint="tcp://127.0.0.1:5999"))
-    with caplog.at_level(logging.WARNING, logger="frontend.replay"):
-        for _ in range(50):
-            entry.next_attempt()
-            table.hand_to(entry, link, is_trial=False)
-            table.waiting.clear()
-            release(table, link, "greeted this frontend again", is_death=False, max_worker_deaths=3)
-    assert sum("greeted this frontend again" in r.getMessage() for r in caplog.records) == 1
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="frontend.replay"):
-        for _ in range(2):
-            entry.next_attempt()
-            table.hand_to(entry, link, is_trial=False)
-            table.waiting.clear()
-            release(table, link, "died", is_death=True, max_worker_deaths=100)
-    assert sum("died: replaying" in r.getMessage() for r in caplog.records) == 2
+
+    def released(times: int, why: str, is_death: bool) -> int:
+        """Lines logged for ``times`` releases of the entry, each handed back first."""
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="frontend.replay"):
+            for _ in range(times):
+                entry.next_attempt()
+                table.hand_to(entry, link, is_trial=False)
+                table.waiting.clear()
+                release(table, link, why, is_death, max_worker_deaths=100)
+        return sum(f"{why}: replaying" in record.getMessage() for record in caplog.records)
+
+    assert released(50, "greeted this frontend again", is_death=False) == 1
+    assert released(2, "died", is_death=True) == 2

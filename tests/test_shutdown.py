@@ -88,13 +88,19 @@ def test_a_stopping_frontend_finishes_what_runs_and_what_waits(
         stack.processes["frontend"].wait(timeout=GRACEFUL_SHUTDOWN_S)
 
 
+def _long_streams_and_one_waiting(stack: Stack) -> tuple[list[Background], Background]:
+    """Every slot streaming longer than a stop's grace, and a plain request queued."""
+    streams = [Background(lambda: _stream(stack, LONG)) for _ in range(CAPACITY)]
+    stack.wait_for_health("running", lambda h: h["active"] == CAPACITY)
+    waiting = Background(lambda: _plain(stack, LONG))
+    stack.wait_for_health("waiting", lambda h: h["queued"] == 1)
+    return streams, waiting
+
+
 def test_what_is_left_when_the_grace_ends_is_answered_not_cut(tmp_path: Path) -> None:
     with running_stack(tmp_path, OVERRIDES, supervised=False) as stack:
         stack.wait_live()
-        streams = [Background(lambda: _stream(stack, LONG)) for _ in range(CAPACITY)]
-        stack.wait_for_health("running", lambda h: h["active"] == CAPACITY)
-        waiting = Background(lambda: _plain(stack, LONG))
-        stack.wait_for_health("waiting", lambda h: h["queued"] == 1)
+        streams, waiting = _long_streams_and_one_waiting(stack)
         stopped_at = time.monotonic()
         stack.processes["frontend"].send_signal(signal.SIGTERM)
         for stream in streams:
@@ -118,10 +124,7 @@ def test_a_second_ctrl_c_answers_every_request_at_once_and_cuts_none(tmp_path: P
     with no end, a plain-text 500, tracebacks. Each is answered now instead."""
     with running_stack(tmp_path, OVERRIDES, supervised=False) as stack:
         stack.wait_live()
-        streams = [Background(lambda: _stream(stack, LONG)) for _ in range(CAPACITY)]
-        stack.wait_for_health("running", lambda h: h["active"] == CAPACITY)
-        waiting = Background(lambda: _plain(stack, LONG))
-        stack.wait_for_health("waiting", lambda h: h["queued"] == 1)
+        streams, waiting = _long_streams_and_one_waiting(stack)
         frontend = stack.processes["frontend"]
         frontend.send_signal(signal.SIGINT)
         time.sleep(0.5)

@@ -432,6 +432,18 @@ def _watching_a_stand_in() -> Iterator[tuple[Supervisor, Child, WorkerWatch, zmq
             watch.close()
 
 
+def _started_and_pinged(
+    worker: Child, watch: WorkerWatch, worker_socket: zmq.Socket[bytes]
+) -> bytes:
+    """Start the worker (a stand-in's process) and poll until the supervisor's
+    ping reaches the stand-in's socket; the supervisor's routing id there."""
+    worker.start()
+    while not worker_socket.poll(100):
+        watch.poll(0.01)  # pings until one reaches the stand-in
+    peer, _ = worker_socket.recv_multipart()
+    return peer
+
+
 @pytest.mark.parametrize("is_stopped", [True, False])
 def test_a_stopped_worker_whose_socket_took_the_connection_is_killed_soon(
     clock: FakeClock, is_stopped: bool
@@ -646,10 +658,7 @@ def test_a_supervisor_that_was_paused_reads_the_heartbeats_before_judging(
     """Paused past HEARTBEAT_TIMEOUT_S (SIGSTOP) while the worker went on sending
     heartbeats: they wait unread, and the live worker is not killed for silence."""
     with _watching_a_stand_in() as (supervisor, worker, watch, worker_socket):
-        worker.start()
-        while not worker_socket.poll(100):
-            watch.poll(0.01)  # pings until one reaches the stand-in
-        peer, _ = worker_socket.recv_multipart()
+        peer = _started_and_pinged(worker, watch, worker_socket)
         heartbeat = encode(Heartbeat("w", num_steps=1, num_queued=0, num_active=0))
         worker_socket.send_multipart([peer, encode(stand_in_hello(instance_id="w"))])
         worker_socket.send_multipart([peer, heartbeat])
@@ -680,10 +689,7 @@ def test_a_worker_stuck_in_its_stop_is_killed_and_one_stopping_or_serving_is_not
     judge it, as ever), or that does not say it stops, is left alone."""
     monkeypatch.setattr(supervisor_module, "_IDLE_STOPPING_KILL_AFTER_S", 0.5)
     with _watching_a_stand_in() as (supervisor, worker, watch, worker_socket):
-        worker.start()
-        while not worker_socket.poll(100):
-            watch.poll(0.01)  # pings until one reaches the stand-in
-        peer, _ = worker_socket.recv_multipart()
+        peer = _started_and_pinged(worker, watch, worker_socket)
         worker_socket.send_multipart([peer, encode(stand_in_hello(instance_id="w"))])
         started = time.monotonic()
         num_steps = 0
@@ -710,10 +716,7 @@ def test_a_supervisor_paused_past_the_workers_frontend_timeout_asks_before_judgi
     stopped its heartbeats: on resuming, the supervisor pings at once and gives the
     worker HEARTBEAT_TIMEOUT_S (0.3 s here) to answer, not a kill for silence."""
     with _watching_a_stand_in() as (supervisor, worker, watch, worker_socket):
-        worker.start()
-        while not worker_socket.poll(100):
-            watch.poll(0.01)  # pings until one reaches the stand-in
-        peer, _ = worker_socket.recv_multipart()
+        peer = _started_and_pinged(worker, watch, worker_socket)
         worker_socket.send_multipart([peer, encode(stand_in_hello(instance_id="w"))])
         while not watch.liveness.verdict().is_live:
             watch.poll(0.01)
