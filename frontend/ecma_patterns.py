@@ -12,6 +12,7 @@ ECMAScript (ajv) refuses. Each is rewritten as the class ECMAScript means.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 from frontend.pattern_escapes import schema_patterns
@@ -19,54 +20,66 @@ from protocol.json_schema import subschemas
 
 # ECMAScript's WhiteSpace and LineTerminator: Unicode's White_Space with U+FEFF
 # and without U+0085, in Rust's class syntax (its -- takes a set away), short, as
-# a grammar's size is bounded. Each is a class of its own, nested where it stands
-# in one (as one end of a range it is left as sent, for Rust to refuse as
-# ECMAScript does).
+# a grammar's size is bounded.
 _ESCAPES = {"\\s": "[\\s\\x{FEFF}--\\x{85}]", "\\S": "[^\\s\\x{FEFF}--\\x{85}]"}
-_ECMA_DOT = "[^\\n\\r\\x{2028}\\x{2029}]"
+_ECMA_DOT = "[^\\n\\r\\u2028\\u2029]"
+# One escape, whole: a character written in hex (\x41, \u0041, \u{41}), a
+# property's class (\p{L}), or a backslash and the one character after it.
+_ESCAPE = re.compile(r"\\(?:[xuU]\{[^}]*\}|x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|[pP]\{[^}]*\}|.)", re.S)
+# Escapes that stand for a set of characters, which no range may end in.
+_CLASS_ESCAPES = frozenset({"\\d", "\\D", "\\w", "\\W", "\\s", "\\S"})
 
 
 def as_rust(pattern: str) -> str:
-    """``pattern`` with ``.``, ``\\s`` and ``\\S`` written as the classes
-    ECMAScript means; the rest as it is. Classes are read as Rust reads them
-    (a ``]`` first in a class is a literal, a ``[`` in one opens a nested class),
-    as llguidance reads the rest of the pattern."""
+    """``pattern`` with each ``.``, ``\\s`` and ``\\S`` written as the class
+    ECMAScript means (in a class, as a class nested in it), the rest as it is.
+    Classes are read as Rust reads them (a ``]`` first in one is a literal, a
+    ``[`` in one opens a nested class unless it ends a range). A ``\\s`` or
+    ``\\S`` at either end of a range is left as sent, for Rust to refuse, as
+    ECMAScript does (``[\\x00-\\s]``); spliced in, it would lend the range an end."""
     out: list[str] = []
     depth = 0  # of classes open here
+    may_start_range = False  # in a class: its last item is one character
+    ends_range = False  # in a class: a range's dash came last
     i = 0
     while i < len(pattern):
-        if pattern[i] == "\\" and i + 1 < len(pattern):
-            token = pattern[i : i + 2]
-            is_kept = depth and _is_range_end(pattern, i, i + 2)
-            out.append(token if is_kept else _ESCAPES.get(token, token))
-            i += 2
-            continue
         char = pattern[i]
-        if char == "[":
+        if (escape := _ESCAPE.match(pattern, i)) is not None:
+            token = escape.group()
+            i = escape.end()
+            if not depth:
+                out.append(_ESCAPES.get(token, token))
+                continue
+            starts_range = pattern.startswith("-", i) and pattern[i + 1 : i + 2] not in ("]", "")
+            is_kept = ends_range or starts_range
+            out.append(token if is_kept else _ESCAPES.get(token, token))
+            is_set = token in _CLASS_ESCAPES or token[1] in "pP"
+            may_start_range = not is_set and not ends_range
+            ends_range = False
+            continue
+        i += 1
+        if char == "[" and not ends_range:
             depth += 1
             out.append(char)
-            i += 1
             # A ] right after [ or [^ is a literal: copied with them.
             for lead in ("^", "]"):
                 if pattern.startswith(lead, i):
                     out.append(lead)
                     i += 1
+            may_start_range = out[-1] == "]"
             continue
-        if char == "]" and depth:
-            depth -= 1
-        elif char == "." and not depth:
-            char = _ECMA_DOT
+        if not depth:
+            out.append(_ECMA_DOT if char == "." else char)
+            continue
         out.append(char)
-        i += 1
+        if char == "]":
+            depth -= 1
+            may_start_range = ends_range = False
+        elif char == "-" and may_start_range and pattern[i : i + 1] not in ("]", ""):
+            may_start_range, ends_range = False, True
+        else:
+            may_start_range, ends_range = not ends_range, False
     return "".join(out)
-
-
-def _is_range_end(pattern: str, start: int, end: int) -> bool:
-    """Whether the class item at ``pattern[start:end]`` is one end of a range: a
-    ``-`` before it (not the class's first item) or after it (not its last)."""
-    is_after_dash = start >= 2 and pattern[start - 1] == "-" and pattern[start - 2] not in "[^\\"
-    is_before_dash = pattern.startswith("-", end) and pattern[end + 1 : end + 2] not in ("]", "")
-    return is_after_dash or is_before_dash
 
 
 def with_rust_patterns(schema: Any) -> Any:

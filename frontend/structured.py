@@ -255,8 +255,10 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
     compiled = _with_ecma_patterns(kind, schema, text)
     grammar, problem = _checked_grammar(kind, compiled)
     if problem is not None and compiled != text:
-        # Said of the client's own patterns, as written, where the fault is theirs.
-        problem = _checked_grammar(kind, text)[1] or problem
+        # Refused as rewritten: as sent, it is refused in the client's own terms
+        # (a fault placed in its own pattern), or, where only the rewrite made its
+        # grammar too long, followed as Rust reads its patterns, as it was before.
+        grammar, problem = _checked_grammar(kind, text)
     if problem is None and kind in JSON_KINDS:  # a schema llguidance takes
         problem = _repeated_keys_problem(schema) or escaped_pattern_problem(schema)
     if problem is None and kind == GrammarKind.GRAMMAR:  # its %json blocks

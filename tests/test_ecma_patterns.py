@@ -52,6 +52,13 @@ def _accepts(schema: dict[str, object], text: str) -> bool:
         ("^[.]$", ".", True),  # a dot in a class is itself
         ("^[.]$", "a", False),
         ("^\\.$", "a", False),
+        ("^[!-[].$", "!\u2028", False),  # a [ that ends a range opens no class
+        ("^[!-[].$", "[a", True),
+        ("^[a-z-\\s]$", "\ufeff", True),  # the dash after a range is itself
+        ("^[a-z-\\s]$", "\u0085", False),
+        ("^[a-z-\\s]$", "-", True),
+        ("^[\\u0041-\\u005A-\\s]$", "\u0085", False),  # an escape read whole
+        ("^[^a-z\\s]$", "\u0085", True),
     ],
 )
 def test_a_pattern_matches_what_ecmascript_matches(
@@ -95,6 +102,15 @@ def test_a_range_with_a_class_escape_for_an_end_is_refused_as_sent(pattern: str)
     range's end, and the pattern was followed with a meaning ECMAScript refuses."""
     _, problem = compile_grammar(GrammarKind.JSON_SCHEMA, {"type": "string", "pattern": pattern})
     assert problem is not None and "invalid range boundary" in problem, problem
+
+
+def test_a_pattern_whose_rewrite_would_be_too_long_is_followed_as_sent() -> None:
+    """Each dot written out made a 1.5 KB schema's grammar 40 KB, refused for a
+    size its client never sent: it is followed as Rust reads it, as before."""
+    schema = {"type": "string", "pattern": "^" + "." * 1500 + "$"}
+    grammar, problem = compile_grammar(GrammarKind.JSON_SCHEMA, schema)
+    assert problem is None, problem
+    assert "\\u2028" not in grammar
 
 
 def test_a_schema_of_many_patterns_that_fit_before_the_rewrite_still_fits() -> None:
