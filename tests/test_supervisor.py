@@ -217,9 +217,13 @@ def test_a_worker_bind_through_a_linked_directory_is_taken_but_a_linked_socket_i
     check_worker_bind_reachable(config, {"WORKER_BIND": f"ipc://{tmp_path}/linked-run/w.sock"})
     with pytest.raises(ConfigError, match="is not where this stack's frontends connect"):
         check_worker_bind_reachable(config, {"WORKER_BIND": f"ipc://{tmp_path}/run/alias.sock"})
-    # Connecting follows a link: an endpoint that is one reaches the bind's socket.
+    # Connecting follows a link: an endpoint that is one reaches the bind's socket;
+    # but not the numbered paths beside it, where several workers bind.
+    bind = {"WORKER_BIND": f"ipc://{tmp_path}/run/w.sock"}
     linked = SupervisorConfig(worker_endpoint=f"ipc://{tmp_path}/run/alias.sock")
-    check_worker_bind_reachable(linked, {"WORKER_BIND": f"ipc://{tmp_path}/run/w.sock"})
+    check_worker_bind_reachable(linked, bind)
+    with pytest.raises(ConfigError, match="is not where this stack's frontends connect"):
+        check_worker_bind_reachable(dataclasses.replace(linked, num_workers=2), bind)
 
 
 def test_a_worker_bind_with_no_room_for_several_workers_is_refused_naming_it(

@@ -48,7 +48,7 @@ def check_worker_bind_reachable(config: SupervisorConfig, environ: Mapping[str, 
     if tcp_bind is not None and tcp_endpoint is not None:
         if tcp_bind.port == tcp_endpoint.port and _binds_for(tcp_bind.host, tcp_endpoint.host):
             return
-    elif _same_socket_file(bind, config.worker_endpoint):
+    elif _same_socket_file(bind, config.worker_endpoint, config.num_workers == 1):
         return
     if tcp_endpoint is not None:
         wildcard = "[::]" if tcp_endpoint.is_ipv6 else "*"
@@ -61,11 +61,13 @@ def check_worker_bind_reachable(config: SupervisorConfig, environ: Mapping[str, 
     )
 
 
-def _same_socket_file(bind: str, endpoint: str) -> bool:
+def _same_socket_file(bind: str, endpoint: str, follows_endpoint_link: bool) -> bool:
     """Two ipc endpoints naming one socket file, however its directory is written
     (``/run/./w.sock``, a link to the directory); else the same text. The bind's
     own last part is taken as written (binding replaces a link there with a
-    socket of its own), the endpoint's followed (connecting follows a link)."""
+    socket of its own); the endpoint's is followed if ``follows_endpoint_link``
+    (connecting follows a link, but the numbered paths of several workers beside
+    it are no links)."""
     ipc = "ipc://"
     if not (bind.startswith(ipc) and endpoint.startswith(ipc)):
         return bind == endpoint
@@ -73,8 +75,11 @@ def _same_socket_file(bind: str, endpoint: str) -> bool:
     if any(path.startswith("@") for path in paths):  # Linux's abstract names: no file
         return paths[0] == paths[1]
     bind, endpoint = paths
-    bind_file = os.path.join(os.path.realpath(os.path.dirname(bind)), os.path.basename(bind))
-    return bind_file == os.path.realpath(endpoint)
+    files = [
+        os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+        for path in (bind, endpoint)
+    ]
+    return files[0] in (files[1], os.path.realpath(endpoint) if follows_endpoint_link else None)
 
 
 def _binds_for(bind_host: str, endpoint_host: str) -> bool:
