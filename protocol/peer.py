@@ -49,8 +49,8 @@ def handshake_advice(event: int) -> str:
         "either nothing at that address is a worker (check WORKER_ENDPOINT), or CURVE "
         "is on at one end only (set CURVE keys on both the worker and this client, or "
         "on neither), or CURVE_SERVER_PUBLIC_KEY is not that worker's public key (the "
-        "pair of its CURVE_SERVER_SECRET_KEY); once, it may only be a worker that died "
-        "during the handshake, to be retried as it restarts"
+        "pair of its CURVE_SERVER_SECRET_KEY); seen once, it may only be a worker that "
+        "died during the handshake (tried again as it restarts)"
     )
 
 

@@ -181,9 +181,9 @@ class TokenMasks:
 class Grammars:
     """Compiles grammars for one tokenizer on a thread of its own, keeps those
     that prepared requests wait to use and the latest `MAX_COMPILED` others, and
-    computes masks. The tokenizer and the thread start
-    with the first grammar: a worker that serves none pays nothing, and nothing
-    starts before a warm start's fork."""
+    computes masks. The tokenizer and the thread start with the first grammar: a
+    worker that serves none pays nothing, and nothing starts before a warm
+    start's fork."""
 
     def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer]) -> None:
         self._make_tokenizer = make_tokenizer

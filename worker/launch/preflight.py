@@ -74,12 +74,13 @@ def _same_socket_file(bind: str, endpoint: str, follows_endpoint_link: bool) -> 
     paths = [bind.removeprefix(ipc), endpoint.removeprefix(ipc)]
     if any(path.startswith("@") for path in paths):  # Linux's abstract names: no file
         return paths[0] == paths[1]
-    bind, endpoint = paths
-    files = [
+    bind_file, endpoint_file = (
         os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-        for path in (bind, endpoint)
-    ]
-    return files[0] in (files[1], os.path.realpath(endpoint) if follows_endpoint_link else None)
+        for path in paths
+    )
+    if follows_endpoint_link and bind_file == os.path.realpath(paths[1]):
+        return True
+    return bind_file == endpoint_file
 
 
 def _binds_for(bind_host: str, endpoint_host: str) -> bool:
