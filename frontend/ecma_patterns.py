@@ -5,8 +5,9 @@ ECMAScript's ``.`` leaves out U+2028 and U+2029 as well as ``\\n`` and ``\\r``;
 Rust's, only ``\\n``. ECMAScript's ``\\s`` holds U+FEFF and not U+0085; Rust's
 (Unicode's White_Space), the other way round. Read as Rust's, ``^.{3}$`` wrote
 strings of U+2029 and ``^\\s{2}$`` of U+0085, which a JSON Schema validator in
-ECMAScript (ajv) refuses. Each is rewritten as the class ECMAScript means.
-(``\\d`` and ``\\w``, ASCII in both, llguidance already reads so.)
+ECMAScript (ajv) refuses. Each is rewritten as the class ECMAScript means, and
+ECMAScript's ``\\0`` and ``\\cJ``, which Rust's syntax lacks, as the character they
+mean. (``\\d`` and ``\\w``, ASCII in both, llguidance already reads so.)
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from protocol.json_schema import subschemas
 # a grammar's size is bounded.
 _ESCAPES = {"\\s": "[\\s\\x{FEFF}--\\x{85}]", "\\S": "[^\\s\\x{FEFF}--\\x{85}]"}
 _ECMA_DOT = "[^\\n\\r\\u2028\\u2029]"
-# One escape, whole: a character written in hex (\x41, \u0041, \u{41}), a
-# property's class (\p{L}), or a backslash and the one character after it.
-_ESCAPE = re.compile(r"\\(?:[xuU]\{[^}]*\}|x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|[pP]\{[^}]*\}|.)", re.S)
+# One escape, whole: a character written in hex (\x41, \u0041, \u{41}) or as a
+# control (\cJ), a property's class (\p{L}), or a backslash and the one
+# character after it.
+_ESCAPE = re.compile(
+    r"\\(?:[xuU]\{[^}]*\}|x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|c[A-Za-z]|[pP]\{[^}]*\}|.)", re.S
+)
 # Escapes that stand for a set of characters, which no range may end in.
 _CLASS_ESCAPES = frozenset({"\\d", "\\D", "\\w", "\\W", "\\s", "\\S"})
 
@@ -45,7 +49,7 @@ def as_rust(pattern: str) -> str:
     while i < len(pattern):
         char = pattern[i]
         if (escape := _ESCAPE.match(pattern, i)) is not None:
-            token = escape.group()
+            token = _character_escape(escape.group(), pattern[escape.end() : escape.end() + 1])
             i = escape.end()
             if not depth:
                 out.append(_ESCAPES.get(token, token))
@@ -82,6 +86,17 @@ def as_rust(pattern: str) -> str:
     return "".join(out)
 
 
+def _character_escape(token: str, after: str) -> str:
+    """ECMAScript's escapes for one character that Rust's syntax lacks, in Rust's:
+    ``\\0`` (NUL, where no digit follows) and ``\\cJ`` (a control character);
+    any other escape as it is."""
+    if token == "\\0" and not after.isdigit():
+        return "\\x00"
+    if token.startswith("\\c") and len(token) == 3:
+        return f"\\x{ord(token[2]) % 32:02X}"
+    return token
+
+
 def with_rust_patterns(schema: Any) -> Any:
     """``schema`` (unchanged) with each ``pattern`` and ``patternProperties`` key
     rewritten by `as_rust`; the schema itself where none changes."""
@@ -94,9 +109,13 @@ def with_rust_patterns(schema: Any) -> Any:
             subschema["pattern"] = as_rust(pattern)
         keys = subschema.get("patternProperties")
         if isinstance(keys, dict):
-            subschema["patternProperties"] = {as_rust(key): value for key, value in keys.items()}
+            rewritten_keys = {as_rust(key): value for key, value in keys.items()}
+            # Two keys written alike once rewritten (^a. and ^a[^\n\r\u2028\u2029])
+            # would be one: the object's keys are left as sent.
+            if len(rewritten_keys) == len(keys):
+                subschema["patternProperties"] = rewritten_keys
     return rewritten
 
 
 def _may_change(pattern: str) -> bool:
-    return "." in pattern or "\\s" in pattern or "\\S" in pattern
+    return any(part in pattern for part in (".", "\\s", "\\S", "\\0", "\\c"))

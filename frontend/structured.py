@@ -252,13 +252,19 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
     if kind == GrammarKind.REGEX and _ends_in_lone_backslash(text):
         # llguidance drops it, and would follow another regex than the one asked for.
         return "", f"invalid regex at offset {len(text) - 1}: incomplete escape sequence"
+    if kind in JSON_KINDS and (lone := _lone_backslash_problem(schema)) is not None:
+        return "", lone
     compiled = _with_ecma_patterns(kind, schema, text)
     grammar, problem = _checked_grammar(kind, compiled)
     if problem is not None and compiled != text:
-        # Refused as rewritten: as sent, it is refused in the client's own terms
-        # (a fault placed in its own pattern), or, where only the rewrite made its
-        # grammar too long, followed as Rust reads its patterns, as it was before.
-        grammar, problem = _checked_grammar(kind, text)
+        # Refused as rewritten. As sent: where only the rewrite made its grammar too
+        # long, followed as Rust reads its patterns, as before; else refused, in the
+        # client's own terms where the fault is there too (its own pattern's offset).
+        as_sent, own_problem = _checked_grammar(kind, text)
+        if problem.startswith(_GRAMMAR_TOO_LONG):
+            grammar, problem = as_sent, own_problem
+        else:
+            problem = own_problem or problem
     if problem is None and kind in JSON_KINDS:  # a schema llguidance takes
         problem = _repeated_keys_problem(schema) or escaped_pattern_problem(schema)
     if problem is None and kind == GrammarKind.GRAMMAR:  # its %json blocks
@@ -289,6 +295,18 @@ def _as_schema(value: Any) -> Any:
 
 def _ends_in_lone_backslash(regex: str) -> bool:
     return (len(regex) - len(regex.rstrip("\\"))) % 2 == 1
+
+
+def _lone_backslash_problem(schema: Any) -> str | None:
+    """A schema pattern that ends in a lone backslash, which llguidance drops, as
+    it does a regex's: ``^a\\`` was followed as ``^a``."""
+    for _, _, pattern in schema_patterns(schema):
+        if _ends_in_lone_backslash(pattern):
+            return (
+                f"pattern {_shown(pattern)}: invalid regex at offset {len(pattern) - 1}: "
+                "incomplete escape sequence"
+            )
+    return None
 
 
 def _numbers_problem(schema: Any) -> str | None:
@@ -418,6 +436,9 @@ def _numbers(value: Any, path: str) -> Iterator[tuple[str, int | float]]:
             yield from _numbers(item, f"{path}.{key}")
 
 
+_GRAMMAR_TOO_LONG = "its grammar is "
+
+
 @functools.lru_cache(maxsize=256)
 def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
     try:
@@ -432,7 +453,7 @@ def _checked_grammar(kind: str, text: str) -> tuple[str, str | None]:
     except ValueError as exc:
         return "", _short(str(exc))
     if len(grammar) > MAX_GRAMMAR_CHARS:
-        return "", f"its grammar is {len(grammar):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
+        return "", f"{_GRAMMAR_TOO_LONG}{len(grammar):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
     if (shape_problem := grammar_shape_problem(grammar)) is not None:
         return "", shape_problem
     limits = llguidance.LLParserLimits(**GRAMMAR_LIMITS, verbose_errors=False)

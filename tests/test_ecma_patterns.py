@@ -59,6 +59,9 @@ def _accepts(schema: dict[str, object], text: str) -> bool:
         ("^[a-z-\\s]$", "-", True),
         ("^[\\u0041-\\u005A-\\s]$", "\u0085", False),  # an escape read whole
         ("^[^a-z\\s]$", "\u0085", True),
+        ("^a\\0$", "a\u0000", True),  # ECMAScript's NUL, not a backreference
+        ("^\\cJ$", "\n", True),  # a control character
+        ("^[\\cA-\\cZ]$", "\u0005", True),
     ],
 )
 def test_a_pattern_matches_what_ecmascript_matches(
@@ -120,3 +123,27 @@ def test_a_schema_of_many_patterns_that_fit_before_the_rewrite_still_fits() -> N
     properties = {f"p{i}": {"type": "string", "pattern": pattern} for i in range(120)}
     _, problem = compile_grammar(GrammarKind.JSON_SCHEMA, {"properties": properties})
     assert problem is None, problem
+
+
+def test_pattern_properties_keys_written_alike_once_rewritten_are_left_as_sent() -> None:
+    """^a. and ^a[^\\n\\r\\u2028\\u2029] became one key, and one key's subschema was
+    dropped: a schema refused before (its keys overlap) was followed."""
+    keys = {"^a.$": {"type": "integer"}, "^a[^\\n\\r\\u2028\\u2029]$": {"type": "string"}}
+    schema = {"type": "object", "patternProperties": keys, "additionalProperties": False}
+    _, problem = compile_grammar(GrammarKind.JSON_SCHEMA, schema)
+    assert problem is not None and "disjoint" in problem, problem
+
+
+def test_a_schema_refused_as_rewritten_for_anything_but_its_size_is_refused() -> None:
+    """Followed as sent whatever the fault, every pattern in it lost ECMAScript's
+    meaning: keys of U+2028 were written where no key pattern takes them."""
+    keys = {"^\\s*(..){1,4}$": {}, "^\\S{2,7}\\d.{3}.{3}": {}}
+    schema = {"type": "object", "patternProperties": keys, "additionalProperties": False}
+    _, problem = compile_grammar(GrammarKind.JSON_SCHEMA, schema)
+    assert problem is not None, "followed, with Rust's meaning"
+
+
+def test_a_pattern_ending_in_a_lone_backslash_is_refused() -> None:
+    """llguidance dropped the backslash: ^a\\ was followed as ^a."""
+    _, problem = compile_grammar(GrammarKind.JSON_SCHEMA, {"pattern": "^a\\"})
+    assert problem == "pattern ^a\\: invalid regex at offset 2: incomplete escape sequence"
