@@ -86,18 +86,29 @@ def character_classes(pattern: str) -> Iterator[str]:
 
 
 def _class_end(pattern: str, start: int) -> int:
-    """Where the bracket expression that opens at ``start`` ends (past its `]`)."""
+    """Where the bracket expression that opens at ``start`` ends (past its `]`).
+    A ``[`` in it opens a nested class, unless it ends a range (``[!-[]``, as Rust
+    reads it: taken for a nested class, the class ran on past its end, and a
+    loose one in it went unseen)."""
     i, depth = _past_opening(pattern, start), 1
+    may_start_range = pattern[i - 1] == "]"  # its first item, a literal ]
+    ends_range = False  # a range's dash came last
     while i < len(pattern) and depth:
-        if pattern[i] == "\\":
-            i += 2
-        elif pattern.startswith("[:", i) and ":]" in pattern[i + 2 :]:
+        char = pattern[i]
+        if char == "[" and pattern.startswith("[:", i) and ":]" in pattern[i + 2 :]:
             i = pattern.index(":]", i + 2) + 2  # [:cntrl:], a POSIX class
-        elif pattern[i] == "[":
+            may_start_range = ends_range = False
+        elif char == "[" and not ends_range:
             i, depth = _past_opening(pattern, i), depth + 1
-        else:
-            depth -= pattern[i] == "]"
-            i += 1
+            may_start_range, ends_range = pattern[i - 1] == "]", False
+        elif char == "]":
+            i, depth = i + 1, depth - 1
+            may_start_range = ends_range = False
+        elif char == "-" and may_start_range and pattern[i + 1 : i + 2] not in ("]", ""):
+            i, may_start_range, ends_range = i + 1, False, True
+        else:  # a character, or an escaped one
+            i += 2 if char == "\\" else 1
+            may_start_range, ends_range = not ends_range, False
     return min(i, len(pattern))
 
 

@@ -43,6 +43,8 @@ CASES = [
     ("^[[:cntrl:]]$", '"\\""', True),
     ('^[^"[:cntrl:]]$', '"\\""', False),
     ("^[\\x00-\\x1f~~\\t]$", '"\\""', False),  # less tab: followed exactly
+    # a [ that ends a range opens no class: the class ends at the next ]
+    ('^(?:[^"\\\\!-[])$', '"\\""', True),
 ]
 
 
@@ -97,6 +99,7 @@ def test_the_refusal_is_a_400_that_says_what_to_write_instead() -> None:
 def test_character_classes_are_read_as_llguidance_reads_them() -> None:
     assert list(character_classes(r"\[x[a\]b]c[^\\]")) == [r"[a\]b]", r"[^\\]"]
     assert list(character_classes(r"[^]a]b[[^c]d]")) == [r"[^]a]", r"[[^c]d]"]
+    assert list(character_classes(r"([^!-[])x[a-z-[0-9]]")) == [r"[^!-[]", r"[a-z-[0-9]]"]
     assert list(character_classes(r"[^[:alpha:]x]\p{Lu}\pLz")) == [
         r"[^[:alpha:]x]",
         r"\p{Lu}",
