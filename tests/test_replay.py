@@ -8,6 +8,7 @@ from typing import cast
 
 import pytest
 
+from frontend import replay
 from frontend.inflight import InFlight
 from frontend.inflight_table import InFlightTable
 from frontend.replay import release
@@ -247,10 +248,13 @@ def test_the_choices_of_one_request_are_one_that_may_have_killed_the_worker() ->
 
 
 def test_a_worker_that_greets_again_and_again_is_logged_once_a_second(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A peer that re-sent its hello in a loop wrote 15,000 replay lines in 40 s;
     a death's replay is logged every time."""
+    # A throttle of this test's own, gone with it (a throttle left alive is
+    # flushed into whichever test flushes them all).
+    monkeypatch.setattr(replay, "_regreeted_lines", {})
     table = InFlightTable(10)
     (entry,) = table.add([GenerateRequest("r", "x", 4)], 1e9)
     table.waiting.clear()

@@ -63,7 +63,8 @@ def test_what_was_left_out_is_counted_at_exit(
             refused.warn("POST /generate: 503 shutting_down")
         throttled.flush_every_throttle()
         throttled.flush_every_throttle()  # counted once
-    assert [record.getMessage() for record in caplog.records] == [
+    # Its own lines: every throttle alive is flushed, other tests' too.
+    assert [r.getMessage() for r in caplog.records if r.name == logger.name] == [
         "POST /generate: 503 shutting_down",
         "5 more failed requests not logged",
     ]
