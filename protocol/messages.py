@@ -254,7 +254,11 @@ class Hello:
 
     def __post_init__(self) -> None:
         # Limits no worker has: taken, they made each request a client's fault
-        # ("more than the context window of 0 tokens holds", a 422).
+        # ("more than the context window of 0 tokens holds", a 422), or, with no
+        # slot or queue, left each request routed there waiting for its timeout.
+        for name in ("capacity", "max_queue_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.context_window < 1:
             raise ValueError(f"context_window must be at least 1, got {self.context_window}")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:

@@ -134,9 +134,9 @@ to_frontend = st.one_of(
         instance_id=texts,
         model=texts,
         is_random_weights=st.booleans(),
-        capacity=counts,
+        capacity=st.integers(min_value=1, max_value=2**31),
         context_window=st.integers(min_value=1, max_value=2**31),
-        max_queue_depth=counts,
+        max_queue_depth=st.integers(min_value=1, max_value=2**31),
         max_message_bytes=st.integers(min_value=MIN_MESSAGE_BYTES, max_value=2**31),
     ),
     st.builds(
@@ -487,6 +487,8 @@ def test_a_result_that_disagrees_with_itself_fails_its_request(
     ("fields", "problem"),
     [
         ({"context_window": 0}, "context_window must be at least 1, got 0"),
+        ({"capacity": 0}, "capacity must be at least 1, got 0"),
+        ({"max_queue_depth": 0}, "max_queue_depth must be at least 1, got 0"),
         ({"max_message_bytes": 1}, "max_message_bytes must be at least 262,144"),
     ],
 )
@@ -494,7 +496,8 @@ def test_a_hello_with_limits_no_worker_has_is_refused(
     fields: dict[str, object], problem: str
 ) -> None:
     """Taken, they made every request the client's fault: 'the request is 553
-    bytes on the wire, more than the worker accepts', a 422."""
+    bytes on the wire, more than the worker accepts', a 422; or, a worker with
+    no slot, held every request sent to it until its timeout."""
     payload = msgpack.unpackb(encode(stand_in_hello()))
     with pytest.raises(ProtocolError, match=problem):
         decode_to_frontend(msgpack.packb({**payload, **fields}))
