@@ -74,11 +74,12 @@ def flags_given(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str, 
 
 
 def _flags_set(cls: type[Any], args: argparse.Namespace) -> dict[str, str]:
-    return {
-        f.metadata["env"]: flag_of(f)
-        for f in dataclasses.fields(cls)
-        if getattr(args, f.name, None) is not None
-    }
+    return {f.metadata["env"]: flag_of(f) for f in _fields_given(cls, args)}
+
+
+def _fields_given(cls: type[Any], args: argparse.Namespace) -> list[dataclasses.Field[Any]]:
+    """``cls``'s settings that a flag in ``args`` sets."""
+    return [f for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None]
 
 
 def flag_of(f: dataclasses.Field[Any]) -> str:
@@ -224,11 +225,7 @@ def flag_settings(cls: type[Any], argv: Sequence[str] | None = None) -> dict[str
     """The variables that ``argv``'s flags set, as the environment would set them:
     for a process that passes its settings on to the processes it starts."""
     args = _parser(cls).parse_args(argv)
-    return {
-        f.metadata["env"]: getattr(args, f.name)
-        for f in dataclasses.fields(cls)
-        if getattr(args, f.name, None) is not None
-    }
+    return {f.metadata["env"]: getattr(args, f.name) for f in _fields_given(cls, args)}
 
 
 def unknown_flags(cls: type[Any], argv: Sequence[str] | None = None) -> list[str]:
