@@ -13,10 +13,9 @@ mean. (``\\d`` and ``\\w``, ASCII in both, llguidance already reads so.)
 from __future__ import annotations
 
 import copy
-import re
 from typing import Any
 
-from frontend.pattern_escapes import schema_patterns
+from frontend.pattern_escapes import ESCAPE, is_set_escape, schema_patterns
 from protocol.json_schema import subschemas
 
 # ECMAScript's WhiteSpace and LineTerminator: Unicode's White_Space with U+FEFF
@@ -24,14 +23,6 @@ from protocol.json_schema import subschemas
 # a grammar's size is bounded.
 _ESCAPES = {"\\s": "[\\s\\x{FEFF}--\\x{85}]", "\\S": "[^\\s\\x{FEFF}--\\x{85}]"}
 _ECMA_DOT = "[^\\n\\r\\u2028\\u2029]"
-# One escape, whole: a character written in hex (\x41, \u0041, \u{41}) or as a
-# control (\cJ), a property's class (\p{L}), or a backslash and the one
-# character after it.
-_ESCAPE = re.compile(
-    r"\\(?:[xuU]\{[^}]*\}|x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|c[A-Za-z]|[pP]\{[^}]*\}|.)", re.S
-)
-# Escapes that stand for a set of characters, which no range may end in.
-_CLASS_ESCAPES = frozenset({"\\d", "\\D", "\\w", "\\W", "\\s", "\\S"})
 
 
 def as_rust(pattern: str) -> str:
@@ -48,7 +39,7 @@ def as_rust(pattern: str) -> str:
     i = 0
     while i < len(pattern):
         char = pattern[i]
-        if (escape := _ESCAPE.match(pattern, i)) is not None:
+        if (escape := ESCAPE.match(pattern, i)) is not None:
             token = _character_escape(escape.group(), pattern[escape.end() : escape.end() + 1])
             i = escape.end()
             if not depth:
@@ -57,7 +48,7 @@ def as_rust(pattern: str) -> str:
             starts_range = pattern.startswith("-", i) and pattern[i + 1 : i + 2] not in ("]", "")
             is_kept = ends_range or starts_range
             out.append(token if is_kept else _ESCAPES.get(token, token))
-            is_set = token in _CLASS_ESCAPES or token[1] in "pP"
+            is_set = is_set_escape(token)
             may_start_range = not is_set and not ends_range
             ends_range = False
             continue

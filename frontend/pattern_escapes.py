@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +28,20 @@ from protocol.json_schema import subschemas
 # milliseconds, and a schema may hold thousands.
 MAX_CHARACTER_CLASSES = 64
 _QUOTE_AND_BACKSLASH = ('"', "\\")
+
+# One escape, whole: a character written in hex (\x41, \u0041, \u{41}) or as a
+# control (\cJ), a property's class (\p{L}), or a backslash and the one
+# character after it.
+ESCAPE = re.compile(
+    r"\\(?:[xuU]\{[^}]*\}|x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|c[A-Za-z]|[pP]\{[^}]*\}|.)", re.S
+)
+_CLASS_ESCAPES = frozenset({"\\d", "\\D", "\\w", "\\W", "\\s", "\\S"})
+
+
+def is_set_escape(escape: str) -> bool:
+    """Whether ``escape`` (one `ESCAPE` matched) stands for a set of characters,
+    which no range may end in: ``\\d``, ``\\s``, ``\\p{L}``, ``\\PL``."""
+    return escape in _CLASS_ESCAPES or escape[1] in "pP"
 
 
 def escaped_pattern_problem(schema: Any) -> str | None:
@@ -89,7 +104,8 @@ def _class_end(pattern: str, start: int) -> int:
     """Where the bracket expression that opens at ``start`` ends (past its `]`).
     A ``[`` in it opens a nested class, unless it ends a range (``[!-[]``, as Rust
     reads it: taken for a nested class, the class ran on past its end, and a
-    loose one in it went unseen)."""
+    loose one in it went unseen). An escape is one item: read as ``\\x`` and two
+    characters, ``[A-\\x7a-[^"]]`` had its nested class taken for a range's end."""
     i, depth = _past_opening(pattern, start), 1
     may_start_range = pattern[i - 1] == "]"  # its first item, a literal ]
     ends_range = False  # a range's dash came last
@@ -106,9 +122,11 @@ def _class_end(pattern: str, start: int) -> int:
             may_start_range = ends_range = False
         elif char == "-" and may_start_range and pattern[i + 1 : i + 2] not in ("]", ""):
             i, may_start_range, ends_range = i + 1, False, True
-        else:  # a character, or an escaped one
-            i += 2 if char == "\\" else 1
-            may_start_range, ends_range = not ends_range, False
+        else:  # a character, or an escape read whole (\x7a, not \x then 7a)
+            escape = ESCAPE.match(pattern, i) if char == "\\" else None
+            i = escape.end() if escape else i + 1
+            is_set = escape is not None and is_set_escape(escape.group())
+            may_start_range, ends_range = not ends_range and not is_set, False
     return min(i, len(pattern))
 
 

@@ -45,6 +45,10 @@ CASES = [
     ("^[\\x00-\\x1f~~\\t]$", '"\\""', False),  # less tab: followed exactly
     # a [ that ends a range opens no class: the class ends at the next ]
     ('^(?:[^"\\\\!-[])$', '"\\""', True),
+    # an escape is one item, whatever its length: z as \x7a ends the range A-z
+    ('^[A-\\x7a-[^"]]$', '"\\""', True),
+    ('^[A-\\u007a-[^"]]$', '"\\""', True),
+    ('^[A-\\x{7a}-[^"]]$', '"\\""', True),
 ]
 
 
