@@ -302,8 +302,9 @@ def _lone_backslash_problem(schema: Any) -> str | None:
     it does a regex's: ``^a\\`` was followed as ``^a``."""
     for _, _, pattern in schema_patterns(schema):
         if _ends_in_lone_backslash(pattern):
+            at = len(pattern) - 1
             return (
-                f"pattern {_shown(pattern)}: invalid regex at offset {len(pattern) - 1}: "
+                f"pattern {_shown(pattern, at)}: invalid regex at offset {at}: "
                 "incomplete escape sequence"
             )
     return None
@@ -521,7 +522,7 @@ def _regex_problem(message: str, written: list[str]) -> tuple[str, str] | None:
         quoted, carets, error = found.groups()
         regex = next((r for r in written if _as_quoted(r) == quoted), _unquoted(quoted))
         offset = _offset_in(regex, len(carets))
-        shown = _shown(regex)
+        shown = _shown(regex, offset)
         if "not supported" in error:  # regex-syntax's words for what it parses and refuses
             return shown, f"{_CANNOT_FOLLOW}{error} (at offset {offset})"
         # ECMAScript's, which regex-syntax does not know: a schema's patterns are its.
@@ -561,9 +562,19 @@ def _unquoted(quoted: str) -> str:
     return quoted.replace(_QUOTED_SLASH, "/")
 
 
-def _shown(regex: str) -> str:
-    """The client's regex for a message: its newlines, tabs and returns escaped."""
-    return "".join(_QUOTED_CHARS[c] if c in "\n\t\r" else c for c in regex)
+# Of a client's regex quoted in a message, at most: a 30,000-character pattern was
+# quoted whole, to the client and to the log.
+_SHOWN_CHARS = 120
+
+
+def _shown(regex: str, at: int = 0) -> str:
+    """The client's regex for a message: its newlines, tabs and returns escaped;
+    a long one cut to the characters around offset ``at`` (its fault), with
+    "..." where it was cut."""
+    start = max(0, min(at - _SHOWN_CHARS // 2, len(regex) - _SHOWN_CHARS))
+    part = regex[start : start + _SHOWN_CHARS]
+    shown = "".join(_QUOTED_CHARS[c] if c in "\n\t\r" else c for c in part)
+    return ("..." if start else "") + shown + ("..." if start + len(part) < len(regex) else "")
 
 
 def _as_quoted(regex: str) -> str:

@@ -7,11 +7,20 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from protocol import GenerateRequest, Heartbeat, Ping, encode
+from protocol import (
+    ErrorCode,
+    ErrorResult,
+    GenerateRequest,
+    Heartbeat,
+    Ping,
+    decode_to_frontend,
+    encode,
+)
 from protocol.request_checks import RequestLimits
 from tests.fake_clock import FakeClock
 from tests.stand_in_worker import stand_in_hello
-from worker.serve.peers import MIN_PING_ANSWER_S, SETTLED_S, Peers
+from worker.serve.outputs import send_outputs
+from worker.serve.peers import MAX_ERROR_CHARS, MIN_PING_ANSWER_S, SETTLED_S, Peers, route_for
 
 
 class _Router:
@@ -111,3 +120,25 @@ def test_a_flood_of_pings_is_answered_once_in_a_while_and_none_is_left_unanswere
     assert peers.pings_due() == []  # the last ones wait their turn
     clock.now += MIN_PING_ANSWER_S
     assert peers.pings_due() == [b"flood"]
+
+
+class _Push:
+    """Stands in for the engine thread's PUSH socket: records each message's frames."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        self.sent.append(frames)
+
+
+def test_an_error_from_the_engine_thread_is_cut_as_the_io_threads_own_are() -> None:
+    """An exception's text (a failed admission, a chat template's error) went out
+    as built: 6,133 characters where every other refusal is cut at 512."""
+    push = _Push()
+    route = route_for(b"peer", "r1")
+    send_outputs(push, [ErrorResult(route, ErrorCode.INTERNAL, "x" * 6000)])  # type: ignore[arg-type]
+    [(_, _, payload)] = push.sent
+    sent = decode_to_frontend(payload)
+    assert isinstance(sent, ErrorResult) and sent.request_id == "r1"
+    assert len(sent.message) == MAX_ERROR_CHARS and sent.message.endswith("...")

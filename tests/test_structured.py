@@ -527,6 +527,26 @@ def test_a_regex_fault_is_told_in_the_regex_terms_not_the_rule_it_was_wrapped_in
 
 
 @pytest.mark.parametrize(
+    ("pattern", "shown"),
+    [
+        ("^" + "a" * 30_000 + "[z-a]", "pattern ...aaa[z-a]: invalid regex at offset 30002"),
+        ("^" + "a" * 30_000 + "\\", "pattern ...aaa\\: invalid regex at offset 30001"),
+        ("^[z-a]" + "a" * 30_000, "pattern ^[z-a]aaa"),
+        ("(?=a)" + "a" * 30_000, "pattern (?=a)aaa"),
+    ],
+)
+def test_a_long_patterns_fault_is_quoted_around_the_fault_not_whole(
+    pattern: str, shown: str
+) -> None:
+    """A 30,000-character pattern was quoted whole, to the client and to the log."""
+    _, problem = compile_grammar(GrammarKind.JSON_SCHEMA, {"type": "string", "pattern": pattern})
+    assert problem is not None
+    assert len(problem) < 300, f"{len(problem):,} characters"
+    start, end = shown.split("aaa")
+    assert problem.startswith(start) and end in problem, problem
+
+
+@pytest.mark.parametrize(
     ("schema", "where"),
     [
         ({"enum": ["a", PAST_DOUBLES]}, "enum[1]"),

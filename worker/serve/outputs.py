@@ -10,7 +10,8 @@ import dataclasses
 import zmq
 
 from protocol import ErrorCode, ErrorResult, GenerateResult, RequestNews, encode
-from worker.serve.peers import Peers, sender_request_id
+from protocol.wire import shorten
+from worker.serve.peers import MAX_ERROR_CHARS, Peers, sender_request_id
 
 # How long a stopping worker's last messages (its hand-backs) may wait to be
 # delivered before its sockets close.
@@ -27,6 +28,8 @@ def send_outputs(push: zmq.Socket[bytes], messages: list[RequestNews]) -> None:
         route = message.request_id
         final = isinstance(message, (GenerateResult, ErrorResult))
         reply = dataclasses.replace(message, request_id=sender_request_id(route))
+        if isinstance(reply, ErrorResult):  # a template's or an exception's, of any size
+            reply = dataclasses.replace(reply, message=shorten(reply.message, MAX_ERROR_CHARS))
         push.send_multipart([route.encode(), _FINAL if final else _PARTIAL, encode(reply)])
 
 

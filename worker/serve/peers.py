@@ -40,7 +40,8 @@ MAX_QUEUED_PER_PEER = 2048
 SETTLED_S = 5.0
 # A peer's pings are answered with a heartbeat at most this often (`pings_due`).
 MIN_PING_ANSWER_S = 0.05
-_MAX_ERROR_CHARS = 512
+# Of an error message sent to a peer, from this thread or the engine's.
+MAX_ERROR_CHARS = 512
 
 
 def route_for(peer: bytes, request_id: str) -> str:
@@ -245,6 +246,6 @@ class Peers:
         self._orphans.extend(orphans)
 
     def _answer(self, peer: bytes, request_id: str, code: str, message: str) -> None:
-        message = shorten(message, _MAX_ERROR_CHARS)
+        message = shorten(message, MAX_ERROR_CHARS)
         self._refused.warn(f"request {request_id:.64} from peer {peer.hex()} refused: {message}")
         self._deliver(peer, encode(ErrorResult(request_id, code, message)))
