@@ -29,11 +29,13 @@ from httpx_sse import EventSource
 from bench.report import RESULTS, latency_stats, write_json
 from bench.stack import running_stack, stack_env
 from bench.zmq_load import client_keys
-from protocol import GenerateRequest, GenerateResult, decode_to_frontend, encode
+from protocol import ErrorResult, GenerateRequest, GenerateResult, decode_to_frontend, encode
 from protocol.curve import ClientKeys
 from protocol.peer import ping, wait_for_hello, worker_socket
 
 PROMPT = "The path from a client to the worker and back " * 4
+# How long a request over ZMQ may go without a word from the worker.
+ZMQ_SILENCE_MS = 30_000
 
 
 def http_overhead_ms(client: httpx.Client, url: str, max_new_tokens: int) -> float:
@@ -53,7 +55,11 @@ def zmq_overhead_ms(socket: zmq.Socket[bytes], max_new_tokens: int) -> float:
     started = time.perf_counter()
     socket.send(encode(request))
     while True:
+        if not socket.poll(ZMQ_SILENCE_MS):
+            raise RuntimeError(f"the worker said nothing for {ZMQ_SILENCE_MS / 1e3:g} s")
         message = decode_to_frontend(socket.recv())
+        if isinstance(message, ErrorResult) and message.request_id == request_id:
+            raise RuntimeError(f"the worker refused a request: {message.message}")
         if isinstance(message, GenerateResult) and message.request_id == request_id:
             break
     ended = time.perf_counter()

@@ -24,6 +24,7 @@ from protocol import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
+    Heartbeat,
     Hello,
     Ping,
     TokenDelta,
@@ -31,6 +32,7 @@ from protocol import (
     encode,
 )
 from protocol.curve import ClientKeys
+from protocol.liveness import Liveness, WorkerState
 from protocol.peer import worker_socket
 
 PING_INTERVAL_S = 1.0
@@ -38,6 +40,12 @@ PING_INTERVAL_S = 1.0
 # which it does only on first contact (it was replaced, or it timed this client
 # out). Unlike the frontend, this client does not replay it elsewhere.
 LOST = "lost_by_worker"
+# A worker silent this long is dead, one whose steps stand still this long with
+# work pending is hung, and this client's requests there end with that status
+# ("dead", "hung"): without it, a load run waited for ever on a worker killed and
+# not replaced. Longer than the frontend's defaults: a benchmark loads the machine.
+WORKER_SILENT_S = 10.0
+STEP_TIMEOUT_S = 60.0
 
 
 class ZmqTarget:
@@ -56,6 +64,7 @@ class ZmqTarget:
         self.hello: Hello | None = None
         self._context = zmq.asyncio.Context()
         self._waiting: dict[str, tuple[RequestRecord, asyncio.Future[None]]] = {}
+        self._liveness = Liveness(WORKER_SILENT_S, STEP_TIMEOUT_S)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> ZmqTarget:
@@ -102,6 +111,10 @@ class ZmqTarget:
         while True:
             await self._socket.send(frame)
             await asyncio.sleep(PING_INTERVAL_S)
+            verdict = self._liveness.verdict()
+            if self._waiting and verdict.state in (WorkerState.DEAD, WorkerState.HUNG):
+                print(f"{verdict.reason}: its {len(self._waiting)} requests fail")
+                self._end_waiting(verdict.state.value, time.perf_counter())
 
     async def _receive_loop(self, hello_seen: asyncio.Future[None]) -> None:
         while True:
@@ -109,11 +122,15 @@ class ZmqTarget:
             now = time.perf_counter()
             if isinstance(message, Hello):
                 if self.hello is not None:
-                    self._lose_waiting(now)
+                    self._end_waiting(LOST, now)
                 self.hello = message
+                self._liveness.on_hello(message)
                 if not hello_seen.done():
                     hello_seen.set_result(None)
                 continue
+            if isinstance(message, Heartbeat):
+                self._liveness.on_heartbeat(message)
+            self._liveness.on_frames_waiting()  # it spoke
             if not isinstance(message, (TokenDelta, GenerateResult, ErrorResult)):
                 continue  # heartbeats, and which requests wait in the queue
             waiting = self._waiting.get(message.request_id)
@@ -135,9 +152,9 @@ class ZmqTarget:
             del self._waiting[message.request_id]
             done.set_result(None)
 
-    def _lose_waiting(self, now: float) -> None:
+    def _end_waiting(self, status: str, now: float) -> None:
         for record, done in self._waiting.values():
-            record.status = LOST
+            record.status = status
             record.ended_at = now
             done.set_result(None)
         self._waiting.clear()

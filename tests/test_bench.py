@@ -17,7 +17,7 @@ import httpx
 import pytest
 import zmq
 
-from bench import fault_drill, load, path_latency, zmq_load
+from bench import fault_drill, load, path_latency, zmq_client, zmq_load
 from bench import stack as bench_stack
 from bench.http_client import NATIVE, OPENAI, HttpTarget
 from bench.report import (
@@ -31,8 +31,9 @@ from bench.report import (
 )
 from bench.stack import free_port
 from bench.zmq_client import LOST, ZmqTarget
-from protocol import GenerateRequest
+from protocol import ErrorCode, ErrorResult, GenerateRequest, ToFrontend
 from tests.stack import Stack, running_stack
+from tests.stand_in_worker import StandInWorker
 from worker.launch.warm_start import WORKER_TITLE
 
 
@@ -180,6 +181,38 @@ def test_the_zmq_client_ends_what_a_replaced_worker_held_as_lost(tmp_path: Path)
         stack.wait_live()
         records = asyncio.run(run(stack))
     assert [record.status for record in records] == [LOST] * 3
+
+
+def test_the_zmq_client_ends_what_a_silent_worker_held_as_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker killed and not replaced: a load run waited for its requests for ever."""
+    monkeypatch.setattr(zmq_client, "WORKER_SILENT_S", 0.5)
+    monkeypatch.setattr(zmq_client, "PING_INTERVAL_S", 0.1)
+
+    async def run(worker: StandInWorker) -> RequestRecord:
+        async with ZmqTarget(worker.endpoint) as target:
+            sent = asyncio.create_task(target.send(GenerateRequest("held", "hold", 8)))
+            await asyncio.to_thread(worker.wait_for, lambda: bool(worker.received), "sent")
+            await asyncio.to_thread(worker.__exit__)  # its heartbeats stop
+            return await asyncio.wait_for(sent, timeout=10)
+
+    with StandInWorker(lambda _: [], capacity=1) as worker:  # it never answers
+        record = asyncio.run(run(worker))
+    assert record.status == "dead"
+
+
+def test_path_latency_reports_a_refused_request_rather_than_waiting_for_ever() -> None:
+    def refuse(request: GenerateRequest) -> list[ToFrontend | bytes]:
+        return [ErrorResult(request.request_id, ErrorCode.INVALID_REQUEST, "too long")]
+
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with StandInWorker(refuse, capacity=1) as worker:
+        socket = path_latency.connect_worker(context, worker.endpoint, None)
+        with pytest.raises(RuntimeError, match="the worker refused a request: too long"):
+            path_latency.zmq_overhead_ms(socket, max_new_tokens=5)
+        socket.close()
+    context.term()
 
 
 def test_http_client_reports_a_refused_request_by_status(tmp_path: Path) -> None:
