@@ -134,7 +134,8 @@ def _read_usage(record: RequestRecord, usage: dict[str, Any]) -> None:
 
 
 def _server_s(answer: dict[str, Any]) -> float | None:
-    """The worker's own time for a native answer; OpenAI answers do not say."""
+    """The server's time for a native answer (its wait for a slot and its
+    generation); OpenAI answers do not say."""
     metrics = answer.get("metrics")
     if not metrics:
         return None

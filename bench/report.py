@@ -35,9 +35,10 @@ class RequestRecord:
 
     ``status`` is ``OK`` for success, else the HTTP status or the worker's error
     code. ``chunk_times`` are arrival times of the chunks that carried tokens,
-    empty when the request was not streamed. ``server_s`` is the time the worker
-    itself reports for the request (queue wait + generation), when it does: the
-    rest of the client's end-to-end time was spent on the way in and out.
+    empty when the request was not streamed. ``server_s`` is the time the server
+    reports for the request (its wait for a slot, in the frontend's line and the
+    worker's queue, and its generation), when it does: the rest of the client's
+    end-to-end time was spent on the way in and out.
     ``num_prompt_tokens`` is the prompt's length as the server counted it, when
     its answer says."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,8 @@ class InFlight:
     streamed_logprobs: list[Logprobs] = field(default_factory=list)
     streamed_prompt_logprobs: Logprobs | None = None
     prompt_tokens: int = 0  # as its worker counted them; 0 until a delta says
+    accepted_at: float = field(default_factory=time.monotonic)
+    sent_at: float = 0.0  # when its current attempt was sent
 
     @property
     def request_id(self) -> str:
@@ -93,6 +96,7 @@ class InFlight:
         make progress, and where a replay must resume."""
         self.attempt += 1
         self.is_running = self.is_waiting = False
+        self.sent_at = time.monotonic()
         return dataclasses.replace(
             self.request,
             request_id=self.wire_id,
@@ -100,6 +104,14 @@ class InFlight:
             resume_text_len=len(self.streamed_text),
             stream=True,
         )
+
+    def with_whole_wait(self, result: GenerateResult) -> GenerateResult:
+        """``result`` with its queue wait counted from acceptance: the frontend
+        holds a request until a worker has a slot for it, so the worker's own
+        queue saw 50 ms of a 4 s wait. After a replay, it counts to the attempt
+        that answered."""
+        held_ms = (self.sent_at - self.accepted_at) * 1000
+        return dataclasses.replace(result, queue_wait_ms=result.queue_wait_ms + held_ms)
 
     @property
     def has_never_run(self) -> bool:

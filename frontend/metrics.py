@@ -75,7 +75,7 @@ class Metrics:
         )
         self.queue_time = Histogram(
             "minibatch_request_queue_time_seconds",
-            "Time a request waited in the worker's queue for a slot",
+            "Time a request waited for a slot, in the frontend's line and the worker's queue",
             buckets=_TTFT_BUCKETS_S,
             registry=registry,
         )

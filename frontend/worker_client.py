@@ -33,6 +33,7 @@ from protocol import (
     ErrorCode,
     ErrorResult,
     GenerateRequest,
+    GenerateResult,
     Hello,
     Ping,
     TokenDelta,
@@ -199,6 +200,8 @@ class WorkerClient:
             self._dispatch()
         else:
             link.on_done()
+            if isinstance(message, GenerateResult):
+                message = entry.with_whole_wait(message)
             self._table.resolve(entry, message)
             self._dispatch()
 

@@ -59,6 +59,29 @@ def test_requests_tokens_and_latencies_are_counted(stack: Stack) -> None:
     assert grew("minibatch_e2e_request_latency_seconds_sum") > 0
 
 
+def test_the_queue_wait_counts_the_wait_in_the_frontends_line(stack: Stack) -> None:
+    """The frontend holds a request until a slot is free: one that waited there
+    for 30 steps was reported to have waited one, in the worker's queue."""
+    before = scrape(stack.url)
+    body = {"prompt": "abc", "max_new_tokens": 30, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(3 * CAPACITY) as pool:
+        sent = [
+            pool.submit(httpx.post, f"{stack.url}/generate", json=body, timeout=30)
+            for _ in range(3 * CAPACITY)
+        ]
+        answers = [future.result().json() for future in sent]
+    after = scrape(stack.url)
+    metrics = [answer["metrics"] for answer in answers]
+    # The last waited for two rounds of 30 steps of 10 ms (in the worker's queue,
+    # a step at most).
+    assert max(m["queue_wait_ms"] for m in metrics) > 300, metrics
+    waits_ms = [m["queue_wait_ms"] for m in metrics]
+    grew = value(after, "minibatch_request_queue_time_seconds_sum") - value(
+        before, "minibatch_request_queue_time_seconds_sum"
+    )
+    assert grew == pytest.approx(sum(waits_ms) / 1000, abs=0.01)
+
+
 def test_a_tokenizer_call_counts_as_a_request_and_in_no_token_metric(stack: Stack) -> None:
     before = scrape(stack.url)
     calls = [
