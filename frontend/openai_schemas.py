@@ -47,6 +47,7 @@ from protocol.limits import (
     MAX_TOKEN_ID,
     MAX_TOP_K,
 )
+from protocol.request_checks import CONTINUE_WITHOUT_GENERATION_PROMPT
 
 Penalty = Annotated[float, Field(ge=-MAX_PRESENCE_PENALTY, le=MAX_PRESENCE_PENALTY)]
 
@@ -423,8 +424,7 @@ class ChatBody(OpenAIBody):
         message and start a turn of its own."""
         if value and info.data.get("add_generation_prompt") is not False:
             raise PydanticCustomError(
-                "continue_needs_no_generation_prompt",
-                "set add_generation_prompt to false to use it",
+                "continue_needs_no_generation_prompt", CONTINUE_WITHOUT_GENERATION_PROMPT
             )
         return value
 

@@ -170,8 +170,8 @@ def request_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[st
 
 # vLLM's rule: the reply goes on the last message, or starts a turn of its own.
 CONTINUE_WITHOUT_GENERATION_PROMPT = (
-    "continue_final_message: the output goes on the last message, so it cannot start a "
-    "new turn too; set add_generation_prompt to false"
+    "the output goes on the last message, so it cannot start a new turn too; set "
+    "add_generation_prompt to false"
 )
 
 
@@ -210,7 +210,7 @@ def _chat_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[str,
     if request.prompt or request.prompt_token_ids is not None:
         return invalid, "prompt: a chat request carries its messages, not a prompt"
     if request.continue_final_message and request.add_generation_prompt:
-        return invalid, CONTINUE_WITHOUT_GENERATION_PROMPT
+        return invalid, f"continue_final_message: {CONTINUE_WITHOUT_GENERATION_PROMPT}"
     for i, role in enumerate(roles):
         if role not in CHAT_ROLES:
             roles_allowed = ", ".join(CHAT_ROLES)

@@ -324,9 +324,14 @@ def test_the_reply_can_continue_the_final_message(client: openai.OpenAI, stack: 
     assert tokenized.json()["tokens"] == [ord(c) for c in prompt]
     # It cannot also start a turn of its own (vLLM's rule), nor go with a prompt.
     both = {"model": "fake", "messages": opened, "continue_final_message": True}
-    refused = httpx.post(f"{stack.url}/v1/chat/completions", json=both, timeout=10)
-    assert refused.status_code == 422
-    assert refused.json()["error"]["param"] == "continue_final_message"
+    for path in ("/v1/chat/completions", "/tokenize"):  # in the same words on both
+        refused = httpx.post(f"{stack.url}{path}", json=both, timeout=10)
+        assert refused.status_code == 422
+        assert refused.json()["error"]["param"] == "continue_final_message"
+        assert refused.json()["error"]["message"] == (
+            "continue_final_message: the output goes on the last message, so it cannot start "
+            "a new turn too; set add_generation_prompt to false"
+        )
     not_chat = {"prompt": "hi", "continue_final_message": True}
     refused = httpx.post(f"{stack.url}/tokenize", json=not_chat, timeout=10)
     assert refused.status_code == 422
