@@ -73,7 +73,8 @@ class RequestLimits:
         if num_chars > self.max_prompt_chars:
             return ErrorCode.CONTEXT_OVERFLOW, (
                 f"{field}: {num_chars:,} characters, more tokens than the context window "
-                f"({window:,} tokens of at most {self.max_token_chars} characters) holds; "
+                f"({window:,} tokens of at most {_counted(self.max_token_chars, 'character')}) "
+                "holds; "
                 "shorten it"
             )
         if not self.max_token_bytes or num_chars * 4 <= window * self.max_token_bytes:
@@ -82,10 +83,16 @@ class RequestLimits:
         if num_bytes > window * self.max_token_bytes:
             return ErrorCode.CONTEXT_OVERFLOW, (
                 f"{field}: {num_bytes:,} bytes of UTF-8, more tokens than the context "
-                f"window ({window:,} tokens of at most {self.max_token_bytes} bytes) holds; "
+                f"window ({window:,} tokens of at most {_counted(self.max_token_bytes, 'byte')}) "
+                "holds; "
                 "shorten it"
             )
         return None
+
+
+def _counted(number: int, unit: str) -> str:
+    """``number`` ``unit``s, one of them in the singular: 1 character, 128 characters."""
+    return f"{number:,} {unit}{'' if number == 1 else 's'}"
 
 
 def limits_of(hello: Hello) -> RequestLimits | None:

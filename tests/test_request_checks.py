@@ -306,3 +306,18 @@ def test_gpt2s_tokens_cover_at_most_128_bytes_of_a_prompt() -> None:
     assert tokenizer.max_token_bytes == 128
     longest = max(len(tokenizer.token_bytes(i)) for i in range(50257))
     assert longest <= tokenizer.max_token_bytes
+
+
+def test_a_prompt_too_long_for_any_tokenizing_says_the_limit_in_good_english() -> None:
+    """It said "1,024 tokens of at most 1 characters"."""
+    one = RequestLimits(vocab_size=256, context_window=1024, max_token_chars=1, max_token_bytes=1)
+    assert one.prompt_overflow("prompt", ["a" * 4000]) == (
+        ErrorCode.CONTEXT_OVERFLOW,
+        "prompt: 4,000 characters, more tokens than the context window (1,024 tokens of at "
+        "most 1 character) holds; shorten it",
+    )
+    assert one.prompt_overflow("prompt", ["é" * 1000]) == (
+        ErrorCode.CONTEXT_OVERFLOW,
+        "prompt: 2,000 bytes of UTF-8, more tokens than the context window (1,024 tokens of "
+        "at most 1 byte) holds; shorten it",
+    )
