@@ -88,7 +88,8 @@ def log_access(config: FrontendConfig) -> None:
         log.info("API_KEY is set: every path but %s needs 'Authorization: Bearer'", open_paths)
     elif _is_every_address(config.host):  # a container's too: compose publishes its own
         log.info(
-            "no API_KEY: anyone who reaches port %d on any address here (HOST=%s) may use the API",
+            "no API_KEY: anyone who reaches port %d on any address here (HOST=%s; in a "
+            "container, wherever its published port leads) may use the API",
             config.port,
             config.host,
         )
