@@ -17,7 +17,7 @@ import difflib
 import functools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -40,11 +40,34 @@ if TYPE_CHECKING:
 
 # JSON as json.dumps writes it, with no other whitespace: a model, above all one
 # with random weights, could otherwise pad it without end. A schema's own
-# "x-guidance" options override these (llguidance's JSON options).
+# "x-guidance" options override these (llguidance's JSON options), those of
+# _GUIDANCE_OPTIONS alone.
 JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
+}
+# The "x-guidance" options under which llguidance still writes JSON that its
+# schema takes, each with what its value must be. The others let it write what
+# the schema refuses (lenient: a keyword it lacks is ignored; coerce_one_of: a
+# oneOf followed as anyOf), or no JSON at all (whitespace_pattern "[a-z]{0,3}"
+# wrote '{toc"a"ans: sol1vyf}', and so did separators such as " = ").
+_JSON_WHITESPACE = " \t\n\r"
+_GUIDANCE_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "whitespace_flexible": (lambda v: isinstance(v, bool), "true or false"),
+    "key_separator": (
+        lambda v: isinstance(v, str) and v.strip(_JSON_WHITESPACE) == ":",
+        'a ":" with JSON whitespace around it at most',
+    ),
+    "item_separator": (
+        lambda v: isinstance(v, str) and v.strip(_JSON_WHITESPACE) == ",",
+        'a "," with JSON whitespace around it at most',
+    ),
+    "json_allowed_escapes": (
+        lambda v: isinstance(v, str) and set(v) <= set('"\\/bfnrtu'),
+        "some of the letters of JSON's escapes, " + '"\\/bfnrtu',
+    ),
+    "json_allow_general_unicode_escapes": (lambda v: isinstance(v, bool), "true or false"),
 }
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's one other type: a valid request this server cannot follow (400, where a
@@ -246,7 +269,11 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
     if len(text) > MAX_GRAMMAR_CHARS:
         return "", f"{len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,}"
     schema = _as_schema(value) if kind in JSON_KINDS else None
-    problem = _numbers_problem(schema) if kind in JSON_KINDS else None
+    problem = (
+        _guidance_options_problem(schema) or _numbers_problem(schema)
+        if kind in JSON_KINDS
+        else None
+    )
     if problem is not None:
         return "", problem
     if kind == GrammarKind.REGEX and _ends_in_lone_backslash(text):
@@ -306,6 +333,32 @@ def _lone_backslash_problem(schema: Any) -> str | None:
             return (
                 f"pattern {_shown(pattern, at)}: invalid regex at offset {at}: "
                 "incomplete escape sequence"
+            )
+    return None
+
+
+def _guidance_options_problem(schema: Any) -> str | None:
+    """An "x-guidance" option of ``schema`` under which llguidance would not
+    write the JSON the schema takes (see _GUIDANCE_OPTIONS)."""
+    options = schema.get("x-guidance") if isinstance(schema, dict) else None
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        return (
+            f"x-guidance: must be an object of llguidance's JSON options, got {_preview(options)}"
+        )
+    for name, option in options.items():
+        if name not in _GUIDANCE_OPTIONS:
+            return (
+                f"Unimplemented: x-guidance.{name} is not followed here: the output must be JSON "
+                f"that the schema takes; leave it out (the options taken are "
+                f"{', '.join(_GUIDANCE_OPTIONS)})"
+            )
+        is_taken, what = _GUIDANCE_OPTIONS[name]
+        if not is_taken(option):
+            return (
+                f"Unimplemented: x-guidance.{name} must be {what}, so that the output is JSON; "
+                f"got {_preview(option)}"
             )
     return None
 

@@ -527,6 +527,38 @@ def test_a_regex_fault_is_told_in_the_regex_terms_not_the_rule_it_was_wrapped_in
 
 
 @pytest.mark.parametrize(
+    ("options", "problem"),
+    [
+        # Each wrote text that is no JSON, or JSON that the schema refuses, and said "stop".
+        ({"key_separator": " = "}, 'x-guidance.key_separator must be a ":" with JSON whitespace'),
+        ({"item_separator": "; "}, "x-guidance.item_separator must be a"),
+        ({"whitespace_pattern": "[a-z]{0,3}"}, "x-guidance.whitespace_pattern is not followed"),
+        ({"lenient": True}, "x-guidance.lenient is not followed here"),
+        ({"coerce_one_of": True}, "x-guidance.coerce_one_of is not followed here"),
+        ({"json_allowed_escapes": "nq"}, "x-guidance.json_allowed_escapes must be some of"),
+    ],
+)
+def test_guidance_options_that_give_up_json_or_the_schema_are_refused(
+    options: dict[str, Any], problem: str
+) -> None:
+    schema = {"type": "array", "uniqueItems": True, "x-guidance": options}
+    for fields in (
+        ({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}, None),
+        (None, {"json": json.dumps(schema)}),
+    ):
+        with pytest.raises(ApiError) as caught:
+            _grammar(*fields)
+        assert (caught.value.status, caught.value.code) == (400, "unsupported")
+        assert problem in caught.value.message, caught.value.message
+
+
+def test_guidance_options_that_keep_json_are_followed() -> None:
+    options = {"whitespace_flexible": True, "key_separator": " : ", "item_separator": ",\n"}
+    schema = {"type": "object", "x-guidance": options}
+    assert _grammar(structured_outputs={"json": json.dumps(schema)}).kind == "json"
+
+
+@pytest.mark.parametrize(
     ("pattern", "shown"),
     [
         ("^" + "a" * 30_000 + "[z-a]", "pattern ...aaa[z-a]: invalid regex at offset 30002"),
