@@ -4,7 +4,7 @@
 
 The LM head (50257 x 768, the largest product of a decode step) at each of
 --rows, in every stored format, for every kernel build this CPU runs
-(`worker.model.kernels.runnable_isas`), and through oneDNN on the float32 copy the
+(`worker.model.cpu_isa.runnable_isas`), and through oneDNN on the float32 copy the
 engine packs for it. Each time is the fastest of --repeats calls, taking turns,
 and is set against the time to read that format's weight once at this machine's
 read bandwidth, measured in the same run (``bench.ceiling.read_bandwidth``): a
@@ -29,7 +29,8 @@ import torch
 
 from bench.ceiling import read_bandwidth
 from bench.report import RESULTS, write_json
-from worker.model.kernels import Kernels, load_kernels, runnable_isas
+from worker.model.cpu_isa import runnable_isas
+from worker.model.kernels import Kernels, load_kernels
 from worker.model.precision import WEIGHT_FORMATS
 from worker.model.projection import PACKED_FOR_ROWS, quantize_int8
 

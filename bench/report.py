@@ -159,7 +159,7 @@ def machine() -> dict[str, object]:
         import torch  # the load clients run without torch; only the engine needs it
     except ImportError:
         return described
-    from worker.model.kernels import chosen_isa, cpu_summary
+    from worker.model.cpu_isa import chosen_isa, cpu_summary
 
     described["torch"] = torch.__version__
     described["torch_threads"] = torch.get_num_threads()

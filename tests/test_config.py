@@ -14,6 +14,7 @@ import pytest
 from frontend.config import FrontendConfig
 from frontend.main import check_can_listen
 from protocol import GenerateRequest, Hello, encode, variables
+from protocol.exit_codes import ExitCode
 from protocol.limits import (
     MAX_CHAT_MESSAGES,
     MAX_GRAMMAR_CHARS,
@@ -28,7 +29,7 @@ from protocol.settings import ConfigError, flag_settings, load
 from protocol.wire import MAX_REQUEST_ID_CHARS
 from tests.stack import free_port
 from worker.launch.config import SupervisorConfig
-from worker.launch.preflight import check_worker_timing
+from worker.launch.preflight import check_cpu_settings, check_worker_timing
 from worker.launch.supervisor import Supervisor
 from worker.serve.config import MIN_MESSAGE_BYTES, WorkerConfig
 
@@ -450,6 +451,33 @@ def test_the_supervisor_refuses_timing_that_would_declare_live_workers_dead(
     else:
         with pytest.raises(ConfigError, match=problem):
             check_worker_timing(config, env)
+
+
+def test_the_supervisor_refuses_a_kernel_isa_before_it_starts_anything() -> None:
+    """The worker refused it, but 10 to 16 s after the frontend had come up."""
+    started = time.monotonic()
+    refused = subprocess.run(
+        [str(Path(sys.executable).with_name("minibatch-serve"))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PORT": str(free_port()), "MODEL_ID": "synthetic", "KERNEL_ISA": "avx9"},
+    )
+    assert refused.returncode == ExitCode.CONFIG_ERROR, refused.stderr
+    assert "KERNEL_ISA=avx9 is not one of avx512_vnni" in refused.stderr
+    assert "Uvicorn running" not in refused.stderr and time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"KERNEL_ISA": "avx9", "MODEL_ID": "fake"},  # the fake engine has no kernels
+        {"KERNEL_ISA": "avx9", "DEVICE": "cuda"},
+        {"ATEN_CPU_CAPABILITY": "avx9"},  # torch ignores what it does not know
+    ],
+)
+def test_cpu_settings_a_worker_would_not_use_are_left_to_it(env: dict[str, str]) -> None:
+    check_cpu_settings(env)
 
 
 @pytest.mark.parametrize("host", ["a" * 64, "nowhere.invalid"])

@@ -21,21 +21,24 @@ F = torch.nn.functional
 
 from protocol.settings import ConfigError  # noqa: E402
 from tests.model_fixtures import force_kernels, tiny_engine  # noqa: E402
+from worker.model import cpu_isa  # noqa: E402
 from worker.model import kernels as kernels_module  # noqa: E402
 from worker.model import projection as projection_module  # noqa: E402
-from worker.model.kernels import (  # noqa: E402
-    MAX_ROWS,
+from worker.model.cpu_isa import (  # noqa: E402
     KernelIsaError,
-    Kernels,
-    build,
-    build_directory,
     check_aten_capability,
     chosen_isa,
     cpu_flags,
     l2_cache_bytes,
+    runnable_isas,
+)
+from worker.model.kernels import (  # noqa: E402
+    MAX_ROWS,
+    Kernels,
+    build,
+    build_directory,
     library_path,
     load_kernels,
-    runnable_isas,
     unpack_weight,
 )
 from worker.model.precision import (  # noqa: E402
@@ -96,7 +99,7 @@ def test_an_avx2_cpu_gets_the_avx2_build_and_is_refused_avx512(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(kernels_module, "cpu_flags", lambda: AVX2_ONLY)
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: AVX2_ONLY)
     monkeypatch.delenv("KERNEL_ISA", raising=False)
     assert runnable_isas() == ["avx2", "baseline"] and chosen_isa() == "avx2"
     monkeypatch.setenv("KERNEL_ISA", "avx512")
@@ -116,7 +119,7 @@ def test_an_aten_capability_the_cpu_lacks_is_refused(monkeypatch: pytest.MonkeyP
     hello, then died of SIGILL on its first request. Spelt otherwise (AVX512),
     torch ignores it, and so does the check."""
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(kernels_module, "cpu_flags", lambda: AVX2_ONLY)
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: AVX2_ONLY)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
     with pytest.raises(ConfigError, match=r"lacks \(avx512bw.*one this CPU runs \(avx2, default\)"):
         check_aten_capability()

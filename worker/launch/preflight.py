@@ -1,6 +1,7 @@
 """What `minibatch-serve` refuses before it starts anything, beyond what loading
-its settings refuses: ports that overlap or are taken, and worker timing its own settings
-make unworkable. Each refusal says what to set instead."""
+its settings refuses: ports that overlap or are taken, worker timing its own settings
+make unworkable, and CPU settings this CPU cannot run. Each refusal says what to
+set instead."""
 
 from __future__ import annotations
 
@@ -14,16 +15,31 @@ from protocol.settings import ConfigError, load
 from protocol.stop_timing import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
 from worker.launch.child import KILL_AFTER_S
 from worker.launch.config import NO_WORKER_ENDPOINTS, SupervisorConfig
+from worker.model.cpu_isa import check_aten_capability, chosen_isa
 from worker.serve.config import WorkerConfig, is_listened_on, tcp_bind_address
 
 
 def check_before_start(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
     """Every check of the settings as loaded, in the order a user fixes them."""
+    check_cpu_settings(environ)
     check_worker_timing(config, environ)
     check_worker_bind_reachable(config, environ)
     check_ports_apart(config, environ)
     check_no_worker_endpoints(config)
     check_worker_ports_free(config, environ)
+
+
+def check_cpu_settings(environ: Mapping[str, str]) -> None:
+    """Refuse a KERNEL_ISA or ATEN_CPU_CAPABILITY that this CPU cannot run, as a
+    worker on the CPU would, but now: the worker refused it once torch and its
+    model had loaded, 10 to 16 s after the frontend had come up and said it listened."""
+    try:
+        worker = load(WorkerConfig, [], environ)
+    except ConfigError:
+        return  # the worker refuses it, naming it
+    if worker.model_id != "fake" and not worker.device.startswith("cuda"):
+        chosen_isa(environ)
+        check_aten_capability(environ)
 
 
 def _workers_bind(config: SupervisorConfig, environ: Mapping[str, str]) -> tuple[str, str]:

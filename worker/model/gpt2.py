@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import GPT2LMHeadModel
 
-from worker.model.kernels import HEAD_DIMS, cpu_summary, load_kernels
+from worker.model.cpu_isa import cpu_summary
+from worker.model.kernels import HEAD_DIMS, load_kernels
 from worker.model.kv_cache import SlotKVCache
 from worker.model.precision import Precision
 from worker.model.weights import Layer, layer_of, projection

@@ -46,7 +46,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from worker.model.kernels import LANES, MAX_ROWS, l2_cache_bytes, load_kernels, unpack_weight
+from worker.model.cpu_isa import l2_cache_bytes
+from worker.model.kernels import LANES, MAX_ROWS, load_kernels, unpack_weight
 from worker.model.precision import has_bfloat16_products
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from protocol.settings import ConfigError
 from worker.engine.chat_template import choose_chat_template
 from worker.engine.memory_limit import memory_limit_bytes, resident_bytes
 from worker.engine.torch_engine import TorchEngine
+from worker.model.cpu_isa import check_aten_capability, chosen_isa
 from worker.model.gpt2 import GPT2
-from worker.model.kernels import check_aten_capability, chosen_isa
 from worker.model.kv_cache import SlotKVCache
 from worker.model.loader import LoadedModel, load_model
 from worker.model.precision import Precision
