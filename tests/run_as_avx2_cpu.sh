@@ -18,7 +18,7 @@
 #            the files that test in-process what depends on the instruction set
 #            (about 11 minutes on 2 cores).
 #
-# In both, /proc/cpuinfo, which worker/model/kernels.py reads, is bind-mounted in
+# In both, /proc/cpuinfo, which worker/model/cpu_isa.py reads, is bind-mounted in
 # a private mount namespace without the AVX-512, AMX, VNNI and GFNI flags (as a
 # Zen 3 reports them, and as the preloaded CPUID answers). Arguments
 # after the mode go to pytest:
