@@ -29,18 +29,21 @@ from protocol.json_schema import subschemas
 MAX_CHARACTER_CLASSES = 64
 _QUOTE_AND_BACKSLASH = ('"', "\\")
 
-# One escape, whole: a character written in hex (\x41, \u0041, \u{41}) or as a
-# control (\cJ), a property's class (\p{L}), or a backslash and the one
-# character after it.
+# One escape, whole: a character written in hex (\x41, \u0041, \U00000041,
+# \u{41}) or as a control (\cJ), a property's class (\p{L}), or a backslash and
+# the one character after it (\pL, a one-letter property, is \p and L).
 ESCAPE = re.compile(
-    r"\\(?:[xuU]\{[^}]*\}|x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|c[A-Za-z]|[pP]\{[^}]*\}|.)", re.S
+    r"\\(?:[xuU]\{[^}]*\}|x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|c[A-Za-z]"
+    r"|[pP]\{[^}]*\}|.)",
+    re.S,
 )
 _CLASS_ESCAPES = frozenset({"\\d", "\\D", "\\w", "\\W", "\\s", "\\S"})
 
 
 def is_set_escape(escape: str) -> bool:
-    """Whether ``escape`` (one `ESCAPE` matched) stands for a set of characters,
-    which no range may end in: ``\\d``, ``\\s``, ``\\p{L}``, ``\\PL``."""
+    """Whether ``escape`` (one `ESCAPE` matched, or the escape it was written as)
+    stands for a set of characters, which no range may end in: ``\\d``, ``\\s``,
+    ``\\p{L}``, and ``\\p`` of ``\\pL``."""
     return escape in _CLASS_ESCAPES or escape[1] in "pP"
 
 
