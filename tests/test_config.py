@@ -480,6 +480,17 @@ def test_cpu_settings_a_worker_would_not_use_are_left_to_it(env: dict[str, str])
     check_cpu_settings(env)
 
 
+def test_a_kernel_isa_on_a_host_with_a_gpu_is_left_to_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With DEVICE unset, a worker there may run on the GPU and read no KERNEL_ISA:
+    a stray one, passed through by docker-compose.yml, would stop the stack."""
+    monkeypatch.setattr(os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    check_cpu_settings({"KERNEL_ISA": "avx9"})
+    with pytest.raises(ConfigError, match="KERNEL_ISA=avx9 is not one of"):
+        check_cpu_settings({"KERNEL_ISA": "avx9", "DEVICE": "cpu"})
+
+
 @pytest.mark.parametrize("host", ["a" * 64, "nowhere.invalid"])
 def test_a_host_that_names_no_address_is_refused_naming_host(host: str) -> None:
     """A label past 63 characters failed IDNA encoding, a UnicodeError that went

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from protocol.endpoints import DEFAULT_HTTP_HOST, TcpEndpoint, check_endpoint_value
 from protocol.settings import ConfigError, load
 from protocol.stop_timing import FRONTEND_ANSWERS_LEFT_BEFORE_S, FRONTEND_STOP_GRACE_S
+from worker.engine.fake_engine import FAKE_MODEL_NAME
 from worker.launch.child import KILL_AFTER_S
 from worker.launch.config import NO_WORKER_ENDPOINTS, SupervisorConfig
 from worker.model.cpu_isa import check_aten_capability, chosen_isa
@@ -29,15 +30,33 @@ def check_before_start(config: SupervisorConfig, environ: Mapping[str, str]) -> 
     check_worker_ports_free(config, environ)
 
 
+# Where one is, torch may find a GPU, and a worker of DEVICE unset runs there,
+# reading no KERNEL_ISA: NVIDIA's control device, AMD's compute device.
+_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
+
+
+def _worker_config(environ: Mapping[str, str]) -> WorkerConfig | None:
+    """The workers' settings, in this same environment; None where one is wrong
+    in itself, for the worker to refuse, naming it."""
+    try:
+        return load(WorkerConfig, [], environ)
+    except ConfigError:
+        return None
+
+
 def check_cpu_settings(environ: Mapping[str, str]) -> None:
     """Refuse a KERNEL_ISA or ATEN_CPU_CAPABILITY that this CPU cannot run, as a
     worker on the CPU would, but now: the worker refused it once torch and its
-    model had loaded, 10 to 16 s after the frontend had come up and said it listened."""
-    try:
-        worker = load(WorkerConfig, [], environ)
-    except ConfigError:
-        return  # the worker refuses it, naming it
-    if worker.model_id != "fake" and not worker.device.startswith("cuda"):
+    model had loaded, 10 to 16 s after the frontend had come up and said it
+    listened. A worker that may run on a GPU (DEVICE=cuda, or unset on a host
+    with one) or that runs the fake engine reads neither: left to it."""
+    worker = _worker_config(environ)
+    if worker is None:
+        return
+    on_cpu = worker.device == "cpu" or (
+        not worker.device and not any(map(os.path.exists, _GPU_DEVICE_FILES))
+    )
+    if on_cpu and worker.model_id != FAKE_MODEL_NAME:
         chosen_isa(environ)
         check_aten_capability(environ)
 
@@ -196,11 +215,9 @@ MAX_STOP_GRACE_S = min(_FRONTENDS_ANSWER_LEFT_AT_S, KILL_AFTER_S) - 1.0
 def check_worker_timing(config: SupervisorConfig, environ: Mapping[str, str]) -> None:
     """Refuse timing the workers' settings, in this same environment, make
     unworkable with the supervisor's: it would declare a live worker dead between
-    two heartbeats, again and again. A worker setting that is wrong in itself is
-    left for the worker to refuse, naming it."""
-    try:
-        worker = load(WorkerConfig, [], environ)
-    except ConfigError:
+    two heartbeats, again and again."""
+    worker = _worker_config(environ)
+    if worker is None:
         return
     problems = config.timing_problems(worker.heartbeat_interval_s, worker.frontend_timeout_s)
     if worker.stop_grace_s > MAX_STOP_GRACE_S:
