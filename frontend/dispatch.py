@@ -38,12 +38,12 @@ def dispatch(table: InFlightTable, links: Collection[WorkerLink]) -> None:
     num_live = sum(link.verdict().is_live for link in links)
     num_trials = sum(link.trial is not None for link in links)
     while table.suspects and num_trials < max(1, num_live - 1):
-        link = pick(links, is_trial=True)
+        link = pick(links, table.suspects[0].request, is_trial=True)
         if link is None or not _send_first(table, table.suspects, link, is_trial=True):
             break
         num_trials += 1
     while table.waiting:
-        link = pick(links)
+        link = pick(links, table.waiting[0].request)
         if link is None or not _send_with_siblings(table, link):
             break
 

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 
 from frontend.worker_link import WorkerLink
+from protocol import GenerateRequest
+from protocol.request_checks import limits_of, request_problem
 
 
-def pick(links: Iterable[WorkerLink], is_trial: bool = False) -> WorkerLink | None:
+def pick(
+    links: Collection[WorkerLink], request: GenerateRequest, is_trial: bool = False
+) -> WorkerLink | None:
     """The live worker with the most free slots, or None while none has one.
+
+    Of those whose limits (as their hellos say them) take ``request``, where any
+    live worker's do: a request too long for one worker's context window waits
+    for another that holds it, rather than be refused by the first. Where none
+    live takes it (the one that did has died), any may have it, and refuse it.
 
     A suspect's trial goes only to a worker that runs no other: two suspects
     side by side could be one poison request and an innocent one, and the
@@ -21,15 +30,24 @@ def pick(links: Iterable[WorkerLink], is_trial: bool = False) -> WorkerLink | No
     is poison."""
     best: WorkerLink | None = None
     best_key = (False, 0)
-    for link in links:
+    live = [link for link in links if link.verdict().is_live]
+    takers = [link for link in live if _takes(link, request)]
+    for link in takers or live:
         if is_trial and (link.trial is not None or not link.is_heard_since_a_death):
             continue
         num_free = link.free_slots()
         preferred = not _holds_a_replay(link) if is_trial else link.trial is None
         key = (preferred, num_free)
-        if num_free > 0 and key > best_key and link.verdict().is_live:
+        if num_free > 0 and key > best_key:
             best, best_key = link, key
     return best
+
+
+def _takes(link: WorkerLink, request: GenerateRequest) -> bool:
+    """Whether the worker's limits take ``request`` (one that does not say its
+    limits may take anything)."""
+    limits = limits_of(link.hello) if link.hello is not None else None
+    return limits is None or request_problem(request, limits) is None
 
 
 def _holds_a_replay(link: WorkerLink) -> bool:

@@ -56,11 +56,9 @@ class StandInWorker:
         capacity: int,
         hello: Hello | bytes | None = None,
         greeting: Sequence[ToFrontend | bytes] | None = None,
-        num_busy: int = 0,
     ) -> None:
         """``hello`` may be a frame (bytes), sent as it is. ``greeting``, if given,
-        answers the first ping in place of the hello (heartbeats follow either).
-        Its heartbeats say ``num_busy`` slots are taken, whatever it runs."""
+        answers the first ping in place of the hello (heartbeats follow either)."""
         self.answer = answer
         self.capacity = capacity
         self.hello = hello or stand_in_hello(capacity=capacity)
@@ -71,7 +69,6 @@ class StandInWorker:
         self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
         self.received: list[GenerateRequest | AbortRequest] = []
         self.pings: list[Ping] = []
-        self.num_busy = num_busy
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
@@ -112,8 +109,7 @@ class StandInWorker:
                             self._send(sender, reply)
             if peer is not None and time.monotonic() >= next_heartbeat:
                 num_steps += 1  # it keeps stepping: never judged hung
-                heartbeat = Heartbeat("stand-in", num_steps, num_queued=0, num_active=self.num_busy)
-                self._send(peer, heartbeat)
+                self._send(peer, Heartbeat("stand-in", num_steps, num_queued=0, num_active=0))
                 next_heartbeat += 0.1
 
     def _send(self, peer: bytes, message: ToFrontend | bytes) -> None:

@@ -143,7 +143,7 @@ def test_a_request_no_worker_can_serve_is_refused_while_every_slot_is_busy(
                 assert problem in response.json()["error"]["message"]
 
 
-# A worker of one slot, always busy, whose context of one token holds no prompt.
+# A worker whose context of one token holds no prompt and output together.
 _TINY = stand_in_hello(model="tiny", capacity=1, context_window=1, vocab_size=2, max_token_chars=1)
 
 
@@ -151,16 +151,16 @@ _TINY = stand_in_hello(model="tiny", capacity=1, context_window=1, vocab_size=2,
 def test_a_request_is_refused_only_if_no_live_worker_could_serve_it(
     tmp_path: Path, tiny_first: bool
 ) -> None:
-    """One peer's hello (here a worker of context 1 that takes no work) judged
-    every request, whichever came first; a request another live worker serves
-    must reach it."""
+    """One peer's hello (here a worker of context 1) judged every request,
+    whichever came first; a request another live worker serves must reach it,
+    not the worker that would refuse it, whichever is first."""
 
     def answer(request: GenerateRequest) -> list[ToFrontend | bytes]:
         return [GenerateResult(request.request_id, "ab", [97, 98], "length", 2, 2, 0, 1)]
 
     roomy = stand_in_hello(model="roomy", context_window=64, vocab_size=99, max_token_chars=1)
     with (
-        StandInWorker(answer, capacity=1, hello=_TINY, num_busy=1) as first,
+        StandInWorker(answer, capacity=1, hello=_TINY) as first,
         StandInWorker(answer, capacity=1, hello=roomy) as second,
     ):
         endpoints = [first.endpoint, second.endpoint]
@@ -187,7 +187,7 @@ def test_a_live_worker_that_does_not_say_its_limits_may_serve_anything(tmp_path:
 
     silent = stand_in_hello(model="silent", context_window=64)  # no limits said
     with (
-        StandInWorker(answer, capacity=1, hello=_TINY, num_busy=1) as first,
+        StandInWorker(answer, capacity=1, hello=_TINY) as first,
         StandInWorker(answer, capacity=1, hello=silent) as second,
     ):
         overrides = {"WORKER_ENDPOINTS": f"{first.endpoint},{second.endpoint}"}

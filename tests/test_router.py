@@ -8,8 +8,11 @@ from typing import cast
 from frontend.inflight import InFlight
 from frontend.router import pick
 from frontend.worker_link import WorkerLink
-from protocol import GenerateRequest
+from protocol import GenerateRequest, Hello
 from protocol.liveness import Verdict, WorkerState
+from tests.stand_in_worker import stand_in_hello
+
+_REQUEST = GenerateRequest("r", "a prompt", 8)
 
 
 @dataclass(eq=False)
@@ -20,6 +23,7 @@ class _Link:
     held: set[InFlight] = field(default_factory=set)
     trial: InFlight | None = None
     is_heard_since_a_death: bool = True
+    hello: Hello | None = None
 
     def free_slots(self) -> int:
         return self.num_free
@@ -40,10 +44,10 @@ def test_a_trial_prefers_a_worker_that_holds_no_replay() -> None:
     busy_with_replay = _Link(num_free=6, held={_replay()})
     plain = _Link(num_free=2)
     links = cast(list[WorkerLink], [busy_with_replay, plain])
-    assert pick(links, is_trial=True) is plain
-    assert pick(links) is busy_with_replay  # other requests go by free slots
+    assert pick(links, _REQUEST, is_trial=True) is plain
+    assert pick(links, _REQUEST) is busy_with_replay  # other requests go by free slots
     only = cast(list[WorkerLink], [busy_with_replay])
-    assert pick(only, is_trial=True) is busy_with_replay  # a preference, not a rule
+    assert pick(only, _REQUEST, is_trial=True) is busy_with_replay  # a preference, not a rule
 
 
 def test_a_trial_never_goes_beside_another_or_to_a_worker_not_heard_from() -> None:
@@ -51,4 +55,19 @@ def test_a_trial_never_goes_beside_another_or_to_a_worker_not_heard_from() -> No
         list[WorkerLink],
         [_Link(num_free=8, trial=_replay()), _Link(num_free=8, is_heard_since_a_death=False)],
     )
-    assert pick(links, is_trial=True) is None
+    assert pick(links, _REQUEST, is_trial=True) is None
+
+
+def test_a_request_goes_to_a_worker_whose_limits_take_it() -> None:
+    """Of two workers with a free slot each, it went to the first, whose context
+    window could not hold it, and was refused there."""
+    tiny = stand_in_hello(context_window=4, vocab_size=99, max_token_chars=8)
+    roomy = stand_in_hello(context_window=64, vocab_size=99, max_token_chars=8)
+    small, large = _Link(num_free=2, hello=tiny), _Link(num_free=1, hello=roomy)
+    links = cast(list[WorkerLink], [small, large])
+    assert pick(links, _REQUEST) is large  # 8 new tokens: past a window of 4
+    assert pick(links, GenerateRequest("r", "a", 2)) is small  # the most free slots
+    large.num_free = 0
+    assert pick(links, _REQUEST) is None  # it waits for the one that takes it
+    # With none live that takes it, any may have it, and refuse it.
+    assert pick(cast(list[WorkerLink], [small]), _REQUEST) is small
