@@ -48,27 +48,33 @@ JSON_OPTIONS: JsonCompileOptions = {
     "key_separator": ": ",
 }
 # The "x-guidance" options under which llguidance still writes JSON that its
-# schema takes, each with what its value must be. The others let it write what
-# the schema refuses (lenient: a keyword it lacks is ignored; coerce_one_of: a
-# oneOf followed as anyOf), or no JSON at all (whitespace_pattern "[a-z]{0,3}"
-# wrote '{toc"a"ans: sol1vyf}', and so did separators such as " = ").
+# schema takes: each with its type, and, for a string, what keeps the output
+# JSON. The others let it write what the schema refuses (lenient: a keyword it
+# lacks is ignored; coerce_one_of: a oneOf followed as anyOf), or no JSON at all
+# (whitespace_pattern "[a-z]{0,3}" wrote '{toc"a"ans: sol1vyf}', and so did
+# separators such as " = ").
 _JSON_WHITESPACE = " \t\n\r"
-_GUIDANCE_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "whitespace_flexible": (lambda v: isinstance(v, bool), "true or false"),
+_GuidanceOption = tuple[type, Callable[[str], bool] | None, str]
+_GUIDANCE_OPTIONS: dict[str, _GuidanceOption] = {
+    "whitespace_flexible": (bool, None, ""),
     "key_separator": (
-        lambda v: isinstance(v, str) and v.strip(_JSON_WHITESPACE) == ":",
+        str,
+        lambda v: v.strip(_JSON_WHITESPACE) == ":",
         'a ":" with JSON whitespace around it at most',
     ),
     "item_separator": (
-        lambda v: isinstance(v, str) and v.strip(_JSON_WHITESPACE) == ",",
+        str,
+        lambda v: v.strip(_JSON_WHITESPACE) == ",",
         'a "," with JSON whitespace around it at most',
     ),
     "json_allowed_escapes": (
-        lambda v: isinstance(v, str) and set(v) <= set('"\\/bfnrtu'),
+        str,
+        lambda v: set(v) <= set('"\\/bfnrtu'),
         "some of the letters of JSON's escapes, " + '"\\/bfnrtu',
     ),
-    "json_allow_general_unicode_escapes": (lambda v: isinstance(v, bool), "true or false"),
+    "json_allow_general_unicode_escapes": (bool, None, ""),
 }
+_TYPE_NAMES = {bool: "true or false", str: "a string"}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's one other type: a valid request this server cannot follow (400, where a
 # type no server defines is an invalid one, 422).
@@ -295,7 +301,7 @@ def compile_grammar(kind: str, value: Any) -> tuple[str, str | None]:
     if problem is None and kind in JSON_KINDS:  # a schema llguidance takes
         problem = _repeated_keys_problem(schema) or escaped_pattern_problem(schema)
     if problem is None and kind == GrammarKind.GRAMMAR:  # its %json blocks
-        problem = next(filter(None, map(escaped_pattern_problem, grammar_schemas(text))), None)
+        problem = next(filter(None, map(_json_block_problem, grammar_schemas(text))), None)
     return ("", problem) if problem is not None else (grammar, None)
 
 
@@ -337,6 +343,11 @@ def _lone_backslash_problem(schema: Any) -> str | None:
     return None
 
 
+def _json_block_problem(schema: Any) -> str | None:
+    """What a Lark grammar's %json block holds that would be followed loosely."""
+    return _guidance_options_problem(schema) or escaped_pattern_problem(schema)
+
+
 def _guidance_options_problem(schema: Any) -> str | None:
     """An "x-guidance" option of ``schema`` under which llguidance would not
     write the JSON the schema takes (see _GUIDANCE_OPTIONS)."""
@@ -354,8 +365,10 @@ def _guidance_options_problem(schema: Any) -> str | None:
                 f"that the schema takes; leave it out (the options taken are "
                 f"{', '.join(_GUIDANCE_OPTIONS)})"
             )
-        is_taken, what = _GUIDANCE_OPTIONS[name]
-        if not is_taken(option):
+        kind, keeps_json, what = _GUIDANCE_OPTIONS[name]
+        if not isinstance(option, kind):
+            return f"x-guidance.{name}: must be {_TYPE_NAMES[kind]}, got {_preview(option)}"
+        if isinstance(option, str) and keeps_json is not None and not keeps_json(option):
             return (
                 f"Unimplemented: x-guidance.{name} must be {what}, so that the output is JSON; "
                 f"got {_preview(option)}"

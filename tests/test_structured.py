@@ -558,6 +558,25 @@ def test_guidance_options_that_keep_json_are_followed() -> None:
     assert _grammar(structured_outputs={"json": json.dumps(schema)}).kind == "json"
 
 
+def test_a_guidance_option_of_the_wrong_type_is_an_invalid_request() -> None:
+    schema = {"type": "object", "x-guidance": {"whitespace_flexible": "yes"}}
+    with pytest.raises(ApiError) as caught:
+        _grammar(structured_outputs={"json": json.dumps(schema)})
+    assert (caught.value.status, caught.value.code) == (422, "invalid_request")
+    assert caught.value.message == (
+        'structured_outputs.json: x-guidance.whitespace_flexible: must be true or false, got "yes"'
+    )
+
+
+def test_a_lark_grammars_json_block_takes_the_same_guidance_options() -> None:
+    """lenient let a %json block's uniqueItems through, ignored: [1, 1] was written."""
+    block = {"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}
+    with pytest.raises(ApiError) as caught:
+        _grammar(structured_outputs={"grammar": f"start: %json {json.dumps(block)}"})
+    assert caught.value.status == 400
+    assert "x-guidance.lenient is not followed here" in caught.value.message
+
+
 @pytest.mark.parametrize(
     ("pattern", "shown"),
     [
