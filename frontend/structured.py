@@ -50,9 +50,10 @@ JSON_OPTIONS: JsonCompileOptions = {
 # The "x-guidance" options under which llguidance still writes JSON that its
 # schema takes: each with its type, and, for a string, what keeps the output
 # JSON. The others let it write what the schema refuses (lenient: a keyword it
-# lacks is ignored; coerce_one_of: a oneOf followed as anyOf), or no JSON at all
+# lacks is ignored; coerce_one_of: a oneOf followed as anyOf;
+# json_allowed_escapes "": const "a\"b" written "ab"), or no JSON at all
 # (whitespace_pattern "[a-z]{0,3}" wrote '{toc"a"ans: sol1vyf}', and so did
-# separators such as " = ").
+# separators such as " = "); given their defaults, they change nothing.
 _JSON_WHITESPACE = " \t\n\r"
 _GuidanceOption = tuple[type, Callable[[str], bool] | None, str]
 _GUIDANCE_OPTIONS: dict[str, _GuidanceOption] = {
@@ -67,13 +68,9 @@ _GUIDANCE_OPTIONS: dict[str, _GuidanceOption] = {
         lambda v: v.strip(_JSON_WHITESPACE) == ",",
         'a "," with JSON whitespace around it at most',
     ),
-    "json_allowed_escapes": (
-        str,
-        lambda v: set(v) <= set('"\\/bfnrtu'),
-        "some of the letters of JSON's escapes, " + '"\\/bfnrtu',
-    ),
     "json_allow_general_unicode_escapes": (bool, None, ""),
 }
+_GUIDANCE_DEFAULTS = {"lenient": False, "coerce_one_of": False, "whitespace_pattern": None}
 _TYPE_NAMES = {bool: "true or false", str: "a string"}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's one other type: a valid request this server cannot follow (400, where a
@@ -359,6 +356,8 @@ def _guidance_options_problem(schema: Any) -> str | None:
             f"x-guidance: must be an object of llguidance's JSON options, got {_preview(options)}"
         )
     for name, option in options.items():
+        if name in _GUIDANCE_DEFAULTS and option is _GUIDANCE_DEFAULTS[name]:
+            continue
         if name not in _GUIDANCE_OPTIONS:
             return (
                 f"Unimplemented: x-guidance.{name} is not followed here: the output must be JSON "
