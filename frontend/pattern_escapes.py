@@ -37,6 +37,8 @@ ESCAPE = re.compile(
     r"|[pP]\{[^}]*\}|.)",
     re.S,
 )
+# Rust's set operations in a class: difference, intersection, symmetric difference.
+_SET_OPERATORS = ("--", "&&", "~~")
 _CLASS_ESCAPES = frozenset({"\\d", "\\D", "\\w", "\\W", "\\s", "\\S"})
 
 
@@ -123,6 +125,10 @@ def _class_end(pattern: str, start: int) -> int:
         elif char == "]":
             i, depth = i + 1, depth - 1
             may_start_range = ends_range = False
+        elif pattern.startswith(_SET_OPERATORS, i):
+            # Rust's set operations: the next item starts an operand, a - there
+            # is a literal (in [~~-[^"]], the nested class is an operand's).
+            i, may_start_range, ends_range = i + 2, False, False
         elif char == "-" and may_start_range and pattern[i + 1 : i + 2] not in ("]", ""):
             i, may_start_range, ends_range = i + 1, False, True
         else:  # a character, or an escape read whole (\x7a, not \x then 7a)
@@ -134,10 +140,13 @@ def _class_end(pattern: str, start: int) -> int:
 
 
 def _past_opening(pattern: str, start: int) -> int:
-    """Past ``[``, a ``^`` after it, and a ``]`` first in the class (a literal)."""
+    """Past ``[``, a ``^`` after it, and the literals Rust reads first in a class:
+    any number of ``-`` (which start no range: ``[--\\x00-[^"]]`` holds the
+    range ``\\x00-[``), else a ``]``."""
     i = start + 1
     i += pattern.startswith("^", i)
-    return i + pattern.startswith("]", i)
+    dashes = len(pattern) - i - len(pattern[i:].lstrip("-"))
+    return i + dashes if dashes else i + pattern.startswith("]", i)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -50,6 +50,11 @@ CASES = [
     ('^[A-\\u007a-[^"]]$', '"\\""', True),
     ('^[A-\\x{7a}-[^"]]$', '"\\""', True),
     ('^[A-\\U0000007a-[^"]]$', '"\\""', True),
+    # Rust's leading dashes are literals, and so is a dash after a set operation
+    ('^[--\\x00-[^"]]$', '"\\\\]"', True),  # \x00-[ holds no backslash
+    ('^[--[^"]]$', '"\\""', True),
+    ('^[~~-[^"]]$', '"\\""', True),
+    ('^[[^"]&&-[^\\\\]]$', '"\\""', True),
 ]
 
 
