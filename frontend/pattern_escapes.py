@@ -23,10 +23,13 @@ from typing import Any
 import llguidance
 
 from protocol.json_schema import subschemas
+from protocol.wire import shorten
 
 # Distinct classes asked about a schema: each costs llguidance a few
 # milliseconds, and a schema may hold thousands.
 MAX_CHARACTER_CLASSES = 64
+# Of a class quoted in a refusal: a 30,000-character one was quoted whole.
+_SHOWN_CLASS_CHARS = 120
 _QUOTE_AND_BACKSLASH = ('"', "\\")
 
 # One escape, whole: a character written in hex (\x41, \u0041, \U00000041,
@@ -63,8 +66,9 @@ def escaped_pattern_problem(schema: Any) -> str | None:
                 )
             if _is_loose(character_class):
                 at = f"{where}.{keyword}".lstrip(".")
+                shown = shorten(character_class, _SHOWN_CLASS_CHARS)
                 return (
-                    f"Unimplemented: {at} has the character class {character_class}, which "
+                    f"Unimplemented: {at} has the character class {shown}, which "
                     'leaves out " or \\ but holds the control characters, and which the '
                     "grammar engine follows loosely (it lets any escape through); leave "
                     'the control characters out of it (as [^"\\x00-\\x1f] does), or let '

@@ -69,12 +69,12 @@ class RequestLimits:
         held the worker's engine thread 0.2 s (quiet Xeon) to over a second
         (loaded) while it was tokenized, only to be refused."""
         window = self.context_window
+        tokens = _counted(window, "token")
         num_chars = sum(len(text) for text in texts)
         if num_chars > self.max_prompt_chars:
             return ErrorCode.CONTEXT_OVERFLOW, (
                 f"{field}: {num_chars:,} characters, more tokens than the context window "
-                f"({window:,} tokens of at most {_counted(self.max_token_chars, 'character')}) "
-                "holds; "
+                f"({tokens} of at most {_counted(self.max_token_chars, 'character')}) holds; "
                 "shorten it"
             )
         if not self.max_token_bytes or num_chars * 4 <= window * self.max_token_bytes:
@@ -83,8 +83,7 @@ class RequestLimits:
         if num_bytes > window * self.max_token_bytes:
             return ErrorCode.CONTEXT_OVERFLOW, (
                 f"{field}: {num_bytes:,} bytes of UTF-8, more tokens than the context "
-                f"window ({window:,} tokens of at most {_counted(self.max_token_bytes, 'byte')}) "
-                "holds; "
+                f"window ({tokens} of at most {_counted(self.max_token_bytes, 'byte')}) holds; "
                 "shorten it"
             )
         return None
@@ -128,7 +127,7 @@ def request_problem(request: GenerateRequest, limits: RequestLimits) -> tuple[st
     if request.max_new_tokens > window and not request.fit_context:
         return invalid, (
             f"max_new_tokens: {request.max_new_tokens:,} is more than the context window of "
-            f"{window:,} tokens holds; ask for fewer"
+            f"{_counted(window, 'token')} holds; ask for fewer"
         )
     prompt_problem = (
         _chat_problem(request, limits) if request.chat_roles else _prompt_problem(request, limits)
@@ -368,7 +367,7 @@ def overflow_message(request: GenerateRequest, num_prompt_tokens: int, window: i
     if request.fit_context and request.max_new_tokens == 0:
         return (
             f"{field}: {num_prompt_tokens:,} tokens leave no room to generate in the "
-            f"context window of {window:,} tokens; shorten it"
+            f"context window of {_counted(window, 'token')}; shorten it"
         )
     if request.fit_context and request.min_tokens > request.max_new_tokens:
         return (
@@ -380,10 +379,10 @@ def overflow_message(request: GenerateRequest, num_prompt_tokens: int, window: i
     if request.max_new_tokens == 0:
         return (
             f"{field}: {num_prompt_tokens:,} tokens, more than the context window of "
-            f"{window:,} tokens holds; shorten it"
+            f"{_counted(window, 'token')} holds; shorten it"
         )
     return (
         f"{field}: {num_prompt_tokens:,} tokens and {request.max_new_tokens:,} to generate, "
-        f"more than the context window of {window:,} tokens holds; shorten it or ask "
+        f"more than the context window of {_counted(window, 'token')} holds; shorten it or ask "
         "for fewer tokens"
     )

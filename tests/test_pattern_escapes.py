@@ -129,3 +129,10 @@ def test_a_lark_grammars_json_block_is_held_to_the_same_rule() -> None:
     assert problem is not None and 'the character class [^"]' in problem
     fine = 'start: %json {"type": "string", "pattern": "^[^\\"\\\\x00-\\\\x1f]{1,4}$"}'
     assert compile_grammar(GrammarKind.GRAMMAR, fine)[1] is None
+
+
+def test_a_long_loose_class_is_quoted_cut() -> None:
+    """A 30,000-character class was quoted whole, to the client and the log."""
+    problem = escaped_pattern_problem({"type": "string", "pattern": '^[^"' + "a" * 30_000 + "]$"})
+    assert problem is not None and 'has the character class [^"aaa' in problem
+    assert len(problem) < 400, f"{len(problem):,} characters"

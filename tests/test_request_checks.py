@@ -321,3 +321,8 @@ def test_a_prompt_too_long_for_any_tokenizing_says_the_limit_in_good_english() -
         "prompt: 2,000 bytes of UTF-8, more tokens than the context window (1,024 tokens of "
         "at most 1 byte) holds; shorten it",
     )
+    tiny = RequestLimits(vocab_size=256, context_window=1, max_token_chars=1)
+    assert request_problem(GenerateRequest("r", "", 2), tiny) == (
+        ErrorCode.INVALID_REQUEST,
+        "max_new_tokens: 2 is more than the context window of 1 token holds; ask for fewer",
+    )
