@@ -5,10 +5,11 @@
 It starts one stack (synthetic model) and sends the same streamed request over
 HTTP (POST /generate) and straight to the worker over ZMQ, one at a time and
 taking turns, each from the simplest blocking client (httpx.Client, a zmq DEALER).
-For each it takes the client's end-to-end time less the worker's own queue wait
-and generate time, which the worker reports in every answer: what the path and
-the client add. HTTP's median less ZMQ's is the frontend's own share, free of
-the queueing and CPU contention that a loaded run (bench.compare_paths) mixes in.
+For each it takes the client's end-to-end time less the server's queue wait (in
+the frontend's line and the worker's queue: none here, one request at a time)
+and generate time, which every answer reports: what the path and the client add.
+HTTP's median less ZMQ's is the frontend's own share, free of the queueing and
+CPU contention that a loaded run (bench.compare_paths) mixes in.
 Writes bench/results/path_latency.json.
 """
 

@@ -1,7 +1,8 @@
 """Sending what waits in the in-flight table to the workers with free slots.
 
 A request waits in the table, in the order it was accepted, until a live worker
-has a free slot, and goes to the one with the most (`frontend.router`). So
+whose limits take it has a free slot, and goes to the one with the most
+(`frontend.router`). So
 requests start in the order they came whichever worker runs them, and a worker
 holds little more than it runs, which is all its death can cost. Every attempt
 streams from the worker, so the frontend knows which requests made progress, and
