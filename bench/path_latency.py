@@ -35,8 +35,11 @@ from protocol.curve import ClientKeys
 from protocol.peer import ping, wait_for_hello, worker_socket
 
 PROMPT = "The path from a client to the worker and back " * 4
-# How long a request over ZMQ may go without a word from the worker.
-ZMQ_SILENCE_MS = 30_000
+# How long a request over ZMQ may go without a word from the worker, and how
+# often it pings meanwhile (the worker drops a silent peer's requests after its
+# FRONTEND_TIMEOUT_S).
+ZMQ_SILENCE_S = 30.0
+ZMQ_PING_INTERVAL_MS = 1000
 
 
 def http_overhead_ms(client: httpx.Client, url: str, max_new_tokens: int) -> float:
@@ -55,9 +58,14 @@ def zmq_overhead_ms(socket: zmq.Socket[bytes], max_new_tokens: int) -> float:
     request = GenerateRequest(request_id, PROMPT, max_new_tokens, ignore_eos=True, stream=True)
     started = time.perf_counter()
     socket.send(encode(request))
+    heard_at = time.monotonic()
     while True:
-        if not socket.poll(ZMQ_SILENCE_MS):
-            raise RuntimeError(f"the worker said nothing for {ZMQ_SILENCE_MS / 1e3:g} s")
+        if not socket.poll(ZMQ_PING_INTERVAL_MS):
+            if time.monotonic() - heard_at > ZMQ_SILENCE_S:
+                raise RuntimeError(f"the worker said nothing for {ZMQ_SILENCE_S:g} s")
+            socket.send(ping("bench"))
+            continue
+        heard_at = time.monotonic()
         message = decode_to_frontend(socket.recv())
         if isinstance(message, ErrorResult) and message.request_id == request_id:
             raise RuntimeError(f"the worker refused a request: {message.message}")

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from bench.report import RequestRecord
 from protocol import (
+    AbortRequest,
     ErrorResult,
     FinishReason,
     GenerateRequest,
@@ -111,10 +112,18 @@ class ZmqTarget:
         while True:
             await self._socket.send(frame)
             await asyncio.sleep(PING_INTERVAL_S)
-            verdict = self._liveness.verdict()
-            if self._waiting and verdict.state in (WorkerState.DEAD, WorkerState.HUNG):
-                print(f"{verdict.reason}: its {len(self._waiting)} requests fail")
-                self._end_waiting(verdict.state.value, time.perf_counter())
+            state = self._liveness.verdict().state
+            if self._waiting and state in (WorkerState.DEAD, WorkerState.HUNG):
+                print(
+                    f"the worker is {state.value} (nothing from it for {WORKER_SILENT_S:g} s, "
+                    f"or no step for {STEP_TIMEOUT_S:g} s with work pending): its "
+                    f"{len(self._waiting)} requests fail"
+                )
+                # Should it wake, it stops running them: they would hold its slots.
+                for request_id in self._waiting:
+                    with contextlib.suppress(zmq.Again):  # nowhere to queue it: gone
+                        await self._socket.send(encode(AbortRequest(request_id)), zmq.NOBLOCK)
+                self._end_waiting(state.value, time.perf_counter())
 
     async def _receive_loop(self, hello_seen: asyncio.Future[None]) -> None:
         while True:
@@ -130,7 +139,8 @@ class ZmqTarget:
                 continue
             if isinstance(message, Heartbeat):
                 self._liveness.on_heartbeat(message)
-            self._liveness.on_frames_waiting()  # it spoke
+            # Any message says it is there, as frames waiting unread do.
+            self._liveness.on_frames_waiting()
             if not isinstance(message, (TokenDelta, GenerateResult, ErrorResult)):
                 continue  # heartbeats, and which requests wait in the queue
             waiting = self._waiting.get(message.request_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import signal
 import socket
@@ -211,6 +212,26 @@ def test_path_latency_reports_a_refused_request_rather_than_waiting_for_ever() -
         socket = path_latency.connect_worker(context, worker.endpoint, None)
         with pytest.raises(RuntimeError, match="the worker refused a request: too long"):
             path_latency.zmq_overhead_ms(socket, max_new_tokens=5)
+        socket.close()
+    context.term()
+
+
+def test_path_latency_pings_while_it_waits_and_gives_up_on_a_silent_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It sent no ping while it waited: the worker dropped a request longer than
+    its FRONTEND_TIMEOUT_S, and the client waited 30 s more."""
+    monkeypatch.setattr(path_latency, "ZMQ_PING_INTERVAL_MS", 50)
+    monkeypatch.setattr(path_latency, "ZMQ_SILENCE_S", 0.5)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with StandInWorker(lambda _: [], capacity=1) as worker:  # it never answers
+        socket = path_latency.connect_worker(context, worker.endpoint, None)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(path_latency.zmq_overhead_ms, socket, 5)
+            worker.wait_for(lambda: len(worker.pings) >= 3, "pinged while it waits")
+            worker.__exit__()  # silent from now on
+            with pytest.raises(RuntimeError, match=r"the worker said nothing for 0\.5 s"):
+                waiting.result(timeout=10)
         socket.close()
     context.term()
 
