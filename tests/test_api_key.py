@@ -51,15 +51,18 @@ def test_the_frontend_says_at_start_that_the_api_needs_the_key(stack: Stack) -> 
         # Not "0.0.0.0:18000", an address no client uses.
         (
             "0.0.0.0",
-            "no API_KEY: anyone who reaches port 18000 on any address here (HOST=0.0.0.0;",
+            "no API_KEY: anyone who reaches port 18000 on any address here (HOST=0.0.0.0; in a "
+            "container, wherever its published port leads) may use the API",
         ),
         (
             "::0",
-            "no API_KEY: anyone who reaches port 18000 on any address here (HOST=::0;",
+            "no API_KEY: anyone who reaches port 18000 on any address here (HOST=::0; in a "
+            "container, wherever its published port leads) may use the API",
         ),
         (
             "0",
-            "no API_KEY: anyone who reaches port 18000 on any address here (HOST=0;",
+            "no API_KEY: anyone who reaches port 18000 on any address here (HOST=0; in a "
+            "container, wherever its published port leads) may use the API",
         ),
         ("::1", "no API_KEY: anyone who reaches [::1]:18000 may use the API"),
     ],
