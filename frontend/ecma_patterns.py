@@ -61,7 +61,7 @@ def as_rust(pattern: str) -> str:
                 if pattern.startswith(lead, i):
                     out.append(lead)
                     i += 1
-            may_start_range = out[-1] == "]"
+            may_start_range = False  # a literal ] first starts no range, as Rust reads it
             continue
         if not depth:
             out.append(_ECMA_DOT if char == "." else char)

@@ -116,7 +116,7 @@ def _class_end(pattern: str, start: int) -> int:
     loose one in it went unseen). An escape is one item: read as ``\\x`` and two
     characters, ``[A-\\x7a-[^"]]`` had its nested class taken for a range's end."""
     i, depth = _past_opening(pattern, start), 1
-    may_start_range = pattern[i - 1] == "]"  # its first item, a literal ]
+    may_start_range = False  # a literal ] or - first in a class starts no range
     ends_range = False  # a range's dash came last
     while i < len(pattern) and depth:
         char = pattern[i]
@@ -125,7 +125,7 @@ def _class_end(pattern: str, start: int) -> int:
             may_start_range = ends_range = False
         elif char == "[" and not ends_range:
             i, depth = _past_opening(pattern, i), depth + 1
-            may_start_range, ends_range = pattern[i - 1] == "]", False
+            may_start_range = ends_range = False
         elif char == "]":
             i, depth = i + 1, depth - 1
             may_start_range = ends_range = False
@@ -144,9 +144,9 @@ def _class_end(pattern: str, start: int) -> int:
 
 
 def _past_opening(pattern: str, start: int) -> int:
-    """Past ``[``, a ``^`` after it, and the literals Rust reads first in a class:
-    any number of ``-`` (which start no range: ``[--\\x00-[^"]]`` holds the
-    range ``\\x00-[``), else a ``]``."""
+    """Past ``[``, a ``^`` after it, and the literals Rust reads first in a class,
+    which start no range: any number of ``-`` (``[--\\x00-[^"]]`` holds the
+    range ``\\x00-[``), else a ``]`` (``[]-[^\\\\]]`` holds ], - and a nested class)."""
     i = start + 1
     i += pattern.startswith("^", i)
     dashes = len(pattern) - i - len(pattern[i:].lstrip("-"))
