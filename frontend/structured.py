@@ -70,8 +70,13 @@ _GUIDANCE_OPTIONS: dict[str, _GuidanceOption] = {
     ),
     "json_allow_general_unicode_escapes": (bool, None, ""),
 }
-_GUIDANCE_DEFAULTS = {"lenient": False, "coerce_one_of": False, "whitespace_pattern": None}
-_TYPE_NAMES = {bool: "true or false", str: "a string"}
+# The others llguidance knows, each with its type and the default that changes nothing.
+_GUIDANCE_DEFAULTS: dict[str, tuple[type | tuple[type, ...], object]] = {
+    "lenient": (bool, False),
+    "coerce_one_of": (bool, False),
+    "whitespace_pattern": ((str, type(None)), None),
+    "json_allowed_escapes": ((str, type(None)), None),
+}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's one other type: a valid request this server cannot follow (400, where a
 # type no server defines is an invalid one, 422).
@@ -356,8 +361,12 @@ def _guidance_options_problem(schema: Any) -> str | None:
             f"x-guidance: must be an object of llguidance's JSON options, got {_preview(options)}"
         )
     for name, option in options.items():
-        if name in _GUIDANCE_DEFAULTS and option is _GUIDANCE_DEFAULTS[name]:
-            continue
+        if name in _GUIDANCE_DEFAULTS:
+            kinds, default = _GUIDANCE_DEFAULTS[name]
+            if not isinstance(option, kinds):
+                return f"x-guidance.{name}: must be {_type_names(kinds)}, got {_preview(option)}"
+            if option is default:
+                continue
         if name not in _GUIDANCE_OPTIONS:
             return (
                 f"Unimplemented: x-guidance.{name} is not followed here: the output must be JSON "
@@ -366,13 +375,18 @@ def _guidance_options_problem(schema: Any) -> str | None:
             )
         kind, keeps_json, what = _GUIDANCE_OPTIONS[name]
         if not isinstance(option, kind):
-            return f"x-guidance.{name}: must be {_TYPE_NAMES[kind]}, got {_preview(option)}"
+            return f"x-guidance.{name}: must be {_type_names(kind)}, got {_preview(option)}"
         if isinstance(option, str) and keeps_json is not None and not keeps_json(option):
             return (
                 f"Unimplemented: x-guidance.{name} must be {what}, so that the output is JSON; "
                 f"got {_preview(option)}"
             )
     return None
+
+
+def _type_names(kinds: type | tuple[type, ...]) -> str:
+    names = {bool: "true or false", str: "a string", type(None): "null"}
+    return " or ".join(names[kind] for kind in (kinds if isinstance(kinds, tuple) else (kinds,)))
 
 
 def _numbers_problem(schema: Any) -> str | None:

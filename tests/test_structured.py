@@ -560,14 +560,22 @@ def test_guidance_options_that_keep_json_are_followed() -> None:
         assert _grammar(structured_outputs={"json": json.dumps(schema)}).kind == "json"
 
 
-def test_a_guidance_option_of_the_wrong_type_is_an_invalid_request() -> None:
-    schema = {"type": "object", "x-guidance": {"whitespace_flexible": "yes"}}
+@pytest.mark.parametrize(
+    ("option", "problem"),
+    [
+        ({"whitespace_flexible": "yes"}, 'whitespace_flexible: must be true or false, got "yes"'),
+        ({"lenient": 0}, "lenient: must be true or false, got 0"),
+        ({"whitespace_pattern": 5}, "whitespace_pattern: must be a string or null, got 5"),
+    ],
+)
+def test_a_guidance_option_of_the_wrong_type_is_an_invalid_request(
+    option: dict[str, object], problem: str
+) -> None:
+    schema = {"type": "object", "x-guidance": option}
     with pytest.raises(ApiError) as caught:
         _grammar(structured_outputs={"json": json.dumps(schema)})
     assert (caught.value.status, caught.value.code) == (422, "invalid_request")
-    assert caught.value.message == (
-        'structured_outputs.json: x-guidance.whitespace_flexible: must be true or false, got "yes"'
-    )
+    assert caught.value.message == f"structured_outputs.json: x-guidance.{problem}"
 
 
 def test_a_lark_grammars_json_block_takes_the_same_guidance_options() -> None:
