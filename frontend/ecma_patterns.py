@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from frontend.pattern_escapes import ESCAPE, is_set_escape, schema_patterns
+from frontend.pattern_escapes import ESCAPE, is_set_escape, past_opening, schema_patterns
 from protocol.json_schema import subschemas
 
 # ECMAScript's WhiteSpace and LineTerminator: Unicode's White_Space with U+FEFF
@@ -28,10 +28,11 @@ _ECMA_DOT = "[^\\n\\r\\u2028\\u2029]"
 def as_rust(pattern: str) -> str:
     """``pattern`` with each ``.``, ``\\s`` and ``\\S`` written as the class
     ECMAScript means (in a class, as a class nested in it), the rest as it is.
-    Classes are read as Rust reads them (a ``]`` first in one is a literal, a
-    ``[`` in one opens a nested class unless it ends a range). A ``\\s`` or
-    ``\\S`` at either end of a range is left as sent, for Rust to refuse, as
-    ECMAScript does (``[\\x00-\\s]``); spliced in, it would lend the range an end."""
+    Classes are read as Rust reads them (`past_opening`: dashes, or a ``]``,
+    first in one are literals; a ``[`` in one opens a nested class unless it
+    ends a range). A ``\\s`` or ``\\S`` at either end of a range is left as
+    sent, for Rust to refuse, as ECMAScript does (``[\\x00-\\s]``); spliced in,
+    it would lend the range an end."""
     out: list[str] = []
     depth = 0  # of classes open here
     may_start_range = False  # in a class: its last item is one character
@@ -55,13 +56,10 @@ def as_rust(pattern: str) -> str:
         i += 1
         if char == "[" and not ends_range:
             depth += 1
-            out.append(char)
-            # A ] right after [ or [^ is a literal: copied with them.
-            for lead in ("^", "]"):
-                if pattern.startswith(lead, i):
-                    out.append(lead)
-                    i += 1
-            may_start_range = False  # a literal ] first starts no range, as Rust reads it
+            # [, a ^, and the literals first in it (dashes, or a ]), copied as they are.
+            opening = past_opening(pattern, i - 1)
+            out.append(pattern[i - 1 : opening])
+            i, may_start_range = opening, False  # those literals start no range
             continue
         if not depth:
             out.append(_ECMA_DOT if char == "." else char)

@@ -115,7 +115,7 @@ def _class_end(pattern: str, start: int) -> int:
     reads it: taken for a nested class, the class ran on past its end, and a
     loose one in it went unseen). An escape is one item: read as ``\\x`` and two
     characters, ``[A-\\x7a-[^"]]`` had its nested class taken for a range's end."""
-    i, depth = _past_opening(pattern, start), 1
+    i, depth = past_opening(pattern, start), 1
     may_start_range = False  # a literal ] or - first in a class starts no range
     ends_range = False  # a range's dash came last
     while i < len(pattern) and depth:
@@ -124,7 +124,7 @@ def _class_end(pattern: str, start: int) -> int:
             i = pattern.index(":]", i + 2) + 2  # [:cntrl:], a POSIX class
             may_start_range = ends_range = False
         elif char == "[" and not ends_range:
-            i, depth = _past_opening(pattern, i), depth + 1
+            i, depth = past_opening(pattern, i), depth + 1
             may_start_range = ends_range = False
         elif char == "]":
             i, depth = i + 1, depth - 1
@@ -143,7 +143,7 @@ def _class_end(pattern: str, start: int) -> int:
     return min(i, len(pattern))
 
 
-def _past_opening(pattern: str, start: int) -> int:
+def past_opening(pattern: str, start: int) -> int:
     """Past ``[``, a ``^`` after it, and the literals Rust reads first in a class,
     which start no range: any number of ``-`` (``[--\\x00-[^"]]`` holds the
     range ``\\x00-[``), else a ``]`` (``[]-[^\\\\]]`` holds ], - and a nested class)."""
