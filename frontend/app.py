@@ -140,7 +140,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
     request_metrics.count_request(_route_path(request), 500, NO_FINISH_REASON)
     message = (
         f"the frontend failed on this request ({type(exc).__name__}, logged with its "
-        "traceback); retry it, and report it if it happens again"
+        "traceback); a bug: report it with that log"
     )
     return error_response(ApiError(500, message, ErrorCode.INTERNAL))
 

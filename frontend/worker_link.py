@@ -201,7 +201,7 @@ class WorkerLink:
             request_id,
             ErrorCode.INTERNAL,
             f"the worker sent an answer this frontend cannot take ({problem}); "
-            "retrying may succeed, and this frontend's log names the worker",
+            "this frontend's log names the worker",
         )
 
     def on_other_death(self, ping: bytes) -> None:

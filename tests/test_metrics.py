@@ -259,6 +259,9 @@ def test_an_unexpected_exception_is_a_counted_500_in_the_error_shape(
         error = response.json()["error"]
         assert (error["type"], error["code"]) == ("server_error", "internal")
         assert "RecursionError" in error["message"]
+        # Clients are told not to send it again, and so is whoever reads it.
+        assert response.headers["x-should-retry"] == "false"
+        assert "retry" not in error["message"]
         families = text_string_to_metric_families(client.get("/metrics").text)
         samples = [s for family in families for s in family.samples]
     assert any(

@@ -446,6 +446,8 @@ def test_an_engine_that_fails_everything_ends_the_worker_with_its_own_exit_code(
             frontend.send(encode(GenerateRequest(f"r{i}", "a prompt", 4)))
             failed = frontend.receive_until(ErrorResult, timeout_s=30)[-1]
             assert isinstance(failed, ErrorResult) and failed.code == ErrorCode.INTERNAL
+            # Its 500 says not to retry (x-should-retry): three in a row end the worker.
+            assert "retry" not in failed.message
         # The third's failure may not leave before the worker ends: the frontend
         # sends it to another worker, as it does any request of a worker that died.
         frontend.send(encode(GenerateRequest("r2", "a prompt", 4)))

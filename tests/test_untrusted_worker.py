@@ -165,6 +165,9 @@ def test_an_answer_the_frontend_cannot_read_fails_its_request_with_500(
     assert error["code"] == ErrorCode.INTERNAL
     assert "the worker sent an answer this frontend cannot take" in error["message"]
     assert problem in error["message"]
+    # Not sent again by clients (x-should-retry: false), nor advised to be.
+    assert response.headers["x-should-retry"] == "false"
+    assert "retry" not in error["message"], error["message"]
     assert "Traceback" not in stack.log("frontend")
     # The worker is told to stop running it.
     (sent,) = [m.request_id for m in worker.received if isinstance(m, GenerateRequest)]

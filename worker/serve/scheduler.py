@@ -372,5 +372,5 @@ def _internal_error(request_id: str, exc: Exception) -> ErrorResult:
         request_id,
         ErrorCode.INTERNAL,
         f"the engine failed while serving this request ({type(exc).__name__}: {exc}); "
-        "retrying may succeed, and the worker log has the traceback",
+        "the worker log has the traceback",
     )
