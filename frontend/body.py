@@ -25,6 +25,11 @@ from frontend.accepted import CLIENT_CLOSED_REQUEST
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError
 
+# Where the connection refused a body as it came (too many chunks, trailers too
+# large), and answered that itself (`frontend.http_protocol`), its request's scope
+# holds the refusal here: the app's read of the body counts and logs it.
+REFUSED_AS_IT_CAME = "minibatch.refused_as_it_came"
+
 JSON_MEDIA_TYPE = "application/json"
 SEND_JSON = f"send a JSON object with the header 'Content-Type: {JSON_MEDIA_TYPE}'"
 CLOSE = {"Connection": "close"}
@@ -212,6 +217,9 @@ async def _read(request: Request, config: FrontendConfig) -> bytes:
             headers=CLOSE,
         ) from None
     except ClientDisconnect:
+        refused: ApiError | None = request.scope.get(REFUSED_AS_IT_CAME)
+        if refused is not None:
+            raise refused from None  # answered already; raised to be counted
         # Nobody reads this answer; the status is for /metrics.
         raise ApiError(
             CLIENT_CLOSED_REQUEST,

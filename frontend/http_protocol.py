@@ -37,6 +37,12 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   client holding that many would blind the orchestrator's probes too, and have
   the instance taken out of service. The probes (`OPEN_PATHS`) are answered
   past the limit.
+
+Every refusal made here is counted in ``minibatch_requests_total`` as the app's
+are: one past MAX_CONNECTIONS by `frontend.refusal` (uvicorn's own answer was
+plain text, and uncounted), one of a body as it came by the app's read of that
+body (which counted it 499, a client that hung up), any other (no request to
+run) under the ``other`` endpoint.
 """
 
 from __future__ import annotations
@@ -50,13 +56,17 @@ import termios
 from typing import Any, ClassVar
 
 import h11
+from starlette.applications import Starlette
+from starlette.types import Receive, Scope, Send
 from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from frontend.auth import OPEN_PATHS
-from frontend.body import DRAIN_FACTOR, DRAIN_TIMEOUT_S
+from frontend.body import DRAIN_FACTOR, DRAIN_TIMEOUT_S, REFUSED_AS_IT_CAME
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError, error_body
+from frontend.metrics import NO_FINISH_REASON, UNROUTED, Metrics
+from frontend.refusal import refuse
 
 _HEAD_TOO_LARGE = ApiError(
     431,
@@ -163,13 +173,15 @@ def _fields_bytes(headers: h11._headers.Headers) -> int:
     return sum(len(name) + len(value) + 4 for name, value in headers.raw_items())
 
 
-def edge_protocol(config: FrontendConfig) -> type[EdgeProtocol]:
-    """The class to give uvicorn as ``http=``; uvicorn builds one protocol per
-    connection from a class, so the settings travel as class attributes."""
+def edge_protocol(config: FrontendConfig, api: Starlette) -> type[EdgeProtocol]:
+    """The class to give uvicorn as ``http=`` for ``api``, the frontend's app;
+    uvicorn builds one protocol per connection from a class, so the settings
+    travel as class attributes."""
     settings = {
         "header_timeout_s": config.header_timeout_s,
         "reader_timeout_s": config.body_timeout_s,
         "drain_bytes": DRAIN_FACTOR * config.max_request_bytes,
+        "api": api,
     }
     return type(EdgeProtocol.__name__, (EdgeProtocol,), settings)
 
@@ -177,6 +189,7 @@ def edge_protocol(config: FrontendConfig) -> type[EdgeProtocol]:
 class EdgeProtocol(H11Protocol):
     header_timeout_s: ClassVar[float]
     reader_timeout_s: ClassVar[float]
+    api: ClassVar[Starlette]  # whose metrics count the refusals made here
     head_timer: asyncio.TimerHandle | None = None
     reader_timer: asyncio.TimerHandle | None = None
     _max_connections: int | None = None
@@ -192,17 +205,45 @@ class EdgeProtocol(H11Protocol):
         self.conn = EdgeConnection(h11.SERVER, **sizes)
 
     @property
-    def limit_concurrency(self) -> int | None:
-        """MAX_CONNECTIONS, as uvicorn reads it for each request, whose scope it has
-        just made: none for a probe."""
-        scope = getattr(self, "scope", None)
-        if scope is not None and scope.get("path") in OPEN_PATHS:
-            return None
-        return self._max_connections
+    def limit_concurrency(self) -> None:
+        """None, as uvicorn reads it for each request: past MAX_CONNECTIONS, `app`
+        answers instead of uvicorn."""
+        return None
 
     @limit_concurrency.setter
     def limit_concurrency(self, value: int | None) -> None:
         self._max_connections = value
+
+    @property
+    def app(self) -> Any:
+        """The app that answers the request whose scope uvicorn has just made: past
+        MAX_CONNECTIONS (counted as uvicorn counts them), a 503 in the shape of
+        every error, but for a probe."""
+        scope = getattr(self, "scope", None)
+        limit = self._max_connections
+        if (
+            limit is not None
+            and scope is not None
+            and scope.get("path") not in OPEN_PATHS
+            and (len(self.connections) >= limit or len(self.tasks) >= limit)
+        ):
+            return self._refuse_past_limit
+        return self._app
+
+    @app.setter
+    def app(self, value: Any) -> None:
+        self._app = value
+
+    async def _refuse_past_limit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["app"] = self.api  # as Starlette sets it: `refuse` counts it by its route
+        error = ApiError(
+            503,
+            f"this server has MAX_CONNECTIONS={self._max_connections} connections open; "
+            "retry later, and close connections you do not use",
+            "too_many_connections",
+            headers={"Connection": "close"},
+        )
+        await refuse(error, scope, receive, send)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -264,6 +305,13 @@ class EdgeProtocol(H11Protocol):
             h11.EndOfMessage(),
         ):
             self.transport.write(self.conn.send(event) or b"")
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and not cycle.response_complete:
+            # The app reads this body: its read ends now, and counts the refusal.
+            cycle.scope[REFUSED_AS_IT_CAME] = error
+        else:
+            metrics: Metrics = self.api.state.metrics
+            metrics.count_request(UNROUTED, error.status, NO_FINISH_REASON)
         self._close_after_drain()
 
     def _close_after_drain(self) -> None:

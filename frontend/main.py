@@ -53,12 +53,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level="info",
         access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        http=edge_protocol(config),
+        http=edge_protocol(config, app),
         timeout_keep_alive=config.keep_alive_timeout_s,
         limit_concurrency=config.max_connections,
     )
-    # uvicorn logs a warning for each malformed request, websocket upgrade and
-    # request past MAX_CONNECTIONS: a client could write the log at will.
+    # uvicorn logs a warning for each malformed request and websocket upgrade: a
+    # client could write the log at will.
     logging.getLogger("uvicorn.error").addFilter(ThrottleWarnings())
     server = _Server(server_config, app.state.client)
     # /ready says "full" while every connection uvicorn takes is in use.

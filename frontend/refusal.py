@@ -1,6 +1,7 @@
 """Refusals: each answered, counted and logged alike, wherever it is raised.
 
-A middleware's refusal (ambiguous framing, a missing API key) runs before
+A middleware's refusal (ambiguous framing, a missing API key), or the
+connection's past MAX_CONNECTIONS (`frontend.http_protocol`), runs before
 routing and before the app's exception handlers, which count every other
 refusal in ``minibatch_requests_total``; here the request's route is looked up
 from its path and method, so the count carries the same ``endpoint`` label the

@@ -63,11 +63,11 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     return int(status_line.split()[1]), headers, body
 
 
-def request_counts(stack: Stack) -> dict[str, float]:
-    """minibatch_requests_total for /generate by its labels."""
+def request_counts(stack: Stack, endpoint: str = "/generate") -> dict[str, float]:
+    """minibatch_requests_total for ``endpoint`` by its labels."""
     counts = {}
     for line in httpx.get(f"{stack.url}/metrics", timeout=5).text.splitlines():
-        if line.startswith('minibatch_requests_total{endpoint="/generate"'):
+        if line.startswith(f'minibatch_requests_total{{endpoint="{endpoint}"'):
             labels, value = line.rsplit(" ", 1)
             counts[labels] = float(value)
     return counts
@@ -171,10 +171,18 @@ def _chunked(body: bytes, chunk_bytes: int) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
 
 
+def _status_count(status: int) -> str:
+    """The label set of /generate's refusals of ``status``, as `request_counts` keys it."""
+    labels = f'endpoint="/generate",finish_reason="none",status="{status}"'
+    return f"minibatch_requests_total{{{labels}}}"
+
+
 def test_a_body_of_too_many_chunks_is_refused(stack: Stack) -> None:
     """Each chunk costs the event loop an h11 event: a body a byte a chunk held
-    every other client for seconds."""
+    every other client for seconds. It is counted as the 400 it got, not as a
+    client that hung up (499)."""
     padded = json.dumps({"prompt": "chunks", "max_new_tokens": 2}).encode() + b" " * 9000
+    before = request_counts(stack)
     with connect(stack) as sock:
         sock.sendall(head("/generate", f"Content-Type: {JSON}", "Transfer-Encoding: chunked"))
         sock.sendall(_chunked(padded, 1))
@@ -182,6 +190,9 @@ def test_a_body_of_too_many_chunks_is_refused(stack: Stack) -> None:
     assert status == 400
     assert headers["connection"] == "close"
     assert json.loads(body)["error"]["code"] == "too_many_chunks"
+    after = request_counts(stack)
+    assert after.get(_status_count(400), 0) == before.get(_status_count(400), 0) + 1
+    assert after.get(_status_count(499), 0) == before.get(_status_count(499), 0)
     # The same body in chunks a client streaming it would send is read.
     with connect(stack) as sock:
         sock.sendall(
@@ -542,6 +553,8 @@ def test_a_body_framed_two_ways_is_refused_and_its_connection_closed(stack: Stac
 def test_a_malformed_content_length_gets_400_in_the_usual_error_shape(
     stack: Stack, length: str
 ) -> None:
+    counted = 'minibatch_requests_total{endpoint="other",finish_reason="none",status="400"}'
+    before = request_counts(stack, "other").get(counted, 0)
     with connect(stack) as sock:
         sock.sendall(head("/generate", f"Content-Type: {JSON}", f"Content-Length: {length}"))
         status, headers, answer = read_response(sock)
@@ -549,6 +562,8 @@ def test_a_malformed_content_length_gets_400_in_the_usual_error_shape(
     error = json.loads(answer)["error"]
     assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_http")
     assert error["message"].startswith("the request is not valid HTTP/1.1")
+    # Unread, it has no route: counted under "other", as an unknown path is.
+    assert request_counts(stack, "other").get(counted, 0) == before + 1
 
 
 def test_a_flood_of_malformed_requests_writes_a_line_a_second_not_one_each(
@@ -742,8 +757,13 @@ def test_past_max_connections_only_the_probes_are_answered(
                 "MAX_CONNECTIONS=4 connections open",
             )
             body = {"prompt": "hi", "max_new_tokens": 2}
+            before = request_counts(stack).get(_status_count(503), 0)
             refused = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
             assert refused.status_code == 503
+            # In the shape of every error (uvicorn's was plain text), and counted.
+            assert refused.json()["error"]["code"] == "too_many_connections"
+            assert refused.headers["retry-after"]
+            assert request_counts(stack).get(_status_count(503), 0) == before + 1
         finally:
             for connection in idle:
                 connection.close()
@@ -809,9 +829,16 @@ def test_trailer_fields_past_16_kib_get_431(stack: Stack) -> None:
     after a 14-byte body were read, and served."""
     body = b'{"prompt":"a"}'
     trailers = "".join(f"X-Trailer-{i}: {'v' * 20}\r\n" for i in range(1000)).encode()
+    counted = 'minibatch_requests_total{endpoint="/tokenize",finish_reason="none",status="431"}'
+    before = request_counts(stack, "/tokenize")
     with connect(stack) as sock:
         sock.sendall(head("/tokenize", f"Content-Type: {JSON}", "Transfer-Encoding: chunked"))
         sock.sendall(b"%x\r\n%s\r\n0\r\n%s\r\n" % (len(body), body, trailers))
         status, _, answer = read_response(sock)
     assert status == 431, answer
     assert json.loads(answer)["error"]["code"] == "head_too_large"
+    # Counted as the 431 it got, and as nothing else (it was a 499 too).
+    after = request_counts(stack, "/tokenize")
+    assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {
+        counted: 1
+    }
