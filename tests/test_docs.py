@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from frontend.health import PoolLoad, WorkerLoad, _status
+from protocol.liveness import Verdict, WorkerState
+from tests.stand_in_worker import stand_in_hello
+
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 MAPPED_PACKAGES = ("protocol", "frontend", "worker", "bench")
@@ -202,3 +206,14 @@ def test_the_docs_pages_are_linked_from_the_readme() -> None:
         page.name for page in (ROOT / "docs").glob("*.md") if f"(docs/{page.name}" not in readme
     ]
     assert not unlinked, f"README.md links no page for {', '.join(unlinked)}"
+
+
+def test_every_key_of_health_is_named_in_the_api_docs() -> None:
+    """health.py's answer says docs/api.md names each of its keys."""
+    live = Verdict(WorkerState.LIVE, "1 of 1 workers live")
+    worker = WorkerLoad("tcp://127.0.0.1:1", live, False, stand_in_hello(), None, 0)
+    status = _status(PoolLoad(live, worker.hello, [worker], 0, 0, 0))
+    keys = {*status, *status["workers"][0], "ready"}
+    docs = (ROOT / "docs" / "api.md").read_text()
+    table = docs[docs.index("`GET /health`'s keys") :].split("\n\n")[1]
+    assert sorted(key for key in keys if f"`{key}`" not in table) == []
