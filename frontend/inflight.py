@@ -28,7 +28,7 @@ from protocol import (
     TokenDelta,
     Waiting,
 )
-from protocol.request_checks import fit_to_context
+from protocol.request_checks import RequestLimits, fit_to_context, request_problem
 
 if TYPE_CHECKING:
     from frontend.worker_link import WorkerLink
@@ -70,6 +70,8 @@ class InFlight:
     prompt_tokens: int = 0  # as its worker counted them; 0 until a delta says
     accepted_at: float = field(default_factory=time.monotonic)
     sent_at: float = 0.0  # when its current attempt was sent
+    # Whether workers of each limits seen take it (`is_taken_by`), asked once each.
+    _taken_by: dict[RequestLimits, bool] = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:
@@ -104,6 +106,17 @@ class InFlight:
             resume_text_len=len(self.streamed_text),
             stream=True,
         )
+
+    def is_taken_by(self, limits: RequestLimits | None) -> bool:
+        """Whether a worker of ``limits`` (as its hello says them; None: it says
+        none) takes this request. Asked once for each: the checks parse its
+        grammar (20 ms for one of 30,000 characters), and a request may wait
+        through many dispatches."""
+        if limits is None:
+            return True
+        if limits not in self._taken_by:
+            self._taken_by[limits] = request_problem(self.request, limits) is None
+        return self._taken_by[limits]
 
     def with_whole_wait(self, result: GenerateResult) -> GenerateResult:
         """``result`` with its queue wait counted from acceptance: the frontend

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from frontend.inflight import InFlight
 from frontend.worker_link import WorkerLink
-from protocol import GenerateRequest
-from protocol.request_checks import limits_of, request_problem
+from protocol.request_checks import limits_of
 
 
 def pick(
-    links: Collection[WorkerLink], request: GenerateRequest, is_trial: bool = False
+    links: Collection[WorkerLink], entry: InFlight, is_trial: bool = False
 ) -> WorkerLink | None:
-    """The live worker with the most free slots, or None while none has one.
+    """The live worker with the most free slots for ``entry``, or None while none
+    has one.
 
-    Of those whose limits (as their hellos say them) take ``request``, where any
+    Of those whose limits (as their hellos say them) take its request, where any
     live worker's do: a request too long for one worker's context window waits
     for another that holds it, rather than be refused by the first. Where none
     live takes it (the one that did has died), any may have it, and refuse it.
@@ -31,7 +32,7 @@ def pick(
     best: WorkerLink | None = None
     best_key = (False, 0)
     live = [link for link in links if link.verdict().is_live]
-    for link in _takers(live, request) or live:
+    for link in _takers(live, entry) or live:
         if is_trial and (link.trial is not None or not link.is_heard_since_a_death):
             continue
         num_free = link.free_slots()
@@ -42,17 +43,14 @@ def pick(
     return best
 
 
-def _takers(live: list[WorkerLink], request: GenerateRequest) -> list[WorkerLink]:
-    """The workers of ``live`` whose limits take ``request`` (one that does not
-    say its limits may take anything). Checked only where they differ in their
-    limits, once for each: the checks parse a grammar, and took 20 ms for one of
-    30,000 characters, at every dispatch while it waited."""
+def _takers(live: list[WorkerLink], entry: InFlight) -> list[WorkerLink]:
+    """The workers of ``live`` whose limits take ``entry``'s request (one that
+    does not say its limits may take anything). Checked only where they differ
+    in their limits (`InFlight.is_taken_by`)."""
     limits = {link: limits_of(link.hello) if link.hello else None for link in live}
-    distinct = set(limits.values())
-    if len(distinct) < 2:
+    if len(set(limits.values())) < 2:
         return live  # the same for each: none better placed than another
-    takes = {each: each is None or request_problem(request, each) is None for each in distinct}
-    return [link for link in live if takes[limits[link]]]
+    return [link for link in live if entry.is_taken_by(limits[link])]
 
 
 def _holds_a_replay(link: WorkerLink) -> bool:

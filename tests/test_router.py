@@ -7,7 +7,7 @@ from typing import cast
 
 import pytest
 
-from frontend import router
+import frontend.inflight
 from frontend.inflight import InFlight
 from frontend.router import pick
 from frontend.worker_link import WorkerLink
@@ -16,6 +16,10 @@ from protocol.liveness import Verdict, WorkerState
 from tests.stand_in_worker import stand_in_hello
 
 _REQUEST = GenerateRequest("r", "a prompt", 8)
+
+
+def _entry(request: GenerateRequest = _REQUEST) -> InFlight:
+    return InFlight(request, 1e9)
 
 
 @dataclass(eq=False)
@@ -47,10 +51,10 @@ def test_a_trial_prefers_a_worker_that_holds_no_replay() -> None:
     busy_with_replay = _Link(num_free=6, held={_replay()})
     plain = _Link(num_free=2)
     links = cast(list[WorkerLink], [busy_with_replay, plain])
-    assert pick(links, _REQUEST, is_trial=True) is plain
-    assert pick(links, _REQUEST) is busy_with_replay  # other requests go by free slots
+    assert pick(links, _entry(), is_trial=True) is plain
+    assert pick(links, _entry()) is busy_with_replay  # other requests go by free slots
     only = cast(list[WorkerLink], [busy_with_replay])
-    assert pick(only, _REQUEST, is_trial=True) is busy_with_replay  # a preference, not a rule
+    assert pick(only, _entry(), is_trial=True) is busy_with_replay  # a preference, not a rule
 
 
 def test_a_trial_never_goes_beside_another_or_to_a_worker_not_heard_from() -> None:
@@ -58,7 +62,7 @@ def test_a_trial_never_goes_beside_another_or_to_a_worker_not_heard_from() -> No
         list[WorkerLink],
         [_Link(num_free=8, trial=_replay()), _Link(num_free=8, is_heard_since_a_death=False)],
     )
-    assert pick(links, _REQUEST, is_trial=True) is None
+    assert pick(links, _entry(), is_trial=True) is None
 
 
 def test_a_request_goes_to_a_worker_whose_limits_take_it() -> None:
@@ -68,12 +72,12 @@ def test_a_request_goes_to_a_worker_whose_limits_take_it() -> None:
     roomy = stand_in_hello(context_window=64, vocab_size=99, max_token_chars=8)
     small, large = _Link(num_free=2, hello=tiny), _Link(num_free=1, hello=roomy)
     links = cast(list[WorkerLink], [small, large])
-    assert pick(links, _REQUEST) is large  # 8 new tokens: past a window of 4
-    assert pick(links, GenerateRequest("r", "a", 2)) is small  # the most free slots
+    assert pick(links, _entry()) is large  # 8 new tokens: past a window of 4
+    assert pick(links, _entry(GenerateRequest("r", "a", 2))) is small  # the most free slots
     large.num_free = 0
-    assert pick(links, _REQUEST) is None  # it waits for the one that takes it
+    assert pick(links, _entry()) is None  # it waits for the one that takes it
     # With none live that takes it, any may have it, and refuse it.
-    assert pick(cast(list[WorkerLink], [small]), _REQUEST) is small
+    assert pick(cast(list[WorkerLink], [small]), _entry()) is small
 
 
 def test_workers_of_the_same_limits_are_not_asked_each_time(
@@ -82,12 +86,15 @@ def test_workers_of_the_same_limits_are_not_asked_each_time(
     """The checks parse a request's grammar: 20 ms for one of 30,000 characters,
     for each worker, at every dispatch while it waited."""
     asked = []
-    monkeypatch.setattr(router, "request_problem", lambda *args: asked.append(args))
+    monkeypatch.setattr(frontend.inflight, "request_problem", lambda *args: asked.append(args))
     same = stand_in_hello(context_window=64, vocab_size=99, max_token_chars=8)
     links = cast(list[WorkerLink], [_Link(num_free=1, hello=same), _Link(num_free=2, hello=same)])
-    assert pick(links, _REQUEST) is links[1]
+    entry = _entry()
+    assert pick(links, entry) is links[1]
     assert asked == []
     other = stand_in_hello(context_window=32, vocab_size=99, max_token_chars=8)
     links.append(cast(WorkerLink, _Link(num_free=0, hello=other)))
-    pick(links, _REQUEST)
+    pick(links, entry)
     assert len(asked) == 2  # once for each limits
+    pick(links, entry)
+    assert len(asked) == 2  # and once only, however often it waits
