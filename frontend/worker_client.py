@@ -221,6 +221,7 @@ class WorkerClient:
                 hello.heartbeat_interval_s, hello.frontend_timeout_s
             ):
                 log.error("worker at %s: %s", link.endpoint, problem)
+            self._check_one_model(link, hello)
             if previous is not None:
                 self.num_worker_restarts += 1
                 self._release(link, f"was replaced by {hello.instance_id[:8]}", is_death=True)
@@ -231,6 +232,26 @@ class WorkerClient:
             self._release(link, "greeted this frontend again", is_death=False)
         link.was_live = True
         self._dispatch()
+
+    def _check_one_model(self, link: WorkerLink, hello: Hello) -> None:
+        """Say so where a worker serves another model than a live one: a frontend
+        serves one model, names it in its answers and /v1/models, and checks
+        requests' ``model`` against it, while any live worker may run any request."""
+        others = {
+            other.hello.model
+            for other in self._pool.links()
+            if other is not link and other.hello and other.verdict().is_live
+        }
+        others.discard(hello.model)
+        if others:
+            log.error(
+                "worker at %s serves model %s, another worker %s: a frontend serves one "
+                "model, and its answers would name either for both; give every worker "
+                "of this frontend the same MODEL_ID",
+                link.endpoint,
+                hello.model,
+                " and ".join(sorted(others)),
+            )
 
     def on_heartbeat(self, link: WorkerLink) -> None:
         self._notice_own_pause(is_turn=False)

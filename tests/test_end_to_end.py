@@ -198,6 +198,26 @@ def test_a_live_worker_that_does_not_say_its_limits_may_serve_anything(tmp_path:
             assert response.status_code == 200, response.text
 
 
+def test_a_worker_of_another_model_than_a_live_one_is_logged(tmp_path: Path) -> None:
+    """A frontend serves one model and names one in its answers: a pool of two
+    went unremarked, answers naming the wrong one."""
+
+    def serving(model: str) -> StandInWorker:
+        return StandInWorker(lambda request: [], 1, stand_in_hello(model=model, capacity=1))
+
+    with serving("one") as first, serving("one") as same, serving("two") as other:
+        endpoints = ",".join(worker.endpoint for worker in (first, same, other))
+        overrides = {"WORKER_ENDPOINTS": endpoints}
+        with running_stack(tmp_path, overrides, supervised=False, start=("frontend",)) as stack:
+            stack.wait_for_health("all live", lambda h: h["workers_live"] == 3)
+            log = stack.log("frontend")
+    # One line for each hello that met the other model live: one or two, by their order.
+    lines = [line for line in log.splitlines() if "a frontend serves one model" in line]
+    assert 1 <= len(lines) <= 2, log
+    pairs = ("model one, another worker two", "model two, another worker one")
+    assert all(any(pair in line for pair in pairs) for line in lines), lines
+
+
 def _refused_at_first(request: GenerateRequest) -> list[ToFrontend | bytes]:
     """A worker whose queue another frontend filled: each request's first
     attempt is refused, and sent again once there is room."""
