@@ -183,7 +183,15 @@ async def next_event(
     _DEADLINE_PASSED.warn(f"request {accepted.request_id}: deadline passed; aborted")
     verdict = client.verdict()
     # Fewer tokens help only where a worker is there to make them.
-    advice = "retry later, or ask for fewer tokens" if verdict.is_live else "retry later"
+    advice = "retry later"
+    if verdict.is_live and any(entry.request.fit_context for entry in accepted.entries):
+        limit = client.config.max_new_tokens_limit
+        advice += (
+            ", or set max_tokens: none was set, so it may write up to "
+            f"MAX_NEW_TOKENS_LIMIT={limit} tokens, as the context window allows"
+        )
+    elif verdict.is_live:
+        advice += ", or ask for fewer tokens"
     raise ApiError(
         504,
         f"no answer within REQUEST_TIMEOUT_S={client.config.request_timeout_s:g} s "

@@ -241,6 +241,15 @@ def test_past_its_deadline_a_request_gets_504_and_its_slot_is_freed(tmp_path: Pa
         assert "REQUEST_TIMEOUT_S=1" in message and message.endswith("ask for fewer tokens")
         assert time.monotonic() - started < 5
         stack.wait_for_health("slot freed", lambda h: h["active"] == 0, 2)
+        # A chat that set no max_tokens is told to set one, not to ask for fewer.
+        chat = {"model": "fake", "messages": [{"role": "user", "content": "slow"}]}
+        response = httpx.post(f"{stack.url}/v1/chat/completions", json=chat, timeout=30)
+        assert response.status_code == 504
+        message = response.json()["error"]["message"]
+        assert message.endswith(
+            "retry later, or set max_tokens: none was set, so it may write up to "
+            "MAX_NEW_TOKENS_LIMIT=512 tokens, as the context window allows"
+        ), message
 
 
 def test_past_its_deadline_without_a_worker_a_request_is_told_to_retry(tmp_path: Path) -> None:
