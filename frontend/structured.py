@@ -113,6 +113,14 @@ _ALL_OF_BRANCH = re.compile(r"\.allOf\[\d+\]$")
 _JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
 # llguidance's words for a valid schema it cannot follow: 400 unsupported, not 422.
 _UNSUPPORTED = ("Unimplemented", "Unknown format", "min/maxProperties only supported")
+# Its refusal of a oneOf, which advises its coerce_one_of: refused here (it would
+# follow the oneOf as an anyOf, taking a value that matches two branches).
+_ONE_OF_REFUSED = "oneOf constraints are not supported"
+_ONE_OF_ADVICE = (
+    "a oneOf is followed only where no value can match two of its branches, as "
+    "llguidance tells (branches of different types, or string consts): make them "
+    "so, or use anyOf"
+)
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,13 @@ async def request_grammar(
             problem += "; this server cannot follow these keywords: leave them out"
         elif problem.startswith("Invalid type"):
             problem += f"; a type is one of {', '.join(_JSON_TYPES)}"
-        if problem.startswith(_UNSUPPORTED) or _CANNOT_FOLLOW in problem:
+        elif problem.startswith(_ONE_OF_REFUSED):
+            problem = _ONE_OF_ADVICE
+        if (
+            problem.startswith(_UNSUPPORTED)
+            or problem == _ONE_OF_ADVICE
+            or _CANNOT_FOLLOW in problem
+        ):
             raise ApiError(400, f"{param}: {problem}", "unsupported", param)
         raise ApiError(422, f"{param}: {problem}", "invalid_request", param)
     return Grammar(source.kind, grammar)

@@ -283,6 +283,15 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             "structured_outputs.json",
             "min/maxProperties only supported when",
         ),
+        (  # branches llguidance cannot tell apart: not its advice of an option refused here
+            None,
+            {"json": {"oneOf": [{"type": "integer", "maximum": 5}, {"type": "integer"}]}},
+            400,
+            "structured_outputs.json",
+            "structured_outputs.json: a oneOf is followed only where no value can match two "
+            "of its branches, as llguidance tells (branches of different types, or string "
+            "consts): make them so, or use anyOf",
+        ),
         # a valid construct llguidance does not follow: unsupported, said without
         # the rule it wraps a regex in; in a schema's pattern, naming the pattern
         (
