@@ -75,6 +75,7 @@ def test_a_replacement_worker_is_forked_with_the_model_already_loaded(tmp_path: 
         log = stack.log("supervisor")
         # Both the first worker and its replacement, and neither loaded it again.
         assert log.count("synthetic was loaded before this worker forked") == 2, log
+        assert "worker loading" not in log  # as if it would load a model again
         assert _generate(stack, "Hello") != ""
 
 

@@ -41,6 +41,14 @@ def load_engine(config: WorkerConfig) -> TorchEngine:
             "between chunks of prefill, so it is off; set PREFILL_CHUNK_TOKENS > 0 to use it"
         )
     preloaded = _take_preloaded(config, device, precision)
+    if preloaded is None:
+        # Not before: a worker forked with a model that fell back said it would
+        # load the one that could not be loaded.
+        logger.info(
+            "worker loading %s%s",
+            config.model_to_load,
+            "" if config.model_id else " (MODEL_ID unset: synthetic if it cannot be loaded)",
+        )
     loaded, gpt2 = preloaded or (_load(config, device, precision), None)
     _check_kv_cache_fits(config, loaded, precision, device)
     chat_template = choose_chat_template(

@@ -25,6 +25,7 @@ log = logging.getLogger("worker.serve.main")
 
 def build_engine(config: WorkerConfig) -> InferenceEngine:
     if config.model_id == FAKE_MODEL_NAME:
+        log.info("worker loading %s", FAKE_MODEL_NAME)
         fake = load(FakeEngineConfig, [])
         time.sleep(fake.fake_start_delay_s)  # a model that takes this long to load
         return FakeEngine(
@@ -64,11 +65,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         follow_supervisor("worker")
         config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")
         check_endpoint_free(config)
-        log.info(
-            "worker loading %s%s",
-            config.model_to_load,
-            "" if config.model_id else " (MODEL_ID unset: synthetic if it cannot be loaded)",
-        )
         engine = build_engine(config)
         server = WorkerServer(Scheduler(engine, config.max_queue_depth), config)
 
