@@ -15,6 +15,7 @@ from pathlib import Path
 
 import llguidance
 import msgpack
+import psutil
 import pytest
 import zmq
 
@@ -459,6 +460,42 @@ def test_an_engine_that_fails_everything_ends_the_worker_with_its_own_exit_code(
     assert worker.returncode == 5
     assert "CRITICAL worker.serve.server: the engine failed 3 times in a row" in log
     assert "thread MainThread failed" not in log
+
+
+def test_a_flood_of_connections_past_the_open_file_limit_leaves_the_worker_serving() -> None:
+    """Raw TCP connections to its port (no handshake, no key needed) took every
+    file it could open: its heartbeat's memory reading failed, and the worker
+    ended, again and again while the flood lasted."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    env = {**os.environ, "MODEL_ID": "fake", "WORKER_ENDPOINT": endpoint}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "worker.serve.main"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    frontend = Frontend(context, endpoint)
+    flood: list[socket.socket] = []
+    try:
+        frontend.send(encode(Ping("f1")))
+        frontend.receive_until(Hello, timeout_s=30)
+        process = psutil.Process(worker.pid)
+        limit = process.num_fds() + 8
+        process.rlimit(psutil.RLIMIT_NOFILE, (limit, limit))
+        host, port = endpoint.removeprefix("tcp://").split(":")
+        for _ in range(3 * limit):
+            flood.append(socket.create_connection((host, int(port))))
+        time.sleep(1)  # heartbeats at 0.5 s, each at the limit
+        for _ in range(3):
+            frontend.send(encode(Ping("f1")))
+            frontend.receive_until(Heartbeat, timeout_s=2)
+        assert worker.poll() is None
+    finally:
+        for connection in flood:
+            connection.close()
+        worker.kill()
+        _, log = worker.communicate(timeout=10)
+        frontend.socket.close(linger=0)
+        context.term()
+    assert "Too many open files" not in log, log
 
 
 # Where the kernel lets a process bind any address (ip_nonlocal_bind), every

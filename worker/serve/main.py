@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from protocol.exit_codes import ExitCode
 from protocol.lifeline import follow_supervisor
 from protocol.logs import log_as
+from protocol.open_files import raise_open_file_limit
 from protocol.settings import ConfigError, exit_refusing, load
 from worker.engine.fake_engine import FAKE_MODEL_NAME, FakeEngine, FakeEngineConfig
 from worker.engine.interface import InferenceEngine
@@ -63,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         signal.signal(stop_signal, _stop_while_starting)
     try:
         follow_supervisor("worker")
+        # Every peer's connection to its port is a file, a stranger's too.
+        raise_open_file_limit()
         config = load(WorkerConfig, argv, description="MiniBatch-LLM engine worker")
         check_endpoint_free(config)
         engine = build_engine(config)
