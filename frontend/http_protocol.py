@@ -37,6 +37,13 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   client holding that many would blind the orchestrator's probes too, and have
   the instance taken out of service. The probes (`OPEN_PATHS`) are answered
   past the limit.
+- **Open files.** uvicorn accepts every connection, and each is a file: 1,500
+  connections that sent one byte each held 1,500, past MAX_CONNECTIONS, and at
+  the open-file limit asyncio's accept logged 180 MB in 30 s and took the CPU
+  (Python 3.11 logs and retries every accept of its backlog), the probes unanswered. A
+  frontend holds at most MAX_CONNECTIONS and `PROBE_ROOM` more (fewer where its
+  open-file limit is too low: `connection_cap`); past that, a new connection
+  closes the oldest one still waiting for its head, else itself.
 
 Every refusal made here is counted in ``minibatch_requests_total`` as the app's
 are: one past MAX_CONNECTIONS by `frontend.refusal` (uvicorn's own answer was
@@ -173,15 +180,31 @@ def _fields_bytes(headers: h11._headers.Headers) -> int:
     return sum(len(name) + len(value) + 4 for name, value in headers.raw_items())
 
 
-def edge_protocol(config: FrontendConfig, api: Starlette) -> type[EdgeProtocol]:
-    """The class to give uvicorn as ``http=`` for ``api``, the frontend's app;
-    uvicorn builds one protocol per connection from a class, so the settings
-    travel as class attributes."""
+# Connections held past MAX_CONNECTIONS, where the probes are answered.
+PROBE_ROOM = 32
+# Files a frontend holds besides its clients' connections: its workers' sockets
+# (libzmq's take several each), its logs, its event loop's.
+_OWN_FILES = 256
+
+
+def connection_cap(max_connections: int, open_file_limit: int) -> int:
+    """The connections a frontend holds at most: MAX_CONNECTIONS and the probes'
+    room, within its open-file limit."""
+    return max(1, min(max_connections + PROBE_ROOM, open_file_limit - _OWN_FILES))
+
+
+def edge_protocol(config: FrontendConfig, api: Starlette, cap: int) -> type[EdgeProtocol]:
+    """The class to give uvicorn as ``http=`` for ``api``, the frontend's app,
+    holding ``cap`` connections at most (`connection_cap`); uvicorn builds one
+    protocol per connection from a class, so the settings travel as class
+    attributes."""
     settings = {
         "header_timeout_s": config.header_timeout_s,
         "reader_timeout_s": config.body_timeout_s,
         "drain_bytes": DRAIN_FACTOR * config.max_request_bytes,
         "api": api,
+        "connection_cap": cap,
+        "awaiting_head": {},
     }
     return type(EdgeProtocol.__name__, (EdgeProtocol,), settings)
 
@@ -190,6 +213,9 @@ class EdgeProtocol(H11Protocol):
     header_timeout_s: ClassVar[float]
     reader_timeout_s: ClassVar[float]
     api: ClassVar[Starlette]  # whose metrics count the refusals made here
+    connection_cap: ClassVar[int]
+    # The connections whose request head has not come whole yet, oldest first.
+    awaiting_head: ClassVar[dict[EdgeProtocol, None]]
     head_timer: asyncio.TimerHandle | None = None
     reader_timer: asyncio.TimerHandle | None = None
     _max_connections: int | None = None
@@ -247,7 +273,31 @@ class EdgeProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if len(self.connections) > self.connection_cap and not self._close_oldest_idle():
+            self.logger.warning(
+                "%d connections open, every one with a request under way: a new one "
+                "is closed at once (MAX_CONNECTIONS, and the open-file limit)",
+                len(self.connections) - 1,
+            )
+            transport.abort()
+            return
         self._start_head_timer()
+
+    def _close_oldest_idle(self) -> bool:
+        """Close the oldest connection that waits for its head, to make room for
+        a new one: a probe's head comes at once, a flood's never; False if none
+        waits."""
+        oldest = next(iter(self.awaiting_head), None)
+        if oldest is None:
+            return False
+        self.logger.warning(
+            "%d connections open: the oldest one still waiting for its request head "
+            "is closed to make room (MAX_CONNECTIONS, and the open-file limit)",
+            len(self.connections) - 1,
+        )
+        oldest._cancel_head_timer()
+        oldest.transport.abort()
+        return True
 
     def _unsupported_upgrade_warning(self) -> None:
         # uvicorn's own advised installing a websocket library: this server has
@@ -346,8 +396,10 @@ class EdgeProtocol(H11Protocol):
     def _start_head_timer(self) -> None:
         if self.head_timer is None:
             self.head_timer = self.loop.call_later(self.header_timeout_s, self._on_head_timeout)
+            self.awaiting_head[self] = None
 
     def _cancel_head_timer(self) -> None:
+        self.awaiting_head.pop(self, None)
         if self.head_timer is not None:
             self.head_timer.cancel()
             self.head_timer = None
@@ -359,6 +411,7 @@ class EdgeProtocol(H11Protocol):
 
     def _on_head_timeout(self) -> None:
         self.head_timer = None
+        self.awaiting_head.pop(self, None)
         if not self.transport.is_closing():
             self.logger.debug(
                 "%s: no whole request head within HEADER_TIMEOUT_S=%g s; closed",

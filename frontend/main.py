@@ -16,12 +16,13 @@ import uvicorn
 from frontend.app import create_app
 from frontend.auth import OPEN_PATHS
 from frontend.config import FrontendConfig
-from frontend.http_protocol import edge_protocol
+from frontend.http_protocol import PROBE_ROOM, connection_cap, edge_protocol
 from frontend.worker_client import WorkerClient
 from protocol.endpoints import probe_binds
 from protocol.exit_codes import ExitCode
 from protocol.lifeline import follow_supervisor
 from protocol.logs import log_as
+from protocol.open_files import raise_open_file_limit
 from protocol.settings import ConfigError, exit_refusing, load
 from protocol.stop_timing import FRONTEND_STOP_GRACE_S
 from protocol.throttled import ThrottleWarnings
@@ -42,6 +43,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as exc:
         exit_refusing("frontend", exc, FrontendConfig, argv)
     log_access(config)
+    cap = connection_cap(config.max_connections, raise_open_file_limit())
+    if cap < config.max_connections + PROBE_ROOM:
+        log.warning(
+            "the open-file limit (ulimit -n) lets this frontend hold %d connections, fewer "
+            "than MAX_CONNECTIONS=%d and %d for the probes: past %d a new connection "
+            "closes an idle one, or itself; raise the limit, or lower MAX_CONNECTIONS",
+            cap,
+            config.max_connections,
+            PROBE_ROOM,
+            cap,
+        )
     app = create_app(config)
     server_config = uvicorn.Config(
         app,
@@ -53,13 +65,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level="info",
         access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        http=edge_protocol(config, app),
+        http=edge_protocol(config, app, cap),
         timeout_keep_alive=config.keep_alive_timeout_s,
         limit_concurrency=config.max_connections,
     )
-    # uvicorn logs a warning for each malformed request and websocket upgrade: a
-    # client could write the log at will.
+    # uvicorn logs a warning for each malformed request and websocket upgrade, and
+    # asyncio an error for each connection it cannot accept: a client could write
+    # the log at will.
     logging.getLogger("uvicorn.error").addFilter(ThrottleWarnings())
+    logging.getLogger("asyncio").addFilter(ThrottleWarnings())
     server = _Server(server_config, app.state.client)
     # /ready says "full" while every connection uvicorn takes is in use.
     app.state.count_connections = lambda: len(server.server_state.connections)

@@ -17,9 +17,16 @@ from collections.abc import Iterator
 
 import h11
 import httpx
+import psutil
 import pytest
 
-from frontend.http_protocol import FREE_CHUNKS, EdgeConnection, EdgeProtocol
+from frontend.http_protocol import (
+    FREE_CHUNKS,
+    PROBE_ROOM,
+    EdgeConnection,
+    EdgeProtocol,
+    connection_cap,
+)
 from tests.stack import Stack, running_stack
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # room for 200,000 short keys, which is ~2 MB
@@ -771,6 +778,45 @@ def test_past_max_connections_only_the_probes_are_answered(
         assert httpx.get(f"{stack.url}/ready", timeout=GIVE_UP_S).status_code == 200
         answered = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
         assert answered.status_code == 200, answered.text
+
+
+def test_connections_past_the_cap_close_the_oldest_that_sent_no_whole_head(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """uvicorn accepted every connection: 1,500 that sent a byte each held 1,500
+    files, and at the open-file limit the accept loop filled the log and the CPU.
+    A frontend holds MAX_CONNECTIONS and PROBE_ROOM more; the probes still answer."""
+    tmp_path = tmp_path_factory.mktemp("cap")
+    overrides = {"MAX_CONNECTIONS": "4", "HEADER_TIMEOUT_S": "30"}
+    with running_stack(tmp_path, overrides, supervised=False) as stack:
+        stack.wait_live()
+        frontend = psutil.Process(stack.processes["frontend"].pid)
+        files_before = frontend.num_fds()
+        port = int(stack.url.rsplit(":", 1)[1])
+        flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+        try:
+            for connection in flood:
+                with contextlib.suppress(ConnectionResetError):  # closed already
+                    connection.sendall(b"G")  # a head begun, never ended
+            time.sleep(0.5)
+            assert frontend.num_fds() <= files_before + 4 + PROBE_ROOM
+            for _ in range(3):
+                assert httpx.get(f"{stack.url}/health", timeout=GIVE_UP_S).status_code == 200
+            # The oldest were closed: reset, nothing said to them (the reset may
+            # have come to the sendall already).
+            flood[0].settimeout(GIVE_UP_S)
+            with contextlib.suppress(ConnectionResetError):
+                assert flood[0].recv(1) == b""
+        finally:
+            for connection in flood:
+                connection.close()
+        log = stack.log("frontend")
+    assert 1 <= log.count("is closed to make room") <= 3, log  # a line a second
+
+
+def test_the_connections_held_stay_within_the_open_file_limit() -> None:
+    assert connection_cap(2048, 1 << 20) == 2048 + PROBE_ROOM
+    assert 0 < connection_cap(2048, 1024) < 1024  # the frontend's own files beside them
 
 
 def _read_a_large_answer(stack: Stack, wait_s: float, bytes_per_s: float) -> tuple[int, int]:
