@@ -43,7 +43,8 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   (Python 3.11 logs and retries every accept of its backlog), the probes unanswered. A
   frontend holds at most MAX_CONNECTIONS and `PROBE_ROOM` more (fewer where its
   open-file limit is too low: `connection_cap`); past that, a new connection
-  closes the oldest one still waiting for its head, else itself.
+  closes the oldest one still waiting for its head, else itself (those accepted
+  in one turn of the event loop pass the cap until each is seen).
 
 Every refusal made here is counted in ``minibatch_requests_total`` as the app's
 are: one past MAX_CONNECTIONS by `frontend.refusal` (uvicorn's own answer was
