@@ -32,11 +32,12 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
 - **Absolute-form targets** (``GET http://host/health``, as clients send to a
   proxy) are served as their path, as RFC 9112 asks; uvicorn routed the whole
   URL as a path, a 404.
-- **Probes.** uvicorn answers every request 503 while MAX_CONNECTIONS
-  connections are open (its ``limit_concurrency``), idle ones included, so a
-  client holding that many would blind the orchestrator's probes too, and have
-  the instance taken out of service. The probes (`OPEN_PATHS`) are answered
-  past the limit.
+- **Probes.** uvicorn answered every request 503 while MAX_CONNECTIONS
+  connections (or requests under way) were open (its ``limit_concurrency``),
+  idle ones included, so a client holding that many would blind the
+  orchestrator's probes too, and have the instance taken out of service. Here a
+  request past the limit gets that 503, in the shape of every error, and the
+  probes (`OPEN_PATHS`) are answered past it.
 - **Open files.** uvicorn accepts every connection, and each is a file: 1,500
   connections that sent one byte each held 1,500, past MAX_CONNECTIONS, and at
   the open-file limit asyncio's accept logged 180 MB in 30 s and took the CPU
@@ -74,7 +75,7 @@ from frontend.body import DRAIN_FACTOR, DRAIN_TIMEOUT_S, REFUSED_AS_IT_CAME
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError, error_body
 from frontend.metrics import NO_FINISH_REASON, UNROUTED, Metrics
-from frontend.refusal import refuse
+from frontend.refusal import record_refusal, refuse
 
 _HEAD_TOO_LARGE = ApiError(
     431,
@@ -244,8 +245,9 @@ class EdgeProtocol(H11Protocol):
     @property
     def app(self) -> Any:
         """The app that answers the request whose scope uvicorn has just made: past
-        MAX_CONNECTIONS (counted as uvicorn counts them), a 503 in the shape of
-        every error, but for a probe."""
+        MAX_CONNECTIONS (connections and requests under way, as uvicorn's
+        ``limit_concurrency`` counts them), a 503 in the shape of every error, but
+        for a probe."""
         scope = getattr(self, "scope", None)
         limit = self._max_connections
         if (
@@ -255,18 +257,36 @@ class EdgeProtocol(H11Protocol):
             and (len(self.connections) >= limit or len(self.tasks) >= limit)
         ):
             return self._refuse_past_limit
-        return self._app
+        return self._run_app
 
     @app.setter
     def app(self, value: Any) -> None:
         self._app = value
 
+    async def _run_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._was_refused_before(scope):
+            await self._app(scope, receive, send)
+
+    def _was_refused_before(self, scope: Scope) -> bool:
+        """Whether the body of this request was refused before its app began (the
+        head and a body of too many chunks in one read): that refusal, answered
+        already, is counted and logged here, where the app would have counted
+        its own answer, which goes nowhere."""
+        refused: ApiError | None = scope.get(REFUSED_AS_IT_CAME)
+        if refused is None:
+            return False
+        scope["app"] = self.api  # as Starlette sets it: counted by its route
+        record_refusal(refused, scope)
+        return True
+
     async def _refuse_past_limit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._was_refused_before(scope):
+            return
         scope["app"] = self.api  # as Starlette sets it: `refuse` counts it by its route
         error = ApiError(
             503,
-            f"this server has MAX_CONNECTIONS={self._max_connections} connections open; "
-            "retry later, and close connections you do not use",
+            f"this server has MAX_CONNECTIONS={self._max_connections} connections (or "
+            "requests under way) open; retry later, and close connections you do not use",
             "too_many_connections",
             headers={"Connection": "close"},
         )

@@ -32,10 +32,15 @@ _MAX_LOGGED_PATH_CHARS = 200
 
 
 async def refuse(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
+    record_refusal(error, scope)
+    await error_response(error)(scope, receive, send)
+
+
+def record_refusal(error: ApiError, scope: Scope) -> None:
+    """Count and log ``error``, the answer to the request of ``scope``."""
     metrics: Metrics = scope["app"].state.metrics
     metrics.count_request(declared_route(scope), error.status, NO_FINISH_REASON)
     log_refusal(scope["method"], scope["path"], error)
-    await error_response(error)(scope, receive, send)
 
 
 def log_refusal(method: str, path: str, error: ApiError) -> None:

@@ -215,6 +215,32 @@ def test_a_body_of_too_many_chunks_is_refused(stack: Stack) -> None:
     assert status == 200, body
 
 
+@pytest.mark.parametrize(
+    ("request_line", "endpoint", "fields"),
+    [
+        ("POST /generate", "/generate", ["Content-Type: text/plain"]),  # a 415 before the read
+        ("GET /v1/models", "/v1/models", []),  # a route that reads no body
+    ],
+)
+def test_a_body_refused_before_its_app_began_counts_as_that_refusal(
+    stack: Stack, request_line: str, endpoint: str, fields: list[str]
+) -> None:
+    """Head and body in one read: the body is refused before the app runs, and
+    the app counted its own answer (415, 200), which went nowhere."""
+    padded = json.dumps({"prompt": "chunks", "max_new_tokens": 2}).encode() + b" " * 9000
+    lines = [f"{request_line} HTTP/1.1", "Host: test", *fields, "Transfer-Encoding: chunked"]
+    before = request_counts(stack, endpoint)
+    with connect(stack) as sock:
+        sock.sendall("\r\n".join([*lines, "", ""]).encode() + _chunked(padded, 1))
+        status, _, body = read_response(sock)
+    assert (status, json.loads(body)["error"]["code"]) == (400, "too_many_chunks")
+    after = request_counts(stack, endpoint)
+    counted = f'minibatch_requests_total{{endpoint="{endpoint}",finish_reason="none",status="400"}}'
+    assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {
+        counted: 1
+    }
+
+
 def test_every_chunk_counts_however_the_reads_cut_the_body() -> None:
     """A chunk whose size line ends a read comes back without chunk_start: a body
     sent a segment a chunk passed uncounted."""
