@@ -71,7 +71,7 @@ class InFlight:
     accepted_at: float = field(default_factory=time.monotonic)
     sent_at: float = 0.0  # when its current attempt was sent
     # Whether workers of each limits seen take it (`is_taken_by`), asked once each.
-    _taken_by: dict[RequestLimits, bool] = field(default_factory=dict)
+    _taken_by: dict[RequestLimits, bool] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def request_id(self) -> str:
