@@ -118,8 +118,9 @@ _UNSUPPORTED = ("Unimplemented", "Unknown format", "min/maxProperties only suppo
 _ONE_OF_REFUSED = "oneOf constraints are not supported"
 _ONE_OF_ADVICE = (
     "a oneOf is followed only where no value can match two of its branches, as "
-    "llguidance tells (branches of different types, or string consts): make them "
-    "so, or use anyOf"
+    "llguidance tells: branches of different types, string consts or enums, or "
+    "objects told apart by a property's string const (a tag); make them so, or "
+    "use anyOf"
 )
 
 
@@ -159,12 +160,9 @@ async def request_grammar(
         elif problem.startswith("Invalid type"):
             problem += f"; a type is one of {', '.join(_JSON_TYPES)}"
         elif problem.startswith(_ONE_OF_REFUSED):
-            problem = _ONE_OF_ADVICE
-        if (
-            problem.startswith(_UNSUPPORTED)
-            or problem == _ONE_OF_ADVICE
-            or _CANNOT_FOLLOW in problem
-        ):
+            where = problem.partition(" while processing ")[2]  # a oneOf under $defs
+            problem = _ONE_OF_ADVICE + (f" (at {where})" if where else "")
+        if problem.startswith((*_UNSUPPORTED, _ONE_OF_ADVICE)) or _CANNOT_FOLLOW in problem:
             raise ApiError(400, f"{param}: {problem}", "unsupported", param)
         raise ApiError(422, f"{param}: {problem}", "invalid_request", param)
     return Grammar(source.kind, grammar)

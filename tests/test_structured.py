@@ -289,8 +289,21 @@ def test_llguidance_lets_only_a_key_not_listed_in_properties_repeat(
             400,
             "structured_outputs.json",
             "structured_outputs.json: a oneOf is followed only where no value can match two "
-            "of its branches, as llguidance tells (branches of different types, or string "
-            "consts): make them so, or use anyOf",
+            "of its branches, as llguidance tells: branches of different types, string "
+            "consts or enums, or objects told apart by a property's string const (a tag); "
+            "make them so, or use anyOf",
+        ),
+        (  # where it is, where llguidance says
+            None,
+            {
+                "json": {
+                    "$defs": {"n": {"oneOf": [{"type": "integer", "maximum": 5}, {"const": 9}]}},
+                    "properties": {"a": {"$ref": "#/$defs/n"}},
+                }
+            },
+            400,
+            "structured_outputs.json",
+            "or use anyOf (at json-schema:///#/$defs/n)",
         ),
         # a valid construct llguidance does not follow: unsupported, said without
         # the rule it wraps a regex in; in a schema's pattern, naming the pattern
