@@ -26,6 +26,7 @@ from frontend.inflight_table import Overloaded
 from frontend.metrics import Metrics
 from frontend.worker_client import WorkerClient
 from protocol import ErrorResult, FinishReason, GenerateRequest, GenerateResult, TokenDelta
+from protocol.liveness import Verdict
 from protocol.throttled import Throttled
 
 log = logging.getLogger(__name__)
@@ -182,23 +183,31 @@ async def next_event(
         raise ClientGone(accepted.request_id)
     _DEADLINE_PASSED.warn(f"request {accepted.request_id}: deadline passed; aborted")
     verdict = client.verdict()
-    # Fewer tokens help only where a worker is there to make them.
-    advice = "retry later"
-    if verdict.is_live and any(entry.request.fit_context for entry in accepted.entries):
-        limit = client.config.max_new_tokens_limit
-        advice += (
-            ", or set max_tokens: none was set, so it may write up to "
-            f"MAX_NEW_TOKENS_LIMIT={limit} tokens, as the context window allows"
-        )
-    elif verdict.is_live:
-        advice += ", or ask for fewer tokens"
     raise ApiError(
         504,
         f"no answer within REQUEST_TIMEOUT_S={client.config.request_timeout_s:g} s "
-        f"(worker: {verdict.reason}); {advice}",
+        f"(worker: {verdict.reason}){_timeout_advice(client, accepted, never_ran, verdict)}",
         "timeout",
         headers=NEVER_RAN if never_ran else None,
     )
+
+
+def _timeout_advice(
+    client: WorkerClient, accepted: Accepted, never_ran: bool, verdict: Verdict
+) -> str:
+    """What to do about a 504, as its x-should-retry says: retry one that never
+    ran; for one that ran, fewer tokens, where a worker is there to make them."""
+    if never_ran:
+        return "; retry later"
+    if not verdict.is_live:
+        return ""
+    if any(entry.request.fit_context for entry in accepted.entries):
+        limit = client.config.max_new_tokens_limit
+        return (
+            "; set max_tokens: none was set, so it may write up to "
+            f"MAX_NEW_TOKENS_LIMIT={limit} tokens, as the context window allows"
+        )
+    return "; ask for fewer tokens"
 
 
 def _take(client: WorkerClient, accepted: Accepted, event: tuple[int, Event]) -> ChoiceEvent:

@@ -238,7 +238,9 @@ def test_past_its_deadline_a_request_gets_504_and_its_slot_is_freed(tmp_path: Pa
         response = _post(stack, {"prompt": "slow", "max_new_tokens": 200})
         assert response.status_code == 504
         message = response.json()["error"]["message"]
-        assert "REQUEST_TIMEOUT_S=1" in message and message.endswith("ask for fewer tokens")
+        assert "REQUEST_TIMEOUT_S=1" in message and message.endswith("); ask for fewer tokens")
+        # It ran: clients are told not to send it again, and so are readers.
+        assert response.headers["x-should-retry"] == "false"
         assert time.monotonic() - started < 5
         stack.wait_for_health("slot freed", lambda h: h["active"] == 0, 2)
         # A chat that set no max_tokens is told to set one, not to ask for fewer.
@@ -247,7 +249,7 @@ def test_past_its_deadline_a_request_gets_504_and_its_slot_is_freed(tmp_path: Pa
         assert response.status_code == 504
         message = response.json()["error"]["message"]
         assert message.endswith(
-            "retry later, or set max_tokens: none was set, so it may write up to "
+            "); set max_tokens: none was set, so it may write up to "
             "MAX_NEW_TOKENS_LIMIT=512 tokens, as the context window allows"
         ), message
 
