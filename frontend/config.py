@@ -62,9 +62,9 @@ class FrontendConfig(WorkerClientConfig):
     max_connections: int = setting(
         "MAX_CONNECTIONS",
         2048,
-        "open connections at most; a request beyond them gets 503, and past 32 more "
-        "a new connection closes an idle one (the open-file limit, ulimit -n, must be "
-        "higher: each process raises its own to the hard limit)",
+        "open connections at most; a request beyond them gets 503, a probe's none "
+        "(the open-file limit, ulimit -n, must be higher: each process raises its own "
+        "to the hard limit)",
     )
     api_key: str = setting(
         "API_KEY",

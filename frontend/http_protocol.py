@@ -38,14 +38,16 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   orchestrator's probes too, and have the instance taken out of service. Here a
   request past the limit gets that 503, in the shape of every error, and the
   probes (`OPEN_PATHS`) are answered past it.
-- **Open files.** uvicorn accepts every connection, and each is a file: 1,500
-  connections that sent one byte each held 1,500, past MAX_CONNECTIONS, and at
-  the open-file limit asyncio's accept logged 180 MB in 30 s and took the CPU
-  (Python 3.11 logs and retries every accept of its backlog), the probes unanswered. A
-  frontend holds at most MAX_CONNECTIONS and `PROBE_ROOM` more (fewer where its
-  open-file limit is too low: `connection_cap`); past that, a new connection
-  closes the oldest one still waiting for its head, else itself (those accepted
-  in one turn of the event loop pass the cap until each is seen).
+- **Open files.** uvicorn accepts every connection, and each is a file: at the
+  open-file limit, asyncio's accept logged 180 MB in 30 s and took the CPU
+  (Python 3.11 logs and retries every accept of its backlog), the probes
+  unanswered. A frontend holds as many connections as its open-file limit
+  leaves beside its own files (`connection_cap`); past that, a new connection
+  closes the oldest one that has waited `MIN_IDLE_S` or more for its request
+  head, else itself. Not sooner: a probe's connection, accepted in the same
+  turn of the event loop as many others, has not been read yet, and a cap at
+  MAX_CONNECTIONS closed the probes of a flood of a few hundred connections.
+  (Those accepted in one turn pass the cap until each is seen.)
 
 Every refusal made here is counted in ``minibatch_requests_total`` as the app's
 are: one past MAX_CONNECTIONS by `frontend.refusal` (uvicorn's own answer was
@@ -182,17 +184,21 @@ def _fields_bytes(headers: h11._headers.Headers) -> int:
     return sum(len(name) + len(value) + 4 for name, value in headers.raw_items())
 
 
-# Connections held past MAX_CONNECTIONS, where the probes are answered.
+# Connections past MAX_CONNECTIONS that the open-file limit should leave room
+# for, where the probes are answered.
 PROBE_ROOM = 32
 # Files a frontend holds besides its clients' connections: its workers' sockets
 # (libzmq's take several each), its logs, its event loop's.
 _OWN_FILES = 256
+# How long a connection may wait for its request head before a new one may
+# close it, at the cap.
+MIN_IDLE_S = 1.0
 
 
-def connection_cap(max_connections: int, open_file_limit: int) -> int:
-    """The connections a frontend holds at most: MAX_CONNECTIONS and the probes'
-    room, within its open-file limit."""
-    return max(1, min(max_connections + PROBE_ROOM, open_file_limit - _OWN_FILES))
+def connection_cap(open_file_limit: int) -> int:
+    """The connections a frontend holds at most: what its open-file limit leaves
+    beside its own files."""
+    return max(1, open_file_limit - _OWN_FILES)
 
 
 def edge_protocol(config: FrontendConfig, api: Starlette, cap: int) -> type[EdgeProtocol]:
@@ -216,8 +222,9 @@ class EdgeProtocol(H11Protocol):
     reader_timeout_s: ClassVar[float]
     api: ClassVar[Starlette]  # whose metrics count the refusals made here
     connection_cap: ClassVar[int]
-    # The connections whose request head has not come whole yet, oldest first.
-    awaiting_head: ClassVar[dict[EdgeProtocol, None]]
+    # The connections whose request head has not come whole yet, oldest first,
+    # each with the event-loop time it began to wait.
+    awaiting_head: ClassVar[dict[EdgeProtocol, float]]
     head_timer: asyncio.TimerHandle | None = None
     reader_timer: asyncio.TimerHandle | None = None
     _max_connections: int | None = None
@@ -296,8 +303,8 @@ class EdgeProtocol(H11Protocol):
         super().connection_made(transport)
         if len(self.connections) > self.connection_cap and not self._close_oldest_idle():
             self.logger.warning(
-                "%d connections open, every one with a request under way: a new one "
-                "is closed at once (MAX_CONNECTIONS, and the open-file limit)",
+                "%d connections open, as many as the open-file limit leaves room for, "
+                "none idle for long: a new one is closed at once",
                 len(self.connections) - 1,
             )
             transport.abort()
@@ -305,15 +312,15 @@ class EdgeProtocol(H11Protocol):
         self._start_head_timer()
 
     def _close_oldest_idle(self) -> bool:
-        """Close the oldest connection that waits for its head, to make room for
-        a new one: a probe's head comes at once, a flood's never; False if none
-        waits."""
+        """Close the oldest connection that has waited `MIN_IDLE_S` for its head,
+        to make room for a new one: a probe's head comes at once, a flood's
+        never; False if none has."""
         oldest = next(iter(self.awaiting_head), None)
-        if oldest is None:
+        if oldest is None or self.loop.time() - self.awaiting_head[oldest] < MIN_IDLE_S:
             return False
         self.logger.warning(
-            "%d connections open: the oldest one still waiting for its request head "
-            "is closed to make room (MAX_CONNECTIONS, and the open-file limit)",
+            "%d connections open, as many as the open-file limit leaves room for: the "
+            "oldest one still waiting for its request head is closed to make room",
             len(self.connections) - 1,
         )
         oldest._cancel_head_timer()
@@ -417,7 +424,7 @@ class EdgeProtocol(H11Protocol):
     def _start_head_timer(self) -> None:
         if self.head_timer is None:
             self.head_timer = self.loop.call_later(self.header_timeout_s, self._on_head_timeout)
-            self.awaiting_head[self] = None
+            self.awaiting_head[self] = self.loop.time()
 
     def _cancel_head_timer(self) -> None:
         self.awaiting_head.pop(self, None)

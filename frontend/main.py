@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as exc:
         exit_refusing("frontend", exc, FrontendConfig, argv)
     log_access(config)
-    cap = connection_cap(config.max_connections, raise_open_file_limit())
+    cap = connection_cap(raise_open_file_limit())
     if cap < config.max_connections + PROBE_ROOM:
         log.warning(
             "the open-file limit (ulimit -n) lets this frontend hold %d connections, fewer "
