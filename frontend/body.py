@@ -217,9 +217,7 @@ async def _read(request: Request, config: FrontendConfig) -> bytes:
             headers=CLOSE,
         ) from None
     except ClientDisconnect:
-        refused: ApiError | None = request.scope.get(REFUSED_AS_IT_CAME)
-        if refused is not None:
-            raise refused from None  # answered already; raised to be counted
+        _raise_if_refused_as_it_came(request)
         # Nobody reads this answer; the status is for /metrics.
         raise ApiError(
             CLIENT_CLOSED_REQUEST,
@@ -228,8 +226,17 @@ async def _read(request: Request, config: FrontendConfig) -> bytes:
         ) from None
     if num_bytes > config.max_request_bytes:
         await _drain(stream, config)
+        _raise_if_refused_as_it_came(request)  # as the rest was drained
         raise _too_large(config, "the body")
     return b"".join(chunks)
+
+
+def _raise_if_refused_as_it_came(request: Request) -> None:
+    """Raise the refusal the connection answered, if it refused this body as it
+    came: that is the answer to count, not the app's, which goes nowhere."""
+    refused: ApiError | None = request.scope.get(REFUSED_AS_IT_CAME)
+    if refused is not None:
+        raise refused
 
 
 async def _drain(stream: AsyncIterator[bytes], config: FrontendConfig) -> None:

@@ -24,6 +24,7 @@ import pytest
 from frontend.http_protocol import (
     FREE_CHUNKS,
     MIN_IDLE_S,
+    MIN_MEAN_CHUNK_BYTES,
     EdgeConnection,
     EdgeProtocol,
     connection_cap,
@@ -172,6 +173,27 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(stack: Stack) -> Non
     assert status == 413
     assert headers["connection"] == "close"
     assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def test_a_body_refused_as_it_came_while_drained_counts_as_that_refusal(stack: Stack) -> None:
+    """Over the limit, the app drains the rest of the body, and the connection
+    refused its many tiny chunks: the client got that 400, and /metrics counted
+    the 413 that went nowhere."""
+    before = request_counts(stack)
+    with connect(stack) as sock:
+        sock.sendall(head("/generate", f"Content-Type: {JSON}", "Transfer-Encoding: chunked"))
+        chunk = b"x" * 65536
+        for _ in range(MAX_REQUEST_BYTES // len(chunk) + 1):
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        time.sleep(0.2)  # the app drains
+        with contextlib.suppress(ConnectionResetError):
+            sock.sendall(b"1\r\nx\r\n" * (2 * MAX_REQUEST_BYTES // MIN_MEAN_CHUNK_BYTES))
+        status, _, body = read_response(sock)
+    assert (status, json.loads(body)["error"]["code"]) == (400, "too_many_chunks")
+    after = request_counts(stack)
+    assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {
+        _status_count(400): 1
+    }
 
 
 def _chunked(body: bytes, chunk_bytes: int) -> bytes:
