@@ -131,14 +131,14 @@ async def ready(request: Request) -> Response:
 def _why_not_ready(client: WorkerClient, num_connections: int) -> tuple[str, str] | None:
     """Why a new request would wait or be refused 503 now, if it would: every
     live worker is stopping (taking nothing new), no room for it in flight, or
-    no connection left (the probe's own counts, as it does when uvicorn refuses
-    a request past MAX_CONNECTIONS)."""
+    no connection left (the probe's own counts, as a request's own does when
+    `frontend.http_protocol` refuses it past MAX_CONNECTIONS)."""
     config = client.config
     if not client.any_worker_takes_work():
         return "stopping", "every live worker is stopping, and takes no new request"
     if client.num_inflight >= config.max_inflight_requests:
         return "full", f"MAX_INFLIGHT_REQUESTS={config.max_inflight_requests} requests in flight"
-    if num_connections >= config.max_connections:
+    if num_connections > config.max_connections:
         return "full", f"MAX_CONNECTIONS={config.max_connections} connections open"
     return None
 

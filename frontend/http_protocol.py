@@ -261,7 +261,9 @@ class EdgeProtocol(H11Protocol):
             limit is not None
             and scope is not None
             and scope.get("path") not in OPEN_PATHS
-            and (len(self.connections) >= limit or len(self.tasks) >= limit)
+            # Its own connection among them (uvicorn's >= held one fewer), its
+            # task not yet among them.
+            and (len(self.connections) > limit or len(self.tasks) >= limit)
         ):
             return self._refuse_past_limit
         return self._run_app

@@ -800,6 +800,15 @@ def test_past_max_connections_only_the_probes_are_answered(
     with running_stack(tmp_path, overrides, supervised=False) as stack:
         stack.wait_live()
         port = int(stack.url.rsplit(":", 1)[1])
+        body = {"prompt": "hi", "max_new_tokens": 2}
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        try:  # with its own, MAX_CONNECTIONS: served (uvicorn's check refused it)
+            time.sleep(0.2)
+            answered = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
+            assert answered.status_code == 200, answered.text
+        finally:
+            for connection in idle:
+                connection.close()
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
         try:
             time.sleep(0.2)  # the server has taken them
@@ -812,7 +821,6 @@ def test_past_max_connections_only_the_probes_are_answered(
                 "full",
                 "MAX_CONNECTIONS=4 connections open",
             )
-            body = {"prompt": "hi", "max_new_tokens": 2}
             before = request_counts(stack).get(_status_count(503), 0)
             refused = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
             assert refused.status_code == 503
