@@ -52,8 +52,9 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
 Every refusal made here is counted in ``minibatch_requests_total`` as the app's
 are: one past MAX_CONNECTIONS by `frontend.refusal` (uvicorn's own answer was
 plain text, and uncounted), one of a body as it came by the app's read of that
-body (which counted it 499, a client that hung up), any other (no request to
-run) under the ``other`` endpoint.
+body, or here where the app had not begun (it counted a 499, a client that hung
+up, or its own answer, which went nowhere), any other (no request to run) under
+the ``other`` endpoint.
 """
 
 from __future__ import annotations
@@ -252,9 +253,8 @@ class EdgeProtocol(H11Protocol):
     @property
     def app(self) -> Any:
         """The app that answers the request whose scope uvicorn has just made: past
-        MAX_CONNECTIONS (connections and requests under way, as uvicorn's
-        ``limit_concurrency`` counts them), a 503 in the shape of every error, but
-        for a probe."""
+        MAX_CONNECTIONS (more connections open, or as many requests under way), a
+        503 in the shape of every error, but for a probe."""
         scope = getattr(self, "scope", None)
         limit = self._max_connections
         if (
