@@ -15,11 +15,10 @@ def pick(
     """The live worker with the most free slots for ``entry``, or None while none
     has one.
 
-    Of those whose limits (as their hellos say them) take its request: a request
-    too long for one worker's context window waits for another that holds it,
-    rather than be refused by the first, also while that one is dead (it is
-    being restarted, as a rule). Where no worker heard from takes it, any live
-    one may have it, and refuse it.
+    Of those whose limits (as their hellos say them) take its request, where any
+    live worker's do: a request too long for one worker's context window waits
+    for another that holds it, rather than be refused by the first. Where none
+    live takes it (the one that did has died), any may have it, and refuse it.
 
     A suspect's trial goes only to a worker that runs no other: two suspects
     side by side could be one poison request and an innocent one, and the
@@ -33,8 +32,7 @@ def pick(
     best: WorkerLink | None = None
     best_key = (False, 0)
     live = [link for link in links if link.verdict().is_live]
-    takers = _takers([link for link in links if link.hello is not None], entry)
-    for link in [link for link in takers if link in live] if takers else live:
+    for link in _takers(live, entry) or live:
         if is_trial and (link.trial is not None or not link.is_heard_since_a_death):
             continue
         num_free = link.free_slots()
@@ -45,14 +43,14 @@ def pick(
     return best
 
 
-def _takers(known: list[WorkerLink], entry: InFlight) -> list[WorkerLink]:
-    """The workers of ``known`` whose limits take ``entry``'s request (one that
+def _takers(live: list[WorkerLink], entry: InFlight) -> list[WorkerLink]:
+    """The workers of ``live`` whose limits take ``entry``'s request (one that
     does not say its limits may take anything). Checked only where they differ
     in their limits (`InFlight.is_taken_by`)."""
-    limits = {link: limits_of(link.hello) if link.hello else None for link in known}
+    limits = {link: limits_of(link.hello) if link.hello else None for link in live}
     if len(set(limits.values())) < 2:
-        return known  # the same for each: none better placed than another
-    return [link for link in known if entry.is_taken_by(limits[link])]
+        return live  # the same for each: none better placed than another
+    return [link for link in live if entry.is_taken_by(limits[link])]
 
 
 def _holds_a_replay(link: WorkerLink) -> bool:

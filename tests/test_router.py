@@ -31,14 +31,11 @@ class _Link:
     trial: InFlight | None = None
     is_heard_since_a_death: bool = True
     hello: Hello | None = None
-    is_live: bool = True
 
     def free_slots(self) -> int:
         return self.num_free
 
     def verdict(self) -> Verdict:
-        if not self.is_live:
-            return Verdict(WorkerState.DEAD, "dead")
         return Verdict(WorkerState.LIVE, "live")
 
 
@@ -79,10 +76,7 @@ def test_a_request_goes_to_a_worker_whose_limits_take_it() -> None:
     assert pick(links, _entry(GenerateRequest("r", "a", 2))) is small  # the most free slots
     large.num_free = 0
     assert pick(links, _entry()) is None  # it waits for the one that takes it
-    # Dead (being restarted): it waits for it still, rather than be refused.
-    large.is_live, large.num_free = False, 1
-    assert pick(links, _entry()) is None
-    # With no worker heard from that takes it, any may have it, and refuse it.
+    # With none live that takes it, any may have it, and refuse it.
     assert pick(cast(list[WorkerLink], [small]), _entry()) is small
 
 
