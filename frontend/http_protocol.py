@@ -198,8 +198,8 @@ MIN_IDLE_S = 1.0
 
 def connection_cap(open_file_limit: int) -> int:
     """The connections a frontend holds at most: what its open-file limit leaves
-    beside its own files."""
-    return max(1, open_file_limit - _OWN_FILES)
+    beside its own files (a quarter of a limit too small for them)."""
+    return max(1, open_file_limit - min(_OWN_FILES, open_file_limit // 4))
 
 
 def edge_protocol(config: FrontendConfig, api: Starlette, cap: int) -> type[EdgeProtocol]:

@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import resource
 
-# Where the hard limit is unlimited, Linux still refuses a soft limit past
-# fs.nr_open (1,048,576 by default).
-_UNLIMITED_SOFT_LIMIT = 1 << 20
+# What stands for an unlimited hard limit: Linux refuses a soft limit past
+# fs.nr_open (1,048,576 by default), macOS past OPEN_MAX (10,240).
+_UNLIMITED = (1 << 20, 10240)
 
 
 def raise_open_file_limit() -> int:
     """Raise this process's soft limit on open files to its hard limit, where it
-    may; the soft limit now."""
+    may; the soft limit now (unlimited read as a million)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = _UNLIMITED_SOFT_LIMIT if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft < wanted:
+    if soft == resource.RLIM_INFINITY:
+        return _UNLIMITED[0]
+    wanted = _UNLIMITED if hard == resource.RLIM_INFINITY else (hard,)
+    for limit in wanted:
+        if limit <= soft:
+            return soft
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
         except (ValueError, OSError):
-            return soft  # a sandbox that allows no change
-        return wanted
+            continue  # past what the system allows, or a sandbox that allows no change
+        return limit
     return soft

@@ -5,7 +5,6 @@ the process could write first. And how much it holds already."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import psutil
@@ -61,14 +60,5 @@ def _read_limit(path: Path) -> int | None:
 
 def resident_bytes() -> int:
     """This process's resident set. Looked up at each call: a worker forked from the
-    fork server is not the process that imported this module. Where it cannot be
-    (the process is at its open-file limit, a flood of connections to its port
-    each holding one, and psutil opens /proc), the last one looked up: a failed
-    heartbeat ended the worker."""
-    global _last_resident_bytes
-    with contextlib.suppress(OSError, psutil.Error):
-        _last_resident_bytes = int(psutil.Process().memory_info().rss)
-    return _last_resident_bytes
-
-
-_last_resident_bytes = 0
+    fork server is not the process that imported this module."""
+    return int(psutil.Process().memory_info().rss)

@@ -13,6 +13,7 @@ thread is done, it hands back whatever still arrives before the socket closes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import psutil
 import zmq
 
 from protocol import (
@@ -85,6 +87,7 @@ class IoLoop:
         self._context = context
         self._outputs_address = outputs_address
         self._queue_full = Throttled(log, "refusals for a full queue")
+        self._rss_bytes = 0  # as the last heartbeat said it (`_resident_bytes`)
         # Set once the endpoint is bound, or could not be (`bind_error`).
         self.bound = threading.Event()
         self.bind_error: ConfigError | None = None
@@ -197,10 +200,18 @@ class IoLoop:
             num_queued=self._inbox.num_requests + self.scheduler.num_queued,
             num_active=self.scheduler.num_busy,
             num_finished=self.scheduler.num_finished,
-            rss_bytes=resident_bytes(),
+            rss_bytes=self._resident_bytes(),
             num_matmul_shapes=self.scheduler.engine.num_matmul_shapes(),
             is_stopping=is_stopping,
         )
+
+    def _resident_bytes(self) -> int:
+        """This worker's resident set, or the last one read where it cannot be read
+        now: at its open-file limit (a flood of connections to its port, each a
+        file) psutil cannot open /proc, and a failed heartbeat ended the worker."""
+        with contextlib.suppress(OSError, psutil.Error):
+            self._rss_bytes = resident_bytes()
+        return self._rss_bytes
 
     def _close(self, router: zmq.Socket[bytes], outputs: zmq.Socket[bytes], peers: Peers) -> None:
         """The engine is done: a last heartbeat says this worker is stopping (one
