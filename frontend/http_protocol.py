@@ -43,8 +43,9 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   (Python 3.11 logs and retries every accept of its backlog), the probes
   unanswered. A frontend holds as many connections as its open-file limit
   leaves beside its own files (`connection_cap`); past that, a new connection
-  closes the oldest one that has waited `MIN_IDLE_S` or more for its request
-  head, else itself. Not sooner: a probe's connection, accepted in the same
+  closes the oldest idle one (waiting for its request head, or kept alive
+  after an answer) that has been idle `MIN_IDLE_S` or more, else itself. Not
+  sooner: a probe's connection, accepted in the same
   turn of the event loop as many others, has not been read yet, and a cap at
   MAX_CONNECTIONS closed the probes of a flood of a few hundred connections.
   (Those accepted in one turn pass the cap until each is seen.)
@@ -191,8 +192,8 @@ PROBE_ROOM = 32
 # Files a frontend holds besides its clients' connections: its workers' sockets
 # (libzmq's take several each), its logs, its event loop's.
 _OWN_FILES = 256
-# How long a connection may wait for its request head before a new one may
-# close it, at the cap.
+# How long a connection may be idle (no request under way) before a new one
+# may close it, at the cap.
 MIN_IDLE_S = 1.0
 
 
@@ -213,7 +214,7 @@ def edge_protocol(config: FrontendConfig, api: Starlette, cap: int) -> type[Edge
         "drain_bytes": DRAIN_FACTOR * config.max_request_bytes,
         "api": api,
         "connection_cap": cap,
-        "awaiting_head": {},
+        "idle_since": {},
     }
     return type(EdgeProtocol.__name__, (EdgeProtocol,), settings)
 
@@ -223,9 +224,10 @@ class EdgeProtocol(H11Protocol):
     reader_timeout_s: ClassVar[float]
     api: ClassVar[Starlette]  # whose metrics count the refusals made here
     connection_cap: ClassVar[int]
-    # The connections whose request head has not come whole yet, oldest first,
-    # each with the event-loop time it began to wait.
-    awaiting_head: ClassVar[dict[EdgeProtocol, float]]
+    # The connections with no request under way (its head has not come whole
+    # yet, or it is kept alive after an answer), each with the event-loop time
+    # it became idle, oldest first.
+    idle_since: ClassVar[dict[EdgeProtocol, float]]
     head_timer: asyncio.TimerHandle | None = None
     reader_timer: asyncio.TimerHandle | None = None
     _max_connections: int | None = None
@@ -314,15 +316,15 @@ class EdgeProtocol(H11Protocol):
         self._start_head_timer()
 
     def _close_oldest_idle(self) -> bool:
-        """Close the oldest connection that has waited `MIN_IDLE_S` for its head,
-        to make room for a new one: a probe's head comes at once, a flood's
-        never; False if none has."""
-        oldest = next(iter(self.awaiting_head), None)
-        if oldest is None or self.loop.time() - self.awaiting_head[oldest] < MIN_IDLE_S:
+        """Close the oldest connection that has been idle `MIN_IDLE_S`, to make
+        room for a new one: a probe's head comes at once, a flood's never; False
+        if none has."""
+        oldest = next(iter(self.idle_since), None)
+        if oldest is None or self.loop.time() - self.idle_since[oldest] < MIN_IDLE_S:
             return False
         self.logger.warning(
             "%d connections open, as many as the open-file limit leaves room for: the "
-            "oldest one still waiting for its request head is closed to make room",
+            "one idle longest (no request under way) is closed to make room",
             len(self.connections) - 1,
         )
         oldest._cancel_head_timer()
@@ -423,13 +425,23 @@ class EdgeProtocol(H11Protocol):
         self._cancel_reader_timer()
         super().connection_lost(exc)
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._mark_idle()  # kept alive, until its next request comes
+
+    def _mark_idle(self) -> None:
+        """Idle from now: last in ``idle_since``, which stays in time order."""
+        self.idle_since.pop(self, None)
+        self.idle_since[self] = self.loop.time()
+
     def _start_head_timer(self) -> None:
         if self.head_timer is None:
             self.head_timer = self.loop.call_later(self.header_timeout_s, self._on_head_timeout)
-            self.awaiting_head[self] = self.loop.time()
+            self._mark_idle()
 
     def _cancel_head_timer(self) -> None:
-        self.awaiting_head.pop(self, None)
+        self.idle_since.pop(self, None)
         if self.head_timer is not None:
             self.head_timer.cancel()
             self.head_timer = None
@@ -441,7 +453,7 @@ class EdgeProtocol(H11Protocol):
 
     def _on_head_timeout(self) -> None:
         self.head_timer = None
-        self.awaiting_head.pop(self, None)
+        self.idle_since.pop(self, None)
         if not self.transport.is_closing():
             self.logger.debug(
                 "%s: no whole request head within HEADER_TIMEOUT_S=%g s; closed",

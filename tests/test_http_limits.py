@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import re
 import socket
 import sys
 import threading
@@ -846,13 +847,26 @@ _WITH_FEW_FILES = (
 )
 
 
-def test_at_the_open_file_limit_a_connection_closes_the_oldest_that_sent_no_head(
-    tmp_path_factory: pytest.TempPathFactory,
+def _read_one_answer(sock: socket.socket) -> None:
+    """One answer off a kept-alive connection, to its last byte."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head_block, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head_block, re.IGNORECASE)[1])  # type: ignore[index]
+    while len(body) < length:
+        body += sock.recv(65536)
+
+
+@pytest.mark.parametrize("kept_alive", [False, True], ids=["half-head", "kept-alive"])
+def test_at_the_open_file_limit_a_connection_closes_the_one_idle_longest(
+    tmp_path_factory: pytest.TempPathFactory, kept_alive: bool
 ) -> None:
     """uvicorn accepted every connection: at the open-file limit the accept loop
     filled the log and the CPU, and the probes went unanswered. A frontend
     holds what its limit leaves; the probes still answer, once the flood's
-    connections have waited MIN_IDLE_S."""
+    connections have been idle MIN_IDLE_S: a head begun and never ended, or
+    kept alive after an answer."""
     tmp_path = tmp_path_factory.mktemp("cap")
     overrides = {"HEADER_TIMEOUT_S": "30"}
     with running_stack(tmp_path, overrides, supervised=False, start=("worker",)) as stack:
@@ -865,7 +879,13 @@ def test_at_the_open_file_limit_a_connection_closes_the_oldest_that_sent_no_head
         try:
             for connection in flood:
                 with contextlib.suppress(ConnectionResetError):  # closed already
-                    connection.sendall(b"G")  # a head begun, never ended
+                    if not kept_alive:
+                        connection.sendall(b"G")  # a head begun, never ended
+                    else:  # a whole request, answered, and nothing more
+                        connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            if kept_alive:
+                for connection in flood[:cap]:
+                    _read_one_answer(connection)
             time.sleep(MIN_IDLE_S + 0.5)
             assert frontend.num_fds() < _FEW_FILES
             for _ in range(3):
