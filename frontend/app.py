@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -74,6 +75,9 @@ def create_app(config: FrontendConfig) -> Starlette:
     app.state.metrics = Metrics(client)
     app.state.started_at = int(time.time())
     app.state.count_connections = lambda: 0  # open HTTP connections: set by the server
+    # Connections the server's open-file limit leaves room for, beside the
+    # probes': set by the server.
+    app.state.connection_room = sys.maxsize
     return app
 
 

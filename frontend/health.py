@@ -121,25 +121,34 @@ async def ready(request: Request) -> Response:
     client: WorkerClient = request.app.state.client
     status = _status(pool_load(client))
     if status["status"] == "ok":
-        refusal = _why_not_ready(client, request.app.state.count_connections())
+        num_connections = request.app.state.count_connections()
+        refusal = _why_not_ready(client, num_connections, request.app.state.connection_room)
         if refusal is not None:
             status["status"], status["reason"] = refusal
     status["ready"] = status["status"] == "ok"
     return JSONResponse(status, status_code=200 if status["ready"] else 503)
 
 
-def _why_not_ready(client: WorkerClient, num_connections: int) -> tuple[str, str] | None:
+def _why_not_ready(
+    client: WorkerClient, num_connections: int, connection_room: int
+) -> tuple[str, str] | None:
     """Why a new request would wait or be refused 503 now, if it would: every
     live worker is stopping (taking nothing new), no room for it in flight, or
     no connection left (the probe's own counts, as a request's own does when
-    `frontend.http_protocol` refuses it past MAX_CONNECTIONS)."""
+    `frontend.http_protocol` refuses it past MAX_CONNECTIONS), nor room for one
+    beside the probes' within the open-file limit (``connection_room``)."""
     config = client.config
     if not client.any_worker_takes_work():
         return "stopping", "every live worker is stopping, and takes no new request"
     if client.num_inflight >= config.max_inflight_requests:
         return "full", f"MAX_INFLIGHT_REQUESTS={config.max_inflight_requests} requests in flight"
     if num_connections > config.max_connections:
-        return "full", f"MAX_CONNECTIONS={config.max_connections} connections open"
+        return "full", f"more than MAX_CONNECTIONS={config.max_connections} connections open"
+    if num_connections > connection_room:
+        return "full", (
+            f"{num_connections} connections open, more than the {connection_room} that the "
+            "open-file limit (ulimit -n) leaves room for beside the probes'"
+        )
     return None
 
 

@@ -296,8 +296,8 @@ class EdgeProtocol(H11Protocol):
         scope["app"] = self.api  # as Starlette sets it: `refuse` counts it by its route
         error = ApiError(
             503,
-            f"this server has MAX_CONNECTIONS={self._max_connections} connections (or "
-            "requests under way) open; retry later, and close connections you do not use",
+            f"more than MAX_CONNECTIONS={self._max_connections} connections, or as many "
+            "requests, are open here; retry later, and close connections you do not use",
             "too_many_connections",
             headers={"Connection": "close"},
         )

@@ -77,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     server = _Server(server_config, app.state.client)
     # /ready says "full" while every connection uvicorn takes is in use.
     app.state.count_connections = lambda: len(server.server_state.connections)
+    app.state.connection_room = cap - PROBE_ROOM
     # SIGHUP (a closed terminal) stops it as SIGTERM does; uvicorn handles only
     # SIGINT and SIGTERM, and SIGHUP's default cut every request in flight.
     signal.signal(signal.SIGHUP, lambda _, frame: server.handle_exit(signal.SIGTERM, frame))

@@ -802,9 +802,13 @@ def test_past_max_connections_only_the_probes_are_answered(
         stack.wait_live()
         port = int(stack.url.rsplit(":", 1)[1])
         body = {"prompt": "hi", "max_new_tokens": 2}
+        frontend = psutil.Process(stack.processes["frontend"].pid)
+        files_before = frontend.num_fds()
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
         try:  # with its own, MAX_CONNECTIONS: served (uvicorn's check refused it)
-            time.sleep(0.2)
+            deadline = time.monotonic() + GIVE_UP_S
+            while frontend.num_fds() < files_before + 3 and time.monotonic() < deadline:
+                time.sleep(0.05)  # until the server holds them
             answered = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
             assert answered.status_code == 200, answered.text
         finally:
@@ -820,7 +824,7 @@ def test_past_max_connections_only_the_probes_are_answered(
             assert full.status_code == 503
             assert (full.json()["status"], full.json()["reason"]) == (
                 "full",
-                "MAX_CONNECTIONS=4 connections open",
+                "more than MAX_CONNECTIONS=4 connections open",
             )
             before = request_counts(stack).get(_status_count(503), 0)
             refused = httpx.post(f"{stack.url}/generate", json=body, timeout=GIVE_UP_S)
@@ -890,6 +894,10 @@ def test_at_the_open_file_limit_a_connection_closes_the_one_idle_longest(
             assert frontend.num_fds() < _FEW_FILES
             for _ in range(3):
                 assert httpx.get(f"{stack.url}/health", timeout=GIVE_UP_S).status_code == 200
+            # A load balancer is told to send new clients elsewhere.
+            ready = httpx.get(f"{stack.url}/ready", timeout=GIVE_UP_S)
+            assert (ready.status_code, ready.json()["status"]) == (503, "full")
+            assert "that the open-file limit (ulimit -n) leaves room for" in ready.json()["reason"]
             # The oldest were closed: reset, nothing said to them (the reset may
             # have come to the sendall already).
             flood[0].settimeout(GIVE_UP_S)
