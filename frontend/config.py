@@ -63,8 +63,8 @@ class FrontendConfig(WorkerClientConfig):
         "MAX_CONNECTIONS",
         2048,
         "open connections at most; a request beyond them gets 503, a probe's none "
-        "(the open-file limit, ulimit -n, must be higher: each process raises its own "
-        "to the hard limit)",
+        "(the open-file limit, ulimit -n, must be higher by 288: each process raises "
+        "its own to the hard limit)",
     )
     api_key: str = setting(
         "API_KEY",
