@@ -43,9 +43,9 @@ answered past MAX_CONNECTIONS, and every error in the same shape.
   (Python 3.11 logs and retries every accept of its backlog), the probes
   unanswered. A frontend holds as many connections as its open-file limit
   leaves beside its own files (`connection_cap`); past that, a new connection
-  closes the oldest idle one (waiting for its request head, or kept alive
-  after an answer) that has been idle `MIN_IDLE_S` or more, else itself. Not
-  sooner: a probe's connection, accepted in the same
+  closes the one kept alive longest after an answer, else the oldest that has
+  waited `MIN_IDLE_S` or more for its first request head, else itself. Not
+  sooner for those: a probe's connection, accepted in the same
   turn of the event loop as many others, has not been read yet, and a cap at
   MAX_CONNECTIONS closed the probes of a flood of a few hundred connections.
   (Those accepted in one turn pass the cap until each is seen.)
@@ -192,7 +192,7 @@ PROBE_ROOM = 32
 # Files a frontend holds besides its clients' connections: its workers' sockets
 # (libzmq's take several each), its logs, its event loop's.
 _OWN_FILES = 256
-# How long a connection may be idle (no request under way) before a new one
+# How long a connection may wait for its first request head before a new one
 # may close it, at the cap.
 MIN_IDLE_S = 1.0
 
@@ -214,7 +214,8 @@ def edge_protocol(config: FrontendConfig, api: Starlette, cap: int) -> type[Edge
         "drain_bytes": DRAIN_FACTOR * config.max_request_bytes,
         "api": api,
         "connection_cap": cap,
-        "idle_since": {},
+        "fresh_since": {},
+        "kept_alive_since": {},
     }
     return type(EdgeProtocol.__name__, (EdgeProtocol,), settings)
 
@@ -224,10 +225,12 @@ class EdgeProtocol(H11Protocol):
     reader_timeout_s: ClassVar[float]
     api: ClassVar[Starlette]  # whose metrics count the refusals made here
     connection_cap: ClassVar[int]
-    # The connections with no request under way (its head has not come whole
-    # yet, or it is kept alive after an answer), each with the event-loop time
-    # it became idle, oldest first.
-    idle_since: ClassVar[dict[EdgeProtocol, float]]
+    # The connections with no request under way, each with the event-loop time
+    # it became idle, oldest first: those whose first request head has not come
+    # whole yet, and those kept alive after an answer.
+    fresh_since: ClassVar[dict[EdgeProtocol, float]]
+    kept_alive_since: ClassVar[dict[EdgeProtocol, float]]
+    is_fresh = True  # no request head of it has come whole yet
     head_timer: asyncio.TimerHandle | None = None
     reader_timer: asyncio.TimerHandle | None = None
     _max_connections: int | None = None
@@ -316,12 +319,16 @@ class EdgeProtocol(H11Protocol):
         self._start_head_timer()
 
     def _close_oldest_idle(self) -> bool:
-        """Close the oldest connection that has been idle `MIN_IDLE_S`, to make
-        room for a new one: a probe's head comes at once, a flood's never; False
-        if none has."""
-        oldest = next(iter(self.idle_since), None)
-        if oldest is None or self.loop.time() - self.idle_since[oldest] < MIN_IDLE_S:
-            return False
+        """Close a connection with no request under way, to make room for a new
+        one: the one kept alive longest after an answer, else the oldest that
+        has waited `MIN_IDLE_S` for its first head (a probe's comes at once, a
+        flood's never, and one just accepted has not been read yet); False if
+        none may be closed."""
+        oldest = next(iter(self.kept_alive_since), None)
+        if oldest is None:
+            oldest = next(iter(self.fresh_since), None)
+            if oldest is None or self.loop.time() - self.fresh_since[oldest] < MIN_IDLE_S:
+                return False
         self.logger.warning(
             "%d connections open, as many as the open-file limit leaves room for: the "
             "one idle longest (no request under way) is closed to make room",
@@ -350,6 +357,7 @@ class EdgeProtocol(H11Protocol):
         super().handle_events()
         if self.conn.their_state is not h11.IDLE:
             self._cancel_head_timer()  # the head is complete (or the connection failed)
+            self.is_fresh = False
 
     def pause_writing(self) -> None:
         """The transport's buffer is full: the client reads slower than the answer
@@ -431,9 +439,14 @@ class EdgeProtocol(H11Protocol):
             self._mark_idle()  # kept alive, until its next request comes
 
     def _mark_idle(self) -> None:
-        """Idle from now: last in ``idle_since``, which stays in time order."""
-        self.idle_since.pop(self, None)
-        self.idle_since[self] = self.loop.time()
+        """Idle from now: last of its kind, which stays in time order."""
+        self._forget_idle()
+        idle_since = self.fresh_since if self.is_fresh else self.kept_alive_since
+        idle_since[self] = self.loop.time()
+
+    def _forget_idle(self) -> None:
+        self.fresh_since.pop(self, None)
+        self.kept_alive_since.pop(self, None)
 
     def _start_head_timer(self) -> None:
         if self.head_timer is None:
@@ -441,7 +454,7 @@ class EdgeProtocol(H11Protocol):
             self._mark_idle()
 
     def _cancel_head_timer(self) -> None:
-        self.idle_since.pop(self, None)
+        self._forget_idle()
         if self.head_timer is not None:
             self.head_timer.cancel()
             self.head_timer = None
@@ -453,7 +466,7 @@ class EdgeProtocol(H11Protocol):
 
     def _on_head_timeout(self) -> None:
         self.head_timer = None
-        self.idle_since.pop(self, None)
+        self._forget_idle()
         if not self.transport.is_closing():
             self.logger.debug(
                 "%s: no whole request head within HEADER_TIMEOUT_S=%g s; closed",

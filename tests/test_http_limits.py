@@ -862,9 +862,13 @@ def _read_one_answer(sock: socket.socket) -> None:
         body += sock.recv(65536)
 
 
-@pytest.mark.parametrize("kept_alive", [False, True], ids=["half-head", "kept-alive"])
+@pytest.mark.parametrize(
+    ("kept_alive", "asks_again"),
+    [(False, False), (True, False), (True, True)],
+    ids=["half-head", "kept-alive", "kept-alive-asking-again"],
+)
 def test_at_the_open_file_limit_a_connection_closes_the_one_idle_longest(
-    tmp_path_factory: pytest.TempPathFactory, kept_alive: bool
+    tmp_path_factory: pytest.TempPathFactory, kept_alive: bool, asks_again: bool
 ) -> None:
     """uvicorn accepted every connection: at the open-file limit the accept loop
     filled the log and the CPU, and the probes went unanswered. A frontend
@@ -891,6 +895,10 @@ def test_at_the_open_file_limit_a_connection_closes_the_one_idle_longest(
                 for connection in flood[:cap]:
                     _read_one_answer(connection)
             time.sleep(MIN_IDLE_S + 0.5)
+            if asks_again:  # each idle for less than MIN_IDLE_S when the probes come
+                for connection in flood[:cap]:
+                    connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                    _read_one_answer(connection)
             assert frontend.num_fds() < _FEW_FILES
             for _ in range(3):
                 assert httpx.get(f"{stack.url}/health", timeout=GIVE_UP_S).status_code == 200
